@@ -1,0 +1,5 @@
+"""``python -m alpajob`` runs the console script."""
+
+from alpajob.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""The ``alpajob`` console script.
+
+Subcommands:
+
+- ``alpajob plan MANIFEST``: trace the manifest's model, plan it on the manifest's
+  cluster (or ``--nodes/--gpus-per-node/--gpu``), print the plan as a table,
+  optionally beside the baselines (``--baselines``) and write it (``--output``).
+- ``alpajob models``: the zoo's named configurations.
+- ``alpajob schema``: the Plan document's JSON schema.
+
+User errors (a bad manifest, an impossible cluster, a model that does not fit) print one
+line naming the problem and the fix and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from alpajob.planner.cluster import ClusterSpec, cluster_from_preset, preset_names
+from alpajob.planner.errors import AlpaJobError, ClusterError
+from alpajob.planner.manifest import AlpaJobManifest, Method, load_manifest
+from alpajob.planner.plan import Plan, plan_json_schema, write_plan
+
+GIB = 1024**3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="alpajob",
+        description="Alpa's automatic inter- and intra-operator parallelism on stock JAX.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="plan an AlpaJob manifest and print the plan")
+    plan.add_argument("manifest", help="AlpaJob YAML (the same file you kubectl apply)")
+    plan.add_argument("--nodes", type=int, help="override spec.cluster.nodes")
+    plan.add_argument("--gpus-per-node", type=int, help="override spec.cluster.gpusPerNode")
+    plan.add_argument("--gpu", help=f"override the device preset ({', '.join(preset_names())})")
+    plan.add_argument("--output", "-o", help="write the Plan document (JSON) here")
+    plan.add_argument("--baselines", action="store_true",
+                      help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
+    plan.add_argument("--ilp-time-limit", type=float, default=10.0,
+                      help="seconds allowed to each intra-op ILP solve (default 10)")
+    sub.add_parser("models", help="list the zoo's named model configurations")
+    sub.add_parser("schema", help="print the Plan document's JSON schema")
+    return parser
+
+
+def cluster_for(manifest: AlpaJobManifest, args: argparse.Namespace) -> ClusterSpec:
+    """The cluster from ``spec.cluster`` with command-line overrides applied."""
+    spec = manifest.spec.cluster
+    preset = args.gpu or spec.preset()
+    if preset is None:
+        raise ClusterError(
+            "spec.cluster.gpu",
+            "not set, and spec.cluster.nodeSelector has no known nvidia.com/gpu.product; "
+            f"set it (or pass --gpu) to one of: {', '.join(preset_names())}",
+        )
+    nodes = args.nodes if args.nodes is not None else spec.nodes
+    per_node = args.gpus_per_node if args.gpus_per_node is not None else spec.gpus_per_node
+    field = "--nodes" if args.nodes is not None else "spec.cluster.nodes"
+    if nodes < 1:
+        raise ClusterError(field, f"must be at least 1, got {nodes}")
+    return cluster_from_preset(preset, nodes, per_node)
+
+
+def plan_options(manifest: AlpaJobManifest, args: argparse.Namespace):  # noqa: ANN201
+    """PlanOptions from ``spec.parallelism`` (imported late: keeps `alpajob models` fast)."""
+    from alpajob.planner.planning import ManualStageOption, PlanOptions
+    from alpajob.planner.schedules import Schedule
+
+    par = manifest.spec.parallelism
+    manual = ()
+    if isinstance(par.stages, list):
+        manual = tuple(
+            ManualStageOption(s.layers[0], s.layers[1], s.submesh_shape, s.logical_mesh_shape)
+            for s in par.stages
+        )
+    num_layers = None if par.num_layers == "auto" else int(par.num_layers)
+    if manual and num_layers is None:
+        num_layers = max(s.end for s in manual)
+    return PlanOptions(
+        method=par.method,
+        schedule=Schedule(par.schedule),
+        num_micro_batches=None if par.num_micro_batches == "auto" else int(par.num_micro_batches),
+        num_layers=num_layers,
+        manual_stages=manual,
+        ilp_time_limit_s=args.ilp_time_limit,
+        baselines=args.baselines,
+    )
+
+
+def _mesh(shape: Sequence[int]) -> str:
+    return "x".join(str(v) for v in shape)
+
+
+def plan_table(plan: Plan) -> Table:
+    """The plan as a table: one row per stage."""
+    title = (
+        f"{plan.model.name}: {plan.model.num_parameters / 1e9:.2f}B params on "
+        f"{plan.cluster['num_nodes']}x{plan.cluster['devices_per_node']} "
+        f"{plan.cluster['preset']}, {plan.num_micro_batches} micro-batches, {plan.schedule}"
+    )
+    table = Table(title=title, caption="mesh: logical mesh; t/µbatch: forward+backward per "
+                  "micro-batch; update: per step; WUS: weight-update-sharded params")
+    for column in ("stage", "layers", "submesh", "mesh", "t/µbatch", "update", "memory",
+                   "WUS"):
+        table.add_column(column, justify="right" if column != "layers" else "left")
+    for stage in plan.stages:
+        table.add_row(
+            str(stage.index),
+            f"[{stage.layers[0]}, {stage.layers[1]})",
+            _mesh(stage.submesh_shape),
+            _mesh(stage.logical_mesh_shape),
+            f"{stage.predicted_seconds * 1e3:.2f} ms",
+            f"{stage.update_seconds * 1e3:.2f} ms",
+            f"{stage.peak_memory_bytes / GIB:.2f} GiB",
+            f"{len(stage.weight_update_sharded)}/{len(stage.param_shardings)}",
+        )
+    return table
+
+
+def _flops(pflops: float) -> str:
+    """PFLOP/s, or TFLOP/s / GFLOP/s for small (CPU) figures."""
+    if pflops >= 0.1:
+        return f"{pflops:.3f} PFLOP/s"
+    if pflops >= 1e-4:
+        return f"{pflops * 1e3:.3f} TFLOP/s"
+    return f"{pflops * 1e6:.3f} GFLOP/s"
+
+
+def _summary(plan: Plan) -> str:
+    stats = plan.solver
+    return (
+        f"predicted step time {plan.predicted_step_seconds:.4g} s, "
+        f"{_flops(plan.predicted_pflops)}, bubble {plan.bubble_fraction:.1%}; "
+        f"planned in {stats.planning_seconds:.1f} s ({stats.ilp_solves} ILPs, "
+        f"{stats.ilp_seconds:.1f} s; DP {stats.dp_seconds:.2f} s); plan hash {plan.content_hash()}"
+    )
+
+
+def baseline_table(plan: Plan) -> Table:
+    """Each baseline's predicted step time and our plan's speed-up over it."""
+    table = Table(title="baselines (same cost model, same cluster)")
+    for column in ("plan", "step time", "throughput", "ours is faster by"):
+        table.add_column(column, justify="right")
+    ours = plan.predicted_step_seconds
+    table.add_row("alpajob", f"{ours:.4g} s", _flops(plan.predicted_pflops), "-")
+    for name, seconds in (plan.baselines or {}).items():
+        if seconds is None:
+            table.add_row(name, "does not fit", "-", "-")
+        else:
+            pflops = plan.model.flops_per_step / seconds / 1e15
+            table.add_row(name, f"{seconds:.4g} s", _flops(pflops), f"{seconds / ours:.2f}x")
+    return table
+
+
+def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
+    manifest = load_manifest(args.manifest)
+    cluster = cluster_for(manifest, args)
+    options = plan_options(manifest, args)
+    from alpajob.planner.extract import extract_model
+    from alpajob.planner.planning import make_plan
+    from alpajob.trainer.entrypoint import load_model
+
+    training = manifest.spec.training
+    model = load_model(manifest.spec.model, training.dtype)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task(f"tracing {model.name}", total=None)
+        start = time.perf_counter()
+        graph = extract_model(
+            model, training.global_batch_size, optimizer=training.optimizer,
+            learning_rate=training.learning_rate,
+        )
+        extract_seconds = time.perf_counter() - start
+
+        def progress(what: str, done: int, total: int | None) -> None:
+            bar.update(task, description=f"{what} ({done} done)" if done else what)
+
+        result = make_plan(graph, cluster, options, progress=progress,
+                           extract_seconds=extract_seconds)
+    plan = result.plan
+    out.print(plan_table(plan))
+    out.print(_summary(plan))
+    if plan.baselines is not None:
+        out.print(baseline_table(plan))
+    if args.output:
+        write_plan(plan, args.output)
+        out.print(f"plan written to {args.output}")
+    return 0
+
+
+def cmd_models(out: Console) -> int:
+    from alpajob.trainer.zoo import list_models
+
+    for name in list_models():
+        out.print(name)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    out = Console()
+    err = Console(stderr=True)
+    try:
+        if args.command == "plan":
+            return cmd_plan(args, out, err)
+        if args.command == "models":
+            return cmd_models(out)
+        if args.command == "schema":
+            print(json.dumps(plan_json_schema(), indent=2))
+            return 0
+    except AlpaJobError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        return error.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["Method", "main"]

@@ -1,0 +1,751 @@
+"""Trace a training step into an :class:`~alpajob.planner.graph.OpGraph` (the planner's
+only JAX-importing module).
+
+Pipeline::
+
+    init --eval_shape--> params ----------.
+    optimizer.init (float32 moments) ------+--> make_jaxpr(step) at batch b and 2b
+    batch_shapes(b) -----------------------'          |
+                                                      v
+        flatten: inline jit / custom_jvp / custom_vjp / remat / closed_call,
+                 scan body once (x length), while body once, cond's costliest branch
+                                                      |
+        ops + tensors (flops, bytes, plain params) ---+--> phases --> anchors
+        shapes at b vs 2b -> Tensor.batch_dim --------'
+
+``step(params, opt_state, batch) -> (loss, grads, new_params, new_opt_state)`` is
+``jax.value_and_grad(loss)`` followed by the optax update and ``optax.apply_updates``
+(:func:`make_train_step`, which the trainer runs too).
+
+**FLOPs** per op (times ``Op.multiplier``, the trip count of enclosing ``scan`` s):
+``dot_general`` ``2 * |out| * prod(contracting sizes)``; ``conv_general_dilated``
+``2 * |out| * (in_features / groups) * prod(kernel spatial)``; elementwise and
+transcendental ops ``|out|``; reductions and cumulative ops ``|input|``; windowed
+reductions ``|out| * |window|``; data movement (reshape, broadcast, transpose, slice,
+concatenate, gather, pad, ...) 0. ``bytes_accessed`` is the bytes of every non-literal
+input plus every output.
+
+**Phases**: forward ops are the ancestors of the loss; backward ops are the other
+ancestors of the gradients; update ops the other ancestors of the new parameters and
+optimizer state (ops that feed no output: see :func:`_phases`).
+
+**Anchors** (the forward op an op is attributed to, see :mod:`.graph`):
+
+- forward op: itself;
+- backward op: the largest anchor among the residuals it consumes (its inputs
+  computed from forward values only: by forward ops, or by backward-phase ops such as
+  ``1 - tanh(x)^2`` that read nothing else); with none, the smallest anchor of its
+  other (cotangent-carrying) producers: the ``add_any`` that joins a residual
+  connection's skip path (anchored one layer later) to the gradient coming out of the
+  layer belongs to the earlier layer, and taking the largest would drag every
+  residual-free op of the backward pass (bias gradients, the stream itself) into the
+  last layer;
+  a backward op whose results only feed one parameter's gradient (``x^T @ dy`` for a
+  weight ``W``) is moved no earlier than ``W``'s first forward consumer, since the
+  residual ``x`` usually comes from the previous layer;
+- update op: the smallest first-forward-consumer of the parameters it reads, directly
+  or through update producers (``p - lr * u`` lands with ``p``'s layer); an optimizer
+  state leaf that mirrors a parameter (Adam's ``mu``/``nu`` for ``p``: same path suffix
+  and shape) counts as reading that parameter; with none, the smallest anchor of its
+  producers;
+- anything left (e.g. Adam's step counter): the last forward op.
+
+**Batch dimension**: the step is traced at ``b`` and ``2b``; both traces must flatten to
+the same ops. A tensor whose shapes differ in exactly one dimension, by a factor 2,
+gets that dimension as ``batch_dim``; tensors that differ otherwise (not linear in the
+batch) get None.
+
+**Loops**: a ``scan`` body is inlined once. Its per-iteration slices of the scanned
+inputs and outputs are the full stacked tensors (one extra leading dimension of size
+``multiplier``), while the body ops keep their per-iteration ``params``; carries map to
+the initial carry (inside) and the final carry (outside). A ``while`` body is inlined
+once with multiplier 1 (its trip count is unknown when tracing) and its condition is
+dropped. A ``cond`` inlines its costliest branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from alpajob.planner.errors import ManifestError
+from alpajob.planner.graph import Op, OpGraph, Phase, Tensor, TensorRole
+
+#: Optimizers :func:`make_optimizer` knows.
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+#: Primitives that only move or relabel data: 0 FLOPs.
+DATA_MOVEMENT = frozenset(
+    {
+        "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+        "dynamic_slice", "dynamic_update_slice", "concatenate", "gather", "scatter", "pad",
+        "rev", "iota", "copy", "copy_p", "device_put", "stop_gradient",
+        "bitcast_convert_type", "sharding_constraint", "optimization_barrier", "split",
+        "mesh_cast", "reshard",
+    }
+)  # fmt: skip
+#: Reductions and cumulative ops along axes: |input| FLOPs.
+REDUCTIONS = frozenset(
+    {
+        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+        "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
+        "cumlogsumexp",
+    }
+)  # fmt: skip
+
+
+class TrainableModel(Protocol):
+    """What :func:`extract_model` reads from a model (a zoo ``ModelDef`` or a user's)."""
+
+    name: str
+    init: Callable[[jax.Array], Any]
+    loss: Callable[[Any, Any], jax.Array]
+    batch_shapes: Callable[[int], Any]
+
+
+# ----------------------------------------------------------------------------- step
+
+
+def make_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
+    """The optax optimizer called ``name`` (``adam``, ``adamw`` or ``sgd``).
+
+    Adam's first moment is kept in float32 (``mu_dtype``); :func:`init_optimizer_state`
+    makes the second one float32 too, whatever the parameter dtype.
+    """
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key == "adam":
+        return optax.adam(learning_rate, mu_dtype=jnp.float32)
+    if key == "adamw":
+        return optax.adamw(learning_rate, mu_dtype=jnp.float32)
+    if key == "sgd":
+        return optax.sgd(learning_rate)
+    raise ManifestError(
+        "spec.training.optimizer",
+        f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}",
+    )
+
+
+def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any) -> Any:
+    """``optimizer.init`` on float32 copies of the floating parameters (float32 moments)."""
+
+    def widen(leaf: Any) -> Any:
+        floating = jnp.issubdtype(leaf.dtype, jnp.floating)
+        return leaf.astype(jnp.float32) if floating else leaf
+
+    return optimizer.init(jax.tree.map(widen, params))
+
+
+def make_train_step(
+    loss: Callable[[Any, Any], jax.Array], optimizer: optax.GradientTransformation
+) -> Callable[[Any, Any, Any], tuple[Any, Any, Any, Any]]:
+    """``step(params, opt_state, batch) -> (loss, grads, new_params, new_opt_state)``."""
+
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any, Any]:
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        return value, grads, optax.apply_updates(params, updates), new_opt_state
+
+    return step
+
+
+# ----------------------------------------------------------------------------- costs
+
+
+def _shape(atom: Any) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def _size(aval: Any) -> int:
+    return math.prod(getattr(aval, "shape", ()))
+
+
+def _nbytes(aval: Any) -> int:
+    dtype = getattr(aval, "dtype", None)
+    itemsize = getattr(dtype, "itemsize", 4) if dtype is not None else 0
+    return _size(aval) * itemsize
+
+
+def op_flops(eqn: jcore.JaxprEqn) -> float:
+    """FLOPs of one execution of ``eqn`` (see the module docstring)."""
+    name = eqn.primitive.name
+    params = eqn.params
+    if name in DATA_MOVEMENT:
+        return 0.0
+    if name == "dot_general":
+        (lhs_contract, _), _ = params["dimension_numbers"]
+        lhs_shape = _shape(eqn.invars[0])
+        depth = math.prod(lhs_shape[d] for d in lhs_contract)
+        return 2.0 * _size(eqn.outvars[0].aval) * depth
+    if name == "conv_general_dilated":
+        rhs_spec = params["dimension_numbers"].rhs_spec
+        rhs_shape = _shape(eqn.invars[1])
+        kernel = math.prod(rhs_shape[d] for d in rhs_spec[2:])
+        return 2.0 * _size(eqn.outvars[0].aval) * rhs_shape[rhs_spec[1]] * kernel
+    if name in REDUCTIONS:
+        return float(_size(eqn.invars[0].aval))
+    if name.startswith("reduce_window") or name == "select_and_gather_add":
+        return float(_size(eqn.outvars[0].aval) * math.prod(params["window_dimensions"]))
+    if name == "select_and_scatter_add":
+        return float(_size(eqn.invars[0].aval) * math.prod(params["window_dimensions"]))
+    if name.startswith("scatter"):  # scatter-add, scatter_mul, ...: one op per update
+        return float(_size(eqn.invars[2].aval))
+    if name == "sort":
+        shape = _shape(eqn.invars[0])
+        n = shape[params["dimension"]] if shape else 1
+        return float(_size(eqn.invars[0].aval) * max(1, math.ceil(math.log2(max(n, 2)))))
+    if eqn.outvars:
+        return float(_size(eqn.outvars[0].aval))
+    return 0.0
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain hashable data (ints, floats, strings, tuples), or None."""
+    if isinstance(value, bool | str):
+        return value
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating):
+        return float(value)
+    if isinstance(value, np.dtype):
+        return value.name
+    if isinstance(value, tuple | list):
+        items = tuple(_plain(v) for v in value)
+        return None if any(i is None for i in items) else items
+    if isinstance(value, enum.Enum):
+        return value.name
+    return None
+
+
+def op_params(eqn: jcore.JaxprEqn) -> tuple[tuple[str, Any], ...]:
+    """The sharding-relevant primitive parameters of ``eqn`` as sorted plain pairs.
+
+    ``dot_general``: ``contracting`` and ``batch`` as ``((lhs dims), (rhs dims))``;
+    ``conv_general_dilated``: ``lhs_spec``/``rhs_spec``/``out_spec`` and its strides,
+    padding, dilations and group counts; every other primitive: each parameter that is
+    plain data (``axes``, ``permutation``, ``new_sizes``, ``broadcast_dimensions``,
+    ``shape``, ``new_dtype`` ...), with structured dimension numbers (gather, scatter)
+    spread into their fields.
+    """
+    name = eqn.primitive.name
+    pairs: dict[str, Any] = {}
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        pairs["contracting"] = (_plain(lc), _plain(rc))
+        pairs["batch"] = (_plain(lb), _plain(rb))
+        return tuple(sorted(pairs.items()))
+    for key, value in eqn.params.items():
+        if hasattr(value, "_fields"):  # NamedTuple dimension numbers
+            fields = {f: getattr(value, f) for f in value._fields}
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        else:
+            fields = {key: value}
+        for field, item in fields.items():
+            plain = _plain(item)
+            if plain is not None:
+                pairs[field] = plain
+    return tuple(sorted(pairs.items()))
+
+
+def _jaxpr_flops(jaxpr: jcore.Jaxpr) -> float:
+    """Total FLOPs of ``jaxpr``, through nested jaxprs (scan bodies times their length)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        inner = list(jcore.jaxprs_in_params(eqn.params))
+        if inner:
+            scale = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+            costs = [_jaxpr_flops(j) for j in inner]
+            total += scale * (max(costs) if eqn.primitive.name == "cond" else sum(costs))
+        else:
+            total += op_flops(eqn)
+    return total
+
+
+# ----------------------------------------------------------------------------- flatten
+
+
+@dataclasses.dataclass(frozen=True)
+class _RawOp:
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    flops: float
+    bytes_accessed: float
+    params: tuple[tuple[str, Any], ...]
+    multiplier: int
+
+
+class _Flattener:
+    """Walks a jaxpr, inlining calls and loops, into a flat list of ops over tensors.
+
+    ``env`` maps a ``Var`` to its tensor id, or to None for a literal. With
+    ``costs=False`` only tensor shapes are recorded (the second, batch-probing trace).
+    """
+
+    def __init__(self, costs: bool) -> None:
+        self.costs = costs
+        self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[str] = []
+        self.roles: list[TensorRole] = []
+        self.ops: list[_RawOp] = []
+
+    def new_tensor(self, aval: Any, role: TensorRole) -> int:
+        self.shapes.append(tuple(int(d) for d in getattr(aval, "shape", ())))
+        dtype = getattr(aval, "dtype", None)
+        self.dtypes.append(str(getattr(dtype, "name", dtype)))
+        self.roles.append(role)
+        return len(self.shapes) - 1
+
+    def read(self, env: dict[Any, int | None], atom: Any) -> int | None:
+        if isinstance(atom, jcore.Literal):
+            return None
+        return env[atom]
+
+    def result(self, env: dict[Any, int | None], atom: Any) -> int:
+        """The tensor of an output atom; a literal output becomes a constant tensor."""
+        tid = self.read(env, atom)
+        if tid is None:
+            tid = self.new_tensor(atom.aval, TensorRole.CONSTANT)
+        return tid
+
+    def bind_consts(self, env: dict[Any, int | None], closed: Any) -> jcore.Jaxpr:
+        """Bind a (Closed)Jaxpr's constvars to new constant tensors; return the Jaxpr."""
+        jaxpr = closed.jaxpr if isinstance(closed, jcore.ClosedJaxpr) else closed
+        for var in jaxpr.constvars:
+            env[var] = self.new_tensor(var.aval, TensorRole.CONSTANT)
+        return jaxpr
+
+    def call(
+        self,
+        closed: Any,
+        args: Sequence[int | None],
+        multiplier: int,
+        prebound: dict[Any, Any] | None = None,
+    ) -> list[int | None]:
+        """Inline ``closed`` applied to tensors ``args``; return its outputs' tensors."""
+        env: dict[Any, int | None] = {}
+        jaxpr = self.bind_consts(env, closed)
+        for var, tid in zip(jaxpr.invars, args, strict=True):
+            env[var] = tid
+        self.walk(jaxpr, env, multiplier, prebound or {})
+        return [self.read(env, v) for v in jaxpr.outvars]
+
+    def walk(
+        self,
+        jaxpr: jcore.Jaxpr,
+        env: dict[Any, int | None],
+        multiplier: int,
+        prebound: dict[Any, Any],
+    ) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            args = [self.read(env, v) for v in eqn.invars]
+            if name == "scan":
+                outs = self.scan(eqn, args, multiplier)
+            elif name == "while":
+                p = eqn.params
+                skip = p["cond_nconsts"]
+                outs = self.call(p["body_jaxpr"], args[skip:], multiplier)
+            elif name == "cond":
+                branches = eqn.params["branches"]
+                costs = [_jaxpr_flops(b.jaxpr) for b in branches]
+                best = branches[costs.index(max(costs))]
+                outs = self.call(best, args[1:], multiplier)
+            else:
+                callee = _inlinable(eqn)
+                if callee is not None:
+                    outs = self.call(callee, args, multiplier)
+                else:
+                    outs = self.emit(eqn, args, multiplier, prebound)
+            for var, tid in zip(eqn.outvars, outs, strict=True):
+                env[var] = tid if tid is not None else self.new_tensor(var.aval, TensorRole.CONSTANT)
+
+    def scan(self, eqn: jcore.JaxprEqn, args: list[int | None], multiplier: int) -> list:
+        """Inline a scan body once, FLOPs times ``length`` (see the module docstring)."""
+        p = eqn.params
+        n_carry = p["num_carry"]
+        body = p["jaxpr"]
+        inner_outs = body.jaxpr.outvars[n_carry:]
+        excluded = set(body.jaxpr.invars) | set(body.jaxpr.outvars[:n_carry])
+        prebound: dict[Any, Any] = {}  # per-iteration ys value -> stacked aval
+        for inner, outer in zip(inner_outs, eqn.outvars[n_carry:], strict=True):
+            if isinstance(inner, jcore.Var) and inner not in excluded:
+                prebound.setdefault(inner, outer.aval)
+        return self.call(body, args, multiplier * int(p["length"]), prebound)
+
+    def emit(
+        self,
+        eqn: jcore.JaxprEqn,
+        args: list[int | None],
+        multiplier: int,
+        prebound: dict[Any, Any],
+    ) -> list[int]:
+        """Record ``eqn`` as one op; return its output tensors.
+
+        An output in ``prebound`` (a scan body's per-iteration output) gets the stacked
+        shape given there.
+        """
+        outs = [
+            self.new_tensor(prebound.get(var, var.aval), TensorRole.ACTIVATION)
+            for var in eqn.outvars
+        ]
+        inputs = tuple(t for t in args if t is not None)
+        if self.costs:
+            flops = op_flops(eqn) * multiplier
+            moved = sum(_nbytes(v.aval) for v in eqn.invars if not isinstance(v, jcore.Literal))
+            moved += sum(_nbytes(v.aval) for v in eqn.outvars)
+            params = op_params(eqn)
+        else:
+            flops, moved, params = 0.0, 0, ()
+        self.ops.append(
+            _RawOp(
+                eqn.primitive.name,
+                inputs,
+                tuple(outs),
+                float(flops),
+                float(moved * multiplier),
+                params,
+                multiplier,
+            )
+        )
+        return outs
+
+
+def _inlinable(eqn: jcore.JaxprEqn) -> Any:
+    """The jaxpr of a call-like eqn (jit, custom_jvp/vjp, remat, closed_call ...), or None.
+
+    An eqn is call-like when exactly one of its parameters is a jaxpr and that jaxpr
+    takes and returns as many values as the eqn.
+    """
+    found = [
+        v for v in eqn.params.values() if isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr)
+    ]
+    if len(found) != 1:
+        return None
+    inner = found[0].jaxpr if isinstance(found[0], jcore.ClosedJaxpr) else found[0]
+    if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
+        return found[0]
+    return None
+
+
+def _flatten(
+    closed: jcore.ClosedJaxpr, n_params: int, n_opt: int, costs: bool
+) -> tuple[_Flattener, list[int]]:
+    """Flatten the step's jaxpr; return the flattener and the step outputs' tensors."""
+    flat = _Flattener(costs)
+    env: dict[Any, int | None] = {}
+    for index, var in enumerate(closed.jaxpr.invars):
+        if index < n_params:
+            role = TensorRole.PARAM
+        elif index < n_params + n_opt:
+            role = TensorRole.OPT_STATE
+        else:
+            role = TensorRole.BATCH
+        env[var] = flat.new_tensor(var.aval, role)
+    jaxpr = flat.bind_consts(env, closed)
+    flat.walk(jaxpr, env, 1, {})
+    return flat, [flat.result(env, v) for v in jaxpr.outvars]
+
+
+# ----------------------------------------------------------------------------- phases
+
+
+def _phases(
+    ops: Sequence[_RawOp],
+    producer: dict[int, int],
+    loss: int,
+    grads: Sequence[int],
+    others: Sequence[int],
+) -> list[Phase]:
+    """Forward = ancestors of ``loss``; backward = other ancestors of ``grads``; update =
+    other ancestors of the remaining step outputs (``others``). An op that feeds no
+    output (a loop carry dropped by inlining the body once, a ``cond`` index, a JVP
+    helper whose consumer JAX dropped) takes the latest phase of its producers, but
+    never forward (forward stays exactly the loss's ancestors); with no producers, the
+    update phase.
+    """
+
+    def ancestors(roots: Sequence[int], seen: set[int]) -> set[int]:
+        found: set[int] = set()
+        stack = [producer[t] for t in roots if t in producer]
+        while stack:
+            op_id = stack.pop()
+            if op_id in found or op_id in seen:
+                continue
+            found.add(op_id)
+            stack.extend(producer[t] for t in ops[op_id].inputs if t in producer)
+        return found
+
+    forward = ancestors([loss], set())
+    backward = ancestors(grads, forward)
+    update = ancestors(others, forward | backward)
+    order = (Phase.FORWARD, Phase.BACKWARD, Phase.UPDATE)
+    phases: list[Phase] = []
+    for i, op in enumerate(ops):
+        if i in forward:
+            phases.append(Phase.FORWARD)
+        elif i in backward:
+            phases.append(Phase.BACKWARD)
+        elif i in update:
+            phases.append(Phase.UPDATE)
+        else:
+            ranks = [order.index(phases[producer[t]]) for t in op.inputs if t in producer]
+            phases.append(order[max(ranks + [1])] if ranks else Phase.UPDATE)
+    return phases
+
+
+def _anchors(
+    ops: Sequence[_RawOp],
+    phases: Sequence[Phase],
+    producer: dict[int, int],
+    owner: dict[int, int],
+    params: Sequence[int],
+    grads: Sequence[int],
+) -> list[int]:
+    """Attribute every op to a forward op (the rules are in the module docstring).
+
+    ``owner`` maps each parameter, and each optimizer-state leaf that belongs to one
+    parameter (Adam's moments), to that parameter's tensor id.
+    """
+    n = len(ops)
+    forward_ids = [i for i in range(n) if phases[i] is Phase.FORWARD]
+    last_forward = forward_ids[-1] if forward_ids else 0
+    param_set = set(params)
+    first_use: dict[int, int] = {}
+    for i in forward_ids:
+        for t in ops[i].inputs:
+            if t in param_set:
+                first_use.setdefault(t, i)
+
+    # The one parameter whose gradient a backward op exclusively feeds (-1 none, -2 many).
+    grad_of = {g: k for k, g in enumerate(grads)}
+    consumers: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        for t in op.inputs:
+            consumers.setdefault(t, []).append(i)
+    target = [-1] * n
+    for i in range(n - 1, -1, -1):
+        if phases[i] is not Phase.BACKWARD:
+            continue
+        seen: set[int] = set()
+        for t in ops[i].outputs:
+            if t in grad_of:
+                seen.add(grad_of[t])
+            for c in consumers.get(t, ()):
+                if phases[c] is Phase.BACKWARD and target[c] != -1:
+                    seen.add(target[c])
+        target[i] = seen.pop() if len(seen) == 1 else (-2 if seen else -1)
+
+    anchor = [last_forward] * n
+    primal = [False] * n  # computed from forward values only (a residual)
+    reach = [math.inf] * n  # update ops: min first use of params read (transitively)
+    for i, op in enumerate(ops):
+        phase = phases[i]
+        producers = [producer[t] for t in op.inputs if t in producer]
+        if phase is Phase.FORWARD:
+            anchor[i] = i
+            primal[i] = True
+        elif phase is Phase.BACKWARD:
+            primal[i] = bool(producers) and all(primal[j] for j in producers)
+            residual = [anchor[j] for j in producers if primal[j]]
+            upstream = [anchor[j] for j in producers if not primal[j]]
+            anchor[i] = max(residual) if residual else min(upstream, default=last_forward)
+            if target[i] >= 0:
+                use = first_use.get(params[target[i]])
+                if use is not None:
+                    anchor[i] = max(anchor[i], use)
+        else:
+            direct = [
+                first_use[owner[t]] for t in op.inputs if t in owner and owner[t] in first_use
+            ]
+            via = [reach[j] for j in producers if phases[j] is Phase.UPDATE]
+            reach[i] = min(direct + via, default=math.inf)
+            if reach[i] < math.inf:
+                anchor[i] = int(reach[i])
+            elif producers:
+                anchor[i] = min(anchor[j] for j in producers)
+    return anchor
+
+
+# ----------------------------------------------------------------------------- batch dim
+
+
+def _batch_dims(
+    small: Sequence[tuple[int, ...]], large: Sequence[tuple[int, ...]]
+) -> list[int | None]:
+    """Per tensor, the single dimension that doubles between the two traces, or None."""
+    dims: list[int | None] = []
+    for a, b in zip(small, large, strict=True):
+        diff = [d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        dims.append(diff[0] if len(diff) == 1 and b[diff[0]] == 2 * a[diff[0]] else None)
+    return dims
+
+
+def _check_same_structure(a: _Flattener, b: _Flattener, batch_size: int) -> None:
+    problem = None
+    if len(a.ops) != len(b.ops) or len(a.shapes) != len(b.shapes):
+        problem = f"{len(a.ops)} vs {len(b.ops)} ops, {len(a.shapes)} vs {len(b.shapes)} tensors"
+    else:
+        for i, (p, q) in enumerate(zip(a.ops, b.ops, strict=True)):
+            if (p.primitive, p.inputs, p.outputs) != (q.primitive, q.inputs, q.outputs):
+                problem = f"op {i} is {p.primitive}{p.inputs} vs {q.primitive}{q.inputs}"
+                break
+        else:
+            for t, (x, y) in enumerate(zip(a.shapes, b.shapes, strict=True)):
+                if len(x) != len(y):
+                    problem = f"tensor {t} has rank {len(x)} vs {len(y)}"
+                    break
+    if problem:
+        raise ValueError(
+            f"the training step traces to different programs at batch {batch_size} and "
+            f"{2 * batch_size} ({problem}); the planner needs a step whose operations "
+            "do not depend on the batch size (only its shapes may)"
+        )
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def extract_graph(
+    init: Callable[[jax.Array], Any],
+    loss: Callable[[Any, Any], jax.Array],
+    batch_shapes: Callable[[int], Any],
+    batch_size: int,
+    *,
+    optimizer: str = "adam",
+    learning_rate: float = 1e-4,
+    name: str = "model",
+) -> OpGraph:
+    """Trace one training step of ``loss`` at ``batch_size`` into an :class:`OpGraph`.
+
+    Nothing is allocated: parameters come from ``jax.eval_shape(init, key)`` and the
+    step is traced on ``jax.ShapeDtypeStruct`` s. Raises ``ManifestError`` for an unknown
+    optimizer and ``ValueError`` if the step's structure depends on the batch size.
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    opt = make_optimizer(optimizer, learning_rate)
+    params = jax.eval_shape(init, jax.random.key(0))
+    opt_state = jax.eval_shape(lambda p: init_optimizer_state(opt, p), params)
+    step = make_train_step(loss, opt)
+    path_leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+    n_params = len(path_leaves)
+    n_opt = len(jax.tree.leaves(opt_state))
+
+    closed = jax.make_jaxpr(step)(params, opt_state, batch_shapes(batch_size))
+    flat, outputs = _flatten(closed, n_params, n_opt, costs=True)
+    closed_2x = jax.make_jaxpr(step)(params, opt_state, batch_shapes(2 * batch_size))
+    flat_2x, _ = _flatten(closed_2x, n_params, n_opt, costs=False)
+    del closed, closed_2x
+    _check_same_structure(flat, flat_2x, batch_size)
+    batch_dims = _batch_dims(flat.shapes, flat_2x.shapes)
+
+    param_ids = tuple(range(n_params))
+    opt_ids = tuple(range(n_params, n_params + n_opt))
+    n_inputs = len(jax.tree.leaves((params, opt_state, batch_shapes(batch_size))))
+    batch_ids = tuple(range(n_params + n_opt, n_inputs))
+    loss_id = outputs[0]
+    grads = tuple(outputs[1 : 1 + n_params])
+    new_params = tuple(outputs[1 + n_params : 1 + 2 * n_params])
+
+    names = tuple(_path_name(path) for path, _ in path_leaves)
+    owner = _owners(flat.shapes, names, opt_state, n_params)
+    producer = {t: i for i, op in enumerate(flat.ops) for t in op.outputs}
+    phases = _phases(flat.ops, producer, loss_id, grads, outputs[1 + n_params :])
+    anchors = _anchors(flat.ops, phases, producer, owner, param_ids, grads)
+
+    tensors = tuple(
+        Tensor(t, flat.shapes[t], flat.dtypes[t], flat.roles[t], batch_dims[t])
+        for t in range(len(flat.shapes))
+    )
+    ops = tuple(
+        Op(
+            i,
+            raw.primitive,
+            raw.inputs,
+            raw.outputs,
+            raw.flops,
+            raw.bytes_accessed,
+            phases[i],
+            anchors[i],
+            raw.params,
+            raw.multiplier,
+        )
+        for i, raw in enumerate(flat.ops)
+    )
+    return OpGraph(
+        name=name,
+        ops=ops,
+        tensors=tensors,
+        params=param_ids,
+        opt_state=opt_ids,
+        batch=batch_ids,
+        loss=loss_id,
+        grads=grads,
+        new_params=new_params,
+        batch_size=batch_size,
+        param_names=names,
+    )
+
+
+def extract_model(
+    model: TrainableModel,
+    batch_size: int,
+    *,
+    optimizer: str = "adam",
+    learning_rate: float = 1e-4,
+) -> OpGraph:
+    """:func:`extract_graph` for any object with ``name``, ``init``, ``loss``, ``batch_shapes``."""
+    return extract_graph(
+        model.init,
+        model.loss,
+        model.batch_shapes,
+        batch_size,
+        optimizer=optimizer,
+        learning_rate=learning_rate,
+        name=model.name,
+    )
+
+
+def _owners(
+    shapes: Sequence[tuple[int, ...]], names: Sequence[str], opt_state: Any, n_params: int
+) -> dict[int, int]:
+    """Map each parameter and each optimizer-state leaf that mirrors one to its tensor id.
+
+    An optimizer leaf mirrors parameter ``p`` when its pytree path ends with ``p``'s path
+    and the shapes agree (optax's ``mu``/``nu`` trees copy the parameter tree).
+    """
+    owner = {t: t for t in range(n_params)}
+    by_name = {name: t for t, name in enumerate(names) if name}
+    leaves, _ = jax.tree_util.tree_flatten_with_path(opt_state)
+    for k, (path, _) in enumerate(leaves):
+        tensor = n_params + k
+        parts = _path_name(path).split("/")
+        for start in range(len(parts)):
+            param = by_name.get("/".join(parts[start:]))
+            if param is not None and shapes[param] == shapes[tensor]:
+                owner[tensor] = param
+                break
+    return owner
+
+
+def _path_name(path: Sequence[Any]) -> str:
+    """A pytree path as ``"layers/0/attn/q/kernel"``."""
+    parts = []
+    for entry in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+        else:
+            parts.append(str(entry))
+    return "/".join(parts)

@@ -1,0 +1,262 @@
+"""``make_plan``: the planner's one public entry, from an op graph and a cluster to a Plan.
+
+Steps: cluster the forward ops into layers (eq. 6), then, by ``spec.parallelism.method``:
+
+- auto: the inter-op DP for every micro-batch count (each stage costed by the intra-op
+  ILP); the Megatron-style grid and the single-stage plan are costed too, and the
+  fastest candidate wins (the DP's search space contains them, so they only guard
+  against the DP's approximations);
+- pipeshard: the DP, forbidding the single-stage plan;
+- shard: one stage on the whole cluster, sharding by the ILP;
+- data / zero2: one stage, data parallel (with sharded optimizer for zero2);
+- manual: the user's stages (layer ranges and submeshes), logical meshes picked by us.
+
+No candidate fitting memory raises :class:`InfeasibleError` with the smallest memory
+per device any plan would need.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from alpajob.planner.baselines import all_baselines, data_parallel, megatron_grid, whole_cluster
+from alpajob.planner.cluster import ClusterSpec
+from alpajob.planner.clustering import cluster_layers, default_num_layers
+from alpajob.planner.cost_model import load_calibration
+from alpajob.planner.errors import InfeasibleError, ManifestError
+from alpajob.planner.graph import OpGraph
+from alpajob.planner.inter_op import (
+    Candidate,
+    CostContext,
+    Progress,
+    StageRequest,
+    best_of,
+    dp_candidate,
+    evaluate_stages,
+    micro_batch_candidates,
+)
+from alpajob.planner.intra_op import ShardingMode
+from alpajob.planner.manifest import Method
+from alpajob.planner.plan import Plan, SolverStats
+from alpajob.planner.schedules import Schedule
+from alpajob.planner.stage_costs import MEMORY_LEVELS
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ManualStageOption:
+    """A manual stage: layers [first, end) on a submesh (n nodes x m devices)."""
+
+    first: int
+    end: int
+    submesh: tuple[int, int]
+    logical_shape: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the user asked of the planner (``spec.parallelism`` plus tuning knobs).
+
+    memory_fraction: share of device memory a plan may use (the rest is left to XLA's
+        workspace and fragmentation); 0.9 by default.
+    ilp_time_limit_s: time limit of each intra-op ILP solve, in seconds.
+    max_micro_batches: largest number of micro-batches tried (powers of two).
+    """
+
+    method: Method = Method.AUTO
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    num_micro_batches: int | None = None
+    num_layers: int | None = None
+    manual_stages: tuple[ManualStageOption, ...] = ()
+    memory_fraction: float = 0.9
+    ilp_time_limit_s: float = 10.0
+    max_micro_batches: int = 64
+    baselines: bool = False
+
+
+@dataclass(frozen=True)
+class PlanningResult:
+    """The plan and, when asked for, every baseline's best candidate."""
+
+    plan: Plan
+    candidate: Candidate
+    baselines: dict[str, Candidate | None]
+    context: CostContext  # the ILP cache, for costing more candidates without re-solving
+
+
+def _validate_manual(
+    stages: Sequence[ManualStageOption], num_layers: int, cluster: ClusterSpec
+) -> list[StageRequest]:
+    field = "spec.parallelism.stages"
+    expected = 0
+    devices = 0
+    requests = []
+    for index, stage in enumerate(stages):
+        where = f"{field}[{index}]"
+        if stage.first != expected:
+            raise ManifestError(
+                f"{where}.layers",
+                f"starts at layer {stage.first} but the previous stage ended at {expected}; "
+                f"stages must cover layers 0..{num_layers - 1} contiguously",
+            )
+        if stage.end > num_layers:
+            raise ManifestError(
+                f"{where}.layers",
+                f"ends at {stage.end} but the model has {num_layers} layers "
+                "(set spec.parallelism.numLayers to change the layer count)",
+            )
+        n, m = stage.submesh
+        M = cluster.devices_per_node
+        if n < 1 or m < 1 or n > cluster.num_nodes or m > M or (n > 1 and m != M) or M % m:
+            raise ManifestError(
+                f"{where}.submeshShape",
+                f"[{n}, {m}] is not a submesh of a {cluster.num_nodes} x {M} cluster; use "
+                f"[1, m] with m dividing {M}, or [n, {M}] with n ≤ {cluster.num_nodes}",
+            )
+        shape = stage.logical_shape
+        if shape is not None and shape[0] * shape[1] != n * m:
+            raise ManifestError(
+                f"{where}.logicalMeshShape",
+                f"{list(shape)} has {shape[0] * shape[1]} devices but the submesh has {n * m}",
+            )
+        devices += n * m
+        expected = stage.end
+        requests.append(StageRequest(stage.first, stage.end - 1, (n, m), shape))
+    if expected != num_layers:
+        raise ManifestError(
+            field, f"stages cover layers 0..{expected - 1} but the model has {num_layers} layers"
+        )
+    if devices > cluster.num_devices:
+        raise ManifestError(
+            field, f"stages use {devices} devices but the cluster has {cluster.num_devices}"
+        )
+    return requests
+
+
+def _memory_error(context: CostContext, micro_batches: Sequence[int], method: Method) -> InfeasibleError:
+    """The smallest memory per device any single-stage plan on the whole cluster needs."""
+    submesh, _ = whole_cluster(context)
+    count = max(micro_batches)
+    coster = context.coster(count, ShardingMode.AUTO)
+    level = len(MEMORY_LEVELS) - 1
+    required = min(
+        coster.evaluate_stage(0, coster.num_layers - 1, submesh, shape, level, 1).peak_memory
+        for shape in context.shapes(submesh)
+    )
+    available = context.memory_budget
+    cluster = context.cluster
+    if required > available:
+        return InfeasibleError(
+            f"the model does not fit: even fully sharded over all {cluster.num_devices} devices "
+            f"it needs {required / GIB:.2f} GiB per device, and each {cluster.device.name} "
+            f"offers {available / GIB:.2f} GiB (device memory x memory fraction); use more "
+            "or larger GPUs (spec.cluster), a smaller model, or float16/bfloat16",
+            required_bytes=required,
+            available_bytes=available,
+        )
+    return InfeasibleError(
+        f"no {method.value} plan fits in {available / GIB:.2f} GiB per device (the model needs "
+        f"at least {required / GIB:.2f} GiB per device fully sharded); try "
+        "spec.parallelism.method: auto",
+        required_bytes=required,
+        available_bytes=available,
+    )
+
+
+def make_plan(
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    options: PlanOptions,
+    progress: Progress | None = None,
+    extract_seconds: float = 0.0,
+) -> PlanningResult:
+    """Plan ``graph`` (traced at the global batch) on ``cluster``."""
+    from alpajob.planner.assemble import assemble_plan  # late: assemble imports inter_op
+
+    start = time.perf_counter()
+    num_layers = options.num_layers or default_num_layers(graph)
+    if progress:
+        progress("clustering layers", 0, None)
+    layers = cluster_layers(graph, num_layers)
+    context = CostContext(
+        graph=graph,
+        layers=layers,
+        cluster=cluster,
+        calibration=load_calibration(cluster.preset),
+        schedule=options.schedule,
+        memory_budget=cluster.device.memory_bytes * options.memory_fraction,
+        time_limit_s=options.ilp_time_limit_s,
+        progress=progress,
+    )
+    micro_batches = micro_batch_candidates(
+        graph, options.num_micro_batches, options.max_micro_batches
+    )
+    if not micro_batches:
+        raise ManifestError(
+            "spec.parallelism.numMicroBatches",
+            f"{options.num_micro_batches} does not divide the global batch {graph.batch_size} "
+            "into equal micro-batches",
+        )
+    method = options.method
+    candidates: list[Candidate | None] = []
+    if method in (Method.AUTO, Method.PIPESHARD):
+        for count in micro_batches:
+            candidates.append(
+                dp_candidate(context, count, min_stages=2 if method is Method.PIPESHARD else 1)
+            )
+        if method is Method.AUTO:
+            candidates.append(megatron_grid(context, micro_batches))
+    if method in (Method.AUTO, Method.SHARD):
+        submesh, _ = whole_cluster(context)
+        candidates += [
+            evaluate_stages(context, [StageRequest(0, len(layers) - 1, submesh)], b,
+                            ShardingMode.AUTO, "shard")
+            for b in micro_batches
+        ]
+    if method is Method.DATA:
+        candidates.append(data_parallel(context, micro_batches, ShardingMode.DATA))
+    if method is Method.ZERO2:
+        candidates.append(data_parallel(context, micro_batches, ShardingMode.ZERO2))
+    if method is Method.MANUAL:
+        requests = _validate_manual(options.manual_stages, len(layers), cluster)
+        candidates += [
+            evaluate_stages(context, requests, b, ShardingMode.AUTO, "manual")
+            for b in micro_batches
+            if b >= len(requests) or len(requests) == 1
+        ]
+    best = best_of(candidates)
+    if best is None:
+        raise _memory_error(context, micro_batches, method)
+    baselines: dict[str, Candidate | None] = {}
+    if options.baselines:
+        if progress:
+            progress("costing baselines", 0, None)
+        baselines = all_baselines(context, micro_batches)
+    solver = SolverStats(
+        planning_seconds=time.perf_counter() - start,
+        extract_seconds=extract_seconds,
+        ilp_solves=context.counter.solves,
+        ilp_seconds=context.counter.seconds,
+        ilp_max_variables=context.counter.max_variables,
+        ilp_solver=context.counter.solver,
+        dp_seconds=context.counter.dp_seconds,
+        dp_calls=context.counter.dp_calls,
+        micro_batch_candidates=list(micro_batches),
+    )
+    plan = assemble_plan(
+        method=method.value,
+        graph=graph,
+        cluster=cluster,
+        context=context,
+        candidate=best,
+        solver=solver,
+        baselines=(
+            {name: (c.step_seconds if c else None) for name, c in baselines.items()}
+            if options.baselines
+            else None
+        ),
+    )
+    return PlanningResult(plan=plan, candidate=best, baselines=baselines, context=context)

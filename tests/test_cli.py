@@ -1,0 +1,74 @@
+"""The `alpajob` console script as a user runs it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alpajob.cli import main
+
+EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
+
+
+def test_plan_prints_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", str(EXAMPLES / "local-gpt.yaml"), "--baselines", "--output", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "predicted step time" in printed and "megatron-3d" in printed
+    data = json.loads(out.read_text())
+    assert data["stages"] and data["num_micro_batches"] >= 1
+    assert set(data["baselines"]) >= {"data-parallel", "zero2", "megatron-3d"}
+    for stage in data["stages"]:
+        assert len(stage["layers"]) == 2 and len(stage["submesh_shape"]) == 2
+
+
+def test_manual_manifest(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(EXAMPLES / "manual-gpt.yaml"), "--output", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [s["layers"] for s in data["stages"]] == [[0, 2], [2, 4]]
+
+
+def test_cluster_overrides(tmp_path):
+    out = tmp_path / "plan.json"
+    code = main(["plan", str(EXAMPLES / "local-gpt.yaml"), "--gpus-per-node", "4",
+                 "--output", str(out)])
+    assert code == 0
+    assert json.loads(out.read_text())["cluster"]["devices_per_node"] == 4
+
+
+@pytest.mark.parametrize(
+    ("edit", "args", "message"),
+    [
+        ("config: huge", [], "spec.model.config"),
+        ("globalBatchSize: 32", ["--gpu", "tpu-v9"], "spec.cluster.gpu"),
+        ("globalBatchSize: 32", ["--nodes", "0"], "--nodes"),
+        ("globalBatchSize: 32", ["--gpus-per-node", "3"], "gpusPerNode"),
+        ("globalBatchSize: -4", [], "spec.training.globalBatchSize"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(tmp_path, edit, args, message):
+    text = (EXAMPLES / "local-gpt.yaml").read_text()
+    key = edit.split(":")[0]
+    lines = [(f"    {edit}" if line.strip().startswith(key + ":") else line)
+             for line in text.splitlines()]
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text("\n".join(lines))
+    proc = subprocess.run(
+        [sys.executable, "-m", "alpajob", "plan", str(manifest), *args],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_models_and_schema(capsys):
+    assert main(["models"]) == 0
+    names = capsys.readouterr().out.split()
+    assert "gpt-39b" in names and "moe-70b" in names and "wresnet-13b" in names
+    assert main(["schema"]) == 0
+    assert json.loads(capsys.readouterr().out)["$id"].startswith("alpajob.io/plan")

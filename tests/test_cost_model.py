@@ -1,0 +1,255 @@
+"""The analytic cost model: calibration, logical meshes, collectives, roofline,
+sharding specs and resharding costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from alpajob.planner.cluster import cluster_from_preset
+from alpajob.planner.cost_model import (
+    Calibration,
+    LogicalMesh,
+    MeshAxis,
+    all_gather_seconds,
+    all_reduce_seconds,
+    all_to_all_seconds,
+    load_calibration,
+    logical_mesh_shapes,
+    make_logical_mesh,
+    op_seconds,
+    p2p_seconds,
+    reduce_scatter_seconds,
+)
+from alpajob.planner.sharding import (
+    is_valid_spec,
+    resharding_seconds,
+    shard_factor,
+    tiling_specs,
+    to_partition_spec,
+)
+
+ALPHA0, BETA0 = 2e-5, 1e-10
+ALPHA1, BETA1 = 1e-5, 2e-11
+
+
+def toy_mesh(shape: tuple[int, int] = (2, 4), penalty: float = 1.0) -> LogicalMesh:
+    """A mesh with round, distinct alpha/beta per axis."""
+    return LogicalMesh(
+        submesh=(1, shape[0] * shape[1]),
+        shape=shape,
+        axes=(MeshAxis(shape[0], ALPHA0, BETA0), MeshAxis(shape[1], ALPHA1, BETA1)),
+        all_to_all_penalty=penalty,
+    )
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def test_calibration_default_and_preset_merge():
+    default = load_calibration("custom")
+    assert default.preset == "custom"
+    assert 0 < default.matmul_efficiency <= 1
+    assert "reshape" in default.free_primitives
+    v100 = load_calibration("v100-16gb")
+    assert v100.matmul_efficiency == 0.55  # overridden
+    assert v100.all_to_all_penalty == default.all_to_all_penalty  # inherited
+
+
+def test_calibration_rejects_out_of_range():
+    with pytest.raises(ValueError, match="matmul_efficiency"):
+        Calibration("x", 1.5, 0.5, 0.1, 0.7, 0.35, 0.8, 1e-5, 2.0)
+
+
+# ---------------------------------------------------------------- logical meshes
+
+
+def test_logical_mesh_single_node_is_intra_node():
+    cluster = cluster_from_preset("v100-16gb", 1)
+    cal = load_calibration("v100-16gb")
+    mesh = make_logical_mesh(cluster, (1, 8), (2, 4), cal)
+    for axis in mesh.axes:
+        assert axis.alpha_seconds == pytest.approx(
+            cluster.intra_node_latency + cal.collective_overhead_seconds
+        )
+        assert axis.beta_seconds_per_byte == pytest.approx(
+            1 / (cluster.intra_node_bandwidth * cal.comm_bandwidth_efficiency)
+        )
+    assert mesh.active_axes == (0, 1)
+    assert mesh.axis_names == ("x", "y")
+
+
+def test_logical_mesh_two_nodes_shares_the_nic():
+    cluster = cluster_from_preset("a100-40gb", 2)
+    cal = load_calibration("a100-40gb")
+    eff = cal.comm_bandwidth_efficiency
+    mesh = make_logical_mesh(cluster, (2, 8), (2, 8), cal)
+    outer, inner = mesh.axes
+    # Axis 0 crosses nodes; 8 groups (one per GPU) share each node's network.
+    assert outer.beta_seconds_per_byte == pytest.approx(8 / (cluster.inter_node_bandwidth * eff))
+    assert outer.alpha_seconds == pytest.approx(
+        cluster.inter_node_latency + cal.collective_overhead_seconds
+    )
+    # Axis 1 is the node itself.
+    assert inner.beta_seconds_per_byte == pytest.approx(1 / (cluster.intra_node_bandwidth * eff))
+    flat = make_logical_mesh(cluster, (2, 8), (1, 16), cal)
+    assert flat.axes[0].size == 1 and flat.active_axes == (1,)
+    # A 16-device inner axis spans both nodes: one group per node, the whole NIC.
+    assert flat.axes[1].beta_seconds_per_byte == pytest.approx(
+        1 / (cluster.inter_node_bandwidth * eff)
+    )
+    quad = make_logical_mesh(cluster, (2, 8), (4, 4), cal)
+    assert quad.axes[0].beta_seconds_per_byte == pytest.approx(
+        4 / (cluster.inter_node_bandwidth * eff)
+    )
+    assert quad.axes[1].beta_seconds_per_byte == inner.beta_seconds_per_byte
+
+
+def test_logical_mesh_rejects_bad_shapes():
+    cluster = cluster_from_preset("a100-40gb", 2)
+    with pytest.raises(ValueError, match="factor"):
+        make_logical_mesh(cluster, (1, 8), (3, 3))
+    with pytest.raises(ValueError, match="does not fit"):
+        make_logical_mesh(cluster, (4, 8), (4, 8))
+
+
+def test_logical_mesh_shapes():
+    assert logical_mesh_shapes((1, 1)) == [(1, 1)]
+    assert logical_mesh_shapes((1, 8)) == [(1, 8), (2, 4), (4, 2)]
+    two = logical_mesh_shapes((2, 8))
+    assert (1, 16) in two and (2, 8) in two and (16, 1) not in two
+    assert logical_mesh_shapes((4, 8))[0] == (1, 32)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def test_collectives_one_axis_closed_forms():
+    mesh = toy_mesh()
+    nbytes = 1e6
+    assert all_gather_seconds(mesh, (1,), nbytes) == pytest.approx(ALPHA1 + BETA1 * 3 / 4 * nbytes)
+    assert reduce_scatter_seconds(mesh, (1,), nbytes) == pytest.approx(
+        ALPHA1 + BETA1 * 3 / 4 * nbytes
+    )
+    assert all_reduce_seconds(mesh, (1,), nbytes) == pytest.approx(
+        ALPHA1 + 2 * BETA1 * 3 / 4 * nbytes
+    )
+    assert all_reduce_seconds(mesh, (0,), nbytes) == pytest.approx(
+        ALPHA0 + 2 * BETA0 * 1 / 2 * nbytes
+    )
+    a2a = toy_mesh(penalty=2.0)
+    assert all_to_all_seconds(a2a, (1,), nbytes) == pytest.approx(
+        2.0 * (ALPHA1 + BETA1 * 3 / 16 * nbytes)
+    )
+    assert all_reduce_seconds(mesh, (), nbytes) == 0.0
+
+
+def test_collectives_over_both_axes_compose_sequentially():
+    mesh = toy_mesh()
+    nbytes = 1e6
+    # All-gather: first stage gathers nbytes / n_second, the second all of it.
+    order_a = (ALPHA0 + BETA0 * 0.5 * nbytes / 4) + (ALPHA1 + BETA1 * 0.75 * nbytes)
+    order_b = (ALPHA1 + BETA1 * 0.75 * nbytes / 2) + (ALPHA0 + BETA0 * 0.5 * nbytes)
+    assert all_gather_seconds(mesh, (0, 1), nbytes) == pytest.approx(min(order_a, order_b))
+    # All-reduce: first axis on everything, the second on its share.
+    order_a = (ALPHA0 + BETA0 * nbytes * 0.5 * 2) + (ALPHA1 + BETA1 * 2 * 0.75 * nbytes / 2)
+    order_b = (ALPHA1 + BETA1 * 2 * 0.75 * nbytes) + (ALPHA0 + BETA0 * 2 * 0.5 * nbytes / 4)
+    assert all_reduce_seconds(mesh, (0, 1), nbytes) == pytest.approx(min(order_a, order_b))
+    # A size-1 axis costs nothing.
+    flat = toy_mesh((1, 8))
+    assert all_gather_seconds(flat, (0, 1), nbytes) == pytest.approx(
+        all_gather_seconds(flat, (1,), nbytes)
+    )
+
+
+def test_p2p():
+    assert p2p_seconds(0, 1e9, 1e-5) == 0.0
+    assert p2p_seconds(1e9, 1e9, 1e-5) == pytest.approx(1.0 + 1e-5)
+
+
+# ---------------------------------------------------------------- roofline
+
+
+def test_op_seconds_roofline():
+    cluster = cluster_from_preset("a100-40gb", 1)
+    device = cluster.device
+    cal = load_calibration("a100-40gb")
+    # Compute-bound matmul.
+    flops = 1e12
+    expected = flops / (device.peak("bfloat16") * cal.matmul_efficiency)
+    assert op_seconds("dot_general", flops, 1e6, "bfloat16", device, cal) == pytest.approx(
+        expected
+    )
+    # Memory-bound elementwise op.
+    nbytes = 1e9
+    expected = nbytes * cal.fused_memory_fraction / (device.memory_bandwidth * cal.memory_efficiency)
+    assert op_seconds("add", 1e6, nbytes, "float32", device, cal) == pytest.approx(expected)
+    # Fused layout op.
+    assert op_seconds("reshape", 0.0, nbytes, "float32", device, cal) == 0.0
+
+
+# ---------------------------------------------------------------- specs
+
+
+def test_specs_and_partition_specs():
+    mesh = toy_mesh()
+    assert to_partition_spec(((0,), ()), mesh.axis_names) == ("x", None)
+    assert to_partition_spec(((0, 1), ()), mesh.axis_names) == (("x", "y"), None)
+    assert to_partition_spec(((), (1,)), mesh.axis_names) == (None, "y")
+    assert shard_factor(((0,), (1,)), mesh) == 8
+    assert is_valid_spec(((0,), (1,)), (4, 8), mesh)
+    assert not is_valid_spec(((0,), (0,)), (4, 8), mesh)  # axis used twice
+    assert not is_valid_spec(((1,), ()), (6, 8), mesh)  # 6 % 4
+    assert not is_valid_spec(((0,),), (4, 8), mesh)  # wrong rank
+    flat = toy_mesh((1, 8))
+    assert not is_valid_spec(((0,), ()), (8, 8), flat)  # size-1 axes never appear
+
+
+def test_tiling_specs():
+    mesh = toy_mesh((2, 2))
+    specs = tiling_specs((8, 8), mesh)
+    assert len(specs) == 9
+    assert specs[0] == ((), ())
+    assert ((0,), (1,)) in specs and ((1,), (0,)) in specs and ((0, 1), ()) in specs
+    assert tiling_specs((), mesh) == ((),)
+    assert len(tiling_specs((8, 8), toy_mesh((1, 4)))) == 3
+    assert tiling_specs((3, 5), mesh) == (((), ()),)
+
+
+# ---------------------------------------------------------------- resharding
+
+
+def test_resharding_free_slice():
+    mesh = toy_mesh()
+    assert resharding_seconds((64, 64), "float32", ((), ()), ((0,), (1,)), mesh) == 0.0
+    assert resharding_seconds((64, 64), "float32", ((0,), ()), ((0, 1), ()), mesh) == 0.0
+    assert resharding_seconds((64, 64), "float32", ((0,), ()), ((0,), ()), mesh) == 0.0
+
+
+def test_resharding_all_gather():
+    mesh = toy_mesh()
+    nbytes = 64 * 64 * 4
+    got = resharding_seconds((64, 64), "float32", ((1,), ()), ((), ()), mesh)
+    assert got == pytest.approx(all_gather_seconds(mesh, (1,), nbytes))
+    # Gathering axis 1 while axis 0 keeps splitting dim 1: one group holds half.
+    got = resharding_seconds((64, 64), "float32", ((1,), (0,)), ((), (0,)), mesh)
+    assert got == pytest.approx(all_gather_seconds(mesh, (1,), nbytes / 2))
+    # Both axes.
+    got = resharding_seconds((64, 64), "float32", ((0, 1), ()), ((), ()), mesh)
+    assert got == pytest.approx(all_gather_seconds(mesh, (0, 1), nbytes))
+    # Axis 1 at another position in the same dim: gather, then slice.
+    got = resharding_seconds((64, 64), "float32", ((1,), ()), ((0, 1), ()), mesh)
+    assert got == pytest.approx(all_gather_seconds(mesh, (1,), nbytes))
+
+
+def test_resharding_all_to_all():
+    mesh = toy_mesh(penalty=1.5)
+    nbytes = 64 * 64 * 2
+    got = resharding_seconds((64, 64), "bfloat16", ((1,), ()), ((), (1,)), mesh)
+    assert got == pytest.approx(all_to_all_seconds(mesh, (1,), nbytes))
+    assert got == pytest.approx(1.5 * (ALPHA1 + BETA1 * 3 / 16 * nbytes))
+    # Move axis 1 and gather axis 0: the all-to-all sees the group's half.
+    got = resharding_seconds((64, 64), "bfloat16", ((1,), (0,)), ((), (1,)), mesh)
+    expected = all_to_all_seconds(mesh, (1,), nbytes / 2) + all_gather_seconds(
+        mesh, (0,), nbytes / 4
+    )
+    assert got == pytest.approx(expected)

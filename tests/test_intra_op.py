@@ -1,0 +1,582 @@
+"""The intra-op sharding ILP (Alpa eq. 1): brute force, closed forms, known optima.
+
+Graphs are built by hand (plain data, no JAX) with :class:`GraphBuilder`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from alpajob.planner.cluster import cluster_from_preset
+from alpajob.planner.cost_model import (
+    LogicalMesh,
+    MeshAxis,
+    all_reduce_seconds,
+    load_calibration,
+    make_logical_mesh,
+    op_seconds,
+)
+from alpajob.planner.errors import InfeasibleError
+from alpajob.planner.follow import follow_strategy
+from alpajob.planner.graph import DTYPE_BYTES, Op, OpGraph, Phase, Tensor, TensorRole
+from alpajob.planner.intra_op import (
+    ShardingMode,
+    SolveStatus,
+    brute_force_intra_op,
+    solve_intra_op,
+)
+from alpajob.planner.strategies import op_strategies
+
+CLUSTER = cluster_from_preset("v100-16gb", 1)
+DEVICE = CLUSTER.device
+CAL = load_calibration("v100-16gb")
+
+
+class GraphBuilder:
+    """Hand-built :class:`OpGraph` s: tensors and ops appended in program order."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.tensors: list[Tensor] = []
+        self.ops: list[Op] = []
+        self.params: list[int] = []
+        self.opt_state: list[int] = []
+        self.batch: list[int] = []
+
+    def tensor(
+        self,
+        shape: Sequence[int],
+        role: TensorRole = TensorRole.ACTIVATION,
+        dtype: str = "float32",
+        batch_dim: int | None = None,
+    ) -> int:
+        self.tensors.append(Tensor(len(self.tensors), tuple(shape), dtype, role, batch_dim))
+        return len(self.tensors) - 1
+
+    def param(self, shape: Sequence[int], dtype: str = "float32") -> int:
+        t = self.tensor(shape, TensorRole.PARAM, dtype)
+        self.params.append(t)
+        return t
+
+    def state(self, shape: Sequence[int]) -> int:
+        t = self.tensor(shape, TensorRole.OPT_STATE, "float32")
+        self.opt_state.append(t)
+        return t
+
+    def input(self, shape: Sequence[int], dtype: str = "float32", batch_dim: int = 0) -> int:
+        t = self.tensor(shape, TensorRole.BATCH, dtype, batch_dim)
+        self.batch.append(t)
+        return t
+
+    def op(
+        self,
+        primitive: str,
+        inputs: Sequence[int],
+        shape: Sequence[int],
+        phase: Phase = Phase.FORWARD,
+        params: tuple = (),
+        batch_dim: int | None = None,
+        flops: float | None = None,
+    ) -> int:
+        dtype = self.tensors[inputs[0]].dtype if inputs else "float32"
+        out = self.tensor(shape, TensorRole.ACTIVATION, dtype, batch_dim)
+        size = math.prod(shape)
+        nbytes = sum(self._nbytes(t) for t in (*inputs, out))
+        self.ops.append(
+            Op(
+                len(self.ops),
+                primitive,
+                tuple(inputs),
+                (out,),
+                float(size if flops is None else flops),
+                float(nbytes),
+                phase,
+                len(self.ops) if phase is Phase.FORWARD else 0,
+                tuple(sorted(params)),
+            )
+        )
+        return out
+
+    def _nbytes(self, t: int) -> int:
+        tensor = self.tensors[t]
+        return math.prod(tensor.shape) * DTYPE_BYTES[tensor.dtype]
+
+    def dot(
+        self,
+        lhs: int,
+        rhs: int,
+        contract: tuple[tuple[int, ...], tuple[int, ...]],
+        phase: Phase = Phase.FORWARD,
+        batch_dim: int | None = None,
+    ) -> int:
+        a, b = self.tensors[lhs].shape, self.tensors[rhs].shape
+        lf = [a[d] for d in range(len(a)) if d not in contract[0]]
+        rf = [b[d] for d in range(len(b)) if d not in contract[1]]
+        depth = math.prod(a[d] for d in contract[0])
+        shape = lf + rf
+        return self.op(
+            "dot_general",
+            (lhs, rhs),
+            shape,
+            phase,
+            (("batch", ((), ())), ("contracting", contract)),
+            batch_dim,
+            flops=2.0 * math.prod(shape) * depth,
+        )
+
+    def build(self, loss: int, grads: Sequence[int] = (), new_params: Sequence[int] = ()) -> OpGraph:
+        return OpGraph(
+            name="hand",
+            ops=tuple(self.ops),
+            tensors=tuple(self.tensors),
+            params=tuple(self.params),
+            opt_state=tuple(self.opt_state),
+            batch=tuple(self.batch),
+            loss=loss,
+            grads=tuple(grads),
+            new_params=tuple(new_params),
+            batch_size=self.batch_size,
+        )
+
+
+def mlp_training_graph(
+    batch: int, d: int, h: int, dtype: str = "float32", with_state: bool = False
+) -> OpGraph:
+    """Two-layer MLP: forward, backward (dW = x^T dh) and an SGD/momentum update."""
+    g = GraphBuilder(batch)
+    x = g.input((batch, d), dtype)
+    w1 = g.param((d, h), dtype)
+    w2 = g.param((h, d), dtype)
+    m1 = g.state((d, h)) if with_state else None
+    m2 = g.state((h, d)) if with_state else None
+    hid = g.dot(x, w1, ((1,), (0,)), batch_dim=0)
+    act = g.op("tanh", (hid,), (batch, h), batch_dim=0)
+    y = g.dot(act, w2, ((1,), (0,)), batch_dim=0)
+    sq = g.op("mul", (y, y), (batch, d), batch_dim=0)
+    per_example = g.op("reduce_sum", (sq,), (batch,), params=(("axes", (1,)),), batch_dim=0)
+    loss = g.op("reduce_sum", (per_example,), (), params=(("axes", (0,)),))
+    bwd = Phase.BACKWARD
+    dy = g.op("mul", (y,), (batch, d), bwd, batch_dim=0)
+    dw2 = g.dot(act, dy, ((0,), (0,)), bwd)
+    dact = g.dot(dy, w2, ((1,), (1,)), bwd, batch_dim=0)
+    dhid = g.op("mul", (dact, act), (batch, h), bwd, batch_dim=0)
+    dw1 = g.dot(x, dhid, ((0,), (0,)), bwd)
+    new = []
+    for w, dw, m in ((w1, dw1, m1), (w2, dw2, m2)):
+        shape = g.tensors[w].shape
+        if m is not None:
+            decayed = g.op("mul", (m,), shape, Phase.UPDATE)
+            moment = g.op("add", (decayed, dw), shape, Phase.UPDATE)
+            step = g.op("mul", (moment,), shape, Phase.UPDATE)
+        else:
+            step = g.op("mul", (dw,), shape, Phase.UPDATE)
+        new.append(g.op("sub", (w, step), shape, Phase.UPDATE))
+    return g.build(loss, grads=(dw1, dw2), new_params=new)
+
+
+def toy_mesh(shape: tuple[int, int]) -> LogicalMesh:
+    return LogicalMesh(
+        submesh=(1, shape[0] * shape[1]),
+        shape=shape,
+        axes=(MeshAxis(shape[0], 2e-5, 2e-10), MeshAxis(shape[1], 1e-5, 1e-10)),
+        all_to_all_penalty=2.0,
+    )
+
+
+def all_ops(graph: OpGraph) -> list[int]:
+    return list(range(len(graph.ops)))
+
+
+# ---------------------------------------------------------------- random graphs
+
+
+def random_forward_graph(rng: np.random.Generator, max_dots: int) -> OpGraph:
+    """A chain/DAG of dots, elementwise ops, bias adds, a transpose and reductions."""
+    batch = int(rng.choice([4, 8, 16]))
+    rank3 = rng.random() < 0.3
+    seq = int(rng.choice([2, 4])) if rank3 else 0
+    g = GraphBuilder(batch)
+    lead = (batch, seq) if rank3 else (batch,)
+    width = int(rng.choice([4, 6, 8, 12]))
+    cur = g.input((*lead, width))
+    history = [cur]
+    for _ in range(int(rng.integers(1, max_dots + 1))):
+        out_width = int(rng.choice([4, 6, 8, 16]))
+        w = g.param((width, out_width))
+        cur = g.dot(cur, w, ((len(lead),), (0,)), batch_dim=0)
+        width = out_width
+        shape = (*lead, width)
+        if rng.random() < 0.5:
+            cur = g.op(str(rng.choice(["tanh", "exp", "neg"])), (cur,), shape, batch_dim=0)
+        if rng.random() < 0.3:
+            bias = g.param((width,))
+            dims = (("broadcast_dimensions", (len(lead),)), ("shape", shape))
+            wide = g.op("broadcast_in_dim", (bias,), shape, params=dims, batch_dim=0)
+            cur = g.op("add", (cur, wide), shape, batch_dim=0)
+        same = [t for t in history if g.tensors[t].shape == shape]
+        if same and rng.random() < 0.5:
+            cur = g.op("add", (cur, same[int(rng.integers(len(same)))]), shape, batch_dim=0)
+        history.append(cur)
+    shape = g.tensors[cur].shape
+    if rng.random() < 0.3 and not rank3:
+        cur = g.op("transpose", (cur,), shape[::-1], params=(("permutation", (1, 0)),),
+                   batch_dim=1)
+        cur = g.op("reduce_max", (cur,), (batch,), params=(("axes", (0,)),), batch_dim=0)
+    else:
+        axes = tuple(range(1, len(shape)))
+        cur = g.op("reduce_sum", (cur,), (batch,), params=(("axes", axes),), batch_dim=0)
+    loss = g.op("reduce_sum", (cur,), (), params=(("axes", (0,)),))
+    return g.build(loss)
+
+
+def random_training_graph(rng: np.random.Generator) -> OpGraph:
+    """One dense layer with its backward dot and a momentum update (param consistency)."""
+    batch = int(rng.choice([4, 8]))
+    d, e = int(rng.choice([4, 8, 6])), int(rng.choice([4, 8]))
+    g = GraphBuilder(batch)
+    x = g.input((batch, d))
+    w = g.param((d, e))
+    m = g.state((d, e))
+    y = g.dot(x, w, ((1,), (0,)), batch_dim=0)
+    sq = g.op("mul", (y, y), (batch, e), batch_dim=0)
+    loss = g.op("reduce_sum", (sq,), (), params=(("axes", (0, 1)),))
+    dy = g.op("add", (y, y), (batch, e), Phase.BACKWARD, batch_dim=0)
+    dw = g.dot(x, dy, ((0,), (0,)), Phase.BACKWARD)
+    decayed = g.op("mul", (m,), (d, e), Phase.UPDATE)
+    moment = g.op("add", (decayed, dw), (d, e), Phase.UPDATE)
+    new_w = g.op("sub", (w, moment), (d, e), Phase.UPDATE)
+    return g.build(loss, grads=(dw,), new_params=(new_w,))
+
+
+def _required_bytes(graph: OpGraph, mesh: LogicalMesh, **kwargs) -> float:
+    with pytest.raises(InfeasibleError) as info:
+        solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, memory_budget_bytes=1.0,
+                       **kwargs)
+    return info.value.required_bytes
+
+
+def test_ilp_matches_brute_force_on_random_graphs():
+    rng = np.random.default_rng(7)
+    checked = graphs = 0
+    for case in range(60):
+        if graphs == 24:
+            break
+        shape = (2, 2) if case % 2 == 0 else (1, 4)
+        mesh = toy_mesh(shape)
+        if case % 5 == 4:
+            graph = random_training_graph(rng)
+        else:
+            graph = random_forward_graph(rng, max_dots=2 if shape == (2, 2) else 3)
+        kwargs = dict(
+            num_micro_batches=int(rng.choice([1, 2, 4])),
+            activation_multiplier=int(rng.choice([1, 2])),
+            memory_weight=float(rng.choice([0.0, 1e-9])),
+        )
+        try:
+            unconstrained = brute_force_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, **kwargs)
+        except ValueError:  # too many combinations to enumerate: draw another graph
+            continue
+        graphs += 1
+        required = _required_bytes(graph, mesh, **kwargs)
+        budgets = [None, required * float(rng.uniform(1.0, 1.6))]
+        for budget in budgets:
+            expected = unconstrained if budget is None else brute_force_intra_op(
+                graph, all_ops(graph), mesh, DEVICE, CAL, memory_budget_bytes=budget, **kwargs
+            )
+            for presolve in (True, False):
+                result = solve_intra_op(
+                    graph, all_ops(graph), mesh, DEVICE, CAL, memory_budget_bytes=budget,
+                    presolve=presolve, **kwargs,
+                )
+                assert result.objective == pytest.approx(expected, rel=1e-6, abs=1e-12), (
+                    case, budget, presolve
+                )
+                memory = result.memory_bytes(kwargs["activation_multiplier"])
+                if budget is not None:
+                    assert memory <= budget * (1 + 1e-9)
+                if not result.weight_update_sharded:
+                    # The op-by-op read-back agrees with the ILP's aggregated tables.
+                    realised = (
+                        result.compute_seconds
+                        + result.comm_seconds
+                        + result.update_seconds / kwargs["num_micro_batches"]
+                        + (kwargs["memory_weight"] + 1e-18) * memory
+                    )
+                    assert realised == pytest.approx(result.objective, rel=1e-9, abs=1e-15)
+            checked += 1
+    assert graphs >= 20 and checked == 2 * graphs
+
+
+def test_infeasible_budget_matches_brute_force():
+    rng = np.random.default_rng(3)
+    graph = random_training_graph(rng)
+    mesh = toy_mesh((2, 2))
+    with pytest.raises(InfeasibleError) as ilp:
+        solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, memory_budget_bytes=10.0)
+    with pytest.raises(InfeasibleError) as brute:
+        brute_force_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, memory_budget_bytes=10.0)
+    assert ilp.value.required_bytes == pytest.approx(brute.value.required_bytes)
+    assert ilp.value.available_bytes == 10.0
+    assert "GiB per device" in str(ilp.value)
+
+
+def test_cbc_solver_path_matches_brute_force():
+    rng = np.random.default_rng(5)
+    graph = random_forward_graph(rng, max_dots=2)
+    mesh = toy_mesh((2, 2))
+    expected = brute_force_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL)
+    result = solve_intra_op(
+        graph, all_ops(graph), mesh, DEVICE, CAL, solver="cbc", presolve=False
+    )
+    assert result.stats.solver == "cbc"
+    assert result.stats.num_variables > 0
+    assert result.objective == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="solver"):
+        solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, solver="gurobi")
+
+
+def test_presolve_skips_the_solver_on_a_chain():
+    graph = random_forward_graph(np.random.default_rng(1), max_dots=1)
+    result = solve_intra_op(graph, all_ops(graph), toy_mesh((2, 2)), DEVICE, CAL)
+    assert result.stats.status is SolveStatus.PRESOLVED
+    assert result.stats.num_variables == 0
+    assert result.stats.num_nodes >= 2
+
+
+# ---------------------------------------------------------------- closed forms
+
+
+def _base(op: Op, graph: OpGraph) -> float:
+    dtype = graph.tensors[op.inputs[0]].dtype
+    return op_seconds(op.primitive, op.flops, op.bytes_accessed, dtype, DEVICE, CAL)
+
+
+def test_data_parallel_mlp_closed_form():
+    n = 8
+    graph = mlp_training_graph(batch=1024, d=64, h=64)
+    mesh = make_logical_mesh(CLUSTER, (1, n), (1, n), CAL)
+    result = solve_intra_op(
+        graph, all_ops(graph), mesh, DEVICE, CAL, mode=ShardingMode.DATA, num_micro_batches=4
+    )
+    sync = sum(
+        all_reduce_seconds(mesh, (1,), graph.tensors[p].nbytes) for p in graph.params
+    )
+    update_compute = sum(_base(op, graph) for op in graph.ops if op.phase is Phase.UPDATE)
+    compute = sum(_base(op, graph) for op in graph.ops if op.phase is not Phase.UPDATE) / n
+    assert result.update_seconds == pytest.approx(sync + update_compute)
+    assert result.compute_seconds == pytest.approx(compute)
+    # The only per-micro-batch communication is the all-reduce of the scalar loss.
+    assert result.comm_seconds == pytest.approx(all_reduce_seconds(mesh, (1,), 4.0))
+    assert result.objective == pytest.approx(
+        result.compute_seconds + result.comm_seconds + result.update_seconds / 4
+    )
+    x = graph.batch[0]
+    assert result.specs[x] == ((1,), ())
+    assert all(result.specs[p] == ((), ()) for p in graph.params)
+    assert result.weight_update_sharded == ()
+    weights = 2 * sum(graph.tensors[p].nbytes for p in graph.params)  # params + grads
+    assert result.weight_bytes == pytest.approx(weights)
+
+
+def test_megatron_split_wins_with_big_weights_and_small_batch():
+    graph = mlp_training_graph(batch=8, d=8192, h=32768, dtype="float16")
+    mesh = make_logical_mesh(CLUSTER, (1, 8), (1, 8), CAL)
+    auto = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL)
+    w1, w2 = graph.params
+    assert auto.specs[w1] == ((), (1,))  # column split
+    assert auto.specs[w2] == ((1,), ())  # row split
+    data = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, mode=ShardingMode.DATA)
+    assert auto.objective < 0.5 * data.objective
+    assert auto.weight_bytes < data.weight_bytes / 4
+
+
+def test_data_parallel_wins_with_small_weights_and_big_batch():
+    graph = mlp_training_graph(batch=4096, d=128, h=128)
+    mesh = make_logical_mesh(CLUSTER, (1, 8), (1, 8), CAL)
+    auto = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL)
+    assert all(auto.specs[p] == ((), ()) for p in graph.params)
+    assert auto.specs[graph.batch[0]] == ((1,), ())
+    data = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, mode=ShardingMode.DATA)
+    assert auto.objective <= data.objective * (1 + 1e-9)
+
+
+def test_partition_specs_of_a_result():
+    graph = mlp_training_graph(batch=8, d=8192, h=32768, dtype="float16")
+    mesh = make_logical_mesh(CLUSTER, (1, 8), (1, 8), CAL)
+    specs = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL).partition_specs()
+    assert specs[graph.params[0]] == (None, "y")
+
+
+# ---------------------------------------------------------------- memory budget
+
+
+def test_memory_budget_below_minimum_raises():
+    graph = mlp_training_graph(batch=4096, d=128, h=128, with_state=True)
+    mesh = make_logical_mesh(CLUSTER, (1, 8), (2, 4), CAL)
+    with pytest.raises(InfeasibleError) as info:
+        solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, memory_budget_bytes=1024.0)
+    err = info.value
+    assert err.available_bytes == 1024.0
+    assert err.required_bytes > 1024.0
+    assert "GiB per device" in str(err) and "budget" in str(err)
+    # The least memory is what the memory-minimising ILP finds, and it is feasible.
+    fits = solve_intra_op(
+        graph, all_ops(graph), mesh, DEVICE, CAL, memory_budget_bytes=err.required_bytes * 1.0001
+    )
+    assert fits.memory_bytes() <= err.required_bytes * 1.0001
+
+
+def test_memory_budget_forces_more_sharding():
+    graph = mlp_training_graph(batch=4096, d=128, h=128, with_state=True)
+    mesh = make_logical_mesh(CLUSTER, (1, 8), (2, 4), CAL)
+    free = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, mode=ShardingMode.DATA)
+    least = _required_bytes(graph, mesh)
+    budget = (least + free.memory_bytes()) / 2
+    tight = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, memory_budget_bytes=budget)
+    assert tight.memory_bytes() <= budget
+    assert tight.memory_bytes() < free.memory_bytes()
+    auto = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL)
+    assert tight.objective >= auto.objective * (1 - 1e-9)
+    # An activation multiplier counts the residuals that many times.
+    doubled = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, activation_multiplier=2)
+    assert doubled.memory_bytes(2) == pytest.approx(
+        doubled.weight_bytes + 2 * doubled.activation_bytes
+    )
+    assert doubled.activation_bytes > 0
+
+
+def test_memory_weight_trades_time_for_memory():
+    graph = mlp_training_graph(batch=4096, d=128, h=128, with_state=True)
+    mesh = make_logical_mesh(CLUSTER, (1, 8), (2, 4), CAL)
+    fast = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL)
+    lean = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, memory_weight=1e-3)
+    assert lean.memory_bytes() < fast.memory_bytes()
+
+
+# ---------------------------------------------------------------- weight-update sharding
+
+
+def test_weight_update_sharding_reduces_weight_bytes():
+    graph = mlp_training_graph(batch=4096, d=1024, h=1024, with_state=True)
+    mesh = make_logical_mesh(CLUSTER, (1, 8), (1, 8), CAL)
+    results = {
+        mode: solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, mode=mode,
+                             num_micro_batches=2)
+        for mode in ShardingMode
+    }
+    data = results[ShardingMode.DATA]
+    zero2 = results[ShardingMode.ZERO2]
+    auto = results[ShardingMode.AUTO]
+    assert data.weight_update_sharded == ()
+    assert set(zero2.weight_update_sharded) == set(graph.params)
+    state_bytes = sum(graph.tensors[m].nbytes for m in graph.opt_state)
+    assert zero2.weight_bytes == pytest.approx(data.weight_bytes - state_bytes * 7 / 8)
+    assert zero2.update_seconds < data.update_seconds
+    assert zero2.compute_seconds == pytest.approx(data.compute_seconds)
+    for m in graph.opt_state:
+        assert 1 in [k for dim in zero2.specs[m] for k in dim]
+    assert auto.weight_bytes < data.weight_bytes
+
+
+# ---------------------------------------------------------------- strategies
+
+
+def test_dot_strategies_include_megatron_and_data_parallel():
+    g = GraphBuilder(8)
+    x = g.input((8, 16))
+    w = g.param((16, 32))
+    g.dot(x, w, ((1,), (0,)), batch_dim=0)
+    graph = g.build(2)
+    strategies = op_strategies(graph.ops[0], graph, toy_mesh((1, 4)), DEVICE, CAL)
+    by_name = {s.name: s for s in strategies}
+    assert by_name["y->r0"].input_specs == (((), ()), ((), (1,)))  # column split
+    assert by_name["y->k0"].collectives[0].kind.value == "all_reduce"  # row split
+    assert by_name["y->l0"].output_specs == (((1,), ()),)  # data parallel
+    assert any(s.name.startswith("y->k0,rs") for s in strategies)
+    rep = by_name["replicated"]
+    assert rep.compute_seconds == pytest.approx(4 * by_name["y->l0"].compute_seconds)
+
+
+def test_follow_reshape_maps_clean_splits_and_replicates_others():
+    g = GraphBuilder(4)
+    x = g.input((4, 6, 8))
+    g.op("reshape", (x,), (24, 8), params=(("new_sizes", (24, 8)),), batch_dim=0)
+    graph = g.build(1)
+    op, mesh = graph.ops[0], toy_mesh((2, 2))
+    clean = follow_strategy(op, graph, 0, ((0,), (), (1,)), mesh, DEVICE, CAL)
+    assert clean.output_specs == (((0,), (1,)),)
+    assert clean.input_specs == (((0,), (), (1,)),)
+    messy = follow_strategy(op, graph, 0, ((), (0,), ()), mesh, DEVICE, CAL)
+    assert messy.input_specs == (((), (), ()),)  # S split must be gathered first
+    assert messy.output_specs == (((), ()),)
+
+
+def test_follow_reduce_all_reduces_split_dims():
+    g = GraphBuilder(8)
+    x = g.input((8, 16))
+    g.op("reduce_sum", (x,), (8,), params=(("axes", (1,)),), batch_dim=0)
+    graph = g.build(1)
+    mesh = toy_mesh((2, 2))
+    strategy = follow_strategy(graph.ops[0], graph, 0, ((0,), (1,)), mesh, DEVICE, CAL)
+    assert strategy.output_specs == (((0,),),)
+    assert strategy.collectives[0].axes == (1,)
+    assert strategy.comm_seconds == pytest.approx(all_reduce_seconds(mesh, (1,), 8 * 4 / 2))
+
+
+def test_unknown_op_gets_replicated_and_batch_split():
+    g = GraphBuilder(8)
+    x = g.input((8, 16))
+    g.op("cumsum", (x,), (8, 16), params=(("axis", 1),), batch_dim=0)  # a follower
+    g.op("sort", (x,), (8, 16), params=(("dimension", 1),), batch_dim=0)
+    g.op("sort", (x,), (8, 16), params=(("dimension", 0),), batch_dim=0)
+    graph = g.build(1)
+    mesh = toy_mesh((2, 2))
+    names = [s.name for s in op_strategies(graph.ops[1], graph, mesh, DEVICE, CAL)]
+    assert names == ["replicated", "x->batch", "y->batch", "xy->batch"]
+    along_batch = op_strategies(graph.ops[2], graph, mesh, DEVICE, CAL)
+    assert [s.name for s in along_batch] == ["replicated"]
+    scan = follow_strategy(graph.ops[0], graph, 0, ((0,), (1,)), mesh, DEVICE, CAL)
+    assert scan.input_specs == (((0,), ()),)
+
+
+def test_bad_arguments_are_refused():
+    graph = mlp_training_graph(batch=8, d=8, h=8)
+    mesh = toy_mesh((1, 4))
+    with pytest.raises(ValueError, match="op_ids"):
+        solve_intra_op(graph, [], mesh, DEVICE, CAL)
+    with pytest.raises(ValueError, match="not in graph"):
+        solve_intra_op(graph, [999], mesh, DEVICE, CAL)
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        solve_intra_op(graph, [0], mesh, DEVICE, CAL, num_micro_batches=0)
+
+
+# ---------------------------------------------------------------- a traced model
+
+
+def test_traced_gpt_layer_in_every_mode():
+    pytest.importorskip("jax")
+    extract = pytest.importorskip("alpajob.planner.extract")
+    clustering = pytest.importorskip("alpajob.planner.clustering")
+    registry = pytest.importorskip("alpajob.trainer.zoo.registry")
+    graph = extract.extract_model(registry.resolve_model("gpt", "tiny"), 8)
+    layer = sorted(clustering.cluster_layers(graph, 2)[0])
+    for shape in ((2, 2), (1, 4)):
+        mesh = make_logical_mesh(CLUSTER, (1, 4), shape, CAL)
+        results = {
+            mode: solve_intra_op(graph, layer, mesh, DEVICE, CAL, mode=mode, num_micro_batches=2)
+            for mode in ShardingMode
+        }
+        auto = results[ShardingMode.AUTO]
+        assert auto.objective <= results[ShardingMode.DATA].objective * (1 + 1e-9)
+        assert results[ShardingMode.ZERO2].weight_bytes <= results[ShardingMode.DATA].weight_bytes
+        for t in (*auto.boundary_inputs, *auto.boundary_outputs):
+            assert t in auto.specs
+        assert auto.stats.num_nodes < len(layer) / 3  # followers merged
+        # Presolve is exact: the whole model handed to the solver gives the same optimum.
+        full = solve_intra_op(graph, layer, mesh, DEVICE, CAL, num_micro_batches=2,
+                              presolve=False)
+        assert full.objective == pytest.approx(auto.objective, rel=1e-6)

@@ -1,0 +1,182 @@
+"""End-to-end planning on small zoo models: every method, the Plan document, errors."""
+
+import dataclasses
+import json
+
+import pytest
+
+from alpajob.planner.cluster import cluster_from_preset
+from alpajob.planner.errors import InfeasibleError, ManifestError, PlanFormatError
+from alpajob.planner.extract import extract_model
+from alpajob.planner.manifest import Method
+from alpajob.planner.plan import PLAN_VERSION, plan_from_json, plan_json_schema
+from alpajob.planner.planning import ManualStageOption, PlanOptions, make_plan
+from alpajob.planner.schedules import Schedule
+from alpajob.trainer.zoo import resolve_model
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return extract_model(resolve_model("gpt", "tiny"), 32)
+
+
+@pytest.fixture(scope="module")
+def cpu8():
+    return cluster_from_preset("cpu", 1, 8)
+
+
+@pytest.fixture(scope="module")
+def auto_result(gpt_graph, cpu8):
+    return make_plan(gpt_graph, cpu8, PlanOptions(baselines=True))
+
+
+def _check_plan_shape(plan, cluster):
+    layers = len(plan.layers)
+    assert plan.stages[0].layers[0] == 0 and plan.stages[-1].layers[1] == layers
+    for before, after in zip(plan.stages, plan.stages[1:], strict=False):
+        assert before.layers[1] == after.layers[0]
+    used = [slot for stage in plan.stages for slot in stage.device_slots]
+    assert len(used) == len(set(used)) <= cluster.num_devices
+    for stage in plan.stages:
+        n, m = stage.submesh_shape
+        a, b = stage.logical_mesh_shape
+        assert a * b == n * m == len(stage.device_slots)
+        assert stage.peak_memory_bytes <= cluster.device.memory_bytes
+        assert stage.predicted_seconds > 0
+    assert plan.predicted_step_seconds > 0 and plan.predicted_pflops > 0
+
+
+def test_auto_plan(auto_result, cpu8, gpt_graph):
+    plan = auto_result.plan
+    _check_plan_shape(plan, cpu8)
+    assert plan.version == PLAN_VERSION
+    assert plan.model.fingerprint == gpt_graph.fingerprint()
+    assert plan.model.num_parameters == gpt_graph.num_parameters
+    # Every parameter of the model has a sharding in exactly the stages that use it.
+    names = {name for stage in plan.stages for name in stage.param_shardings}
+    assert names == set(gpt_graph.param_names)
+
+
+def test_plan_is_at_least_as_fast_as_every_baseline(auto_result):
+    plan = auto_result.plan
+    assert set(plan.baselines) == {
+        "data-parallel", "zero2", "megatron-3d", "equal-layer", "equal-operator"}
+    for name, seconds in plan.baselines.items():
+        if seconds is not None:
+            assert plan.predicted_step_seconds <= seconds * (1 + 1e-9), name
+
+
+def test_round_trip_and_hash(auto_result):
+    plan = auto_result.plan
+    text = plan.to_json()
+    again = plan_from_json(text)
+    assert again == plan
+    assert again.content_hash() == plan.content_hash()
+    data = json.loads(text)
+    for key in ("stages", "num_micro_batches", "predicted_step_seconds", "predicted_pflops"):
+        assert key in data
+    for stage in data["stages"]:
+        for key in ("layers", "submesh_shape", "logical_mesh_shape", "predicted_seconds",
+                    "peak_memory_bytes"):
+            assert key in stage
+    # An edited document is refused.
+    data["num_micro_batches"] += 1
+    with pytest.raises(PlanFormatError, match="does not match"):
+        plan_from_json(json.dumps(data))
+    with pytest.raises(PlanFormatError, match="version"):
+        plan_from_json(json.dumps({"version": "v0"}))
+    with pytest.raises(PlanFormatError, match="not valid JSON"):
+        plan_from_json("{")
+
+
+def test_schema_describes_plan(auto_result):
+    schema = plan_json_schema()
+    assert set(schema["required"]) >= {"stages", "num_micro_batches", "predicted_step_seconds"}
+    assert "StagePlan" in json.dumps(schema)
+
+
+def test_determinism(gpt_graph, cpu8, auto_result):
+    again = make_plan(gpt_graph, cpu8, PlanOptions(baselines=True)).plan
+    assert again.content_hash() == auto_result.plan.content_hash()
+    regraph = extract_model(resolve_model("gpt", "tiny"), 32)
+    assert regraph.fingerprint() == gpt_graph.fingerprint()
+
+
+@pytest.mark.parametrize("method", [Method.DATA, Method.ZERO2, Method.SHARD])
+def test_single_stage_methods(gpt_graph, cpu8, method):
+    plan = make_plan(gpt_graph, cpu8, PlanOptions(method=method)).plan
+    _check_plan_shape(plan, cpu8)
+    assert len(plan.stages) == 1 and plan.stages[0].submesh_shape == (1, 8)
+    if method is Method.DATA:
+        assert not plan.stages[0].weight_update_sharded
+
+
+def test_zero2_shards_optimizer_state(gpt_graph, cpu8):
+    data = make_plan(gpt_graph, cpu8, PlanOptions(method=Method.DATA, num_micro_batches=1)).plan
+    zero2 = make_plan(gpt_graph, cpu8, PlanOptions(method=Method.ZERO2, num_micro_batches=1)).plan
+    assert zero2.stages[0].weight_bytes < data.stages[0].weight_bytes
+    assert zero2.stages[0].weight_update_sharded
+
+
+def test_pipeshard_has_stages(gpt_graph, cpu8):
+    plan = make_plan(gpt_graph, cpu8, PlanOptions(method=Method.PIPESHARD)).plan
+    _check_plan_shape(plan, cpu8)
+    assert len(plan.stages) >= 2
+    assert plan.resharding, "stages exchange activations and gradients"
+    directions = {task.direction for task in plan.resharding}
+    assert directions == {"forward", "backward"}
+
+
+def test_fixed_micro_batches_and_gpipe(gpt_graph, cpu8):
+    options = PlanOptions(method=Method.PIPESHARD, num_micro_batches=4, schedule=Schedule.GPIPE)
+    plan = make_plan(gpt_graph, cpu8, options).plan
+    assert plan.num_micro_batches == 4 and plan.schedule == "gpipe"
+    assert all(stage.in_flight_micro_batches == 4 for stage in plan.stages)
+
+
+def test_manual_stages(gpt_graph, cpu8):
+    stages = (ManualStageOption(0, 2, (1, 4)), ManualStageOption(2, 4, (1, 4), (2, 2)))
+    options = PlanOptions(method=Method.MANUAL, num_layers=4, manual_stages=stages,
+                          num_micro_batches=4)
+    plan = make_plan(gpt_graph, cpu8, options).plan
+    assert [s.layers for s in plan.stages] == [(0, 2), (2, 4)]
+    assert [s.submesh_shape for s in plan.stages] == [(1, 4), (1, 4)]
+    assert plan.stages[1].logical_mesh_shape == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("stages", "match"),
+    [
+        ((ManualStageOption(0, 2, (1, 4)), ManualStageOption(3, 4, (1, 4))), "contiguously"),
+        ((ManualStageOption(0, 4, (1, 3)),), "not a submesh"),
+        ((ManualStageOption(0, 2, (1, 8)), ManualStageOption(2, 4, (1, 8))), "uses 16 devices"),
+        ((ManualStageOption(0, 2, (1, 8)),), "cover layers 0..1"),
+        ((ManualStageOption(0, 4, (1, 4), (2, 4)),), "logicalMeshShape"),
+    ],
+)
+def test_manual_errors(gpt_graph, cpu8, stages, match):
+    options = PlanOptions(method=Method.MANUAL, num_layers=4, manual_stages=stages)
+    with pytest.raises(ManifestError, match=match):
+        make_plan(gpt_graph, cpu8, options)
+
+
+def test_infeasible_memory(gpt_graph, cpu8):
+    tiny_device = dataclasses.replace(cpu8.device, memory_bytes=64 * 1024)
+    cluster = dataclasses.replace(cpu8, device=tiny_device)
+    with pytest.raises(InfeasibleError) as info:
+        make_plan(gpt_graph, cluster, PlanOptions())
+    error = info.value
+    assert error.required_bytes > error.available_bytes
+    assert "GiB per device" in str(error) and "does not fit" in str(error)
+
+
+@pytest.mark.parametrize("family", ["mlp", "moe", "wresnet"])
+def test_other_families_plan(family, cpu8):
+    model = resolve_model(family, "tiny")
+    batch = 32
+    graph = extract_model(model, batch)
+    plan = make_plan(graph, cpu8, PlanOptions(baselines=True)).plan
+    _check_plan_shape(plan, cpu8)
+    for seconds in plan.baselines.values():
+        if seconds is not None:
+            assert plan.predicted_step_seconds <= seconds * (1 + 1e-9)

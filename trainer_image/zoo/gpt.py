@@ -1,0 +1,165 @@
+"""GPT: a decoder-only pre-LN transformer language model (the Alpa paper's GPT suite).
+
+Structure (``h`` = hidden, ``n`` = heads, ``s`` = seqLen, ``v`` = vocab)::
+
+    input_ids [b, s] --gather--> token embedding [v, h] + position embedding [s, h]
+    layer_i (i < layers), each inside named_scope("layer_i"):
+        x = x + attn(LN1(x))    q, k, v, o: [h, h] dense; causal softmax per head
+        x = x + mlp(LN2(x))     [h, 4h] -> gelu -> [4h, h]
+    final LN; logits = x @ token_embedding.T (tied LM head); cross-entropy vs labels
+
+Parameters per layer are ``12 h^2 + 13 h``, plus ``(v + s) h + 2 h`` outside the layers,
+so GPT-2.6B (h=2560, 32 layers) has 2.65e9. The attention and dense pieces are reused
+by :mod:`alpajob.trainer.zoo.moe`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from alpajob.planner.errors import ManifestError
+from alpajob.trainer.zoo.model import (
+    Batch,
+    ModelDef,
+    Params,
+    dense,
+    dense_init,
+    layer_norm,
+    norm_init,
+    normal,
+    softmax_cross_entropy,
+)
+
+_COMMON = {"seqLen": 1024, "vocab": 51200}
+
+#: The family default (and the ``tiny`` config): a model that runs on CPU in seconds.
+TINY: dict[str, Any] = {"hidden": 64, "layers": 2, "heads": 4, "seqLen": 32, "vocab": 256}
+
+#: The Alpa paper's GPT configurations (seq 1024, vocab 51200).
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": TINY,
+    "350m": {"hidden": 1024, "layers": 24, "heads": 16, **_COMMON},
+    "1.3b": {"hidden": 2048, "layers": 24, "heads": 32, **_COMMON},
+    "2.6b": {"hidden": 2560, "layers": 32, "heads": 32, **_COMMON},
+    "6.7b": {"hidden": 4096, "layers": 32, "heads": 32, **_COMMON},
+    "15b": {"hidden": 5120, "layers": 48, "heads": 40, **_COMMON},
+    "39b": {"hidden": 8192, "layers": 48, "heads": 64, **_COMMON},
+}
+
+#: Ratio of the MLP's inner width to ``hidden``.
+MLP_FACTOR = 4
+
+
+def check(config: dict[str, Any]) -> None:
+    """Refuse a ``hidden`` that ``heads`` does not divide."""
+    if config["hidden"] % config["heads"]:
+        raise ManifestError(
+            "spec.model.config.heads",
+            f"heads={config['heads']} must divide hidden={config['hidden']}",
+        )
+
+
+def embed_init(key: jax.Array, vocab: int, seq_len: int, hidden: int, dtype: str) -> Params:
+    """Token and position embeddings."""
+    k_tok, k_pos = jax.random.split(key)
+    return {
+        "tokens": normal(k_tok, (vocab, hidden), dtype, 0.02),
+        "positions": normal(k_pos, (seq_len, hidden), dtype, 0.02),
+    }
+
+
+def embed(params: Params, input_ids: jax.Array) -> jax.Array:
+    """``tokens[input_ids] + positions`` -> ``[batch, seq, hidden]``."""
+    x = jnp.take(params["tokens"], input_ids, axis=0)
+    return x + params["positions"][None, : input_ids.shape[1]]
+
+
+def attention_init(key: jax.Array, hidden: int, dtype: str) -> Params:
+    """Query, key, value and output projections, each ``[hidden, hidden]`` plus bias."""
+    keys = jax.random.split(key, 4)
+    return {name: dense_init(k, hidden, hidden, dtype) for name, k in zip("qkvo", keys, strict=True)}
+
+
+def causal_attention(params: Params, x: jax.Array, heads: int) -> jax.Array:
+    """Multi-head self-attention with a causal mask; softmax in float32."""
+    b, s, h = x.shape
+    head_dim = h // heads
+    q = dense(params["q"], x).reshape(b, s, heads, head_dim)
+    k = dense(params["k"], x).reshape(b, s, heads, head_dim)
+    v = dense(params["v"], x).reshape(b, s, heads, head_dim)
+    scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * head_dim**-0.5
+    row = lax.broadcasted_iota(jnp.int32, (s, s), 0)
+    col = lax.broadcasted_iota(jnp.int32, (s, s), 1)
+    scores = jnp.where(col <= row, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, h)
+    return dense(params["o"], out)
+
+
+def mlp_init(key: jax.Array, hidden: int, ffn: int, dtype: str) -> Params:
+    """The position-wise MLP ``[hidden, ffn] -> gelu -> [ffn, hidden]``."""
+    k1, k2 = jax.random.split(key)
+    return {"fc1": dense_init(k1, hidden, ffn, dtype), "fc2": dense_init(k2, ffn, hidden, dtype)}
+
+
+def mlp(params: Params, x: jax.Array) -> jax.Array:
+    """``fc2(gelu(fc1(x)))``."""
+    return dense(params["fc2"], jax.nn.gelu(dense(params["fc1"], x)))
+
+
+def lm_head_loss(params: Params, x: jax.Array, labels: jax.Array) -> jax.Array:
+    """Final LN, tied LM head (``x @ tokens.T``), mean cross-entropy against ``labels``."""
+    x = layer_norm(params["final_ln"], x)
+    logits = jnp.einsum("bsh,vh->bsv", x, params["embed"]["tokens"])
+    return softmax_cross_entropy(logits, labels)
+
+
+def token_batch_shapes(seq_len: int):
+    """``batch_shapes`` of a language model: int32 ``input_ids`` and ``labels``."""
+
+    def batch_shapes(batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        shape = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.dtype(jnp.int32))
+        return {"input_ids": shape, "labels": shape}
+
+    return batch_shapes
+
+
+def build(name: str, config: dict[str, Any], dtype: str) -> ModelDef:
+    """The GPT :class:`ModelDef` for a resolved ``config``."""
+    hidden, layers, heads = config["hidden"], config["layers"], config["heads"]
+    seq_len, vocab = config["seqLen"], config["vocab"]
+
+    def init(key: jax.Array) -> Params:
+        k_embed, *k_layers = jax.random.split(key, layers + 1)
+        blocks = []
+        for k in k_layers:
+            k_attn, k_mlp = jax.random.split(k)
+            blocks.append(
+                {
+                    "ln1": norm_init(hidden, dtype),
+                    "attn": attention_init(k_attn, hidden, dtype),
+                    "ln2": norm_init(hidden, dtype),
+                    "mlp": mlp_init(k_mlp, hidden, MLP_FACTOR * hidden, dtype),
+                }
+            )
+        return {
+            "embed": embed_init(k_embed, vocab, seq_len, hidden, dtype),
+            "layers": blocks,
+            "final_ln": norm_init(hidden, dtype),
+        }
+
+    def loss(params: Params, batch: Batch) -> jax.Array:
+        with jax.named_scope("embed"):
+            x = embed(params["embed"], batch["input_ids"])
+        for i, block in enumerate(params["layers"]):
+            with jax.named_scope(f"layer_{i}"):
+                x = x + causal_attention(block["attn"], layer_norm(block["ln1"], x), heads)
+                x = x + mlp(block["mlp"], layer_norm(block["ln2"], x))
+        with jax.named_scope("head"):
+            return lm_head_loss(params, x, batch["labels"])
+
+    return ModelDef(name, "gpt", jax.jit(init), loss, token_batch_shapes(seq_len), dtype, dict(config))

@@ -1,0 +1,133 @@
+"""The model contract: :class:`ModelDef`, and small building blocks the families share.
+
+A model is four plain functions and some plain data. The planner traces
+``loss`` (through :func:`alpajob.planner.extract.extract_model`) on abstract shapes; the
+trainer calls ``init`` with a real PRNG key and jits ``loss``. A user's custom
+entrypoint returns an object of the same shape (duck typing is enough: the planner
+only reads ``name``, ``init``, ``loss`` and ``batch_shapes``).
+
+Conventions every zoo family follows:
+
+- ``params`` is a dict pytree; repeated layers live in a list (``params["layers"][i]``)
+  so pytree paths read ``layers/3/attn/qkv``.
+- Every layer's code runs inside ``jax.named_scope(f"layer_{i}")`` and layers are an
+  unrolled Python loop (no ``lax.scan``), so each layer is its own run of equations.
+- Parameters are stored in ``dtype``; normalizations, softmaxes and the loss are
+  computed in float32 (mixed precision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: A model's parameters (a dict pytree of arrays).
+Params = Any
+#: One batch: a dict of arrays keyed like :attr:`ModelDef.batch_shapes`.
+Batch = Mapping[str, jax.Array]
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """A trainable model, as the planner and the trainer see it.
+
+    Attributes:
+        name: display name, e.g. ``"gpt-2.6b"`` or ``"gpt-custom"``.
+        family: the zoo family (``gpt``, ``moe``, ``wresnet``, ``mlp``) or ``"custom"``.
+        init: ``init(key) -> params``; pure, so ``jax.eval_shape(init, key)`` gives the
+            parameter shapes without allocating anything. The zoo's are ``jax.jit`` ted
+            (one compilation instead of one per eager op).
+        loss: ``loss(params, batch) -> scalar`` (float32), differentiable in ``params``.
+        batch_shapes: ``batch_shapes(batch_size) -> {name: jax.ShapeDtypeStruct}``, the
+            abstract batch; every entry's leading dimension is the batch.
+        dtype: parameter and compute dtype name (``"float32"``, ``"bfloat16"``, ...).
+        config: the resolved configuration (plain JSON-like data, camelCase keys).
+    """
+
+    name: str
+    family: str
+    init: Callable[[jax.Array], Params]
+    loss: Callable[[Params, Batch], jax.Array]
+    batch_shapes: Callable[[int], dict[str, jax.ShapeDtypeStruct]]
+    dtype: str
+    config: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def param_shapes(self) -> Params:
+        """The parameter pytree as ``jax.ShapeDtypeStruct`` s (nothing allocated)."""
+        return jax.eval_shape(self.init, jax.random.key(0))
+
+    def num_parameters(self) -> int:
+        """Number of parameter elements, computed abstractly."""
+        leaves = jax.tree.leaves(self.param_shapes())
+        return sum(int(leaf.size) for leaf in leaves)
+
+
+def normal(key: jax.Array, shape: tuple[int, ...], dtype: str, stddev: float) -> jax.Array:
+    """A ``N(0, stddev^2)`` initializer in ``dtype``."""
+    return (jax.random.normal(key, shape, jnp.float32) * stddev).astype(dtype)
+
+
+def dense_init(key: jax.Array, d_in: int, d_out: int, dtype: str) -> dict[str, jax.Array]:
+    """A dense layer ``{"kernel": [d_in, d_out], "bias": [d_out]}`` (LeCun-normal kernel)."""
+    return {
+        "kernel": normal(key, (d_in, d_out), dtype, d_in**-0.5),
+        "bias": jnp.zeros((d_out,), dtype),
+    }
+
+
+def dense(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """``x @ kernel + bias`` over the last dimension of ``x``."""
+    return x @ params["kernel"] + params["bias"]
+
+
+def norm_init(dim: int, dtype: str) -> dict[str, jax.Array]:
+    """Scale (ones) and bias (zeros) of a normalization over ``dim`` features."""
+    return {"scale": jnp.ones((dim,), dtype), "bias": jnp.zeros((dim,), dtype)}
+
+
+def layer_norm(
+    params: dict[str, jax.Array], x: jax.Array, axes: tuple[int, ...] = (-1,)
+) -> jax.Array:
+    """Normalize ``x`` over ``axes`` (in float32), then scale and shift per last-dim feature."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=axes, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5)
+    return (y * params["scale"].astype(jnp.float32) + params["bias"].astype(jnp.float32)).astype(
+        x.dtype
+    )
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy (float32) of integer ``labels`` under ``logits``.
+
+    The label's log-probability is picked with a one-hot product (elementwise ops and a
+    reduction), which keeps every op linear in the batch.
+    """
+    logits = logits.astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
+    return -jnp.mean(jnp.sum(log_probs * one_hot, axis=-1))
+
+
+def synthetic_batch(model: ModelDef, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A random host-side batch for ``model``: standard-normal floats, uniform integers.
+
+    Integer entries (token ids, labels) are drawn from ``[0, n)`` with ``n`` the
+    config's ``vocab`` or ``numClasses`` (2 when it has neither). Drawn with numpy, so
+    no device computation is compiled.
+    """
+    high = model.config.get("vocab", model.config.get("numClasses", 2))
+    rng = np.random.default_rng(seed)
+    batch = {}
+    for name, shape in sorted(model.batch_shapes(batch_size).items()):
+        if jnp.issubdtype(shape.dtype, jnp.integer):
+            batch[name] = rng.integers(0, high, shape.shape).astype(shape.dtype)
+        else:
+            batch[name] = rng.standard_normal(shape.shape).astype(shape.dtype)
+    return batch
