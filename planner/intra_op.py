@@ -39,7 +39,7 @@ dim split over all axes and parameters to replicated (plain data parallelism);
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from alpajob.planner.cluster import DeviceSpec
@@ -354,8 +354,12 @@ def solve_intra_op(
     time_limit_s: float = 10.0,
     solver: str = "auto",
     presolve: bool = True,
+    input_hints: Mapping[int, ShardSpec] | None = None,
 ) -> IntraOpResult:
     """Shard ``op_ids`` of ``graph`` on ``mesh`` (see the module docstring).
+
+    ``input_hints``: the spec each boundary input arrives in; another choice pays
+    its resharding (see :func:`~alpajob.planner.intra_op_model.build_model`).
 
     ``memory_budget_bytes`` bounds ``weight + activation_multiplier * activation``
     bytes per device; when no sharding fits, raises :class:`InfeasibleError` with the
@@ -367,7 +371,7 @@ def solve_intra_op(
     _validate(graph, op_ids, num_micro_batches, activation_multiplier, memory_weight,
               time_limit_s)
     start = time.perf_counter()
-    model = build_model(graph, op_ids, mesh, device, calibration, mode)
+    model = build_model(graph, op_ids, mesh, device, calibration, mode, input_hints)
     built = time.perf_counter()
     problem = model.problem(
         num_micro_batches, activation_multiplier, memory_weight, memory_budget_bytes

@@ -40,7 +40,7 @@ backward ops, times ``activation_multiplier``) is linear in the ``s_v``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -56,6 +56,7 @@ from alpajob.planner.ilp import INF, Edge, Problem
 from alpajob.planner.sharding import (
     ShardSpec,
     replicated,
+    resharding_seconds,
     shard_factor,
     tensor_bytes,
     tiling_specs,
@@ -232,13 +233,30 @@ def build_model(
     device: DeviceSpec,
     calibration: Calibration,
     mode: ShardingMode,
+    input_hints: Mapping[int, ShardSpec] | None = None,
 ) -> IntraOpModel:
-    """The cost tables of ``op_ids`` on ``mesh`` (see module docstring)."""
+    """The cost tables of ``op_ids`` on ``mesh`` (see module docstring).
+
+    ``input_hints`` maps boundary inputs to the spec they arrive in (the layout the
+    previous layer produced): choosing another spec for such an input is charged its
+    resharding, per micro-batch. Hints on tensors that are not boundary inputs are
+    ignored.
+    """
     subset = analyse_subset(graph, op_ids)
     nodes = _Nodes(graph, mesh, device, calibration, mode, subset)
     builder = EdgeBuilder(graph, mesh)
     tables = _Tables([len(n) for n in nodes.names])
     _charge_ops(graph, subset, nodes, tables, builder)
+    boundary = set(subset.boundary_inputs)
+    for t, hint in (input_hints or {}).items():
+        if t not in boundary:
+            continue
+        tensor = graph.tensor(t)
+        specs = nodes.tensor_specs[t]
+        tables.comm[nodes.tensor_node[t]] += specs.take(
+            [resharding_seconds(tensor.shape, tensor.dtype, hint, spec, mesh)
+             for spec in specs.values]
+        )
     _constrain_params(graph, subset, nodes, tables, builder)
     for bucket, tensors in ((tables.weight_bytes, subset.weights),
                             (tables.activation_bytes, subset.residuals)):

@@ -110,6 +110,7 @@ class SolverStats(_Doc):
     dp_seconds: float
     dp_calls: int
     micro_batch_candidates: list[int]
+    winner: str = Field("alpajob", description="which candidate won: the DP or a structured one")
 
 
 class Plan(_Doc):

@@ -3,9 +3,12 @@
 Steps: cluster the forward ops into layers (eq. 6), then, by ``spec.parallelism.method``:
 
 - auto: the inter-op DP for every micro-batch count (each stage costed by the intra-op
-  ILP); the Megatron-style grid and the single-stage plan are costed too, and the
-  fastest candidate wins (the DP's search space contains them, so they only guard
-  against the DP's approximations);
+  ILP); the Megatron-style grid, data parallel, ZeRO-2 and the single-stage ILP plan
+  are costed too, and the fastest candidate wins. The DP's search space contains
+  them; they guard against its approximations (layers solved one at a time, so
+  gradients flowing back between two layers may be resharded where one stage-wide
+  ILP would have agreed on their layout). Each candidate carries its name, so the
+  plan's ``solver.winner`` says which one won.
 - pipeshard: the DP, forbidding the single-stage plan;
 - shard: one stage on the whole cluster, sharding by the ILP;
 - data / zero2: one stage, data parallel (with sharded optimizer for zero2);
@@ -209,6 +212,8 @@ def make_plan(
             )
         if method is Method.AUTO:
             candidates.append(megatron_grid(context, micro_batches))
+            candidates.append(data_parallel(context, micro_batches, ShardingMode.DATA))
+            candidates.append(data_parallel(context, micro_batches, ShardingMode.ZERO2))
     if method in (Method.AUTO, Method.SHARD):
         submesh, _ = whole_cluster(context)
         candidates += [
@@ -245,6 +250,7 @@ def make_plan(
         dp_seconds=context.counter.dp_seconds,
         dp_calls=context.counter.dp_calls,
         micro_batch_candidates=list(micro_batches),
+        winner=best.name,
     )
     plan = assemble_plan(
         method=method.value,

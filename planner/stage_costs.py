@@ -5,12 +5,18 @@ stage. Alpa compiles and profiles every candidate; we compose it from ILP soluti
 
 1. Layers with the same structure (:func:`~alpajob.planner.graph.subgraph_signature`)
    form a class; the intra-op ILP is solved once per (class, logical mesh, memory
-   level) and the solution is reused for every layer of the class (a transformer's
-   layers are identical: one solve serves all of them).
-2. A stage's latency is the sum of its layers' latencies, plus the resharding of every
-   tensor that passes between two of its layers whose solutions disagree on its
-   sharding, plus the point-to-point transfer of the tensors that enter it from the
-   previous stage (activations forward, gradients backward).
+   level, input layouts) and the solution is reused for every layer of the class (a
+   transformer's layers are identical: one or two solves serve all of them).
+2. Layers are chained: each layer's ILP knows the spec every input has in the
+   solution of the earlier layer that produces it, and pays the resharding when it
+   chooses another (so a dense layer after an MoE layer agrees on the layout between
+   them, instead of each picking its own best and paying for the mismatch unseen).
+   A stage's latency is the sum of its layers' latencies, plus the resharding of the
+   gradients flowing back between its layers where their solutions disagree, plus the
+   point-to-point transfer of the tensors that enter it from the previous stage
+   (activations forward, gradients backward). The first layer of a stage is still
+   charged the resharding from its predecessor's layout, which the transfer from the
+   previous mesh makes moot: a small overestimate.
 3. Memory: weights (params, grads, optimizer state) plus activations per in-flight
    micro-batch. Four memory levels per layer (:data:`MEMORY_LEVELS`): the fastest
    solution; the ILP minimising memory first; and each of the two rematerialised
@@ -34,6 +40,7 @@ from alpajob.planner.cost_model import Calibration, LogicalMesh, make_logical_me
 from alpajob.planner.graph import OpGraph, Phase, local_tensor_order, subgraph_signature
 from alpajob.planner.intra_op import IntraOpResult, ShardingMode, solve_intra_op
 from alpajob.planner.sharding import ShardSpec, resharding_seconds, shard_factor
+
 
 @dataclass(frozen=True)
 class MemoryLevel:
@@ -143,7 +150,10 @@ class LayerCoster:
     time_limit_s: float
     counter: SolveCounter
     on_solve: Callable[[], None] | None = None
-    _results: dict[tuple[int, Submesh, Shape, float], IntraOpResult] = field(default_factory=dict)
+    _results: dict[tuple, IntraOpResult] = field(default_factory=dict)
+    _layer_results: dict[tuple[int, Submesh, Shape, float], IntraOpResult] = field(
+        default_factory=dict
+    )
     _arrays: dict[tuple[Submesh, Shape, int], MeshLayerArrays] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -162,6 +172,10 @@ class LayerCoster:
         for index, ops in enumerate(self.layers):
             self._layer_of_op[list(ops)] = index
         self._crossings = self._find_crossings()
+        self._incoming: list[list[tuple[int, int]]] = [[] for _ in self.layers]
+        for tensor, src, dst in self._crossings:
+            if src < dst:
+                self._incoming[dst].append((tensor, src))
         forward = np.zeros(self.num_layers)
         backward = np.zeros(self.num_layers)
         for index, ops in enumerate(self.layers):
@@ -187,15 +201,31 @@ class LayerCoster:
         return make_logical_mesh(self.cluster, submesh, shape)
 
     def result(self, layer: int, submesh: Submesh, shape: Shape, level: int) -> IntraOpResult:
-        """The ILP solution of ``layer``'s class on a logical mesh (solved once, cached)."""
-        cls = self.layer_class[layer]
+        """The ILP solution of ``layer`` on a logical mesh, chained to the layers before.
+
+        The layer's ILP is told the spec each of its inputs has in the solutions of the
+        earlier layers that produce it (``input_hints``), and pays for choosing another.
+        The solve is cached per (layer class, mesh, memory weight, hints): a stack of
+        identical layers reaches a fixed point (same hints in, same specs out) after one
+        or two solves, and every later layer reuses it.
+        """
         weight = MEMORY_LEVELS[level].memory_weight
-        key = (cls, submesh, shape, weight)
-        if key not in self._results:
+        key = (layer, submesh, shape, weight)
+        if key in self._layer_results:
+            return self._layer_results[key]
+        cls = self.layer_class[layer]
+        rep = self.representative[cls]
+        hints = {}
+        for tensor, src in self._incoming[layer]:
+            spec = self.spec(src, tensor, submesh, shape, level)
+            if spec is not None:
+                hints[self._orders[rep][self._position[layer][tensor]]] = spec
+        solve_key = (cls, submesh, shape, weight, tuple(sorted(hints.items())))
+        if solve_key not in self._results:
             start = time.perf_counter()
             result = solve_intra_op(
                 self.graph,
-                sorted(self.layers[self.representative[cls]]),
+                sorted(self.layers[rep]),
                 self.mesh(submesh, shape),
                 self.cluster.device,
                 self.calibration,
@@ -203,12 +233,14 @@ class LayerCoster:
                 num_micro_batches=self.num_micro_batches,
                 memory_weight=weight,
                 time_limit_s=self.time_limit_s,
+                input_hints=hints,
             )
             self.counter.add(result, time.perf_counter() - start)
-            self._results[key] = result
+            self._results[solve_key] = result
             if self.on_solve is not None:
                 self.on_solve()
-        return self._results[key]
+        self._layer_results[key] = self._results[solve_key]
+        return self._layer_results[key]
 
     def spec(
         self, layer: int, tensor: int, submesh: Submesh, shape: Shape, level: int
@@ -263,6 +295,8 @@ class LayerCoster:
             inner = np.zeros((self.num_layers, self.num_layers))
             mesh = self.mesh(submesh, shape)
             for tensor, src, dst in self._crossings:
+                if src < dst:
+                    continue  # charged inside layer dst's ILP (its input hints)
                 src_spec = self.spec(src, tensor, submesh, shape, level)
                 dst_spec = self.spec(dst, tensor, submesh, shape, level)
                 if src_spec is None or dst_spec is None or src_spec == dst_spec:

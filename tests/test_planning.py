@@ -149,7 +149,7 @@ def test_manual_stages(gpt_graph, cpu8):
     [
         ((ManualStageOption(0, 2, (1, 4)), ManualStageOption(3, 4, (1, 4))), "contiguously"),
         ((ManualStageOption(0, 4, (1, 3)),), "not a submesh"),
-        ((ManualStageOption(0, 2, (1, 8)), ManualStageOption(2, 4, (1, 8))), "uses 16 devices"),
+        ((ManualStageOption(0, 2, (1, 8)), ManualStageOption(2, 4, (1, 8))), "use 16 devices"),
         ((ManualStageOption(0, 2, (1, 8)),), "cover layers 0..1"),
         ((ManualStageOption(0, 4, (1, 4), (2, 4)),), "logicalMeshShape"),
     ],
