@@ -93,8 +93,10 @@ def megatron_grid(context: CostContext, micro_batches: Sequence[int]) -> Candida
                     submesh = (1, stage_devices)
                 else:
                     submesh = (stage_devices // per_node, per_node)
+                # tp = 1 is the flat data-parallel mesh (1, dp): the same ILPs as the DP's.
+                shape = (dp, tp) if tp > 1 else (1, dp)
                 requests = [
-                    StageRequest(a, b, submesh, (dp, tp)) for a, b in even_ranges(n_layers, pp)
+                    StageRequest(a, b, submesh, shape) for a, b in even_ranges(n_layers, pp)
                 ]
                 for b in micro_batches:
                     if pp > 1 and b < pp:

@@ -18,26 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
-
-from alpajob.planner.cost_model import LogicalMesh
-from alpajob.planner.graph import OpGraph
-from alpajob.planner.sharding import ShardSpec, resharding_seconds
-
-INF = float("inf")
-
-
-class SpecsPerStrategy(Protocol):
-    """Distinct specs and, per strategy of a node, which one (see
-    :class:`~alpajob.planner.intra_op_model.PerStrategy`)."""
-
-    @property
-    def values(self) -> tuple[ShardSpec, ...]: ...
-
-    @property
-    def index(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,74 +54,33 @@ def _merge_classes(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarra
 
 
 class EdgeBuilder:
-    """Accumulates resharding contributions between nodes; one per model build."""
+    """Accumulates resharding contributions between nodes; one per model build.
 
-    def __init__(self, graph: OpGraph, mesh: LogicalMesh) -> None:
-        self.graph = graph
-        self.mesh = mesh
-        self.reshard_cache: dict[tuple, float] = {}
-        self.matrix_cache: dict[tuple, np.ndarray] = {}
+    The matrices come from the caller (memoised per pair of spec sets by
+    :class:`~alpajob.planner.op_tables.TableCache`); they are never written to.
+    """
+
+    def __init__(self) -> None:
         self.contributions: dict[tuple[int, int], list[EdgeTables]] = {}
-
-    def reshard(self, tensor_id: int, src: ShardSpec, dst: ShardSpec) -> float:
-        if src == dst:
-            return 0.0
-        tensor = self.graph.tensors[tensor_id]
-        key = (tensor.shape, tensor.dtype, src, dst)
-        cost = self.reshard_cache.get(key)
-        if cost is None:
-            cost = resharding_seconds(tensor.shape, tensor.dtype, src, dst, self.mesh)
-            self.reshard_cache[key] = cost
-        return cost
-
-    def reshard_row(
-        self, tensor_id: int, src: SpecsPerStrategy, dst: SpecsPerStrategy
-    ) -> np.ndarray:
-        """Resharding seconds strategy by strategy, ``src[i]`` to ``dst[i]`` (two
-        labelings of the same node's strategies)."""
-        if src.values == dst.values and np.array_equal(src.index, dst.index):
-            return np.zeros(len(src.index))
-        costs: dict[tuple[int, int], float] = {}
-        row = []
-        for pair in zip(src.index.tolist(), dst.index.tolist(), strict=True):
-            cost = costs.get(pair)
-            if cost is None:
-                cost = costs[pair] = self.reshard(
-                    tensor_id, src.values[pair[0]], dst.values[pair[1]]
-                )
-            row.append(cost)
-        return np.array(row)
 
     def contribute(
         self,
         u: int,
         v: int,
-        tensor_id: int,
-        src: SpecsPerStrategy,
-        dst: SpecsPerStrategy,
+        seconds: np.ndarray,
+        allowed: np.ndarray,
+        u_class: np.ndarray,
+        v_class: np.ndarray,
         per_step: bool,
-        equality: bool = False,
     ) -> None:
-        """One tensor crossing from node ``u`` (specs ``src`` per strategy of ``u``) to
-        node ``v`` (required specs ``dst`` per strategy of ``v``); each side's distinct
-        specs are its classes."""
-        tensor = self.graph.tensors[tensor_id]
-        key = (tensor.shape, tensor.dtype, src.values, dst.values, equality)
-        matrix = self.matrix_cache.get(key)
-        if matrix is None:
-            matrix = np.zeros((len(src.values), len(dst.values)))
-            for a, sa in enumerate(src.values):
-                for b, sb in enumerate(dst.values):
-                    if equality:
-                        matrix[a, b] = 0.0 if sa == sb else INF
-                    else:
-                        matrix[a, b] = self.reshard(tensor_id, sa, sb)
-            self.matrix_cache[key] = matrix
-        allowed = np.isfinite(matrix)
-        cost = np.where(allowed, matrix, 0.0)
-        zero = np.zeros_like(cost)
-        comm, update = (zero, cost) if per_step else (cost, zero)
-        u_class, v_class = src.index, dst.index
+        """One tensor crossing from node ``u`` to node ``v``: ``seconds[a, b]`` to
+        reshard it from its spec ``a`` (strategy ``i`` of ``u`` gives it spec
+        ``u_class[i]``) into the spec ``b`` that strategy ``j`` of ``v`` requires
+        (``v_class[j]``); ``allowed[a, b]`` False forbids the pair. Each side's
+        distinct specs are its classes; ``per_step`` puts the seconds in the update
+        bucket."""
+        zero = np.zeros_like(seconds)
+        comm, update = (zero, seconds) if per_step else (seconds, zero)
         if u > v:
             u, v, u_class, v_class = v, u, v_class, u_class
             comm, update, allowed = comm.T, update.T, allowed.T

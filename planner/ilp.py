@@ -138,21 +138,29 @@ class _Work:
         return edge
 
 
+def _single_class(classes: np.ndarray, costs: np.ndarray) -> int | None:
+    """The class of every allowed strategy, when they all share one; else None."""
+    used = classes[np.isfinite(costs)]
+    if used.size == 0:
+        return None
+    first = used[0]
+    return int(first) if bool((used == first).all()) else None
+
+
 def _fold_separable(work: _Work) -> bool:
     """Fold edges with a single class on one side into the other node's costs."""
     folded = False
     for (u, v), edge in list(work.edges.items()):
-        allowed_u = np.isfinite(work.costs[u])
-        allowed_v = np.isfinite(work.costs[v])
-        u_classes = np.unique(edge.u_class[allowed_u])
-        v_classes = np.unique(edge.v_class[allowed_v])
-        if len(u_classes) == 1:
+        u_class = _single_class(edge.u_class, work.costs[u])
+        if u_class is not None:
             work.pop_edge(u, v)
-            work.costs[v] = work.costs[v] + edge.matrix[u_classes[0], edge.v_class]
+            work.costs[v] = work.costs[v] + edge.matrix[u_class, edge.v_class]
             folded = True
-        elif len(v_classes) == 1:
+            continue
+        v_class = _single_class(edge.v_class, work.costs[v])
+        if v_class is not None:
             work.pop_edge(u, v)
-            work.costs[u] = work.costs[u] + edge.matrix[edge.u_class, v_classes[0]]
+            work.costs[u] = work.costs[u] + edge.matrix[edge.u_class, v_class]
             folded = True
     return folded
 
@@ -233,6 +241,24 @@ def _presolve(work: _Work, budget: float | None) -> None:
                     changed = True
 
 
+def _tie_rows(
+    cls: np.ndarray, num_classes: int, pair_cls: np.ndarray, e_cols: np.ndarray, s_base: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows ``sum e[c, .] - sum s[class c] = 0`` of one side of an edge, one per
+    class ``c`` that ``cls`` uses (ascending), each listing its ``e`` columns then its
+    ``s`` columns in column order. ``cls``: class (``< num_classes``) of each ``s``
+    column, numbered from ``s_base``; ``pair_cls``: class of each ``e`` column.
+    Returns (column ids, values, row sizes), row-wise."""
+    used = np.zeros(num_classes, dtype=bool)
+    used[cls] = True
+    row_of = np.cumsum(used) - 1  # class -> row, for the classes used
+    rows = np.concatenate([row_of[pair_cls], row_of[cls]])
+    cols = np.concatenate([e_cols, s_base + np.arange(len(cls))])
+    vals = np.concatenate([np.ones(len(e_cols)), -np.ones(len(cls))])
+    order = np.argsort(rows, kind="stable")  # e before s within a row, each in order
+    return cols[order], vals[order], np.bincount(rows, minlength=int(used.sum()))
+
+
 def _arrays(
     work: _Work, budget: float | None
 ) -> tuple[Milp, dict[int, np.ndarray], dict[int, int]]:
@@ -245,10 +271,6 @@ def _arrays(
     """
     live = [v for v, alive in enumerate(work.alive) if alive]
     cost_parts: list[np.ndarray] = []
-    rows: list[np.ndarray] = []  # per row: column ids
-    vals: list[np.ndarray] = []
-    lower: list[float] = []
-    upper: list[float] = []
     s_columns: dict[int, np.ndarray] = {}
     s_offset: dict[int, int] = {}
     column = 0
@@ -256,46 +278,53 @@ def _arrays(
         allowed = np.flatnonzero(np.isfinite(work.costs[v]))
         s_columns[v], s_offset[v] = allowed, column
         cost_parts.append(work.costs[v][allowed])
-        rows.append(column + np.arange(len(allowed)))
-        vals.append(np.ones(len(allowed)))
-        lower.append(1.0)
-        upper.append(1.0)
         column += len(allowed)
     num_s = column
+    # One-hot rows: each live node's s columns, consecutive.
+    index_parts: list[np.ndarray] = [np.arange(num_s)]
+    value_parts: list[np.ndarray] = [np.ones(num_s)]
+    size_parts: list[np.ndarray] = [np.array([len(s_columns[v]) for v in live], dtype=np.int64)]
     for (u, v), edge in work.edges.items():
-        usable = np.isfinite(edge.matrix)
         u_cls = edge.u_class[s_columns[u]]
         v_cls = edge.v_class[s_columns[v]]
-        usable &= np.isin(np.arange(usable.shape[0]), u_cls)[:, None]
-        usable &= np.isin(np.arange(usable.shape[1]), v_cls)[None, :]
+        rows_used = np.zeros(edge.matrix.shape[0], dtype=bool)
+        rows_used[u_cls] = True
+        cols_used = np.zeros(edge.matrix.shape[1], dtype=bool)
+        cols_used[v_cls] = True
+        usable = np.isfinite(edge.matrix) & rows_used[:, None] & cols_used[None, :]
         a_idx, b_idx = np.nonzero(usable)
         e_cols = column + np.arange(len(a_idx))
         cost_parts.append(edge.matrix[a_idx, b_idx])
         column += len(a_idx)
-        for side, cls, pair_cls in ((u, u_cls, a_idx), (v, v_cls, b_idx)):
-            for c in np.unique(cls):
-                s_cols = s_offset[side] + np.flatnonzero(cls == c)
-                e_in = e_cols[pair_cls == c]
-                rows.append(np.concatenate([e_in, s_cols]))
-                vals.append(np.concatenate([np.ones(len(e_in)), -np.ones(len(s_cols))]))
-                lower.append(0.0)
-                upper.append(0.0)
+        for side, cls, num, pair_cls in ((u, u_cls, usable.shape[0], a_idx),
+                                         (v, v_cls, usable.shape[1], b_idx)):
+            cols, vals, sizes = _tie_rows(cls, num, pair_cls, e_cols, s_offset[side])
+            index_parts.append(cols)
+            value_parts.append(vals)
+            size_parts.append(sizes)
+    num_tie_rows = sum(len(p) for p in size_parts[1:])
+    lower = [np.ones(len(live)), np.zeros(num_tie_rows)]
+    upper = [np.ones(len(live)), np.zeros(num_tie_rows)]
     if budget is not None:
-        rows.append(np.arange(num_s))
-        vals.append(np.concatenate([work.memory[v][s_columns[v]] for v in live]))
-        lower.append(-INF)
-        upper.append(budget - work.const_memory)
+        index_parts.append(np.arange(num_s))
+        value_parts.append(
+            np.concatenate([work.memory[v][s_columns[v]] for v in live])
+            if live else np.zeros(0)
+        )
+        size_parts.append(np.array([num_s], dtype=np.int64))
+        lower.append(np.array([-INF]))
+        upper.append(np.array([budget - work.const_memory]))
     integer = np.zeros(column, dtype=bool)
     integer[:num_s] = True
-    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    lengths = np.concatenate(size_parts).astype(np.int64)
     milp = Milp(
         cost=np.concatenate(cost_parts) if cost_parts else np.zeros(0),
         integer=integer,
-        row_lower=np.array(lower),
-        row_upper=np.array(upper),
+        row_lower=np.concatenate(lower),
+        row_upper=np.concatenate(upper),
         starts=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
-        index=np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32),
-        value=np.concatenate(vals) if vals else np.zeros(0),
+        index=np.concatenate(index_parts).astype(np.int32),
+        value=np.concatenate(value_parts).astype(float),
     )
     return milp, s_columns, s_offset
 

@@ -116,6 +116,29 @@ class CostContext:
             )
         return self._costers[key]
 
+    def costers(self) -> dict[tuple[int, ShardingMode], LayerCoster]:
+        """The per-(micro-batch count, mode) ILP caches built so far."""
+        return dict(self._costers)
+
+    def reset_costers(self) -> None:
+        """Forget the ILP caches (a copy of this context starts afresh)."""
+        self._costers = {}
+
+    def adopt(self, costers: dict[tuple[int, ShardingMode], LayerCoster],
+              counter: SolveCounter) -> None:
+        """Take over ILP caches and a tally filled elsewhere (in a worker process)."""
+        for key, coster in costers.items():
+            if key not in self._costers:
+                coster.counter = self.counter
+                coster.on_solve = self._tick
+                self._costers[key] = coster
+        self.counter.solves += counter.solves
+        self.counter.seconds += counter.seconds
+        self.counter.max_variables = max(self.counter.max_variables, counter.max_variables)
+        self.counter.solver = counter.solver or self.counter.solver
+        self.counter.dp_calls += counter.dp_calls
+        self.counter.dp_seconds += counter.dp_seconds
+
     def _tick(self) -> None:
         if self.progress is not None:
             self.progress("solving intra-op ILPs", self.counter.solves, None)
@@ -127,7 +150,34 @@ class CostContext:
         return min(num_stages - stage_index, num_micro_batches)
 
     def shapes(self, submesh: Submesh) -> list[Shape]:
-        return list(logical_mesh_shapes(submesh))
+        """The logical meshes tried on ``submesh`` (a pruned :func:`logical_mesh_shapes`).
+
+        Inside one node both axes have the same bandwidth, so (a, b) and (b, a) cost the
+        same up to relabelling: only a ≤ b is kept. Across nodes the inner axis stays
+        inside a node (b divides M), plus the flat 1-D mesh (1, n·M); an inner axis
+        straddling nodes is never faster than one that does not.
+        Example: (1, 8) -> (1, 8), (2, 4); (2, 8) -> (1, 16), (2, 8), (4, 4), (8, 2).
+        """
+        n, m = submesh
+        per_node = self.cluster.devices_per_node
+        shapes = []
+        for a, b in logical_mesh_shapes(submesh):
+            if n == 1 and a > b:
+                continue
+            if n > 1 and a > 1 and per_node % b:
+                continue
+            shapes.append((a, b))
+        return shapes
+
+    def submeshes(self) -> list[Submesh]:
+        """Submesh shapes offered to the DP: Alpa's (1, 2^k) and (n, M), with n
+        dividing N (a stage of 3 nodes out of 8 is rarely worth its ILPs)."""
+        nodes = self.cluster.num_nodes
+        return [
+            (n, m)
+            for n, m in submesh_choices(nodes, self.cluster.devices_per_node)
+            if n == 1 or nodes % n == 0
+        ]
 
 
 def micro_batch_candidates(graph: OpGraph, fixed: int | None, limit: int = 64) -> list[int]:
@@ -300,7 +350,7 @@ def dp_candidate(
     ablations); ``min_stages`` = 2 forbids the single-stage plan (pipeshard).
     """
     coster = context.coster(num_micro_batches, mode)
-    devices = submesh_choices(context.cluster.num_nodes, context.cluster.devices_per_node)
+    devices = context.submeshes()
     cost, succ, origin, sizes = _dp_tables(context, coster, num_micro_batches, devices)
     if min_stages > 1:
         cost[0, coster.num_layers - 1, :] = np.inf

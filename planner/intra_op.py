@@ -53,7 +53,12 @@ from alpajob.planner.cost_model import (
 from alpajob.planner.errors import InfeasibleError, SolverError
 from alpajob.planner.graph import OpGraph, Phase, TensorRole
 from alpajob.planner.ilp import brute_force, solve
-from alpajob.planner.intra_op_model import IntraOpModel, ShardingMode, build_model
+from alpajob.planner.intra_op_model import (
+    IntraOpModel,
+    ShardingMode,
+    SolveContext,
+    build_model,
+)
 from alpajob.planner.milp import SolveStatus
 from alpajob.planner.sharding import (
     ShardSpec,
@@ -64,11 +69,13 @@ from alpajob.planner.sharding import (
     to_partition_spec,
 )
 from alpajob.planner.strategies import Collective, CollectiveKind
+from alpajob.planner.subset import GraphIndex
 
 __all__ = [
     "IntraOpResult",
     "IntraOpStats",
     "ShardingMode",
+    "SolveContext",
     "SolveStatus",
     "brute_force_intra_op",
     "solve_intra_op",
@@ -209,6 +216,7 @@ def _weight_update_sharding(
     always: bool,
     num_micro_batches: int,
     memory_weight: float,
+    index: GraphIndex | None,
 ) -> tuple[float, float, dict[int, ShardSpec], tuple[int, ...]]:
     """Rewrite gradient all-reduces over axes where the parameter is replicated.
 
@@ -218,13 +226,14 @@ def _weight_update_sharding(
     all-gathered. ``always`` (ZERO2) applies it to every candidate; otherwise (AUTO)
     only where it does not worsen the objective (per-step seconds / B + memory weight
     x bytes): on tiny parameters the extra collective latency outweighs the savings.
+    ``index`` (of the graph; built here when None) finds the update ops' writers.
     Returns (update seconds delta, weight bytes delta, new opt-state specs, params).
     """
     graph, mesh = model.graph, model.mesh
     specs = realised.specs
     inside = set(model.op_ids)
     weights = set(model.weights)
-    producers: dict[int, int] = {}  # update-phase producers, graph-wide (built lazily)
+    writer = index.producer if index is not None else None  # tensor -> writer op
     seconds_total = bytes_total = 0.0
     new_specs: dict[int, ShardSpec] = {}
     rewritten = []
@@ -253,17 +262,16 @@ def _weight_update_sharding(
         )
         # The elementwise update ops of this parameter (graph-wide: some may sit in
         # another subset) and the optimizer state they read.
-        if not producers:
-            producers = {
-                t: op.id for op in graph.ops if op.phase is Phase.UPDATE for t in op.outputs
-            }
+        if writer is None:
+            writer = GraphIndex.build(graph).producer
         new_param = graph.new_params[k] if k < len(graph.new_params) else -1
         stack, seen = [new_param], set()
         state_specs: dict[int, ShardSpec] = {}
         nbytes = 0.0
         while stack:
-            op_id = producers.get(stack.pop())
-            if op_id is None or op_id in seen:
+            t = stack.pop()
+            op_id = int(writer[t]) if t >= 0 else -1
+            if op_id < 0 or graph.ops[op_id].phase is not Phase.UPDATE or op_id in seen:
                 continue
             seen.add(op_id)
             op = graph.ops[op_id]
@@ -355,6 +363,7 @@ def solve_intra_op(
     solver: str = "auto",
     presolve: bool = True,
     input_hints: Mapping[int, ShardSpec] | None = None,
+    context: SolveContext | None = None,
 ) -> IntraOpResult:
     """Shard ``op_ids`` of ``graph`` on ``mesh`` (see the module docstring).
 
@@ -366,12 +375,17 @@ def solve_intra_op(
     least memory any sharding needs. ``solver`` is "auto" (HiGHS, else CBC), "highs"
     or "cbc"; ``presolve=False`` hands the whole model to the solver (for tests).
     Raises :class:`SolverError` when the solver finds nothing within ``time_limit_s``.
+
+    ``context``: a :class:`SolveContext` of ``graph``, shared by the solves on it,
+    reuses their precomputation (the graph's index, op strategy tables per mesh, the
+    models of recent (ops, mesh, mode)); the result is the same with or without it.
     """
     mode = ShardingMode(mode)
     _validate(graph, op_ids, num_micro_batches, activation_multiplier, memory_weight,
               time_limit_s)
     start = time.perf_counter()
-    model = build_model(graph, op_ids, mesh, device, calibration, mode, input_hints)
+    model = build_model(graph, op_ids, mesh, device, calibration, mode, input_hints,
+                        context=context)
     built = time.perf_counter()
     problem = model.problem(
         num_micro_batches, activation_multiplier, memory_weight, memory_budget_bytes
@@ -398,6 +412,7 @@ def solve_intra_op(
             always=mode is ShardingMode.ZERO2,
             num_micro_batches=num_micro_batches,
             memory_weight=memory_weight,
+            index=context.index if context is not None else None,
         )
         update += seconds_delta
         weight_bytes += bytes_delta

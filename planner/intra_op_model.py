@@ -39,36 +39,42 @@ backward ops, times ``activation_multiplier``) is linear in the ``s_v``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Generic, TypeVar
 
 import numpy as np
 
 from alpajob.planner.cluster import DeviceSpec
 from alpajob.planner.cost_model import Calibration, LogicalMesh
 from alpajob.planner.edge_costs import EdgeBuilder, EdgeTables
-from alpajob.planner.follow import follow_strategy
-from alpajob.planner.graph import Op, OpGraph, Phase, Tensor, TensorRole
+from alpajob.planner.graph import Op, OpGraph, Phase, TensorRole
 from alpajob.planner.ilp import INF, Edge, Problem
-from alpajob.planner.sharding import (
-    ShardSpec,
-    replicated,
-    resharding_seconds,
-    shard_factor,
-    tensor_bytes,
-    tiling_specs,
+from alpajob.planner.op_tables import (
+    OpTable,
+    PerStrategy,
+    TableCache,
+    data_spec,
+    distinct,
 )
-from alpajob.planner.strategies import (
-    OpKind,
-    Strategy,
-    op_base_seconds,
-    op_kind,
-    op_strategies,
-)
-from alpajob.planner.subset import Subset, analyse_subset
+from alpajob.planner.sharding import ShardSpec, replicated, resharding_seconds, tensor_bytes
+from alpajob.planner.strategies import OpKind, Strategy, op_kind
+from alpajob.planner.subset import GraphIndex, Subset, analyse_subset
+
+__all__ = [
+    "IntraOpModel",
+    "NodeTables",
+    "PerStrategy",
+    "ShardingMode",
+    "SolveContext",
+    "TIE_BREAK_SECONDS_PER_BYTE",
+    "build_model",
+    "data_spec",
+    "distinct",
+]
 
 #: Seconds per byte added to every objective so that, among equally fast shardings,
 #: the ILP keeps the one with less memory (a replicated batch input costs as much
@@ -82,40 +88,6 @@ class ShardingMode(StrEnum):
     AUTO = "auto"  # the free ILP, then weight-update sharding
     DATA = "data"  # batch dims split over all axes, parameters replicated
     ZERO2 = "zero2"  # DATA, then weight-update sharding over all axes
-
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, eq=False)
-class PerStrategy(Generic[T]):
-    """One value per strategy of a node, stored as its distinct ``values`` and an
-    ``index`` (``value of strategy i = values[index[i]]``).
-
-    A tensor has a handful of distinct specs across the dozens of strategies of its
-    node; working on the distinct ones keeps model building proportional to them.
-    """
-
-    values: tuple[T, ...]
-    index: np.ndarray
-
-    def __getitem__(self, strategy: int) -> T:
-        return self.values[int(self.index[strategy])]
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def take(self, per_value: Sequence[float]) -> np.ndarray:
-        """A per-strategy array from one number per distinct value."""
-        return np.asarray(per_value, dtype=float)[self.index]
-
-
-def distinct(items: Sequence[T], index: np.ndarray | None = None) -> PerStrategy[T]:
-    """``items`` (one per strategy, or one per entry of ``index``) deduplicated."""
-    ids: dict[T, int] = {}
-    local = np.fromiter((ids.setdefault(item, len(ids)) for item in items), dtype=np.int64,
-                        count=len(items))
-    return PerStrategy(tuple(ids), local if index is None else local[index])
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,33 +169,55 @@ class IntraOpModel:
         return Problem(tuple(costs), tuple(memory), edges, None)
 
 
-def data_spec(tensor: Tensor, mesh: LogicalMesh) -> ShardSpec:
-    """The data-parallel spec: the batch dim split over every mesh axis (or the
-    largest that divides it), everything else replicated."""
-    spec = [()] * len(tensor.shape)
-    if tensor.batch_dim is not None:
-        active = mesh.active_axes
-        options = [active] + sorted(((k,) for k in active), key=lambda a: -mesh.size_of(a))
-        for axes in options:
-            if axes and tensor.shape[tensor.batch_dim] % mesh.size_of(axes) == 0:
-                spec[tensor.batch_dim] = tuple(axes)
-                break
-    return tuple(spec)
+class SolveContext:
+    """What every build on one graph can share: its :class:`GraphIndex`, a
+    :class:`TableCache` per (mesh, device, calibration), and the last ``max_models``
+    models built (keyed by ops, mesh, device, calibration and mode; input hints are
+    applied to a copy, so one model serves every memory weight and every set of
+    hints). Results are identical with and without a context; a context only saves
+    recomputation. Build one per graph and pass it to every solve on that graph.
+    """
 
+    def __init__(self, graph: OpGraph, max_models: int = 32) -> None:
+        if max_models < 0:
+            raise ValueError(f"max_models must be >= 0, got {max_models}")
+        self.graph = graph
+        self.index = GraphIndex.build(graph)
+        self.max_models = max_models
+        self._tables: dict[tuple[LogicalMesh, DeviceSpec, Calibration], TableCache] = {}
+        self._models: OrderedDict[tuple, IntraOpModel] = OrderedDict()
 
-def _restrict(
-    strategies: Sequence[Strategy], op: Op, graph: OpGraph, mesh: LogicalMesh
-) -> list[Strategy]:
-    """DATA mode: the strategies that read and write the data-parallel specs; else
-    those that at least write them; else the replicated one."""
-    outs = [data_spec(graph.tensor(t), mesh) for t in op.outputs]
-    ins = [data_spec(graph.tensor(t), mesh) for t in op.inputs]
-    writes = [s for s in strategies if list(s.output_specs) == outs]
-    strict = [s for s in writes if list(s.input_specs) == ins]
-    if strict or writes:
-        return strict or writes
-    reps = tuple(replicated(len(graph.tensor(t).shape)) for t in op.outputs)
-    return [s for s in strategies if tuple(s.output_specs) == reps][:1] or list(strategies[:1])
+    def tables(
+        self, mesh: LogicalMesh, device: DeviceSpec, calibration: Calibration
+    ) -> TableCache:
+        """The table cache of this graph on ``mesh`` (created on first use)."""
+        key = (mesh, device, calibration)
+        cache = self._tables.get(key)
+        if cache is None:
+            cache = self._tables[key] = TableCache(self.graph, mesh, device, calibration)
+        return cache
+
+    def model(
+        self,
+        op_ids: Sequence[int],
+        mesh: LogicalMesh,
+        device: DeviceSpec,
+        calibration: Calibration,
+        mode: ShardingMode,
+    ) -> IntraOpModel:
+        """The model of ``op_ids`` without input hints, built or reused."""
+        key = (tuple(sorted(set(op_ids))), mesh, device, calibration, mode)
+        model = self._models.get(key)
+        if model is not None:
+            self._models.move_to_end(key)
+            return model
+        subset = analyse_subset(self.graph, op_ids, self.index)
+        model = _build(self.graph, subset, self.tables(mesh, device, calibration), mode)
+        if self.max_models:
+            self._models[key] = model
+            while len(self._models) > self.max_models:
+                self._models.popitem(last=False)
+        return model
 
 
 def build_model(
@@ -234,48 +228,78 @@ def build_model(
     calibration: Calibration,
     mode: ShardingMode,
     input_hints: Mapping[int, ShardSpec] | None = None,
+    *,
+    context: SolveContext | None = None,
 ) -> IntraOpModel:
     """The cost tables of ``op_ids`` on ``mesh`` (see module docstring).
 
     ``input_hints`` maps boundary inputs to the spec they arrive in (the layout the
     previous layer produced): choosing another spec for such an input is charged its
     resharding, per micro-batch. Hints on tensors that are not boundary inputs are
-    ignored.
+    ignored. ``context`` (of this graph) reuses indexes, tables and models of earlier
+    builds; the model is the same with or without it.
     """
-    subset = analyse_subset(graph, op_ids)
-    nodes = _Nodes(graph, mesh, device, calibration, mode, subset)
-    builder = EdgeBuilder(graph, mesh)
-    tables = _Tables([len(n) for n in nodes.names])
-    _charge_ops(graph, subset, nodes, tables, builder)
-    boundary = set(subset.boundary_inputs)
-    for t, hint in (input_hints or {}).items():
+    mode = ShardingMode(mode)
+    if context is None:
+        subset = analyse_subset(graph, op_ids)
+        model = _build(graph, subset, TableCache(graph, mesh, device, calibration), mode)
+    elif context.graph is not graph:
+        raise ValueError(
+            f"the SolveContext was made for graph {context.graph.name!r}, not for this "
+            f"{graph.name!r} object; make one per graph with SolveContext(graph)"
+        )
+    else:
+        model = context.model(op_ids, mesh, device, calibration, mode)
+    return _with_hints(model, input_hints) if input_hints else model
+
+
+def _with_hints(model: IntraOpModel, input_hints: Mapping[int, ShardSpec]) -> IntraOpModel:
+    """``model`` with each hinted boundary input's node charged, per micro-batch, the
+    resharding from its hint to each of its specs (a copy; ``model`` is unchanged)."""
+    graph, mesh = model.graph, model.mesh
+    boundary = set(model.boundary_inputs)
+    nodes = list(model.nodes)
+    for t, hint in input_hints.items():
         if t not in boundary:
             continue
         tensor = graph.tensor(t)
-        specs = nodes.tensor_specs[t]
-        tables.comm[nodes.tensor_node[t]] += specs.take(
+        specs = model.tensor_specs[t]
+        v = model.tensor_node[t]
+        row = specs.take(
             [resharding_seconds(tensor.shape, tensor.dtype, hint, spec, mesh)
              for spec in specs.values]
         )
-    _constrain_params(graph, subset, nodes, tables, builder)
-    for bucket, tensors in ((tables.weight_bytes, subset.weights),
-                            (tables.activation_bytes, subset.residuals)):
+        nodes[v] = dataclasses.replace(nodes[v], comm=nodes[v].comm + row)
+    return dataclasses.replace(model, nodes=tuple(nodes))
+
+
+def _build(graph: OpGraph, subset: Subset, tables: TableCache, mode: ShardingMode) -> IntraOpModel:
+    """The model of ``subset`` without input hints."""
+    nodes = _Nodes(graph, tables, mode, subset)
+    builder = EdgeBuilder()
+    sizes = [len(n) for n in nodes.names]
+    compute, comm, update = _charge_ops(graph, subset, nodes, tables, builder, sizes)
+    allowed = [np.ones(k, dtype=bool) for k in sizes]
+    _constrain_params(graph, subset, nodes, tables, builder, update, allowed)
+    weight_bytes = [np.zeros(k) for k in sizes]
+    activation_bytes = [np.zeros(k) for k in sizes]
+    for bucket, tensors in ((weight_bytes, subset.weights),
+                            (activation_bytes, subset.residuals)):
         for t in tensors:
             tensor = graph.tensor(t)
             nbytes = tensor_bytes(tensor.shape, tensor.dtype)
-            specs = nodes.tensor_specs[t]
-            bucket[nodes.tensor_node[t]] += specs.take(
-                [nbytes / shard_factor(spec, mesh) for spec in specs.values]
-            )
+            bucket[nodes.tensor_node[t]] += tables.shard_bytes(nbytes, nodes.tensor_set[t])[
+                nodes.tensor_specs[t].index
+            ]
     return IntraOpModel(
         graph=graph,
-        mesh=mesh,
+        mesh=tables.mesh,
         op_ids=subset.op_ids,
         nodes=tuple(
             NodeTables(
                 nodes.labels[v], nodes.roots[v][0], nodes.roots[v][1], nodes.names[v],
-                tables.compute[v], tables.comm[v], tables.update[v],
-                tables.weight_bytes[v], tables.activation_bytes[v], tables.allowed[v],
+                compute[v], comm[v], update[v], weight_bytes[v], activation_bytes[v],
+                allowed[v],
             )
             for v in range(len(nodes.labels))
         ),
@@ -297,18 +321,14 @@ class _Nodes:
     """The ILP nodes: boundary inputs and root ops, each follower joined to its node.
 
     ``tensor_specs[t][i]`` is tensor ``t``'s spec under strategy ``i`` of its node
-    ``tensor_node[t]``; ``op_strategies[o][i]`` op ``o``'s strategy likewise. A
-    follower is evaluated once per distinct spec of the operand it follows.
+    ``tensor_node[t]`` (``tensor_set[t]`` the interned set of its distinct specs);
+    ``op_strategies[o][i]`` op ``o``'s strategy likewise, read off ``op_table[o]``. A
+    follower is evaluated once per distinct spec of the operand it follows (and once
+    per op structure, through the :class:`TableCache`).
     """
 
     def __init__(
-        self,
-        graph: OpGraph,
-        mesh: LogicalMesh,
-        device: DeviceSpec,
-        calibration: Calibration,
-        mode: ShardingMode,
-        subset: Subset,
+        self, graph: OpGraph, tables: TableCache, mode: ShardingMode, subset: Subset
     ) -> None:
         self.labels: list[str] = []
         self.roots: list[tuple[int | None, int | None]] = []
@@ -316,56 +336,49 @@ class _Nodes:
         self.param_rooted: list[bool] = []
         self.tensor_node: dict[int, int] = {}
         self.tensor_specs: dict[int, PerStrategy[ShardSpec]] = {}
+        self.tensor_set: dict[int, int] = {}
         self.op_node: dict[int, int] = {}
         self.op_strategies: dict[int, PerStrategy[Strategy]] = {}
+        self.op_table: dict[int, OpTable] = {}
+        mesh = tables.mesh
         data = mode is not ShardingMode.AUTO
         for t in subset.boundary_inputs:
             tensor = graph.tensor(t)
             if data and tensor.role in (TensorRole.PARAM, TensorRole.OPT_STATE):
-                specs: tuple[ShardSpec, ...] = (replicated(len(tensor.shape)),)
+                set_id = tables.spec_set((replicated(len(tensor.shape)),))
             elif data:
-                specs = (data_spec(tensor, mesh),)
+                set_id = tables.spec_set((data_spec(tensor, mesh),))
             else:
-                specs = tiling_specs(tensor.shape, mesh)
+                set_id = tables.tilings(tensor.shape)
+            specs = tables.specs(set_id)
             self.tensor_node[t] = self._new(
-                f"input {t} ({tensor.role.value})", (None, t), tuple(str(s) for s in specs),
+                f"input {t} ({tensor.role.value})", (None, t), tables.names(set_id),
                 tensor.role is TensorRole.PARAM,
             )
             self.tensor_specs[t] = PerStrategy(specs, np.arange(len(specs)))
+            self.tensor_set[t] = set_id
         for op_id in subset.op_ids:
             op = graph.ops[op_id]
             kind = op_kind(op.primitive)
             if kind.is_follower and op.inputs and op.outputs:
                 operand = self._pick_operand(op, kind, graph, subset.produced)
-                node = self.tensor_node[op.inputs[operand]]
-                base = op_base_seconds(op, graph, device, calibration)
-                followed = self.tensor_specs[op.inputs[operand]]
-                strategies = PerStrategy(
-                    tuple(
-                        follow_strategy(
-                            op, graph, operand, spec, mesh, device, calibration,
-                            base_seconds=base,
-                        )
-                        for spec in followed.values
-                    ),
-                    followed.index,
-                )
+                followed = op.inputs[operand]
+                node = self.tensor_node[followed]
+                table = tables.follower(op_id, operand, self.tensor_set[followed])
+                index = self.tensor_specs[followed].index
             else:
-                roots = op_strategies(op, graph, mesh, device, calibration)
-                if data:
-                    roots = tuple(_restrict(roots, op, graph, mesh))
-                node = self._new(
-                    f"op {op.id} {op.primitive}", (op.id, None),
-                    tuple(s.name for s in roots), False,
-                )
-                strategies = PerStrategy(tuple(roots), np.arange(len(roots)))
-            self.op_node[op.id] = node
-            self.op_strategies[op.id] = strategies
-            for position, t in enumerate(op.outputs):
+                table = tables.root(op_id, data)
+                node = self._new(f"op {op.id} {op.primitive}", (op.id, None), table.names, False)
+                index = table.identity
+            self.op_node[op_id] = node
+            self.op_strategies[op_id] = PerStrategy(table.strategies, index)
+            self.op_table[op_id] = table
+            for t, labels in zip(op.outputs, table.outputs, strict=True):
                 self.tensor_node[t] = node
-                self.tensor_specs[t] = distinct(
-                    [s.output_specs[position] for s in strategies.values], strategies.index
+                self.tensor_specs[t] = PerStrategy(
+                    tables.specs(labels.spec_set), labels.local[index]
                 )
+                self.tensor_set[t] = labels.spec_set
 
     def _new(
         self, label: str, root: tuple[int | None, int | None], names: tuple[str, ...],
@@ -384,7 +397,7 @@ class _Nodes:
         elementwise ops (and concatenate) the same-shaped, largest operand whose node
         still has a choice, in the update phase preferably the parameter's (so that
         ``p - lr * u`` keeps ``p``'s spec), else the latest produced."""
-        if kind not in (OpKind.ELEMENTWISE, OpKind.RESIZE) or (
+        if len(op.inputs) == 1 or kind not in (OpKind.ELEMENTWISE, OpKind.RESIZE) or (
             kind is OpKind.RESIZE and op.primitive != "concatenate"
         ):
             return 0
@@ -404,68 +417,73 @@ class _Nodes:
         return max(range(len(op.inputs)), key=key)
 
 
-class _Tables:
-    """Per-node cost and memory vectors under construction."""
-
-    def __init__(self, sizes: Sequence[int]) -> None:
-        self.compute = [np.zeros(k) for k in sizes]
-        self.comm = [np.zeros(k) for k in sizes]
-        self.update = [np.zeros(k) for k in sizes]
-        self.weight_bytes = [np.zeros(k) for k in sizes]
-        self.activation_bytes = [np.zeros(k) for k in sizes]
-        self.allowed = [np.ones(k, dtype=bool) for k in sizes]
-
-
 def _charge_ops(
-    graph: OpGraph, subset: Subset, nodes: _Nodes, tables: _Tables, builder: EdgeBuilder
-) -> None:
+    graph: OpGraph,
+    subset: Subset,
+    nodes: _Nodes,
+    tables: TableCache,
+    builder: EdgeBuilder,
+    sizes: Sequence[int],
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """Each op's compute and collectives, and the resharding of each of its inputs:
-    into its node's vectors, or onto an edge when the input comes from another node."""
+    into its node's (compute, comm, update) vectors, returned, or onto an edge when
+    the input comes from another node."""
+    compute = [np.zeros(k) for k in sizes]
+    comm = [np.zeros(k) for k in sizes]
+    update = [np.zeros(k) for k in sizes]
     for op_id in subset.op_ids:
         op = graph.ops[op_id]
         v = nodes.op_node[op_id]
-        strategies = nodes.op_strategies[op_id]
+        table = nodes.op_table[op_id]
+        index = nodes.op_strategies[op_id].index
         per_step = op.phase is Phase.UPDATE
         sync = bool(op.outputs) and op.outputs[0] in subset.grad_param
-        (tables.update if per_step else tables.compute)[v] += strategies.take(
-            [s.compute_seconds for s in strategies.values]
-        )
-        (tables.update if per_step or sync else tables.comm)[v] += strategies.take(
-            [s.comm_seconds for s in strategies.values]
-        )
-        for position, t in enumerate(op.inputs):
+        (update if per_step else compute)[v] += table.compute[index]
+        (update if per_step or sync else comm)[v] += table.comm[index]
+        for t, need in zip(op.inputs, table.inputs, strict=True):
             u = nodes.tensor_node[t]
-            need = distinct(
-                [s.input_specs[position] for s in strategies.values], strategies.index
-            )
+            src, src_index = nodes.tensor_set[t], nodes.tensor_specs[t].index
+            need_index = need.local[index]
             if u == v:
-                row = builder.reshard_row(t, nodes.tensor_specs[t], need)
-                (tables.update if per_step else tables.comm)[v] += row
+                (update if per_step else comm)[v] += tables.reshard_row(
+                    t, src, src_index, need.spec_set, need_index
+                )
             else:
-                builder.contribute(u, v, t, nodes.tensor_specs[t], need, per_step)
+                seconds, allowed = tables.reshard(t, src, need.spec_set)
+                builder.contribute(u, v, seconds, allowed, src_index, need_index, per_step)
+    return compute, comm, update
 
 
 def _constrain_params(
-    graph: OpGraph, subset: Subset, nodes: _Nodes, tables: _Tables, builder: EdgeBuilder
+    graph: OpGraph,
+    subset: Subset,
+    nodes: _Nodes,
+    tables: TableCache,
+    builder: EdgeBuilder,
+    update: list[np.ndarray],
+    allowed: list[np.ndarray],
 ) -> None:
     """A parameter and its new value share a spec; a gradient whose update lies
     outside the subset pays its resharding to the parameter's spec."""
-    specs = nodes.tensor_specs
+    specs, sets = nodes.tensor_specs, nodes.tensor_set
     for k, p in enumerate(graph.params):
         if p not in nodes.tensor_node:
             continue
         new = graph.new_params[k] if k < len(graph.new_params) else -1
         if new in subset.produced:
             u, v = nodes.tensor_node[p], nodes.tensor_node[new]
+            zero, equal = tables.reshard(p, sets[p], sets[new], equality=True)
             if u == v:
-                equal = np.array([[a == b for b in specs[new].values] for a in specs[p].values])
-                tables.allowed[u] &= equal[specs[p].index, specs[new].index]
+                allowed[u] &= equal[specs[p].index, specs[new].index]
             else:
-                builder.contribute(u, v, p, specs[p], specs[new], True, equality=True)
+                builder.contribute(u, v, zero, equal, specs[p].index, specs[new].index, True)
         grad = graph.grads[k] if k < len(graph.grads) else -1
         if grad in subset.lonely_grads:
             u, v = nodes.tensor_node[grad], nodes.tensor_node[p]
             if u == v:
-                tables.update[u] += builder.reshard_row(grad, specs[grad], specs[p])
+                update[u] += tables.reshard_row(
+                    grad, sets[grad], specs[grad].index, sets[p], specs[p].index
+                )
             else:
-                builder.contribute(u, v, grad, specs[grad], specs[p], True)
+                seconds, fine = tables.reshard(grad, sets[grad], sets[p])
+                builder.contribute(u, v, seconds, fine, specs[grad].index, specs[p].index, True)

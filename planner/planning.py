@@ -20,6 +20,10 @@ per device any plan would need.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import multiprocessing
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +48,7 @@ from alpajob.planner.intra_op import ShardingMode
 from alpajob.planner.manifest import Method
 from alpajob.planner.plan import Plan, SolverStats
 from alpajob.planner.schedules import Schedule
-from alpajob.planner.stage_costs import MEMORY_LEVELS
+from alpajob.planner.stage_costs import MEMORY_LEVELS, SolveCounter
 
 GIB = 1024**3
 
@@ -78,6 +82,13 @@ class PlanOptions:
     ilp_time_limit_s: float = 10.0
     max_micro_batches: int = 64
     baselines: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept the manifest's strings ("shard", "gpipe") as well as the enums.
+        object.__setattr__(self, "method", Method(self.method))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
 
 @dataclass(frozen=True)
@@ -169,6 +180,83 @@ def _memory_error(context: CostContext, micro_batches: Sequence[int], method: Me
     )
 
 
+def _candidates_at(
+    context: CostContext, count: int, method: Method, manual: Sequence[StageRequest]
+) -> list[Candidate | None]:
+    """Every candidate the method considers with ``count`` micro-batches."""
+    found: list[Candidate | None] = []
+    last = len(context.layers) - 1
+    if method in (Method.AUTO, Method.PIPESHARD):
+        found.append(
+            dp_candidate(context, count, min_stages=2 if method is Method.PIPESHARD else 1)
+        )
+    if method is Method.AUTO:
+        found.append(megatron_grid(context, [count]))
+        found.append(data_parallel(context, [count], ShardingMode.DATA))
+        found.append(data_parallel(context, [count], ShardingMode.ZERO2))
+    if method in (Method.AUTO, Method.SHARD):
+        submesh, _ = whole_cluster(context)
+        found.append(evaluate_stages(context, [StageRequest(0, last, submesh)], count,
+                                     ShardingMode.AUTO, "shard"))
+    if method is Method.DATA:
+        found.append(data_parallel(context, [count], ShardingMode.DATA))
+    if method is Method.ZERO2:
+        found.append(data_parallel(context, [count], ShardingMode.ZERO2))
+    if method is Method.MANUAL and (count >= len(manual) or len(manual) == 1):
+        found.append(evaluate_stages(context, manual, count, ShardingMode.AUTO, "manual"))
+    return found
+
+
+def _worker(
+    context: CostContext, method: Method, manual: Sequence[StageRequest], count: int
+) -> tuple[list[Candidate | None], dict, SolveCounter]:
+    """One micro-batch count, in a worker process: its candidates, the ILP caches it
+    filled (so the parent can assemble the plan and cost baselines without re-solving),
+    and its solver tally."""
+    found = _candidates_at(context, count, method, manual)
+    costers = {}
+    for key, coster in context.costers().items():
+        coster.on_solve = None
+        coster.counter = SolveCounter()
+        costers[key] = coster
+    return found, costers, context.counter
+
+
+def _search(
+    context: CostContext,
+    micro_batches: Sequence[int],
+    method: Method,
+    manual: Sequence[StageRequest],
+) -> list[Candidate | None]:
+    """Candidates for every micro-batch count, in parallel processes where it pays.
+
+    Micro-batch counts are independent (each has its own ILPs), so with several cores
+    each count is planned in a worker process (forkserver: a clean process, never a fork of this multithreaded one); the workers' ILP caches and tallies are
+    merged back into ``context``.
+    """
+    workers = min(len(micro_batches), os.cpu_count() or 1)
+    if workers < 2:
+        found: list[Candidate | None] = []
+        for count in micro_batches:
+            found += _candidates_at(context, count, method, manual)
+        return found
+    progress = context.progress
+    quiet = dataclasses.replace(context, progress=None, counter=SolveCounter())
+    quiet.reset_costers()
+    job = functools.partial(_worker, quiet, method, manual)
+    found = []
+    with multiprocessing.get_context("forkserver").Pool(workers) as pool:
+        for done, (candidates, costers, counter) in enumerate(
+            pool.imap_unordered(job, micro_batches), start=1
+        ):
+            found += candidates
+            context.adopt(costers, counter)
+            if progress is not None:
+                progress(f"planned {done}/{len(micro_batches)} micro-batch counts",
+                         context.counter.solves, None)
+    return found
+
+
 def make_plan(
     graph: OpGraph,
     cluster: ClusterSpec,
@@ -204,34 +292,12 @@ def make_plan(
             "into equal micro-batches",
         )
     method = options.method
-    candidates: list[Candidate | None] = []
-    if method in (Method.AUTO, Method.PIPESHARD):
-        for count in micro_batches:
-            candidates.append(
-                dp_candidate(context, count, min_stages=2 if method is Method.PIPESHARD else 1)
-            )
-        if method is Method.AUTO:
-            candidates.append(megatron_grid(context, micro_batches))
-            candidates.append(data_parallel(context, micro_batches, ShardingMode.DATA))
-            candidates.append(data_parallel(context, micro_batches, ShardingMode.ZERO2))
-    if method in (Method.AUTO, Method.SHARD):
-        submesh, _ = whole_cluster(context)
-        candidates += [
-            evaluate_stages(context, [StageRequest(0, len(layers) - 1, submesh)], b,
-                            ShardingMode.AUTO, "shard")
-            for b in micro_batches
-        ]
-    if method is Method.DATA:
-        candidates.append(data_parallel(context, micro_batches, ShardingMode.DATA))
-    if method is Method.ZERO2:
-        candidates.append(data_parallel(context, micro_batches, ShardingMode.ZERO2))
-    if method is Method.MANUAL:
-        requests = _validate_manual(options.manual_stages, len(layers), cluster)
-        candidates += [
-            evaluate_stages(context, requests, b, ShardingMode.AUTO, "manual")
-            for b in micro_batches
-            if b >= len(requests) or len(requests) == 1
-        ]
+    manual = (
+        _validate_manual(options.manual_stages, len(layers), cluster)
+        if method is Method.MANUAL
+        else []
+    )
+    candidates = _search(context, micro_batches, method, manual)
     best = best_of(candidates)
     if best is None:
         raise _memory_error(context, micro_batches, method)

@@ -15,12 +15,21 @@ ILP needs about that subset, from the graph alone:
 - weights (parameters and optimizer state read here, gradients produced here) and
   residuals: forward values (or step inputs) that a backward op of the subset reads,
   kept alive from the forward to the backward pass of each micro-batch.
+
+What outside ops read and produce is a question about the whole graph (tens of
+thousands of ops for a large model). A :class:`GraphIndex` answers it per tensor
+(its producer, its consumers) after one pass over the graph; build it once and pass
+it to every :func:`analyse_subset` of the same graph, which then touches only the
+subset's ops and tensors.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from alpajob.planner.graph import Op, OpGraph, Phase, TensorRole
 
@@ -50,6 +59,51 @@ class Subset:
     lonely_grads: tuple[int, ...]
 
 
+@dataclass(frozen=True, eq=False)
+class GraphIndex:
+    """Who reads and writes each tensor of one :class:`OpGraph`, as flat arrays from
+    one pass over its ops (:meth:`build`). Immutable; build one per graph, share it.
+
+    ``reader_op[i]`` reads ``reader_tensor[i]`` (one entry per op input), so "which
+    of these tensors does an op outside the subset read" is one masked scatter.
+    """
+
+    graph: OpGraph
+    reader_tensor: np.ndarray = field(repr=False)
+    reader_op: np.ndarray = field(repr=False)
+    #: Tensor id -> id of the last op that writes it, -1 for a step input.
+    producer: np.ndarray = field(repr=False)
+    #: The values the step returns: loss, gradients, new parameters.
+    step_outputs: frozenset[int] = field(repr=False)
+
+    @classmethod
+    def build(cls, graph: OpGraph) -> GraphIndex:
+        """The index of ``graph`` (one pass over its ops)."""
+        ops = graph.ops
+        ids = np.arange(len(ops))
+
+        def flat(per_op: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+            counts = np.fromiter(map(len, per_op), np.int64, len(per_op))
+            tensors = np.fromiter(itertools.chain.from_iterable(per_op), np.int64,
+                                  int(counts.sum()))
+            return tensors, np.repeat(ids, counts)
+
+        reader_tensor, reader_op = flat([op.inputs for op in ops])
+        written, writer = flat([op.outputs for op in ops])
+        producer = np.full(len(graph.tensors), -1, dtype=np.int64)
+        np.maximum.at(producer, written, writer)
+        step_outputs = frozenset({graph.loss, *graph.grads, *graph.new_params})
+        return cls(graph, reader_tensor, reader_op, producer, step_outputs)
+
+    def read_outside(self, op_ids: Sequence[int]) -> np.ndarray:
+        """Per tensor, whether an op not in ``op_ids`` reads it."""
+        inside = np.zeros(len(self.graph.ops), dtype=bool)
+        inside[np.asarray(op_ids, dtype=np.int64)] = True
+        read = np.zeros(len(self.graph.tensors), dtype=bool)
+        read[self.reader_tensor[~inside[self.reader_op]]] = True
+        return read
+
+
 def _grad_flow(graph: OpGraph, ops: dict[int, Op], produced: dict[int, int]) -> dict[int, int]:
     flow: dict[int, int] = {}
     stack = [(g, k) for k, g in enumerate(graph.grads) if g in produced]
@@ -64,9 +118,21 @@ def _grad_flow(graph: OpGraph, ops: dict[int, Op], produced: dict[int, int]) -> 
     return flow
 
 
-def analyse_subset(graph: OpGraph, op_ids: Sequence[int]) -> Subset:
-    """Boundary, gradient flow, weights and residuals of ``op_ids`` (one pass over the
-    graph for what outside ops read and produce)."""
+def analyse_subset(
+    graph: OpGraph, op_ids: Sequence[int], index: GraphIndex | None = None
+) -> Subset:
+    """Boundary, gradient flow, weights and residuals of ``op_ids``.
+
+    ``index`` (of this graph) answers what outside ops read and produce; without it
+    one is built, a pass over the whole graph.
+    """
+    if index is None:
+        index = GraphIndex.build(graph)
+    elif index.graph is not graph:
+        raise ValueError(
+            f"the GraphIndex was built for graph {index.graph.name!r}, not for this "
+            f"{graph.name!r} object; build one per graph with GraphIndex.build(graph)"
+        )
     ids = tuple(sorted(set(op_ids)))
     ops = {i: graph.ops[i] for i in ids}
     produced = {t: op.id for op in ops.values() for t in op.outputs}
@@ -74,18 +140,16 @@ def analyse_subset(graph: OpGraph, op_ids: Sequence[int]) -> Subset:
     boundary_inputs = tuple(
         dict.fromkeys(t for op in ops.values() for t in op.inputs if t not in produced)
     )
-    boundary_set = set(boundary_inputs)
-    outside_phase: dict[int, Phase] = {}
-    consumed_outside: set[int] = set()
-    for op in graph.ops:
-        if op.id in ops:
-            continue
-        consumed_outside.update(t for t in op.inputs if t in produced)
-        for t in op.outputs:
-            if t in boundary_set:
-                outside_phase[t] = op.phase
-    step_outputs = {graph.loss, *graph.grads, *graph.new_params}
-    boundary_outputs = tuple(t for t in produced if t in consumed_outside or t in step_outputs)
+    read_outside = index.read_outside(ids).tolist()
+    boundary_outputs = tuple(
+        t for t in produced if read_outside[t] or t in index.step_outputs
+    )
+    # The phase of the (outside) op that writes each boundary input; step inputs
+    # count as forward values.
+    writers = index.producer[np.asarray(boundary_inputs, dtype=np.int64)].tolist()
+    outside_phase = {
+        t: graph.ops[w].phase for t, w in zip(boundary_inputs, writers, strict=True) if w >= 0
+    }
 
     state_roles = (TensorRole.PARAM, TensorRole.OPT_STATE)
     weights = [t for t in boundary_inputs if graph.tensor(t).role in state_roles]
