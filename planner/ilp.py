@@ -138,9 +138,9 @@ class _Work:
         return edge
 
 
-def _single_class(classes: np.ndarray, costs: np.ndarray) -> int | None:
+def _single_class(classes: np.ndarray, allowed: np.ndarray) -> int | None:
     """The class of every allowed strategy, when they all share one; else None."""
-    used = classes[np.isfinite(costs)]
+    used = classes[allowed]
     if used.size == 0:
         return None
     first = used[0]
@@ -150,17 +150,27 @@ def _single_class(classes: np.ndarray, costs: np.ndarray) -> int | None:
 def _fold_separable(work: _Work) -> bool:
     """Fold edges with a single class on one side into the other node's costs."""
     folded = False
+    finite: dict[int, np.ndarray] = {}  # allowed strategies per node, while unchanged
+
+    def allowed(v: int) -> np.ndarray:
+        mask = finite.get(v)
+        if mask is None:
+            mask = finite[v] = np.isfinite(work.costs[v])
+        return mask
+
     for (u, v), edge in list(work.edges.items()):
-        u_class = _single_class(edge.u_class, work.costs[u])
+        u_class = _single_class(edge.u_class, allowed(u))
         if u_class is not None:
             work.pop_edge(u, v)
             work.costs[v] = work.costs[v] + edge.matrix[u_class, edge.v_class]
+            finite.pop(v, None)
             folded = True
             continue
-        v_class = _single_class(edge.v_class, work.costs[v])
+        v_class = _single_class(edge.v_class, allowed(v))
         if v_class is not None:
             work.pop_edge(u, v)
             work.costs[u] = work.costs[u] + edge.matrix[edge.u_class, v_class]
+            finite.pop(u, None)
             folded = True
     return folded
 
@@ -241,24 +251,6 @@ def _presolve(work: _Work, budget: float | None) -> None:
                     changed = True
 
 
-def _tie_rows(
-    cls: np.ndarray, num_classes: int, pair_cls: np.ndarray, e_cols: np.ndarray, s_base: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows ``sum e[c, .] - sum s[class c] = 0`` of one side of an edge, one per
-    class ``c`` that ``cls`` uses (ascending), each listing its ``e`` columns then its
-    ``s`` columns in column order. ``cls``: class (``< num_classes``) of each ``s``
-    column, numbered from ``s_base``; ``pair_cls``: class of each ``e`` column.
-    Returns (column ids, values, row sizes), row-wise."""
-    used = np.zeros(num_classes, dtype=bool)
-    used[cls] = True
-    row_of = np.cumsum(used) - 1  # class -> row, for the classes used
-    rows = np.concatenate([row_of[pair_cls], row_of[cls]])
-    cols = np.concatenate([e_cols, s_base + np.arange(len(cls))])
-    vals = np.concatenate([np.ones(len(e_cols)), -np.ones(len(cls))])
-    order = np.argsort(rows, kind="stable")  # e before s within a row, each in order
-    return cols[order], vals[order], np.bincount(rows, minlength=int(used.sum()))
-
-
 def _arrays(
     work: _Work, budget: float | None
 ) -> tuple[Milp, dict[int, np.ndarray], dict[int, int]]:
@@ -266,24 +258,29 @@ def _arrays(
     strategy of each of its ``s`` columns and the first column's index.
 
     Columns: the ``s`` binaries of the live nodes' allowed strategies, then the
-    continuous ``e`` of every usable class pair. Rows: one-hot per node, one row per
-    (edge, side, class) tying ``e`` sums to ``s`` sums, and the memory row.
+    continuous ``e`` of every usable class pair. Rows: one-hot per node; per edge,
+    per side, per class ``c`` used (ascending) the tie ``sum e[c, .] - sum s[class
+    c] = 0``, listing its ``e`` columns then its ``s`` columns in column order; and
+    the memory row. The tie rows of all edges are laid out with one stable sort of
+    their entries by row.
     """
     live = [v for v, alive in enumerate(work.alive) if alive]
     cost_parts: list[np.ndarray] = []
     s_columns: dict[int, np.ndarray] = {}
     s_offset: dict[int, int] = {}
+    s_ids: dict[int, np.ndarray] = {}
     column = 0
     for v in live:
         allowed = np.flatnonzero(np.isfinite(work.costs[v]))
         s_columns[v], s_offset[v] = allowed, column
+        s_ids[v] = np.arange(column, column + len(allowed))
         cost_parts.append(work.costs[v][allowed])
         column += len(allowed)
     num_s = column
-    # One-hot rows: each live node's s columns, consecutive.
-    index_parts: list[np.ndarray] = [np.arange(num_s)]
-    value_parts: list[np.ndarray] = [np.ones(num_s)]
-    size_parts: list[np.ndarray] = [np.array([len(s_columns[v]) for v in live], dtype=np.int64)]
+    # Tie rows, entry by entry: (row, column) in the order the rows list them.
+    tie_rows: list[np.ndarray] = []
+    tie_cols: list[np.ndarray] = []
+    num_tie_rows = 0
     for (u, v), edge in work.edges.items():
         u_cls = edge.u_class[s_columns[u]]
         v_cls = edge.v_class[s_columns[v]]
@@ -293,16 +290,24 @@ def _arrays(
         cols_used[v_cls] = True
         usable = np.isfinite(edge.matrix) & rows_used[:, None] & cols_used[None, :]
         a_idx, b_idx = np.nonzero(usable)
-        e_cols = column + np.arange(len(a_idx))
+        e_cols = np.arange(column, column + len(a_idx))
         cost_parts.append(edge.matrix[a_idx, b_idx])
         column += len(a_idx)
-        for side, cls, num, pair_cls in ((u, u_cls, usable.shape[0], a_idx),
-                                         (v, v_cls, usable.shape[1], b_idx)):
-            cols, vals, sizes = _tie_rows(cls, num, pair_cls, e_cols, s_offset[side])
-            index_parts.append(cols)
-            value_parts.append(vals)
-            size_parts.append(sizes)
-    num_tie_rows = sum(len(p) for p in size_parts[1:])
+        for side, cls, used, pair_cls in ((u, u_cls, rows_used, a_idx),
+                                          (v, v_cls, cols_used, b_idx)):
+            row_of = np.cumsum(used) + (num_tie_rows - 1)  # class -> its row
+            tie_rows += [row_of[pair_cls], row_of[cls]]
+            tie_cols += [e_cols, s_ids[side]]
+            num_tie_rows = int(row_of[-1]) + 1
+    rows = np.concatenate(tie_rows) if tie_rows else np.zeros(0, np.int64)
+    order = np.argsort(rows, kind="stable")  # per row: e before s, each in order
+    tie_index = np.concatenate(tie_cols)[order] if tie_cols else np.zeros(0, np.int64)
+    index_parts = [np.arange(num_s), tie_index]
+    value_parts = [np.ones(num_s), np.where(tie_index >= num_s, 1.0, -1.0)]
+    size_parts = [
+        np.array([len(s_columns[v]) for v in live], dtype=np.int64),
+        np.bincount(rows, minlength=num_tie_rows),
+    ]
     lower = [np.ones(len(live)), np.zeros(num_tie_rows)]
     upper = [np.ones(len(live)), np.zeros(num_tie_rows)]
     if budget is not None:

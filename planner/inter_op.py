@@ -40,7 +40,7 @@ from alpajob.planner.graph import OpGraph, with_batch_size
 from alpajob.planner.intra_op import ShardingMode
 from alpajob.planner.schedules import Schedule
 from alpajob.planner.stage_costs import (
-    MEMORY_LEVELS,
+    LEVEL_TIERS,
     LayerCoster,
     SolveCounter,
     StageEval,
@@ -215,10 +215,8 @@ def evaluate_stages(
     for index, request in enumerate(requests):
         in_flight = context.in_flight(index, len(requests), num_micro_batches)
         shapes = [request.shape] if request.shape else context.shapes(request.submesh)
-        if request.level is not None:
-            tiers: list[list[int]] = [[request.level]]
-        else:  # the fastest level if it fits; otherwise the best of the leaner ones
-            tiers = [[0], list(range(1, len(MEMORY_LEVELS)))]
+        # The fastest level that fits; leaner tiers only when nothing before fits.
+        tiers = [(request.level,)] if request.level is not None else list(LEVEL_TIERS)
         best: StageEval | None = None
         for levels in tiers:
             for level in levels:
@@ -272,9 +270,9 @@ def _dp_tables(
         roomy_succ = np.full((n, n), -1, dtype=np.int64)
         fastest_from: dict[tuple[int, int], _Choice] = {}
         roomy_from: dict[tuple[int, int], _Choice] = {}
-        for level in range(len(MEMORY_LEVELS)):
-            if level > 0 and _fits_everywhere(fastest_succ, upper, n):
-                break  # level 0 fits every range: no need for memory-lean solutions
+        for level in (level for tier in LEVEL_TIERS for level in tier):
+            if level > 0 and _fits_everywhere(fastest_succ, n):
+                break  # every range already fits: no need for leaner (slower) levels
             for shape in context.shapes(submesh):
                 seconds, update, weight, act = coster.range_table(submesh, shape, level)
                 dp_cost = seconds + update / num_micro_batches
@@ -304,10 +302,16 @@ def _dp_tables(
     return cost, succ, origin, sizes
 
 
-def _fits_everywhere(n_succ: np.ndarray, upper: np.ndarray, n: int) -> bool:
-    """True when every range fits with every possible number of later stages."""
-    needed = (n - 1) - np.arange(n)[None, :]  # stages that can follow a range ending at j
-    return bool(np.all(~upper | (n_succ >= needed)))
+def _fits_everywhere(n_succ: np.ndarray, n: int) -> bool:
+    """True when every single-layer stage fits with every possible number of later
+    stages: then leaner (slower, or costlier to solve) memory levels are not needed.
+
+    Only single layers are checked: long ranges on small submeshes never fit at any
+    level, and would otherwise always send the search to the expensive tiers.
+    """
+    diagonal = np.diagonal(n_succ)
+    needed = (n - 1) - np.arange(n)  # stages that can follow a stage ending at layer j
+    return bool(np.all(diagonal >= needed))
 
 
 def _max_successors(

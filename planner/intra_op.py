@@ -384,6 +384,8 @@ def solve_intra_op(
     _validate(graph, op_ids, num_micro_batches, activation_multiplier, memory_weight,
               time_limit_s)
     start = time.perf_counter()
+    if context is None:  # this solve's own: its index serves the model and the rewrite
+        context = SolveContext(graph, max_models=0)
     model = build_model(graph, op_ids, mesh, device, calibration, mode, input_hints,
                         context=context)
     built = time.perf_counter()
@@ -412,7 +414,7 @@ def solve_intra_op(
             always=mode is ShardingMode.ZERO2,
             num_micro_batches=num_micro_batches,
             memory_weight=memory_weight,
-            index=context.index if context is not None else None,
+            index=context.index,
         )
         update += seconds_delta
         weight_bytes += bytes_delta

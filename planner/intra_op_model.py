@@ -45,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 import numpy as np
 
@@ -126,6 +127,28 @@ class IntraOpModel:
     residuals: tuple[int, ...]
     lonely_grads: tuple[int, ...] = field(default=())
 
+    @cached_property
+    def _flat(self) -> dict[str, np.ndarray]:
+        """Node and edge tables concatenated (edges raveled), so that
+        :meth:`problem` is a few array operations; ``*_splits`` cut them back."""
+        def cat(arrays: list[np.ndarray], dtype: type = float) -> np.ndarray:
+            return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
+
+        nodes, edges = self.nodes, self.edges
+        return {
+            "compute": cat([n.compute for n in nodes]),
+            "comm": cat([n.comm for n in nodes]),
+            "update": cat([n.update for n in nodes]),
+            "weight": cat([n.weight_bytes for n in nodes]),
+            "activation": cat([n.activation_bytes for n in nodes]),
+            "allowed": cat([n.allowed for n in nodes], bool),
+            "node_splits": np.cumsum([len(n.compute) for n in nodes])[:-1],
+            "edge_comm": cat([e.comm.ravel() for e in edges]),
+            "edge_update": cat([e.update.ravel() for e in edges]),
+            "edge_allowed": cat([e.allowed.ravel() for e in edges], bool),
+            "edge_splits": np.cumsum([e.comm.size for e in edges])[:-1],
+        }
+
     def problem(
         self,
         num_micro_batches: int,
@@ -134,25 +157,24 @@ class IntraOpModel:
         budget: float | None,
     ) -> Problem:
         """The ILP in objective units: seconds per micro-batch, per-step costs / B."""
-        costs = []
-        memory = []
-        for node in self.nodes:
-            mem = node.weight_bytes + activation_multiplier * node.activation_bytes
-            cost = node.compute + node.comm + node.update / num_micro_batches
-            cost = cost + (memory_weight + TIE_BREAK_SECONDS_PER_BYTE) * mem
-            costs.append(np.where(node.allowed, cost, INF))
-            memory.append(mem)
-        edges = tuple(
-            Edge(
-                e.u,
-                e.v,
-                e.u_class,
-                e.v_class,
-                np.where(e.allowed, e.comm + e.update / num_micro_batches, INF),
-            )
-            for e in self.edges
+        f = self._flat
+        mem = f["weight"] + activation_multiplier * f["activation"]
+        cost = f["compute"] + f["comm"] + f["update"] / num_micro_batches
+        cost = cost + (memory_weight + TIE_BREAK_SECONDS_PER_BYTE) * mem
+        cost = np.where(f["allowed"], cost, INF)
+        pair = np.where(
+            f["edge_allowed"], f["edge_comm"] + f["edge_update"] / num_micro_batches, INF
         )
-        return Problem(tuple(costs), tuple(memory), edges, budget)
+        edges = tuple(
+            Edge(e.u, e.v, e.u_class, e.v_class, matrix.reshape(e.comm.shape))
+            for e, matrix in zip(self.edges, np.split(pair, f["edge_splits"]), strict=True)
+        ) if self.edges else ()
+        return Problem(
+            tuple(np.split(cost, f["node_splits"])) if self.nodes else (),
+            tuple(np.split(mem, f["node_splits"])) if self.nodes else (),
+            edges,
+            budget,
+        )
 
     def memory_problem(self, activation_multiplier: int) -> Problem:
         """The same constraints, minimising per-device memory alone."""
@@ -241,15 +263,13 @@ def build_model(
     """
     mode = ShardingMode(mode)
     if context is None:
-        subset = analyse_subset(graph, op_ids)
-        model = _build(graph, subset, TableCache(graph, mesh, device, calibration), mode)
+        context = SolveContext(graph, max_models=0)
     elif context.graph is not graph:
         raise ValueError(
             f"the SolveContext was made for graph {context.graph.name!r}, not for this "
             f"{graph.name!r} object; make one per graph with SolveContext(graph)"
         )
-    else:
-        model = context.model(op_ids, mesh, device, calibration, mode)
+    model = context.model(op_ids, mesh, device, calibration, mode)
     return _with_hints(model, input_hints) if input_hints else model
 
 

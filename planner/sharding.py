@@ -157,11 +157,15 @@ def resharding_seconds(
     return _resharding_seconds(tuple(tensor_shape), dtype, src, dst, mesh)
 
 
-@lru_cache(maxsize=65536)
-def _resharding_seconds(
-    shape: tuple[int, ...], dtype: str, src: ShardSpec, dst: ShardSpec, mesh: LogicalMesh
-) -> float:
-    nbytes = tensor_bytes(shape, dtype)
+#: How a resharding moves data, whatever the tensor's size: the axes whose split
+#: moves to another dim (all-to-all), the axes gathered, and every axis of the source
+#: spec (those still splitting the data during each collective).
+ReshardPlan = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def reshard_plan(src: ShardSpec, dst: ShardSpec, mesh: LogicalMesh) -> ReshardPlan:
+    """The collectives that turn ``src`` into ``dst`` (see module docstring); their
+    seconds for a given tensor size are :func:`plan_seconds`."""
     src_pos = _axis_positions(src)
     dst_pos = _axis_positions(dst)
     moved: list[int] = []
@@ -181,16 +185,28 @@ def _resharding_seconds(
                 moved.append(k)
         else:
             gathered.append(k)
+    return tuple(moved), tuple(gathered), tuple(src_pos)
+
+
+def plan_seconds(plan: ReshardPlan, nbytes: float, mesh: LogicalMesh) -> float:
+    """Seconds of a :func:`reshard_plan` on a tensor of ``nbytes`` (whole)."""
+    moved, gathered, current = plan
     if not moved and not gathered:
         return 0.0
     cost = 0.0
     # Every collective works on one group's data: the tensor divided by the axes that
     # still split it, other than the collective's own.
-    current = set(src_pos)
     for k in moved:
         others = [j for j in current if j != k]
         cost += all_to_all_seconds(mesh, (k,), nbytes / mesh.size_of(others))
     if gathered:
         remaining = [j for j in current if j not in gathered]
-        cost += all_gather_seconds(mesh, tuple(gathered), nbytes / mesh.size_of(remaining))
+        cost += all_gather_seconds(mesh, gathered, nbytes / mesh.size_of(remaining))
     return cost
+
+
+@lru_cache(maxsize=65536)
+def _resharding_seconds(
+    shape: tuple[int, ...], dtype: str, src: ShardSpec, dst: ShardSpec, mesh: LogicalMesh
+) -> float:
+    return plan_seconds(reshard_plan(src, dst, mesh), tensor_bytes(shape, dtype), mesh)

@@ -58,13 +58,18 @@ class MemoryLevel:
     remat: bool
 
 
-#: Levels in the order a stage tries them: faster first, leaner later.
+#: Levels in the order a stage tries them: the fastest sharding; the same sharding
+#: rematerialised (no new ILP solve); then the memory-minimising sharding (new solves),
+#: plain and rematerialised.
 MEMORY_LEVELS: tuple[MemoryLevel, ...] = (
     MemoryLevel(0.0, False),
-    MemoryLevel(1e-9, False),
     MemoryLevel(0.0, True),
+    MemoryLevel(1e-9, False),
     MemoryLevel(1e-9, True),
 )
+
+#: Groups of levels: a group is only tried when no level of the groups before fits.
+LEVEL_TIERS: tuple[tuple[int, ...], ...] = ((0,), (1,), (2, 3))
 
 Submesh = tuple[int, int]
 Shape = tuple[int, int]
