@@ -34,6 +34,11 @@ dot, a sharded update, an all-gather edge into the parameter).
 Modes: ``AUTO`` solves freely; ``DATA`` pins every batch-carrying tensor to its batch
 dim split over all axes and parameters to replicated (plain data parallelism);
 ``ZERO2`` is ``DATA`` plus weight-update sharding.
+
+Many solves on one graph (a planner solves each layer class on every logical mesh,
+memory weight and set of input hints) should share a :class:`SolveContext`: the
+graph's index, op strategy tables per mesh and recent models are then computed
+once; results are identical with and without it.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from alpajob.planner.sharding import (
     resharding_seconds,
     shard_factor,
     spec_axes,
+    tensor_bytes,
     to_partition_spec,
 )
 from alpajob.planner.strategies import Collective, CollectiveKind
@@ -155,12 +161,17 @@ class _Realised:
 
 def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
     graph, mesh = model.graph, model.mesh
-    specs = {t: model.tensor_specs[t][choice[model.tensor_node[t]]] for t in model.tensor_specs}
+    tensors = graph.tensors
+    specs = {
+        t: per.values[per.index[choice[model.tensor_node[t]]]]
+        for t, per in model.tensor_specs.items()
+    }
     compute = comm = update = 0.0
     syncs: dict[int, list[Collective]] = {}
     for op_id in model.op_ids:
         op = graph.ops[op_id]
-        strategy = model.op_strategies[op_id][choice[model.op_node[op_id]]]
+        per = model.op_strategies[op_id]
+        strategy = per.values[per.index[choice[model.op_node[op_id]]]]
         per_step = op.phase is Phase.UPDATE
         grad = bool(op.outputs) and op.outputs[0] in model.grad_param
         if per_step:
@@ -173,11 +184,12 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
             comm += strategy.comm_seconds
         if grad:
             syncs.setdefault(model.grad_param[op.outputs[0]], []).extend(strategy.collectives)
-        for position, t in enumerate(op.inputs):
-            tensor = graph.tensor(t)
-            seconds = resharding_seconds(
-                tensor.shape, tensor.dtype, specs[t], strategy.input_specs[position], mesh
-            )
+        for t, need in zip(op.inputs, strategy.input_specs, strict=True):
+            have = specs[t]
+            if have == need:
+                continue  # free: adding 0.0 changes no sum
+            tensor = tensors[t]
+            seconds = resharding_seconds(tensor.shape, tensor.dtype, have, need, mesh)
             if per_step:
                 update += seconds
             else:
@@ -187,8 +199,11 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
         tensor = graph.tensor(grad)
         update += resharding_seconds(tensor.shape, tensor.dtype, specs[grad], specs[param], mesh)
 
-    def total(tensors: Sequence[int]) -> float:
-        return sum(graph.tensor(t).nbytes / shard_factor(specs[t], mesh) for t in tensors)
+    def total(ids: Sequence[int]) -> float:
+        return sum(
+            tensor_bytes(tensors[t].shape, tensors[t].dtype) / shard_factor(specs[t], mesh)
+            for t in ids
+        )
 
     return _Realised(
         specs, compute, comm, update, total(model.weights), total(model.residuals), syncs
@@ -257,9 +272,8 @@ def _weight_update_sharding(
                 mesh, rest, c.nbytes / mesh.size_of(scattered)
             )
             seconds += new - c.seconds
-        seconds += all_gather_seconds(
-            mesh, option, tensor.nbytes / shard_factor(specs[param], mesh)
-        )
+        nbytes = tensor_bytes(tensor.shape, tensor.dtype)  # == tensor.nbytes, faster
+        seconds += all_gather_seconds(mesh, option, nbytes / shard_factor(specs[param], mesh))
         # The elementwise update ops of this parameter (graph-wide: some may sit in
         # another subset) and the optimizer state they read.
         if writer is None:
@@ -267,7 +281,7 @@ def _weight_update_sharding(
         new_param = graph.new_params[k] if k < len(graph.new_params) else -1
         stack, seen = [new_param], set()
         state_specs: dict[int, ShardSpec] = {}
-        nbytes = 0.0
+        saved = 0.0
         while stack:
             t = stack.pop()
             op_id = int(writer[t]) if t >= 0 else -1
@@ -298,11 +312,12 @@ def _weight_update_sharding(
                 )
                 if is_valid_spec(new_spec, state.shape, mesh):
                     state_specs[t_in] = new_spec
-                    nbytes -= state.nbytes / shard_factor(old, mesh) * (1 - 1 / factor)
-        if not always and seconds / num_micro_batches + memory_weight * nbytes > 0:
+                    state_bytes = tensor_bytes(state.shape, state.dtype)
+                    saved -= state_bytes / shard_factor(old, mesh) * (1 - 1 / factor)
+        if not always and seconds / num_micro_batches + memory_weight * saved > 0:
             continue
         seconds_total += seconds
-        bytes_total += nbytes
+        bytes_total += saved
         new_specs.update(state_specs)
         rewritten.append(param)
     return seconds_total, bytes_total, new_specs, tuple(rewritten)

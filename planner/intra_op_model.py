@@ -35,6 +35,12 @@ in place), forbidden pairs are ``inf``; a parameter's gradient that no op of the
 subset consumes is charged its resharding to the parameter's spec. Memory per device
 (weights: parameters, gradients, optimizer state; residuals: forward values read by
 backward ops, times ``activation_multiplier``) is linear in the ``s_v``.
+
+Reuse: op strategies, spec sets and resharding matrices come memoised per op
+structure from a :class:`~alpajob.planner.op_tables.TableCache`. A
+:class:`SolveContext` keeps, for one graph, its index, a table cache per mesh and
+the recent models; input hints are applied to a copy of a model, so one build
+serves every memory weight and every set of hints. Models are shared: read-only.
 """
 
 from __future__ import annotations
@@ -45,7 +51,6 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cached_property
 
 import numpy as np
 
@@ -54,28 +59,13 @@ from alpajob.planner.cost_model import Calibration, LogicalMesh
 from alpajob.planner.edge_costs import EdgeBuilder, EdgeTables
 from alpajob.planner.graph import Op, OpGraph, Phase, TensorRole
 from alpajob.planner.ilp import INF, Edge, Problem
-from alpajob.planner.op_tables import (
-    OpTable,
-    PerStrategy,
-    TableCache,
-    data_spec,
-    distinct,
-)
+from alpajob.planner.op_tables import OpTable, PerStrategy, TableCache, data_spec, distinct
 from alpajob.planner.sharding import ShardSpec, replicated, resharding_seconds, tensor_bytes
 from alpajob.planner.strategies import OpKind, Strategy, op_kind
 from alpajob.planner.subset import GraphIndex, Subset, analyse_subset
 
-__all__ = [
-    "IntraOpModel",
-    "NodeTables",
-    "PerStrategy",
-    "ShardingMode",
-    "SolveContext",
-    "TIE_BREAK_SECONDS_PER_BYTE",
-    "build_model",
-    "data_spec",
-    "distinct",
-]
+__all__ = ["IntraOpModel", "NodeTables", "PerStrategy", "ShardingMode", "SolveContext",
+           "TIE_BREAK_SECONDS_PER_BYTE", "build_model", "data_spec", "distinct"]
 
 #: Seconds per byte added to every objective so that, among equally fast shardings,
 #: the ILP keeps the one with less memory (a replicated batch input costs as much
@@ -127,28 +117,6 @@ class IntraOpModel:
     residuals: tuple[int, ...]
     lonely_grads: tuple[int, ...] = field(default=())
 
-    @cached_property
-    def _flat(self) -> dict[str, np.ndarray]:
-        """Node and edge tables concatenated (edges raveled), so that
-        :meth:`problem` is a few array operations; ``*_splits`` cut them back."""
-        def cat(arrays: list[np.ndarray], dtype: type = float) -> np.ndarray:
-            return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
-
-        nodes, edges = self.nodes, self.edges
-        return {
-            "compute": cat([n.compute for n in nodes]),
-            "comm": cat([n.comm for n in nodes]),
-            "update": cat([n.update for n in nodes]),
-            "weight": cat([n.weight_bytes for n in nodes]),
-            "activation": cat([n.activation_bytes for n in nodes]),
-            "allowed": cat([n.allowed for n in nodes], bool),
-            "node_splits": np.cumsum([len(n.compute) for n in nodes])[:-1],
-            "edge_comm": cat([e.comm.ravel() for e in edges]),
-            "edge_update": cat([e.update.ravel() for e in edges]),
-            "edge_allowed": cat([e.allowed.ravel() for e in edges], bool),
-            "edge_splits": np.cumsum([e.comm.size for e in edges])[:-1],
-        }
-
     def problem(
         self,
         num_micro_batches: int,
@@ -157,24 +125,25 @@ class IntraOpModel:
         budget: float | None,
     ) -> Problem:
         """The ILP in objective units: seconds per micro-batch, per-step costs / B."""
-        f = self._flat
-        mem = f["weight"] + activation_multiplier * f["activation"]
-        cost = f["compute"] + f["comm"] + f["update"] / num_micro_batches
-        cost = cost + (memory_weight + TIE_BREAK_SECONDS_PER_BYTE) * mem
-        cost = np.where(f["allowed"], cost, INF)
-        pair = np.where(
-            f["edge_allowed"], f["edge_comm"] + f["edge_update"] / num_micro_batches, INF
-        )
+        costs = []
+        memory = []
+        for node in self.nodes:
+            mem = node.weight_bytes + activation_multiplier * node.activation_bytes
+            cost = node.compute + node.comm + node.update / num_micro_batches
+            cost = cost + (memory_weight + TIE_BREAK_SECONDS_PER_BYTE) * mem
+            costs.append(np.where(node.allowed, cost, INF))
+            memory.append(mem)
         edges = tuple(
-            Edge(e.u, e.v, e.u_class, e.v_class, matrix.reshape(e.comm.shape))
-            for e, matrix in zip(self.edges, np.split(pair, f["edge_splits"]), strict=True)
-        ) if self.edges else ()
-        return Problem(
-            tuple(np.split(cost, f["node_splits"])) if self.nodes else (),
-            tuple(np.split(mem, f["node_splits"])) if self.nodes else (),
-            edges,
-            budget,
+            Edge(
+                e.u,
+                e.v,
+                e.u_class,
+                e.v_class,
+                np.where(e.allowed, e.comm + e.update / num_micro_batches, INF),
+            )
+            for e in self.edges
         )
+        return Problem(tuple(costs), tuple(memory), edges, budget)
 
     def memory_problem(self, activation_multiplier: int) -> Problem:
         """The same constraints, minimising per-device memory alone."""
@@ -198,9 +167,14 @@ class SolveContext:
     applied to a copy, so one model serves every memory weight and every set of
     hints). Results are identical with and without a context; a context only saves
     recomputation. Build one per graph and pass it to every solve on that graph.
+
+    Memory: a model of a 2,000-op layer takes 2 to 3 MB, so the default bound of 64
+    models (enough for every layer class on every logical shape of a submesh) stays
+    under ~200 MB; a table cache per mesh adds a few MB. ``max_models=0`` caches no
+    model. Not thread-safe.
     """
 
-    def __init__(self, graph: OpGraph, max_models: int = 32) -> None:
+    def __init__(self, graph: OpGraph, max_models: int = 64) -> None:
         if max_models < 0:
             raise ValueError(f"max_models must be >= 0, got {max_models}")
         self.graph = graph
@@ -311,6 +285,11 @@ def _build(graph: OpGraph, subset: Subset, tables: TableCache, mode: ShardingMod
             bucket[nodes.tensor_node[t]] += tables.shard_bytes(nbytes, nodes.tensor_set[t])[
                 nodes.tensor_specs[t].index
             ]
+    edges = builder.edges()
+    for array in (*compute, *comm, *update, *weight_bytes, *activation_bytes, *allowed,
+                  *(a for e in edges for a in (e.u_class, e.v_class, e.comm, e.update,
+                                               e.allowed))):
+        array.setflags(write=False)  # the model may be cached and shared
     return IntraOpModel(
         graph=graph,
         mesh=tables.mesh,
@@ -323,7 +302,7 @@ def _build(graph: OpGraph, subset: Subset, tables: TableCache, mode: ShardingMod
             )
             for v in range(len(nodes.labels))
         ),
-        edges=tuple(builder.edges()),
+        edges=tuple(edges),
         tensor_node=nodes.tensor_node,
         tensor_specs=nodes.tensor_specs,
         op_node=nodes.op_node,

@@ -17,7 +17,11 @@ them again. A :class:`TableCache` evaluates each (structure, followed specs) onc
 
 A tuple of distinct specs is interned as an int (:meth:`TableCache.spec_set`, hashed
 once), so follower tables and the resharding matrices between two spec sets
-(:meth:`TableCache.reshard`, one entry per pair of specs) are keyed by small ints.
+(:meth:`TableCache.reshard`) are keyed by small ints. A resharding's collectives (its
+:func:`~alpajob.planner.sharding.reshard_plan`) depend on the two specs alone and
+their seconds on the tensor's bytes alone, so a matrix is a tensor-independent matrix
+of plan ids, per pair of spec sets, indexing the seconds of each plan at the tensor's
+size: each plan is priced once per tensor size, not once per tensor and pair.
 
 Everything is memoised by value: a table or matrix is the same whether it was
 computed now or for an earlier op, so the ILP is identical with and without reuse.
@@ -38,10 +42,13 @@ from alpajob.planner.cost_model import Calibration, LogicalMesh
 from alpajob.planner.follow import follow_strategy
 from alpajob.planner.graph import Op, OpGraph, Tensor
 from alpajob.planner.sharding import (
+    ReshardPlan,
     ShardSpec,
+    plan_seconds,
     replicated,
-    resharding_seconds,
+    reshard_plan,
     shard_factor,
+    tensor_bytes,
     tiling_specs,
 )
 from alpajob.planner.strategies import Strategy, op_base_seconds, op_strategies
@@ -156,8 +163,10 @@ class TableCache:
         self._followers: dict[tuple[int, int, int], OpTable] = {}
         self._follow: dict[tuple[int, int, ShardSpec], Strategy] = {}
         self._reshard: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self._partial: dict[tuple, np.ndarray] = {}
-        self._seconds: dict[tuple, float] = {}
+        self._plan_ids: dict[ReshardPlan, int] = {}
+        self._plan_of: dict[tuple[ShardSpec, ShardSpec], int] = {}
+        self._plan_matrices: dict[tuple[int, int], np.ndarray] = {}
+        self._plan_costs: dict[float, np.ndarray] = {}
         self._bytes: dict[tuple[float, int], np.ndarray] = {}
 
     # ------------------------------------------------------------------ spec sets
@@ -197,74 +206,76 @@ class TableCache:
                 [nbytes / shard_factor(spec, self.mesh) for spec in self._sets[set_id]],
                 dtype=float,
             )
+            out.setflags(write=False)
         return out
 
-    def _pairs(self, key: tuple, tensor: Tensor, src: int, dst: int) -> np.ndarray:
-        """The resharding matrix between two spec sets of ``tensor``'s shape and
-        dtype, filled lazily: NaN marks a pair not computed yet (:meth:`_fill`)."""
-        matrix = self._partial.get(key)
-        if matrix is None:
-            shape = (len(self._sets[src]), len(self._sets[dst]))
-            matrix = self._partial[key] = np.full(shape, np.nan)
-        return matrix
+    def _plan_matrix(self, src: int, dst: int) -> np.ndarray:
+        """Id of the :func:`~alpajob.planner.sharding.reshard_plan` from each spec of
+        set ``src`` to each spec of set ``dst`` (independent of the tensor)."""
+        ids = self._plan_matrices.get((src, dst))
+        if ids is None:
+            of, plans = self._plan_of, self._plan_ids
+            a_specs, b_specs = self._sets[src], self._sets[dst]
+            rows = []
+            for a in a_specs:
+                row = []
+                for b in b_specs:
+                    plan_id = of.get((a, b))
+                    if plan_id is None:
+                        plan = reshard_plan(a, b, self.mesh)
+                        plan_id = of[(a, b)] = plans.setdefault(plan, len(plans))
+                    row.append(plan_id)
+                rows.append(row)
+            ids = np.array(rows, dtype=np.int64).reshape(len(a_specs), len(b_specs))
+            self._plan_matrices[(src, dst)] = ids
+        return ids
 
-    def _fill(self, matrix: np.ndarray, tensor: Tensor, src: int, dst: int,
-              rows: np.ndarray, cols: np.ndarray) -> None:
-        """Compute the entries ``(rows[i], cols[i])`` of ``matrix`` still missing."""
-        missing = np.isnan(matrix[rows, cols])
-        if not missing.any():
-            return
-        a_specs, b_specs = self._sets[src], self._sets[dst]
-        memo = self._seconds
-        for a, b in set(zip(rows[missing].tolist(), cols[missing].tolist(), strict=True)):
-            key = (tensor.shape, tensor.dtype, a_specs[a], b_specs[b])
-            seconds = memo.get(key)
-            if seconds is None:
-                seconds = memo[key] = resharding_seconds(*key, self.mesh)
-            matrix[a, b] = seconds
+    def _plan_seconds(self, nbytes: float) -> np.ndarray:
+        """Seconds of every plan seen so far on a tensor of ``nbytes``, by plan id."""
+        known = self._plan_costs.get(nbytes)
+        if known is None or len(known) < len(self._plan_ids):
+            plans = list(self._plan_ids)
+            done = 0 if known is None else len(known)
+            more = [plan_seconds(plan, nbytes, self.mesh) for plan in plans[done:]]
+            known = np.concatenate([known if known is not None else np.zeros(0),
+                                    np.array(more, dtype=float)])
+            self._plan_costs[nbytes] = known
+        return known
+
+    def reshard(
+        self, tensor_id: int, src: int, dst: int, equality: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, allowed) between two spec sets of tensor ``tensor_id``: entry
+        ``[a, b]`` reshards spec ``a`` of ``src`` into spec ``b`` of ``dst``
+        (:func:`~alpajob.planner.sharding.resharding_seconds`, priced per plan). With
+        ``equality`` the seconds are 0 and only equal specs are allowed. Read-only."""
+        tensor = self.graph.tensors[tensor_id]
+        nbytes = tensor_bytes(tensor.shape, tensor.dtype)
+        key = (src, dst, True) if equality else (nbytes, src, dst)
+        pair = self._reshard.get(key)
+        if pair is None:
+            a_specs, b_specs = self._sets[src], self._sets[dst]
+            if equality:
+                allowed = np.array([[a == b for b in b_specs] for a in a_specs], dtype=bool)
+                allowed = allowed.reshape(len(a_specs), len(b_specs))
+                seconds = np.zeros(allowed.shape)
+            else:
+                plans = self._plan_matrix(src, dst)  # first: it may add plans
+                matrix = self._plan_seconds(nbytes)[plans]
+                allowed = np.isfinite(matrix)
+                seconds = np.where(allowed, matrix, 0.0)
+            seconds.setflags(write=False)
+            allowed.setflags(write=False)
+            pair = self._reshard[key] = (seconds, allowed)
+        return pair
 
     def reshard_row(
         self, tensor_id: int, src: int, src_index: np.ndarray, dst: int, dst_index: np.ndarray
     ) -> np.ndarray:
         """Per strategy ``i`` of one node, the seconds to reshard tensor ``tensor_id``
         from spec ``src_index[i]`` of set ``src`` into spec ``dst_index[i]`` of set
-        ``dst`` (only those pairs are computed)."""
-        tensor = self.graph.tensors[tensor_id]
-        key = (tensor.shape, tensor.dtype, src, dst)
-        full = self._reshard.get(key)
-        if full is not None:
-            return full[0][src_index, dst_index]
-        matrix = self._pairs(key, tensor, src, dst)
-        self._fill(matrix, tensor, src, dst, src_index, dst_index)
-        return matrix[src_index, dst_index]
-
-    def reshard(
-        self, tensor_id: int, src: int, dst: int, equality: bool = False
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(seconds, allowed) between two spec sets of tensor ``tensor_id``: entry
-        ``[a, b]`` reshards spec ``a`` of ``src`` into spec ``b`` of ``dst``. With
-        ``equality`` the seconds are 0 and only equal specs are allowed. Read-only."""
-        tensor = self.graph.tensors[tensor_id]
-        key = (src, dst, True) if equality else (tensor.shape, tensor.dtype, src, dst)
-        pair = self._reshard.get(key)
-        if pair is None:
-            a_specs, b_specs = self._sets[src], self._sets[dst]
-            shape = (len(a_specs), len(b_specs))
-            if equality:
-                allowed = np.array([[a == b for b in b_specs] for a in a_specs], dtype=bool)
-                allowed = allowed.reshape(shape)
-                seconds = np.zeros(shape)
-            else:
-                matrix = self._pairs(key, tensor, src, dst)
-                rows, cols = np.indices(shape)
-                self._fill(matrix, tensor, src, dst, rows.reshape(-1), cols.reshape(-1))
-                allowed = np.isfinite(matrix)
-                seconds = np.where(allowed, matrix, 0.0)
-                del self._partial[key]
-            seconds.setflags(write=False)
-            allowed.setflags(write=False)
-            pair = self._reshard[key] = (seconds, allowed)
-        return pair
+        ``dst``."""
+        return self.reshard(tensor_id, src, dst)[0][src_index, dst_index]
 
     # ----------------------------------------------------------------- op tables
 
@@ -280,8 +291,12 @@ class TableCache:
                     (tensors[t].shape, tensors[t].dtype, tensors[t].batch_dim) for t in ids
                 )
 
-            key = (op.primitive, op.params, describe(op.inputs), describe(op.outputs),
-                   op.flops, op.bytes_accessed)
+            key: tuple = (op.primitive, op.params, describe(op.inputs), describe(op.outputs),
+                          op.flops, op.bytes_accessed)
+            try:
+                hash(key)
+            except TypeError:  # params that are not plain data: no sharing
+                key = ("op", op_id)
             structure = self._structure_ids.setdefault(key, len(self._structure_ids))
             self._op_structure[op_id] = structure
         return structure

@@ -99,7 +99,11 @@ class ReshardingTask(_Doc):
 
 
 class SolverStats(_Doc):
-    """How the plan was found; excluded from the hash (wall times vary)."""
+    """How the plan was found; excluded from the hash (wall times vary).
+
+    ``planning_seconds`` is the search (clustering, ILPs, DP), without tracing
+    (``extract_seconds``) and without costing baselines.
+    """
 
     planning_seconds: float
     extract_seconds: float = 0.0

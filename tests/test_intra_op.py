@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from alpajob.planner import ilp
 from alpajob.planner.cluster import cluster_from_preset
 from alpajob.planner.cost_model import (
     LogicalMesh,
@@ -25,11 +26,15 @@ from alpajob.planner.follow import follow_strategy
 from alpajob.planner.graph import DTYPE_BYTES, Op, OpGraph, Phase, Tensor, TensorRole
 from alpajob.planner.intra_op import (
     ShardingMode,
+    SolveContext,
     SolveStatus,
     brute_force_intra_op,
     solve_intra_op,
 )
-from alpajob.planner.strategies import op_strategies
+from alpajob.planner.op_tables import TableCache, data_spec
+from alpajob.planner.sharding import resharding_seconds, tiling_specs
+from alpajob.planner.strategies import op_kind, op_strategies
+from alpajob.planner.subset import GraphIndex, analyse_subset
 
 CLUSTER = cluster_from_preset("v100-16gb", 1)
 DEVICE = CLUSTER.device
@@ -580,3 +585,197 @@ def test_traced_gpt_layer_in_every_mode():
         full = solve_intra_op(graph, layer, mesh, DEVICE, CAL, num_micro_batches=2,
                               presolve=False)
         assert full.objective == pytest.approx(auto.objective, rel=1e-6)
+
+
+# ---------------------------------------------------------------- shared precomputation
+
+
+def _assert_same(a, b) -> None:
+    """Two results of the same solve agree exactly (timings aside)."""
+    for name in ("objective", "compute_seconds", "comm_seconds", "update_seconds",
+                 "weight_bytes", "activation_bytes", "specs", "boundary_inputs",
+                 "boundary_outputs", "weight_update_sharded", "mesh"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in ("num_ops", "num_nodes", "num_edges", "nodes_after_presolve",
+                 "num_variables", "num_constraints", "status"):
+        assert getattr(a.stats, name) == getattr(b.stats, name), name
+
+
+def _hints(graph: OpGraph, op_ids: Sequence[int], mesh: LogicalMesh) -> dict:
+    """Every boundary input with a batch dim arrives data-parallel."""
+    inputs = analyse_subset(graph, op_ids).boundary_inputs
+    return {t: data_spec(graph.tensor(t), mesh) for t in inputs
+            if graph.tensor(t).batch_dim is not None}
+
+
+def test_a_shared_context_gives_the_results_of_fresh_solves():
+    rng = np.random.default_rng(11)
+    for case in range(8):
+        graph = (random_training_graph(rng) if case % 2 else
+                 random_forward_graph(rng, max_dots=3))
+        context = SolveContext(graph, max_models=2)
+        for shape in ((2, 2), (1, 4)):
+            mesh = toy_mesh(shape)
+            hints = _hints(graph, all_ops(graph), mesh)
+            for mode in ShardingMode:
+                for kwargs in ({}, {"input_hints": hints}, {"memory_weight": 1e-9}, {}):
+                    fresh = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, mode=mode,
+                                           num_micro_batches=2, **kwargs)
+                    shared = solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL,
+                                            mode=mode, num_micro_batches=2, context=context,
+                                            **kwargs)
+                    _assert_same(fresh, shared)
+
+
+def test_a_shared_context_on_traced_gpt_layers():
+    pytest.importorskip("jax")
+    extract = pytest.importorskip("alpajob.planner.extract")
+    clustering = pytest.importorskip("alpajob.planner.clustering")
+    registry = pytest.importorskip("alpajob.trainer.zoo.registry")
+    graph = extract.extract_model(registry.resolve_model("gpt", "tiny"), 8)
+    context = SolveContext(graph)
+    for layer in clustering.cluster_layers(graph, 2):
+        for shape in ((2, 2), (1, 4)):
+            mesh = make_logical_mesh(CLUSTER, (1, 4), shape, CAL)
+            for kwargs in ({}, {"input_hints": _hints(graph, layer, mesh)}, {}):
+                fresh = solve_intra_op(graph, layer, mesh, DEVICE, CAL, num_micro_batches=4,
+                                       **kwargs)
+                shared = solve_intra_op(graph, layer, mesh, DEVICE, CAL, num_micro_batches=4,
+                                        context=context, **kwargs)
+                _assert_same(fresh, shared)
+    # A model is built once per (ops, mesh, mode) and then reused.
+    layer = clustering.cluster_layers(graph, 2)[0]
+    mesh = make_logical_mesh(CLUSTER, (1, 4), (2, 2), CAL)
+    model = context.model(layer, mesh, DEVICE, CAL, ShardingMode.AUTO)
+    assert context.model(list(reversed(layer)), mesh, DEVICE, CAL, ShardingMode.AUTO) is model
+
+
+def test_graph_index_answers_like_a_scan_of_the_graph():
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        graph = random_training_graph(rng)
+        index = GraphIndex.build(graph)
+        ops = all_ops(graph)
+        for subset in (ops, ops[: len(ops) // 2], ops[len(ops) // 2:], ops[1::2]):
+            with_index = analyse_subset(graph, subset, index)
+            scanned = analyse_subset(graph, subset)
+            assert vars(with_index).keys() == vars(scanned).keys()
+            for name, value in vars(scanned).items():
+                assert getattr(with_index, name) == value, name
+            outside = {t for op in graph.ops if op.id not in subset for t in op.inputs}
+            read = index.read_outside(subset)
+            assert {t for t in range(len(graph.tensors)) if read[t]} == outside
+
+
+def test_a_context_or_index_of_another_graph_is_refused():
+    graph = mlp_training_graph(batch=8, d=8, h=8)
+    other = mlp_training_graph(batch=8, d=8, h=8)  # equal, but another object
+    mesh = toy_mesh((1, 4))
+    with pytest.raises(ValueError, match="SolveContext"):
+        solve_intra_op(graph, all_ops(graph), mesh, DEVICE, CAL, context=SolveContext(other))
+    with pytest.raises(ValueError, match="GraphIndex"):
+        analyse_subset(graph, all_ops(graph), GraphIndex.build(other))
+
+
+def test_table_cache_matches_the_functions_it_memoises():
+    graph = mlp_training_graph(batch=16, d=8, h=16, with_state=True)
+    mesh = toy_mesh((2, 2))
+    tables = TableCache(graph, mesh, DEVICE, CAL)
+    for tensor in graph.tensors:
+        specs = tiling_specs(tensor.shape, mesh)
+        set_id = tables.tilings(tensor.shape)
+        assert tables.specs(set_id) == specs
+        seconds, allowed = tables.reshard(tensor.id, set_id, set_id)
+        assert allowed.all()
+        for a, src in enumerate(specs):
+            for b, dst in enumerate(specs):
+                expected = resharding_seconds(tensor.shape, tensor.dtype, src, dst, mesh)
+                assert seconds[a, b] == expected
+    for op in graph.ops:
+        if not op_kind(op.primitive).is_follower:
+            table = tables.root(op.id, data=False)
+            assert table.strategies == op_strategies(op, graph, mesh, DEVICE, CAL)
+            continue
+        followed = tables.tilings(graph.tensor(op.inputs[0]).shape)
+        table = tables.follower(op.id, 0, followed)
+        assert table.strategies == tuple(
+            follow_strategy(op, graph, 0, spec, mesh, DEVICE, CAL)
+            for spec in tables.specs(followed)
+        )
+        for position, labels in enumerate(table.inputs):
+            values = tables.specs(labels.spec_set)
+            assert [values[i] for i in labels.local] == [
+                s.input_specs[position] for s in table.strategies
+            ]
+
+
+def _reference_arrays(work: ilp._Work, budget: float | None) -> tuple:
+    """The ILP arrays built row by row (what :func:`ilp._arrays` vectorises)."""
+    live = [v for v, alive in enumerate(work.alive) if alive]
+    cost, rows, vals, lower, upper = [], [], [], [], []
+    s_columns, s_offset, column = {}, {}, 0
+    for v in live:
+        allowed = np.flatnonzero(np.isfinite(work.costs[v]))
+        s_columns[v], s_offset[v] = allowed, column
+        cost.append(work.costs[v][allowed])
+        rows.append(column + np.arange(len(allowed)))
+        vals.append(np.ones(len(allowed)))
+        lower.append(1.0)
+        upper.append(1.0)
+        column += len(allowed)
+    num_s = column
+    for (u, v), edge in work.edges.items():
+        u_cls, v_cls = edge.u_class[s_columns[u]], edge.v_class[s_columns[v]]
+        usable = np.isfinite(edge.matrix)
+        usable &= np.isin(np.arange(usable.shape[0]), u_cls)[:, None]
+        usable &= np.isin(np.arange(usable.shape[1]), v_cls)[None, :]
+        a_idx, b_idx = np.nonzero(usable)
+        e_cols = column + np.arange(len(a_idx))
+        cost.append(edge.matrix[a_idx, b_idx])
+        column += len(a_idx)
+        for side, cls, pair_cls in ((u, u_cls, a_idx), (v, v_cls, b_idx)):
+            for c in np.unique(cls):
+                s_cols = s_offset[side] + np.flatnonzero(cls == c)
+                e_in = e_cols[pair_cls == c]
+                rows.append(np.concatenate([e_in, s_cols]))
+                vals.append(np.concatenate([np.ones(len(e_in)), -np.ones(len(s_cols))]))
+                lower.append(0.0)
+                upper.append(0.0)
+    if budget is not None:
+        rows.append(np.arange(num_s))
+        vals.append(np.concatenate([work.memory[v][s_columns[v]] for v in live]))
+        lower.append(-math.inf)
+        upper.append(budget - work.const_memory)
+    starts = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
+    return (np.concatenate(cost), np.array(lower), np.array(upper), starts,
+            np.concatenate(rows), np.concatenate(vals))
+
+
+def test_ilp_arrays_match_a_row_by_row_build():
+    rng = np.random.default_rng(4)
+    for case in range(40):
+        n = int(rng.integers(2, 7))
+        sizes = rng.integers(1, 6, n)
+        costs = tuple(np.where(rng.random(k) < 0.2, np.inf, rng.random(k)) for k in sizes)
+        memory = tuple(rng.random(k) for k in sizes)
+        edges = []
+        for u in range(n):
+            for v in range(u + 1, n):
+                if rng.random() < 0.5:
+                    u_class = rng.integers(0, 3, sizes[u])
+                    v_class = rng.integers(0, 3, sizes[v])
+                    shape = (int(u_class.max()) + 1, int(v_class.max()) + 1)
+                    matrix = np.where(rng.random(shape) < 0.1, np.inf, rng.random(shape))
+                    edges.append(ilp.Edge(u, v, u_class, v_class, matrix))
+        work = ilp._Work(
+            costs=[c.copy() for c in costs], memory=list(memory), edges={},
+            adjacency=[set() for _ in range(n)], alive=[True] * n,
+        )
+        for edge in edges:
+            work.add_edge(edge)
+        budget = None if case % 2 else float(rng.random() * n)
+        milp, _, _ = ilp._arrays(work, budget)
+        expected = _reference_arrays(work, budget)
+        got = (milp.cost, milp.row_lower, milp.row_upper, milp.starts, milp.index, milp.value)
+        for mine, theirs in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(mine, theirs)
