@@ -27,7 +27,7 @@ input plus every output.
 
 **Phases**: forward ops are the ancestors of the loss; backward ops are the other
 ancestors of the gradients; update ops the other ancestors of the new parameters and
-optimizer state (ops that feed no output: see :func:`_phases`).
+optimizer state (ops that feed no output: see :func:`alpajob.planner.attribution.phases`).
 
 **Anchors** (the forward op an op is attributed to, see :mod:`.graph`):
 
@@ -65,43 +65,26 @@ dropped. A ``cond`` inlines its costliest branch.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from alpajob.planner.attribution import RawOp, anchors, phases
 from alpajob.planner.errors import ManifestError
-from alpajob.planner.graph import Op, OpGraph, Phase, Tensor, TensorRole
+from alpajob.planner.graph import Op, OpGraph, Tensor, TensorRole
+from alpajob.planner.jaxpr_costs import (
+    aval_nbytes,
+    jaxpr_flops,
+    op_flops,
+    op_params,
+)
 
 #: Optimizers :func:`make_optimizer` knows.
 OPTIMIZERS = ("adam", "adamw", "sgd")
-
-#: Primitives that only move or relabel data: 0 FLOPs.
-DATA_MOVEMENT = frozenset(
-    {
-        "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
-        "dynamic_slice", "dynamic_update_slice", "concatenate", "gather", "scatter", "pad",
-        "rev", "iota", "copy", "copy_p", "device_put", "stop_gradient",
-        "bitcast_convert_type", "sharding_constraint", "optimization_barrier", "split",
-        "mesh_cast", "reshard",
-    }
-)  # fmt: skip
-#: Reductions and cumulative ops along axes: |input| FLOPs.
-REDUCTIONS = frozenset(
-    {
-        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-        "reduce_xor", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
-        "cumlogsumexp",
-    }
-)  # fmt: skip
-
 
 class TrainableModel(Protocol):
     """What :func:`extract_model` reads from a model (a zoo ``ModelDef`` or a user's)."""
@@ -157,131 +140,7 @@ def make_train_step(
     return step
 
 
-# ----------------------------------------------------------------------------- costs
-
-
-def _shape(atom: Any) -> tuple[int, ...]:
-    return tuple(getattr(atom.aval, "shape", ()))
-
-
-def _size(aval: Any) -> int:
-    return math.prod(getattr(aval, "shape", ()))
-
-
-def _nbytes(aval: Any) -> int:
-    dtype = getattr(aval, "dtype", None)
-    itemsize = getattr(dtype, "itemsize", 4) if dtype is not None else 0
-    return _size(aval) * itemsize
-
-
-def op_flops(eqn: jcore.JaxprEqn) -> float:
-    """FLOPs of one execution of ``eqn`` (see the module docstring)."""
-    name = eqn.primitive.name
-    params = eqn.params
-    if name in DATA_MOVEMENT:
-        return 0.0
-    if name == "dot_general":
-        (lhs_contract, _), _ = params["dimension_numbers"]
-        lhs_shape = _shape(eqn.invars[0])
-        depth = math.prod(lhs_shape[d] for d in lhs_contract)
-        return 2.0 * _size(eqn.outvars[0].aval) * depth
-    if name == "conv_general_dilated":
-        rhs_spec = params["dimension_numbers"].rhs_spec
-        rhs_shape = _shape(eqn.invars[1])
-        kernel = math.prod(rhs_shape[d] for d in rhs_spec[2:])
-        return 2.0 * _size(eqn.outvars[0].aval) * rhs_shape[rhs_spec[1]] * kernel
-    if name in REDUCTIONS:
-        return float(_size(eqn.invars[0].aval))
-    if name.startswith("reduce_window") or name == "select_and_gather_add":
-        return float(_size(eqn.outvars[0].aval) * math.prod(params["window_dimensions"]))
-    if name == "select_and_scatter_add":
-        return float(_size(eqn.invars[0].aval) * math.prod(params["window_dimensions"]))
-    if name.startswith("scatter"):  # scatter-add, scatter_mul, ...: one op per update
-        return float(_size(eqn.invars[2].aval))
-    if name == "sort":
-        shape = _shape(eqn.invars[0])
-        n = shape[params["dimension"]] if shape else 1
-        return float(_size(eqn.invars[0].aval) * max(1, math.ceil(math.log2(max(n, 2)))))
-    if eqn.outvars:
-        return float(_size(eqn.outvars[0].aval))
-    return 0.0
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as plain hashable data (ints, floats, strings, tuples), or None."""
-    if isinstance(value, bool | str):
-        return value
-    if isinstance(value, int | np.integer):
-        return int(value)
-    if isinstance(value, float | np.floating):
-        return float(value)
-    if isinstance(value, np.dtype):
-        return value.name
-    if isinstance(value, tuple | list):
-        items = tuple(_plain(v) for v in value)
-        return None if any(i is None for i in items) else items
-    if isinstance(value, enum.Enum):
-        return value.name
-    return None
-
-
-def op_params(eqn: jcore.JaxprEqn) -> tuple[tuple[str, Any], ...]:
-    """The sharding-relevant primitive parameters of ``eqn`` as sorted plain pairs.
-
-    ``dot_general``: ``contracting`` and ``batch`` as ``((lhs dims), (rhs dims))``;
-    ``conv_general_dilated``: ``lhs_spec``/``rhs_spec``/``out_spec`` and its strides,
-    padding, dilations and group counts; every other primitive: each parameter that is
-    plain data (``axes``, ``permutation``, ``new_sizes``, ``broadcast_dimensions``,
-    ``shape``, ``new_dtype`` ...), with structured dimension numbers (gather, scatter)
-    spread into their fields.
-    """
-    name = eqn.primitive.name
-    pairs: dict[str, Any] = {}
-    if name == "dot_general":
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        pairs["contracting"] = (_plain(lc), _plain(rc))
-        pairs["batch"] = (_plain(lb), _plain(rb))
-        return tuple(sorted(pairs.items()))
-    for key, value in eqn.params.items():
-        if hasattr(value, "_fields"):  # NamedTuple dimension numbers
-            fields = {f: getattr(value, f) for f in value._fields}
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        else:
-            fields = {key: value}
-        for field, item in fields.items():
-            plain = _plain(item)
-            if plain is not None:
-                pairs[field] = plain
-    return tuple(sorted(pairs.items()))
-
-
-def _jaxpr_flops(jaxpr: jcore.Jaxpr) -> float:
-    """Total FLOPs of ``jaxpr``, through nested jaxprs (scan bodies times their length)."""
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        inner = list(jcore.jaxprs_in_params(eqn.params))
-        if inner:
-            scale = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-            costs = [_jaxpr_flops(j) for j in inner]
-            total += scale * (max(costs) if eqn.primitive.name == "cond" else sum(costs))
-        else:
-            total += op_flops(eqn)
-    return total
-
-
 # ----------------------------------------------------------------------------- flatten
-
-
-@dataclasses.dataclass(frozen=True)
-class _RawOp:
-    primitive: str
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    flops: float
-    bytes_accessed: float
-    params: tuple[tuple[str, Any], ...]
-    multiplier: int
 
 
 class _Flattener:
@@ -296,7 +155,7 @@ class _Flattener:
         self.shapes: list[tuple[int, ...]] = []
         self.dtypes: list[str] = []
         self.roles: list[TensorRole] = []
-        self.ops: list[_RawOp] = []
+        self.ops: list[RawOp] = []
 
     def new_tensor(self, aval: Any, role: TensorRole) -> int:
         self.shapes.append(tuple(int(d) for d in getattr(aval, "shape", ())))
@@ -357,7 +216,7 @@ class _Flattener:
                 outs = self.call(p["body_jaxpr"], args[skip:], multiplier)
             elif name == "cond":
                 branches = eqn.params["branches"]
-                costs = [_jaxpr_flops(b.jaxpr) for b in branches]
+                costs = [jaxpr_flops(b.jaxpr) for b in branches]
                 best = branches[costs.index(max(costs))]
                 outs = self.call(best, args[1:], multiplier)
             else:
@@ -401,13 +260,13 @@ class _Flattener:
         inputs = tuple(t for t in args if t is not None)
         if self.costs:
             flops = op_flops(eqn) * multiplier
-            moved = sum(_nbytes(v.aval) for v in eqn.invars if not isinstance(v, jcore.Literal))
-            moved += sum(_nbytes(v.aval) for v in eqn.outvars)
+            moved = sum(aval_nbytes(v.aval) for v in eqn.invars if not isinstance(v, jcore.Literal))
+            moved += sum(aval_nbytes(v.aval) for v in eqn.outvars)
             params = op_params(eqn)
         else:
             flops, moved, params = 0.0, 0, ()
         self.ops.append(
-            _RawOp(
+            RawOp(
                 eqn.primitive.name,
                 inputs,
                 tuple(outs),
@@ -454,126 +313,6 @@ def _flatten(
     jaxpr = flat.bind_consts(env, closed)
     flat.walk(jaxpr, env, 1, {})
     return flat, [flat.result(env, v) for v in jaxpr.outvars]
-
-
-# ----------------------------------------------------------------------------- phases
-
-
-def _phases(
-    ops: Sequence[_RawOp],
-    producer: dict[int, int],
-    loss: int,
-    grads: Sequence[int],
-    others: Sequence[int],
-) -> list[Phase]:
-    """Forward = ancestors of ``loss``; backward = other ancestors of ``grads``; update =
-    other ancestors of the remaining step outputs (``others``). An op that feeds no
-    output (a loop carry dropped by inlining the body once, a ``cond`` index, a JVP
-    helper whose consumer JAX dropped) takes the latest phase of its producers, but
-    never forward (forward stays exactly the loss's ancestors); with no producers, the
-    update phase.
-    """
-
-    def ancestors(roots: Sequence[int], seen: set[int]) -> set[int]:
-        found: set[int] = set()
-        stack = [producer[t] for t in roots if t in producer]
-        while stack:
-            op_id = stack.pop()
-            if op_id in found or op_id in seen:
-                continue
-            found.add(op_id)
-            stack.extend(producer[t] for t in ops[op_id].inputs if t in producer)
-        return found
-
-    forward = ancestors([loss], set())
-    backward = ancestors(grads, forward)
-    update = ancestors(others, forward | backward)
-    order = (Phase.FORWARD, Phase.BACKWARD, Phase.UPDATE)
-    phases: list[Phase] = []
-    for i, op in enumerate(ops):
-        if i in forward:
-            phases.append(Phase.FORWARD)
-        elif i in backward:
-            phases.append(Phase.BACKWARD)
-        elif i in update:
-            phases.append(Phase.UPDATE)
-        else:
-            ranks = [order.index(phases[producer[t]]) for t in op.inputs if t in producer]
-            phases.append(order[max(ranks + [1])] if ranks else Phase.UPDATE)
-    return phases
-
-
-def _anchors(
-    ops: Sequence[_RawOp],
-    phases: Sequence[Phase],
-    producer: dict[int, int],
-    owner: dict[int, int],
-    params: Sequence[int],
-    grads: Sequence[int],
-) -> list[int]:
-    """Attribute every op to a forward op (the rules are in the module docstring).
-
-    ``owner`` maps each parameter, and each optimizer-state leaf that belongs to one
-    parameter (Adam's moments), to that parameter's tensor id.
-    """
-    n = len(ops)
-    forward_ids = [i for i in range(n) if phases[i] is Phase.FORWARD]
-    last_forward = forward_ids[-1] if forward_ids else 0
-    param_set = set(params)
-    first_use: dict[int, int] = {}
-    for i in forward_ids:
-        for t in ops[i].inputs:
-            if t in param_set:
-                first_use.setdefault(t, i)
-
-    # The one parameter whose gradient a backward op exclusively feeds (-1 none, -2 many).
-    grad_of = {g: k for k, g in enumerate(grads)}
-    consumers: dict[int, list[int]] = {}
-    for i, op in enumerate(ops):
-        for t in op.inputs:
-            consumers.setdefault(t, []).append(i)
-    target = [-1] * n
-    for i in range(n - 1, -1, -1):
-        if phases[i] is not Phase.BACKWARD:
-            continue
-        seen: set[int] = set()
-        for t in ops[i].outputs:
-            if t in grad_of:
-                seen.add(grad_of[t])
-            for c in consumers.get(t, ()):
-                if phases[c] is Phase.BACKWARD and target[c] != -1:
-                    seen.add(target[c])
-        target[i] = seen.pop() if len(seen) == 1 else (-2 if seen else -1)
-
-    anchor = [last_forward] * n
-    primal = [False] * n  # computed from forward values only (a residual)
-    reach = [math.inf] * n  # update ops: min first use of params read (transitively)
-    for i, op in enumerate(ops):
-        phase = phases[i]
-        producers = [producer[t] for t in op.inputs if t in producer]
-        if phase is Phase.FORWARD:
-            anchor[i] = i
-            primal[i] = True
-        elif phase is Phase.BACKWARD:
-            primal[i] = bool(producers) and all(primal[j] for j in producers)
-            residual = [anchor[j] for j in producers if primal[j]]
-            upstream = [anchor[j] for j in producers if not primal[j]]
-            anchor[i] = max(residual) if residual else min(upstream, default=last_forward)
-            if target[i] >= 0:
-                use = first_use.get(params[target[i]])
-                if use is not None:
-                    anchor[i] = max(anchor[i], use)
-        else:
-            direct = [
-                first_use[owner[t]] for t in op.inputs if t in owner and owner[t] in first_use
-            ]
-            via = [reach[j] for j in producers if phases[j] is Phase.UPDATE]
-            reach[i] = min(direct + via, default=math.inf)
-            if reach[i] < math.inf:
-                anchor[i] = int(reach[i])
-            elif producers:
-                anchor[i] = min(anchor[j] for j in producers)
-    return anchor
 
 
 # ----------------------------------------------------------------------------- batch dim
@@ -660,8 +399,8 @@ def extract_graph(
     names = tuple(_path_name(path) for path, _ in path_leaves)
     owner = _owners(flat.shapes, names, opt_state, n_params)
     producer = {t: i for i, op in enumerate(flat.ops) for t in op.outputs}
-    phases = _phases(flat.ops, producer, loss_id, grads, outputs[1 + n_params :])
-    anchors = _anchors(flat.ops, phases, producer, owner, param_ids, grads)
+    op_phases = phases(flat.ops, producer, loss_id, grads, outputs[1 + n_params :])
+    op_anchors = anchors(flat.ops, op_phases, producer, owner, param_ids, grads)
 
     tensors = tuple(
         Tensor(t, flat.shapes[t], flat.dtypes[t], flat.roles[t], batch_dims[t])
@@ -675,8 +414,8 @@ def extract_graph(
             raw.outputs,
             raw.flops,
             raw.bytes_accessed,
-            phases[i],
-            anchors[i],
+            op_phases[i],
+            op_anchors[i],
             raw.params,
             raw.multiplier,
         )

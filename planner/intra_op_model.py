@@ -437,11 +437,16 @@ def _charge_ops(
         index = nodes.op_strategies[op_id].index
         per_step = op.phase is Phase.UPDATE
         sync = bool(op.outputs) and op.outputs[0] in subset.grad_param
-        (update if per_step else compute)[v] += table.compute[index]
-        (update if per_step or sync else comm)[v] += table.comm[index]
+        # Adding zeros changes no sum: skipped (most followers have no collective).
+        if table.any_compute:
+            (update if per_step else compute)[v] += table.compute[index]
+        if table.any_comm:
+            (update if per_step or sync else comm)[v] += table.comm[index]
         for t, need in zip(op.inputs, table.inputs, strict=True):
             u = nodes.tensor_node[t]
             src, src_index = nodes.tensor_set[t], nodes.tensor_specs[t].index
+            if u == v and need.identity and need.spec_set == src and src_index is index:
+                continue  # the operand a follower copies, needed in the spec it has
             need_index = need.local[index]
             if u == v:
                 (update if per_step else comm)[v] += tables.reshard_row(

@@ -124,6 +124,8 @@ class Labels:
 
     spec_set: int
     local: np.ndarray
+    #: ``local[i] == i`` for every strategy: strategy ``i`` has spec ``i`` of the set.
+    identity: bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,6 +141,9 @@ class OpTable:
     inputs: tuple[Labels, ...]
     #: ``arange(len(strategies))``: a root node's strategy index.
     identity: np.ndarray
+    #: Whether any strategy has compute (comm) seconds: adding zeros is skipped.
+    any_compute: bool
+    any_comm: bool
 
 
 class TableCache:
@@ -168,6 +173,7 @@ class TableCache:
         self._plan_matrices: dict[tuple[int, int], np.ndarray] = {}
         self._plan_costs: dict[float, np.ndarray] = {}
         self._bytes: dict[tuple[float, int], np.ndarray] = {}
+        self._nbytes: dict[int, float] = {}
 
     # ------------------------------------------------------------------ spec sets
 
@@ -249,8 +255,10 @@ class TableCache:
         ``[a, b]`` reshards spec ``a`` of ``src`` into spec ``b`` of ``dst``
         (:func:`~alpajob.planner.sharding.resharding_seconds`, priced per plan). With
         ``equality`` the seconds are 0 and only equal specs are allowed. Read-only."""
-        tensor = self.graph.tensors[tensor_id]
-        nbytes = tensor_bytes(tensor.shape, tensor.dtype)
+        nbytes = self._nbytes.get(tensor_id)
+        if nbytes is None:
+            tensor = self.graph.tensors[tensor_id]
+            nbytes = self._nbytes[tensor_id] = tensor_bytes(tensor.shape, tensor.dtype)
         key = (src, dst, True) if equality else (nbytes, src, dst)
         pair = self._reshard.get(key)
         if pair is None:
@@ -310,13 +318,16 @@ class TableCache:
         def labels(specs: list[ShardSpec]) -> Labels:
             ids: dict[ShardSpec, int] = {}
             local = [ids.setdefault(spec, len(ids)) for spec in specs]
-            return Labels(self.spec_set(tuple(ids)), frozen(local, np.int64))
+            return Labels(self.spec_set(tuple(ids)), frozen(local, np.int64),
+                          local == list(range(len(local))))
 
+        compute = [s.compute_seconds for s in strategies]
+        comm = [s.comm_seconds for s in strategies]
         return OpTable(
             strategies=strategies,
             names=tuple(s.name for s in strategies),
-            compute=frozen([s.compute_seconds for s in strategies], float),
-            comm=frozen([s.comm_seconds for s in strategies], float),
+            compute=frozen(compute, float),
+            comm=frozen(comm, float),
             outputs=tuple(
                 labels([s.output_specs[p] for s in strategies]) for p in range(len(op.outputs))
             ),
@@ -324,6 +335,8 @@ class TableCache:
                 labels([s.input_specs[p] for s in strategies]) for p in range(len(op.inputs))
             ),
             identity=frozen(range(len(strategies)), np.int64),
+            any_compute=any(compute),
+            any_comm=any(comm),
         )
 
     def root(self, op_id: int, data: bool) -> OpTable:

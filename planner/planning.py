@@ -221,6 +221,7 @@ def _worker(
     costers = {}
     for key, coster in context.costers().items():
         coster.on_solve = None
+        coster.drop_solve_context()
         coster.counter = SolveCounter()
         costers[key] = coster
     return found, costers, context.counter
@@ -269,8 +270,9 @@ def _coarse_to_fine(
 ) -> list[Candidate | None]:
     """Search micro-batch counts coarsely (every other power of two up to
     :data:`USUAL_MICRO_BATCHES`, that one included), then the neighbours of the best
-    count found (a round of work fewer than all). Only when nothing fits are larger
-    counts tried, one at a time, up to ``max_micro_batches``.
+    count found (a round of work fewer than all). Larger counts are tried, one at a
+    time up to ``max_micro_batches``, only when nothing fits, or while the best plan
+    rematerialises and doubling the count still improves it.
 
     Step time as a function of B is unimodal in practice (a bubble that shrinks with B
     against per-micro-batch overheads and a shrinking micro-batch that grows), so
@@ -296,7 +298,22 @@ def _coarse_to_fine(
     position = counts.index(best.num_micro_batches)
     near = [counts[k] for k in (position - 1, position + 1)
             if 0 <= k < len(counts) and counts[k] not in coarse]
-    return found + (_search(context, near, method, manual) if near else [])
+    found += _search(context, near, method, manual) if near else []
+    # A rematerialising plan may do better with more, smaller micro-batches that fit
+    # without recomputation: keep doubling while that improves the best plan.
+    best = best_of(found) or best
+    tried = {c.num_micro_batches for c in found if c is not None} | set(coarse) | set(near)
+    while any(stage.remat for stage in best.stages):
+        larger = [c for c in counts if c > best.num_micro_batches and c not in tried]
+        if not larger:
+            break
+        tried.add(larger[0])
+        found += _search(context, larger[:1], method, manual)
+        improved = best_of(found)
+        if improved is None or improved is best:
+            break
+        best = improved
+    return found
 
 
 def make_plan(
@@ -379,4 +396,6 @@ def make_plan(
             else None
         ),
     )
+    for coster in context.costers().values():
+        coster.drop_solve_context()  # hundreds of MB of build caches; results stay
     return PlanningResult(plan=plan, candidate=best, baselines=baselines, context=context)

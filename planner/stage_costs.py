@@ -38,7 +38,7 @@ import numpy as np
 from alpajob.planner.cluster import ClusterSpec
 from alpajob.planner.cost_model import Calibration, LogicalMesh, make_logical_mesh
 from alpajob.planner.graph import OpGraph, Phase, local_tensor_order, subgraph_signature
-from alpajob.planner.intra_op import IntraOpResult, ShardingMode, solve_intra_op
+from alpajob.planner.intra_op import IntraOpResult, ShardingMode, SolveContext, solve_intra_op
 from alpajob.planner.sharding import ShardSpec, resharding_seconds, shard_factor
 
 
@@ -159,6 +159,9 @@ class LayerCoster:
     _layer_results: dict[tuple[int, Submesh, Shape, float], IntraOpResult] = field(
         default_factory=dict
     )
+    #: Shared precomputation of every ILP build on this graph (op tables, models);
+    #: results are identical without it. Dropped before a coster leaves its process.
+    _solve_context: SolveContext | None = None
     _arrays: dict[tuple[Submesh, Shape, int], MeshLayerArrays] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -239,6 +242,7 @@ class LayerCoster:
                 memory_weight=weight,
                 time_limit_s=self.time_limit_s,
                 input_hints=hints,
+                context=self.solve_context(),
             )
             self.counter.add(result, time.perf_counter() - start)
             self._results[solve_key] = result
@@ -270,6 +274,16 @@ class LayerCoster:
             factor = shard_factor(spec, mesh) if spec is not None else 1
             total += self.graph.tensors[tensor].nbytes / factor
         return total
+
+    def solve_context(self) -> SolveContext:
+        """The graph's shared ILP precomputation (created on first use)."""
+        if self._solve_context is None:
+            self._solve_context = SolveContext(self.graph, max_models=32)
+        return self._solve_context
+
+    def drop_solve_context(self) -> None:
+        """Free the ILP precomputation (before pickling this coster to another process)."""
+        self._solve_context = None
 
     def from_representative(self, layer: int, tensor: int) -> int | None:
         """The tensor of ``layer`` that plays the role of ``tensor`` in its class' solved layer."""

@@ -17,10 +17,10 @@ ILP needs about that subset, from the graph alone:
   kept alive from the forward to the backward pass of each micro-batch.
 
 What outside ops read and produce is a question about the whole graph (tens of
-thousands of ops for a large model). A :class:`GraphIndex` answers it per tensor
-(its producer, its consumers) after one pass over the graph; build it once and pass
-it to every :func:`analyse_subset` of the same graph, which then touches only the
-subset's ops and tensors.
+thousands of ops for a large model). A :class:`GraphIndex` flattens, in one Python
+pass, who writes each tensor and which ops read it into arrays; build it once per
+graph and pass it to every :func:`analyse_subset` of that graph, which then needs
+one vectorised pass instead of a Python loop over every op.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class GraphIndex:
         producer = np.full(len(graph.tensors), -1, dtype=np.int64)
         np.maximum.at(producer, written, writer)
         step_outputs = frozenset({graph.loss, *graph.grads, *graph.new_params})
+        for array in (reader_tensor, reader_op, producer):
+            array.setflags(write=False)
         return cls(graph, reader_tensor, reader_op, producer, step_outputs)
 
     def read_outside(self, op_ids: Sequence[int]) -> np.ndarray:
