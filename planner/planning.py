@@ -366,10 +366,13 @@ def make_plan(
     if options.baselines:
         if progress:
             progress("costing baselines", 0, None)
-        baselines = all_baselines(context, micro_batches)
+        # Baselines get the micro-batch counts the search considered: the usual
+        # range plus any larger count it went on to (memory, rematerialisation).
+        considered = sorted({c for c in micro_batches if c <= USUAL_MICRO_BATCHES} | set(searched))
+        baselines = all_baselines(context, considered)
         if method is Method.AUTO:
-            # Baselines try every micro-batch count, the search only some: a plan the
-            # planner has costed is never reported as beaten by it.
+            # Baselines try every considered count, the coarse-to-fine search only
+            # some: a plan the planner has costed is never reported as beaten by it.
             best = best_of([best, *baselines.values()]) or best
     solver = SolverStats(
         planning_seconds=search_seconds,
