@@ -19,7 +19,7 @@ that cannot fit memory at any setting is None.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 
 import numpy as np
@@ -70,7 +70,7 @@ def even_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Split layers 0..L-1 into ``num_stages`` contiguous ranges whose sizes differ by ≤ 1.
 
     >>> even_ranges(5, 2)
-    [(0, 2), (3, 4)]
+    [(0, 1), (2, 4)]
     """
     bounds = np.linspace(0, num_layers, num_stages + 1).round().astype(int)
     return [(int(a), int(b) - 1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -127,18 +127,27 @@ def _only_ranges(ranges: Sequence[tuple[int, int]]):
     return mask
 
 
+def _fixed_slicing(
+    context: CostContext,
+    micro_batches: Sequence[int],
+    ranges_for: Callable[[int], list[tuple[int, int]]],
+    name: str,
+) -> Candidate | None:
+    """The DP with stage boundaries fixed by ``ranges_for(number of stages)``: it only
+    chooses each stage's submesh (and its logical mesh and memory level)."""
+    found: list[Candidate | None] = []
+    for p in _stage_counts(context):
+        mask = _only_ranges(ranges_for(p))
+        for b in micro_batches:
+            found.append(dp_candidate(context, b, mask=mask, num_stages=p, name=name))
+    return best_of(found)
+
+
 def equal_layer(context: CostContext, micro_batches: Sequence[int]) -> Candidate | None:
     """The DP restricted to stages of equal layer counts (paper's "equal layer")."""
     n_layers = len(context.layers)
-    found: list[Candidate | None] = []
-    for p in _stage_counts(context):
-        ranges = even_ranges(n_layers, p)
-        for b in micro_batches:
-            found.append(
-                dp_candidate(context, b, mask=_only_ranges(ranges), num_stages=p,
-                             name=Baseline.EQUAL_LAYER.value)
-            )
-    return best_of(found)
+    return _fixed_slicing(context, micro_batches, lambda p: even_ranges(n_layers, p),
+                          Baseline.EQUAL_LAYER.value)
 
 
 def operator_ranges(op_counts: Sequence[int], num_stages: int) -> list[tuple[int, int]]:
@@ -162,15 +171,8 @@ def operator_ranges(op_counts: Sequence[int], num_stages: int) -> list[tuple[int
 def equal_operator(context: CostContext, micro_batches: Sequence[int]) -> Candidate | None:
     """The DP restricted to stages of equal operator counts (paper's "equal operator")."""
     counts = [len(ops) for ops in context.layers]
-    found: list[Candidate | None] = []
-    for p in _stage_counts(context):
-        ranges = operator_ranges(counts, p)
-        for b in micro_batches:
-            found.append(
-                dp_candidate(context, b, mask=_only_ranges(ranges), num_stages=p,
-                             name=Baseline.EQUAL_OPERATOR.value)
-            )
-    return best_of(found)
+    return _fixed_slicing(context, micro_batches, lambda p: operator_ranges(counts, p),
+                          Baseline.EQUAL_OPERATOR.value)
 
 
 def all_baselines(
