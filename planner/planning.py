@@ -236,8 +236,9 @@ def _search(
     """Candidates for every micro-batch count, in parallel processes where it pays.
 
     Micro-batch counts are independent (each has its own ILPs), so with several cores
-    each count is planned in a worker process (forkserver: a clean process, never a fork of this multithreaded one); the workers' ILP caches and tallies are
-    merged back into ``context``.
+    each count is planned in a worker process (``forkserver``: a clean process, never
+    a fork of this multithreaded one, which has JAX loaded); the workers' ILP caches
+    and tallies are merged back into ``context``.
     """
     workers = min(len(micro_batches), os.cpu_count() or 1)
     if workers < 2:
@@ -274,8 +275,8 @@ def _coarse_to_fine(
     time up to ``max_micro_batches``, only when nothing fits, or while the best plan
     rematerialises and doubling the count still improves it.
 
-    Step time as a function of B is unimodal in practice (a bubble that shrinks with B
-    against per-micro-batch overheads and a shrinking micro-batch that grows), so
+    Step time as a function of B is unimodal in practice (the pipeline bubble shrinks
+    as B grows, while per-micro-batch overheads such as collective latencies grow), so
     the neighbours of the coarse optimum hold the optimum.
     Example: 1..64 -> first 1, 4, 16, 64; best 16 -> then 8 and 32.
     """
