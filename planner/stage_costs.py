@@ -435,11 +435,6 @@ class LayerCoster:
         return seconds, ranged(a.update), weight, ranged(a.activation)
 
 
-def forward_flops_per_layer(graph: OpGraph, layers: Sequence[Sequence[int]]) -> list[float]:
-    """FLOPs of every op (all phases) of each layer."""
-    return [float(sum(graph.ops[o].flops for o in ops)) for ops in layers]
-
-
 def forward_range(graph: OpGraph, ops: Sequence[int]) -> tuple[int, int]:
     """[first, last+1) of the forward op ids in a layer."""
     forward = [o for o in ops if graph.ops[o].phase is Phase.FORWARD]

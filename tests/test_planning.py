@@ -9,7 +9,13 @@ from alpajob.planner.cluster import cluster_from_preset
 from alpajob.planner.errors import InfeasibleError, ManifestError, PlanFormatError
 from alpajob.planner.extract import extract_model
 from alpajob.planner.manifest import Method
-from alpajob.planner.plan import PLAN_VERSION, plan_from_json, plan_json_schema
+from alpajob.planner.plan import (
+    PLAN_VERSION,
+    plan_from_json,
+    plan_json_schema,
+    read_plan,
+    write_plan,
+)
 from alpajob.planner.planning import ManualStageOption, PlanOptions, make_plan
 from alpajob.planner.schedules import Schedule
 from alpajob.trainer.zoo import resolve_model
@@ -87,6 +93,17 @@ def test_round_trip_and_hash(auto_result):
         plan_from_json(json.dumps({"version": "v0"}))
     with pytest.raises(PlanFormatError, match="not valid JSON"):
         plan_from_json("{")
+
+
+def test_write_and_read_plan_file(auto_result, tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(auto_result.plan, path)
+    assert read_plan(path) == auto_result.plan
+    path.write_text(path.read_text()[:100])
+    with pytest.raises(PlanFormatError, match="not valid JSON"):
+        read_plan(path)
+    with pytest.raises(PlanFormatError, match="cannot read"):
+        read_plan(tmp_path / "missing.json")
 
 
 def test_schema_describes_plan(auto_result):
