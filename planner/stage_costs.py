@@ -180,6 +180,12 @@ class LayerCoster:
         for index, ops in enumerate(self.layers):
             self._layer_of_op[list(ops)] = index
         self._crossings = self._find_crossings()
+        # Bytes crossing the cut before each layer (a tensor passing several cuts counts
+        # at each): fixed by the graph, so computed once.
+        self._boundary_bytes = np.zeros(self.num_layers + 1)
+        for tensor, src, dst in self._crossings:
+            low, high = min(src, dst), max(src, dst)
+            self._boundary_bytes[low + 1 : high + 1] += self.graph.tensors[tensor].nbytes
         self._incoming: list[list[tuple[int, int]]] = [[] for _ in self.layers]
         for tensor, src, dst in self._crossings:
             if src < dst:
@@ -350,11 +356,7 @@ class LayerCoster:
 
     def boundary_bytes(self) -> np.ndarray:
         """bytes[k]: bytes crossing the cut before layer k (both directions) per micro-batch."""
-        crossing = np.zeros(self.num_layers + 1)
-        for tensor, src, dst in self._crossings:
-            low, high = min(src, dst), max(src, dst)
-            crossing[low + 1 : high + 1] += self.graph.tensors[tensor].nbytes
-        return crossing
+        return self._boundary_bytes
 
     def transfer_seconds(self, nbytes: float) -> float:
         """Point-to-point time between two meshes (the slower link when several nodes)."""
