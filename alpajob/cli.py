@@ -5,6 +5,10 @@ Subcommands:
 - ``alpajob plan MANIFEST``: trace the manifest's model, plan it on the manifest's
   cluster (or ``--nodes/--gpus-per-node/--gpu``), print the plan as a table,
   optionally beside the baselines (``--baselines``) and write it (``--output``).
+- ``alpajob run MANIFEST``: plan for this machine's devices (or read ``--plan``) and
+  train ``--steps`` steps on synthetic data, with a progress bar and a summary of
+  measured against predicted step time; ``--method serial`` runs the same job on one
+  device.
 - ``alpajob models``: the zoo's named configurations.
 - ``alpajob schema``: the Plan document's JSON schema.
 
@@ -16,16 +20,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from alpajob.planner.cluster import ClusterSpec, cluster_from_preset, preset_names
-from alpajob.planner.errors import AlpaJobError, ClusterError
+from alpajob.planner.errors import AlpaJobError, ClusterError, ManifestError
 from alpajob.planner.manifest import AlpaJobManifest, Method, load_manifest
 from alpajob.planner.plan import Plan, plan_json_schema, write_plan
 
@@ -48,6 +61,22 @@ def _parser() -> argparse.ArgumentParser:
                       help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
     plan.add_argument("--ilp-time-limit", type=float, default=10.0,
                       help="seconds allowed to each intra-op ILP solve (default 10)")
+    run = sub.add_parser("run", help="plan (or read --plan) and train on this machine's devices")
+    run.add_argument("manifest", help="AlpaJob YAML (the same file you kubectl apply)")
+    run.add_argument("--plan", help="a Plan file from `alpajob plan --output` (default: plan now)")
+    run.add_argument("--steps", type=int, help="steps to train (default spec.training.steps)")
+    run.add_argument("--seed", type=int, help="parameter and data seed (default spec.training.seed)")
+    run.add_argument("--devices", type=int,
+                     help="how many local devices to use (on CPU: sets the forced device count; default 8)")
+    run.add_argument("--method", choices=[*[m.value for m in Method], "serial"],
+                     help="override spec.parallelism.method; serial: the whole step on one device")
+    run.add_argument("--metrics-out", help="write per-step losses and step seconds (JSON) here")
+    run.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    run.add_argument("--checkpoint-dir", help="save sharded checkpoints here")
+    run.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end)")
+    run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    run.add_argument("--ilp-time-limit", type=float, default=10.0,
+                     help="seconds allowed to each intra-op ILP solve (default 10)")
     sub.add_parser("models", help="list the zoo's named model configurations")
     sub.add_parser("schema", help="print the Plan document's JSON schema")
     return parser
@@ -77,6 +106,9 @@ def plan_options(manifest: AlpaJobManifest, args: argparse.Namespace):  # noqa: 
     from alpajob.planner.schedules import Schedule
 
     par = manifest.spec.parallelism
+    method = getattr(args, "method", None)
+    if method is not None and method != "serial":
+        par = par.model_copy(update={"method": Method(method)})
     manual = ()
     if isinstance(par.stages, list):
         manual = tuple(
@@ -93,7 +125,7 @@ def plan_options(manifest: AlpaJobManifest, args: argparse.Namespace):  # noqa: 
         num_layers=num_layers,
         manual_stages=manual,
         ilp_time_limit_s=args.ilp_time_limit,
-        baselines=args.baselines,
+        baselines=getattr(args, "baselines", False),
     )
 
 
@@ -198,6 +230,89 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+def _force_devices(count: int | None) -> None:
+    """Ask XLA for ``count`` host (CPU) devices; must run before JAX is imported."""
+    flag = "--xla_force_host_platform_device_count"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" in sys.modules or (count is None and flag in flags):
+        return
+    kept = " ".join(f for f in flags.split() if not f.startswith(flag))
+    os.environ["XLA_FLAGS"] = f"{kept} {flag}={count or 8}".strip()
+
+
+def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    manifest = load_manifest(args.manifest)
+    training = manifest.spec.training
+    steps = args.steps if args.steps is not None else training.steps
+    if steps < 1:
+        raise ManifestError("--steps", f"must be at least 1, got {steps}")
+    if args.devices is not None and args.devices < 1:
+        raise ManifestError("--devices", f"must be at least 1, got {args.devices}")
+    if args.plan and args.method:
+        raise ManifestError("--method", "a --plan file already fixes the method; pass one of the two")
+    _force_devices(args.devices)
+    from alpajob.trainer.local_run import RunOptions, run
+
+    options = RunOptions(
+        steps=steps,
+        seed=args.seed if args.seed is not None else training.seed,
+        devices=args.devices,
+        serial=args.method == "serial",
+        plan_path=args.plan,
+        plan_options=plan_options(manifest, args),
+        metrics_out=args.metrics_out,
+        metrics_port=args.metrics_port,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+    )
+    batch = training.global_batch_size
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("starting", total=steps, status="")
+
+        def on_phase(what: str) -> None:
+            bar.update(task, description=what)
+
+        def on_step(step: int, loss: float, seconds: float) -> None:
+            bar.update(task, completed=step, description="training",
+                       status=f"loss {loss:.4f}  {batch / seconds:,.1f} samples/s")
+
+        result = run(manifest, options, on_step=on_step, on_phase=on_phase)
+    if result.plan is not None:
+        out.print(plan_table(result.plan))
+    out.print(run_summary(result, batch))
+    return 0
+
+
+def run_summary(result: Any, batch: int) -> Table:
+    """Steps, loss, measured against predicted step time, and per-stage time split."""
+    table = Table(title="training summary", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    steps = len(result.losses)
+    table.add_row("steps", f"{result.start_step + 1}..{result.start_step + steps}")
+    if steps:
+        table.add_row("loss (first, last)", f"{result.losses[0]:.5f}, {result.losses[-1]:.5f}")
+        timed = result.step_seconds[1:] or result.step_seconds  # the first step compiles
+        measured = sorted(timed)[len(timed) // 2]
+        table.add_row("step time (median, after the first)", f"{measured:.4g} s")
+        table.add_row("samples/s", f"{batch / measured:,.1f}")
+        if result.plan is not None:
+            predicted = result.plan.predicted_step_seconds
+            table.add_row("predicted step time", f"{predicted:.4g} s")
+            table.add_row("measured / predicted", f"{measured / predicted:.2f}")
+        if result.stage_times:
+            recent = result.stage_times[1:] or result.stage_times
+            for index in range(len(recent[0])):
+                mean = [sum(getattr(t[index], k) for t in recent) / len(recent)
+                        for k in ("compute", "idle", "communication")]
+                table.add_row(f"stage {index} compute / idle / comm",
+                              " / ".join(f"{v * 1e3:.1f} ms" for v in mean))
+    return table
+
+
 def cmd_models(out: Console) -> int:
     from alpajob.trainer.zoo import list_models
 
@@ -214,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return cmd_plan(args, out, err)
+        if args.command == "run":
+            return cmd_run(args, out, err)
         if args.command == "models":
             return cmd_models(out)
         if args.command == "schema":

@@ -64,6 +64,7 @@ def _stage_plan(
     names = dict(zip(graph.params, graph.param_names or [str(p) for p in graph.params], strict=False))
     params = {names[t]: spec_of(t, layer) for t, layer in used.items()
               if graph.tensors[t].role is TensorRole.PARAM and t in names}
+    batch = {str(k): spec_of(t, used[t]) for k, t in enumerate(graph.batch) if t in used}
     inputs = {}
     for tensor, _src, dst in coster.crossing_tensors(stage.first):
         if stage.first <= dst <= stage.last:
@@ -98,6 +99,7 @@ def _stage_plan(
         param_shardings=params,
         input_shardings=inputs,
         output_shardings=outputs,
+        batch_shardings=batch,
         weight_update_sharded=sorted(wus),
     )
 

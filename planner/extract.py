@@ -396,7 +396,7 @@ def extract_graph(
     grads = tuple(outputs[1 : 1 + n_params])
     new_params = tuple(outputs[1 + n_params : 1 + 2 * n_params])
 
-    names = tuple(_path_name(path) for path, _ in path_leaves)
+    names = tuple(path_name(path) for path, _ in path_leaves)
     owner = _owners(flat.shapes, names, opt_state, n_params)
     producer = {t: i for i, op in enumerate(flat.ops) for t in op.outputs}
     op_phases = phases(flat.ops, producer, loss_id, grads, outputs[1 + n_params :])
@@ -468,7 +468,7 @@ def _owners(
     leaves, _ = jax.tree_util.tree_flatten_with_path(opt_state)
     for k, (path, _) in enumerate(leaves):
         tensor = n_params + k
-        parts = _path_name(path).split("/")
+        parts = path_name(path).split("/")
         for start in range(len(parts)):
             param = by_name.get("/".join(parts[start:]))
             if param is not None and shapes[param] == shapes[tensor]:
@@ -477,7 +477,7 @@ def _owners(
     return owner
 
 
-def _path_name(path: Sequence[Any]) -> str:
+def path_name(path: Sequence[Any]) -> str:
     """A pytree path as ``"layers/0/attn/q/kernel"``."""
     parts = []
     for entry in path:

@@ -79,6 +79,9 @@ class StagePlan(_Doc):
     param_shardings: dict[str, list[SpecEntry]]
     input_shardings: dict[str, list[SpecEntry]]
     output_shardings: dict[str, list[SpecEntry]]
+    batch_shardings: dict[str, list[SpecEntry]] = Field(
+        default_factory=dict, description="batch leaf index (flattened batch) -> its sharding"
+    )
     weight_update_sharded: list[str]
 
 

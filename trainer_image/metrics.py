@@ -1,0 +1,75 @@
+"""Training metrics for Prometheus: per-stage compute, idle and communication seconds.
+
+One :class:`TrainingMetrics` per run, on its own ``CollectorRegistry`` (no global
+state), served on ``/metrics`` by :meth:`TrainingMetrics.serve`. Gauges hold the last
+step's values; counters add up over the run::
+
+    alpajob_step                                  last completed step
+    alpajob_loss                                  its loss
+    alpajob_step_seconds                          its wall time
+    alpajob_samples_per_second                    global batch / step seconds
+    alpajob_predicted_step_seconds                the plan's prediction
+    alpajob_stage_step_compute_seconds{stage="0"}        per stage, last step
+    alpajob_stage_step_idle_seconds{stage="0"}           (waiting: the bubble)
+    alpajob_stage_step_communication_seconds{stage="0"}
+    alpajob_stage_compute_seconds_total{stage="0"}       running totals: a
+    alpajob_stage_idle_seconds_total{stage="0"}          dashboard's utilization is
+    alpajob_stage_communication_seconds_total{stage="0"} rate(compute) / rate(all three)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+_LABELS = ("job", "stage")
+
+
+class TrainingMetrics:
+    """The run's gauges and counters."""
+
+    def __init__(self, job: str, predicted_step_seconds: float | None = None) -> None:
+        self.job = job
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.step = Gauge("alpajob_step", "last completed training step", ["job"], registry=r)
+        self.loss = Gauge("alpajob_loss", "loss of the last step", ["job"], registry=r)
+        self.step_seconds = Gauge("alpajob_step_seconds", "wall seconds of the last step", ["job"], registry=r)
+        self.samples = Gauge("alpajob_samples_per_second", "samples per second, last step", ["job"], registry=r)
+        self.predicted = Gauge("alpajob_predicted_step_seconds", "the plan's predicted step time", ["job"], registry=r)
+        self.compute = Gauge("alpajob_stage_step_compute_seconds", "stage compute seconds, last step", _LABELS, registry=r)
+        self.idle = Gauge("alpajob_stage_step_idle_seconds", "stage idle (bubble) seconds, last step", _LABELS, registry=r)
+        self.comm = Gauge("alpajob_stage_step_communication_seconds", "stage communication seconds, last step", _LABELS, registry=r)
+        self.compute_total = Counter("alpajob_stage_compute_seconds", "stage compute seconds", _LABELS, registry=r)
+        self.idle_total = Counter("alpajob_stage_idle_seconds", "stage idle seconds", _LABELS, registry=r)
+        self.comm_total = Counter("alpajob_stage_communication_seconds", "stage communication seconds", _LABELS, registry=r)
+        if predicted_step_seconds is not None:
+            self.predicted.labels(job).set(predicted_step_seconds)
+        self._server: Any = None
+
+    def record(self, step: int, loss: float, seconds: float, batch_size: int, stages: Any) -> None:
+        """Record one step; ``stages`` are :class:`~.runtime.executor.StageTimes` (or empty)."""
+        job = self.job
+        self.step.labels(job).set(step)
+        self.loss.labels(job).set(loss)
+        self.step_seconds.labels(job).set(seconds)
+        self.samples.labels(job).set(batch_size / seconds if seconds > 0 else 0.0)
+        for index, times in enumerate(stages):
+            labels = (job, str(index))
+            self.compute.labels(*labels).set(times.compute)
+            self.idle.labels(*labels).set(times.idle)
+            self.comm.labels(*labels).set(times.communication)
+            self.compute_total.labels(*labels).inc(times.compute)
+            self.idle_total.labels(*labels).inc(times.idle)
+            self.comm_total.labels(*labels).inc(times.communication)
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> None:
+        """Serve ``/metrics`` on ``port`` until :meth:`close`."""
+        self._server, _thread = start_http_server(port, addr=address, registry=self.registry)
+
+    def close(self) -> None:
+        """Stop serving."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

@@ -1,0 +1,71 @@
+"""Assemble a plan's pipeline for a model: split, meshes, stage runtimes, parameters.
+
+:func:`build_pipeline` is the one call the local runner (and later the Ray runtime,
+per mesh) makes: it traces the model's loss for one micro-batch, cuts it where the
+plan's stages own their parameters (:mod:`.split`), builds each stage's mesh and
+executables (:mod:`.meshes`, :mod:`.stage`), and places the initial parameters and
+optimizer state on the stage that owns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from alpajob.planner.extract import path_name
+from alpajob.planner.plan import Plan
+from alpajob.planner.schedules import Schedule
+from alpajob.trainer.runtime.executor import PipelineExecutor
+from alpajob.trainer.runtime.meshes import stage_mesh
+from alpajob.trainer.runtime.split import split_loss
+from alpajob.trainer.runtime.stage import build_stage
+
+
+def param_names(params: Any) -> list[str]:
+    """Pytree path names of the parameter leaves (``layers/0/attn/q/kernel`` ...)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+    return [path_name(path) for path, _ in leaves]
+
+
+def param_stages(plan: Plan, names: Sequence[str]) -> list[int]:
+    """Per parameter leaf, the first stage whose shardings name it (0 if none does)."""
+    first: dict[str, int] = {}
+    for stage in plan.stages:
+        for name in stage.param_shardings:
+            first.setdefault(name, stage.index)
+    return [first.get(name, 0) for name in names]
+
+
+def build_pipeline(
+    plan: Plan,
+    loss: Any,
+    params: Any,
+    batch_shapes: Any,
+    optimizer: optax.GradientTransformation,
+    devices: Sequence[Any],
+) -> PipelineExecutor:
+    """The executor for ``plan``, holding ``params`` (a pytree) and fresh optimizer state.
+
+    ``batch_shapes(b)`` gives the abstract batch at batch size ``b``; the loss is traced
+    at the micro-batch size ``global_batch_size / num_micro_batches``.
+    """
+    names = param_names(params)
+    micro = plan.global_batch_size // plan.num_micro_batches
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    split = split_loss(loss, abstract, batch_shapes(micro), param_stages(plan, names), len(plan.stages))
+    plan_shapes = {str(task.tensor): tuple(task.shape) for task in plan.resharding}
+    leaves = jax.tree.leaves(params)
+    stages = []
+    for index, plan_stage in enumerate(plan.stages):
+        mesh = stage_mesh(plan_stage, plan, devices)
+        stage = build_stage(split, index, plan_stage, mesh, names, optimizer, plan_shapes)
+        for leaf in split.stages[index].params:
+            if split.home[leaf] == index:
+                stage.params[names[leaf]] = jax.device_put(np.array(leaves[leaf]), stage.param_sharding[leaf])
+        stage.opt_state = stage.init_opt(stage.params)
+        stages.append(stage)
+    return PipelineExecutor(split, stages, Schedule(plan.schedule), plan.num_micro_batches)

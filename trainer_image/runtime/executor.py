@@ -1,0 +1,245 @@
+"""Run one training step: every stage's instruction list, one worker thread per stage.
+
+Each stage runs its program from :func:`alpajob.planner.schedules.instruction_list`
+(GPipe or 1F1B) in order, the way a mesh worker of the Ray runtime does:
+
+``FORWARD j``
+    take micro-batch ``j``'s batch leaves and the activations earlier stages sent,
+    run the forward executable, keep its residuals, send each output to every later
+    stage that reads it (resharded onto the reader's mesh, :func:`.transport.move`).
+``BACKWARD j``
+    take the gradients later stages sent for this stage's outputs (summed over
+    readers; the last stage seeds its loss with ``1 / m``), run the backward
+    executable (accumulating parameter gradients), send the input gradients back
+    to the stages that produced those inputs.
+
+Around the program: at the start a stage sends its shared parameters (a tied
+embedding) to the stages that read them; at the end the readers send their
+gradient sums home, and every stage applies the optimizer to what it owns.
+
+Stages talk through :class:`Mailbox` es, so a stage waits exactly for the values its
+next instruction needs. Every instruction blocks until its result is ready, which
+splits each stage's wall time into **compute** (executables), **communication**
+(transfers and batch loading) and **idle** (waiting: the pipeline bubble).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import reduce
+from operator import add
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from alpajob.planner.schedules import Direction, Schedule, instruction_list
+from alpajob.trainer.runtime.split import SplitProgram
+from alpajob.trainer.runtime.stage import StageRuntime
+from alpajob.trainer.runtime.transport import move
+
+
+class Mailbox:
+    """Values addressed to one stage, keyed; :meth:`get` waits for a key to arrive."""
+
+    def __init__(self, abort: threading.Event) -> None:
+        self._items: dict[Any, Any] = {}
+        self._ready = threading.Condition()
+        self._abort = abort
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._ready:
+            self._items[key] = value
+            self._ready.notify_all()
+
+    def get(self, key: Any) -> Any:
+        with self._ready:
+            while key not in self._items:
+                if self._abort.is_set():
+                    raise RuntimeError("another stage failed")
+                self._ready.wait(timeout=0.5)
+            return self._items.pop(key)
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds one stage spent in one step."""
+
+    compute: float
+    communication: float
+    idle: float
+    forward: tuple[float, ...]  # per micro-batch
+    backward: tuple[float, ...]
+    update: float
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step's loss (mean over micro-batches), wall seconds and per-stage times."""
+
+    loss: float
+    seconds: float
+    stages: tuple[StageTimes, ...]
+
+
+def split_micro_batches(batch: Sequence[np.ndarray], num_micro_batches: int) -> list[list[np.ndarray]]:
+    """Cut every batch leaf into ``m`` equal slices along its leading (batch) dimension."""
+    size = batch[0].shape[0]
+    if size % num_micro_batches:
+        raise ValueError(f"batch size {size} is not divisible by {num_micro_batches} micro-batches")
+    step = size // num_micro_batches
+    return [[leaf[j * step : (j + 1) * step] for leaf in batch] for j in range(num_micro_batches)]
+
+
+class PipelineExecutor:
+    """Runs steps of a split program over its stage runtimes."""
+
+    def __init__(
+        self,
+        split: SplitProgram,
+        stages: Sequence[StageRuntime],
+        schedule: Schedule,
+        num_micro_batches: int,
+    ) -> None:
+        self.split = split
+        self.stages = list(stages)
+        self.schedule = schedule
+        self.num_micro_batches = num_micro_batches
+        last = self.stages[-1]
+        self._loss_seed = jax.device_put(
+            jnp.float32(1.0 / num_micro_batches), jax.sharding.NamedSharding(last.mesh, jax.sharding.PartitionSpec())
+        )
+
+    def step(self, batch: Sequence[np.ndarray]) -> StepResult:
+        """One training step on the host ``batch`` (flattened leaves, global batch)."""
+        micro = split_micro_batches(batch, self.num_micro_batches)
+        abort = threading.Event()
+        boxes = [Mailbox(abort) for _ in self.stages]
+        losses: list[Any] = [None] * self.num_micro_batches
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(self.stages), thread_name_prefix="stage") as pool:
+            futures = [
+                pool.submit(self._run_stage, s, micro, boxes, losses, abort)
+                for s in range(len(self.stages))
+            ]
+            try:
+                times = [f.result() for f in futures]
+            except BaseException:
+                abort.set()
+                raise
+        seconds = time.perf_counter() - start
+        loss = float(np.mean([float(x) for x in losses]))
+        return StepResult(loss, seconds, tuple(times))
+
+    def _run_stage(self, s: int, micro: list[list[np.ndarray]], boxes: list[Mailbox], losses: list[Any], abort: threading.Event) -> StageTimes:
+        try:
+            return self._stage_program(s, micro, boxes, losses)
+        except BaseException:
+            abort.set()
+            raise
+
+    def _stage_program(self, s: int, micro: list[list[np.ndarray]], boxes: list[Mailbox], losses: list[Any]) -> StageTimes:
+        split, stage = self.split, self.stages[s]
+        program = split.stages[s]
+        by_stage = {st.index: st for st in self.stages}
+        begin = time.perf_counter()
+        comm = compute = 0.0
+        fwd_times: list[float] = []
+        bwd_times: list[float] = []
+
+        # Shared parameters out; our own and the received ones in.
+        t0 = time.perf_counter()
+        for leaf, readers in split.shared_params().items():
+            if split.home[leaf] == s:
+                value = stage.params[_name(stage, split, leaf)]
+                for r in readers:
+                    boxes[r].put(("param", leaf), move(value, by_stage[r].param_sharding[leaf]))
+        comm += time.perf_counter() - t0
+        params = []
+        for leaf in program.params:
+            if split.home[leaf] == s:
+                params.append(stage.params[_name(stage, split, leaf)])
+            else:
+                params.append(boxes[s].get(("param", leaf)))
+        acc = stage.zeros()
+        saved: dict[int, Any] = {}
+
+        for direction, j in instruction_list(self.schedule, s, len(self.stages), self.num_micro_batches):
+            if direction is Direction.FORWARD:
+                t0 = time.perf_counter()
+                leaves = [jax.device_put(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
+                comm += time.perf_counter() - t0
+                inputs = [boxes[s].get(("act", j, vid)) for vid in program.inputs]
+                t0 = time.perf_counter()
+                outs, loss, vjp = stage.forward(params, leaves, inputs)
+                jax.block_until_ready((outs, loss, vjp))
+                fwd_times.append(time.perf_counter() - t0)
+                saved[j] = vjp
+                if loss is not None:
+                    losses[j] = loss
+                t0 = time.perf_counter()
+                for vid, value in zip(program.outputs, outs, strict=True):
+                    for r in split.consumers[vid]:
+                        reader = by_stage[r]
+                        pos = split.stages[r].inputs.index(vid)
+                        boxes[r].put(("act", j, vid), move(value, reader.input_sharding[pos]))
+                jax.block_until_ready([])
+                comm += time.perf_counter() - t0
+            else:
+                cotangents = []
+                for pos in stage.diff_outputs:
+                    vid = program.outputs[pos]
+                    parts = [boxes[s].get(("grad", j, vid, r)) for r in split.consumers[vid]]
+                    cotangents.append(reduce(add, parts))
+                if program.returns_loss:
+                    cotangents.append(self._loss_seed)
+                t0 = time.perf_counter()
+                acc, grads = stage.backward(saved.pop(j), cotangents, acc)
+                jax.block_until_ready((acc, grads))
+                bwd_times.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for pos, grad in zip(stage.diff_inputs, grads, strict=True):
+                    vid = program.inputs[pos]
+                    src = by_stage[split.producer[vid]]
+                    out_pos = split.stages[src.index].outputs.index(vid)
+                    boxes[src.index].put(("grad", j, vid, s), move(grad, src.output_sharding[out_pos]))
+                comm += time.perf_counter() - t0
+        compute += sum(fwd_times) + sum(bwd_times)
+
+        # Shared parameters' gradients home, then the update.
+        grads = dict(zip(program.params, acc, strict=True))
+        t0 = time.perf_counter()
+        for leaf in program.params:
+            home = split.home[leaf]
+            if home != s:
+                boxes[home].put(("shared", leaf, s), move(grads.pop(leaf), by_stage[home].acc_sharding[leaf]))
+        comm += time.perf_counter() - t0
+        for leaf, readers in split.shared_params().items():
+            if split.home[leaf] == s:
+                for r in readers:
+                    grads[leaf] = grads[leaf] + boxes[s].get(("shared", leaf, r))
+        t0 = time.perf_counter()
+        named_grads = {_name(stage, split, leaf): g for leaf, g in grads.items()}
+        stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named_grads)
+        jax.block_until_ready((stage.params, stage.opt_state))
+        update = time.perf_counter() - t0
+        compute += update
+        wall = time.perf_counter() - begin
+        return StageTimes(
+            compute=compute,
+            communication=comm,
+            idle=max(0.0, wall - compute - comm),
+            forward=tuple(fwd_times),
+            backward=tuple(bwd_times),
+            update=update,
+        )
+
+
+def _name(stage: StageRuntime, split: SplitProgram, leaf: int) -> str:
+    del split
+    return stage.leaf_names[leaf]

@@ -1,0 +1,222 @@
+"""One stage's executables on its mesh: forward, backward (with accumulation), update.
+
+For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss)``:
+
+- **forward** ``(params, batch, inputs) -> (outputs, loss, vjp)`` runs ``jax.vjp`` of
+  ``f`` with respect to the parameters and the floating-point inputs. ``vjp`` is a
+  pytree of the forward's residuals, returned from the jitted forward and kept until
+  the micro-batch's backward, so the backward does not recompute the forward. When
+  the plan says ``rematerialize``, ``f`` is wrapped in ``jax.checkpoint`` first: the
+  residuals are then just the inputs and the backward recomputes the rest.
+- **backward** ``(vjp, cotangents, accumulators) -> (accumulators, input_grads)``
+  applies ``vjp`` and adds the parameter gradients to float32 accumulators (donated,
+  so the sum is in place).
+- **update** ``(params, opt_state, grads) -> (params, opt_state)`` is the optax update
+  of the parameters this stage owns.
+
+Every one is ``jax.jit`` ed with ``NamedSharding`` s on the stage mesh: parameters as
+the plan's ``param_shardings``, batch leaves as its ``batch_shardings``, activations
+as its input/output shardings (matched by shape and dtype; the data-parallel default
+where the plan has none), and a weight-update-sharded parameter's accumulator and
+optimizer state as :func:`~.meshes.weight_update_spec`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from alpajob.planner.extract import init_optimizer_state
+from alpajob.planner.plan import SpecEntry, StagePlan
+from alpajob.trainer.runtime.meshes import batch_spec, named, partition_spec, weight_update_spec
+from alpajob.trainer.runtime.split import SplitProgram, is_differentiable, stage_function
+
+
+def _by_shape(specs: dict[str, list[SpecEntry]], avals: Sequence[Any], plan_shapes: dict[str, tuple]) -> list[PartitionSpec | None]:
+    """Match the plan's activation specs (keyed by planner tensor) to ours by shape."""
+    pool = {key: spec for key, spec in specs.items()}
+    out: list[PartitionSpec | None] = []
+    for aval in avals:
+        found = None
+        for key, spec in pool.items():
+            if plan_shapes.get(key) == tuple(aval.shape):
+                found = key
+                break
+        out.append(partition_spec(pool.pop(found)) if found is not None else None)
+    return out
+
+
+@dataclass
+class StageRuntime:
+    """A stage's mesh, shardings, executables, and its parameters and optimizer state."""
+
+    index: int
+    mesh: Mesh
+    param_leaves: tuple[int, ...]  # every parameter leaf the stage reads
+    leaf_names: dict[int, str]  # their pytree path names
+    home_names: tuple[str, ...]  # names of the leaves it owns and updates
+    param_sharding: dict[int, NamedSharding]
+    acc_sharding: dict[int, NamedSharding]
+    batch_sharding: list[NamedSharding]
+    input_sharding: list[NamedSharding]
+    output_sharding: list[NamedSharding]
+    forward: Callable[..., Any]
+    backward: Callable[..., Any]
+    update: Callable[..., Any]
+    init_opt: Callable[..., Any]
+    zeros: Callable[[], list[jax.Array]]
+    diff_outputs: tuple[int, ...]  # positions in program.outputs that carry gradients
+    diff_inputs: tuple[int, ...]  # positions in program.inputs that receive gradients
+    params: dict[str, jax.Array] = field(default_factory=dict)
+    opt_state: Any = None
+
+
+def build_stage(
+    split: SplitProgram,
+    index: int,
+    plan_stage: StagePlan,
+    mesh: Mesh,
+    names: Sequence[str],
+    optimizer: optax.GradientTransformation,
+    plan_shapes: dict[str, tuple],
+) -> StageRuntime:
+    """Compile-ready executables of stage ``index`` (jitted lazily, on first call)."""
+    program = split.stages[index]
+    avals = split.avals
+    param_avals = [avals[split.param_ids[k]] for k in program.params]
+    home = tuple(k for k in program.params if split.home[k] == index)
+    wus = set(plan_stage.weight_update_sharded)
+
+    param_sharding: dict[int, NamedSharding] = {}
+    acc_sharding: dict[int, NamedSharding] = {}
+    for leaf, aval in zip(program.params, param_avals, strict=True):
+        spec = partition_spec(plan_stage.param_shardings.get(names[leaf], []))
+        param_sharding[leaf] = named(mesh, spec, aval.shape)
+        acc_spec = param_sharding[leaf].spec
+        if names[leaf] in wus and leaf in home:
+            acc_spec = weight_update_spec(acc_spec, aval.shape, mesh)
+        acc_sharding[leaf] = named(mesh, acc_spec, aval.shape)
+
+    batch_sharding = []
+    for leaf in program.batch:
+        aval = avals[split.batch_ids[leaf]]
+        entries = plan_stage.batch_shardings.get(str(leaf))
+        spec = partition_spec(entries) if entries is not None else batch_spec(aval.shape, mesh)
+        batch_sharding.append(named(mesh, spec, aval.shape))
+
+    def activation_shardings(vids: Sequence[int], specs: dict[str, list[SpecEntry]]) -> list[NamedSharding]:
+        shapes = [avals[v] for v in vids]
+        matched = _by_shape(specs, shapes, plan_shapes)
+        return [
+            named(mesh, spec if spec is not None else batch_spec(a.shape, mesh), a.shape)
+            for spec, a in zip(matched, shapes, strict=True)
+        ]
+
+    input_sharding = activation_shardings(program.inputs, plan_stage.input_shardings)
+    output_sharding = activation_shardings(program.outputs, plan_stage.output_shardings)
+    diff_in = tuple(i for i, v in enumerate(program.inputs) if is_differentiable(avals[v]))
+    diff_out = tuple(i for i, v in enumerate(program.outputs) if is_differentiable(avals[v]))
+    run = stage_function(split, program)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def forward(params: list[Any], batch: list[Any], inputs: list[Any]) -> tuple[Any, Any, Any]:
+        def f(p: list[Any], diff_inputs: list[Any]) -> tuple[list[Any], list[Any]]:
+            full = list(inputs)
+            for pos, value in zip(diff_in, diff_inputs, strict=True):
+                full[pos] = value
+            outs, loss = run(p, batch, full)
+            diff = [outs[i] for i in diff_out] + ([loss] if program.returns_loss else [])
+            aux = [o for i, o in enumerate(outs) if i not in diff_out]
+            return diff, aux
+
+        fn = jax.checkpoint(f) if plan_stage.rematerialize else f
+        diff, vjp, aux = jax.vjp(fn, list(params), [inputs[i] for i in diff_in], has_aux=True)
+        outs: list[Any] = [None] * len(program.outputs)
+        for pos, value in zip(diff_out, diff, strict=False):
+            outs[pos] = value
+        rest = iter(aux)
+        for pos in range(len(outs)):
+            if pos not in diff_out:
+                outs[pos] = next(rest)
+        return outs, (diff[-1] if program.returns_loss else None), vjp
+
+    def backward(vjp: Any, cotangents: list[Any], acc: list[Any]) -> tuple[list[Any], list[Any]]:
+        param_grads, input_grads = vjp(cotangents)
+        new_acc = [a + g.astype(jnp.float32) for a, g in zip(acc, param_grads, strict=True)]
+        return new_acc, input_grads
+
+    home_names = tuple(names[k] for k in home)
+    param_dtypes = {names[k]: avals[split.param_ids[k]].dtype for k in home}
+
+    def update(params: dict[str, Any], opt_state: Any, grads: dict[str, Any]) -> tuple[Any, Any]:
+        grads = {n: g.astype(param_dtypes[n]) for n, g in grads.items()}
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state
+
+    home_param = {names[k]: param_sharding[k] for k in home}
+    home_acc = {names[k]: acc_sharding[k] for k in home}
+    abstract = {names[k]: avals[split.param_ids[k]] for k in home}
+    opt_abstract = jax.eval_shape(lambda p: init_optimizer_state(optimizer, p), abstract)
+    opt_sharding = _opt_shardings(opt_abstract, home_acc, abstract, replicated)
+    acc_list = [acc_sharding[k] for k in program.params]
+    loss_sharding = replicated if program.returns_loss else None
+
+    return StageRuntime(
+        index=index,
+        mesh=mesh,
+        param_leaves=program.params,
+        leaf_names={k: names[k] for k in program.params},
+        home_names=home_names,
+        param_sharding=param_sharding,
+        acc_sharding=acc_sharding,
+        batch_sharding=batch_sharding,
+        input_sharding=input_sharding,
+        output_sharding=output_sharding,
+        forward=jax.jit(
+            forward,
+            in_shardings=([param_sharding[k] for k in program.params], batch_sharding, input_sharding),
+            out_shardings=(output_sharding, loss_sharding, None),
+        ),
+        backward=jax.jit(
+            backward,
+            out_shardings=(acc_list, [input_sharding[i] for i in diff_in]),
+            donate_argnums=(2,),
+        ),
+        update=jax.jit(
+            update,
+            in_shardings=(home_param, opt_sharding, home_acc),
+            out_shardings=(home_param, opt_sharding),
+            donate_argnums=(0, 1),
+        ),
+        init_opt=jax.jit(
+            lambda p: init_optimizer_state(optimizer, p),
+            in_shardings=(home_param,),
+            out_shardings=opt_sharding,
+        ),
+        zeros=jax.jit(
+            lambda: [jnp.zeros(a.shape, jnp.float32) for a in param_avals],
+            out_shardings=acc_list,
+        ),
+        diff_outputs=diff_out,
+        diff_inputs=diff_in,
+    )
+
+
+def _opt_shardings(opt_abstract: Any, acc: dict[str, NamedSharding], params: dict[str, Any], replicated: NamedSharding) -> Any:
+    """Optimizer-state shardings: a leaf mirroring parameter ``p`` (``mu/p``) as ``p``'s
+    accumulator, anything else (Adam's step count) replicated."""
+
+    def choose(path: Any, leaf: Any) -> NamedSharding:
+        last = path[-1] if path else None
+        name = getattr(last, "key", None)
+        if name in acc and tuple(leaf.shape) == tuple(params[name].shape):
+            return acc[name]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(choose, opt_abstract)
