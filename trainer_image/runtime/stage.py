@@ -40,14 +40,10 @@ from alpajob.trainer.runtime.split import SplitProgram, is_differentiable, stage
 
 def _by_shape(specs: dict[str, list[SpecEntry]], avals: Sequence[Any], plan_shapes: dict[str, tuple]) -> list[PartitionSpec | None]:
     """Match the plan's activation specs (keyed by planner tensor) to ours by shape."""
-    pool = {key: spec for key, spec in specs.items()}
+    pool = dict(specs)
     out: list[PartitionSpec | None] = []
     for aval in avals:
-        found = None
-        for key, spec in pool.items():
-            if plan_shapes.get(key) == tuple(aval.shape):
-                found = key
-                break
+        found = next((key for key in pool if plan_shapes.get(key) == tuple(aval.shape)), None)
         out.append(partition_spec(pool.pop(found)) if found is not None else None)
     return out
 

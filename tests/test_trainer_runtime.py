@@ -1,0 +1,201 @@
+"""The runtime's pieces: transfer plans, transport, checkpoints and resume, metrics, errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from alpajob.cli import plan_options
+from alpajob.planner.errors import AlpaJobError, PlanFormatError
+from alpajob.planner.manifest import parse_manifest
+from alpajob.planner.plan import write_plan
+from alpajob.trainer.local_run import RunOptions, run
+from alpajob.trainer.runtime.meshes import DeviceError
+from alpajob.trainer.runtime.transfer import box_size, intersect, plan_transfer, tiles_of
+from alpajob.trainer.runtime.transport import move
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ----------------------------------------------------------------------------- transfer
+
+SPECS = [P(), P("x"), P(None, "y"), P("x", "y"), P("y", "x"), P(("x", "y"))]
+
+
+def _meshes() -> tuple[Mesh, Mesh]:
+    d = jax.devices()
+    return (Mesh(np.array(d[:4]).reshape(2, 2), ("x", "y")),
+            Mesh(np.array(d[4:8]).reshape(1, 4), ("x", "y")))
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(range(len(SPECS)), repeat=2)))
+def test_transfer_plan_sends_every_needed_tile_exactly_once(src: int, dst: int) -> None:
+    shape = (8, 12)
+    m1, m2 = _meshes()
+    src_tiles = tiles_of(NamedSharding(m1, SPECS[src]), shape)
+    dst_tiles = tiles_of(NamedSharding(m2, SPECS[dst]), shape)
+    plan = plan_transfer(shape, 4, src_tiles, dst_tiles)
+    # Every element of every destination tile arrives exactly once: by sends to the
+    # receiver, or by one local copy of the receiver's whole tile.
+    received = {d: np.zeros(shape, int) for d in dst_tiles}
+    for send in plan.sends:
+        assert intersect(send.box, src_tiles[send.src]) == send.box  # the sender holds it
+        received[send.dst][tuple(slice(*r) for r in send.box)] += 1
+    for copy in plan.copies:
+        assert copy.box == dst_tiles[copy.src] == dst_tiles[copy.dst]
+        received[copy.dst][tuple(slice(*r) for r in copy.box)] += 1
+    for device, tile in dst_tiles.items():
+        want = np.zeros(shape, int)
+        want[tuple(slice(*r) for r in tile)] = 1
+        np.testing.assert_array_equal(received[device], want)
+    # Across meshes, each distinct destination tile crosses once: the minimum.
+    distinct = {tile for tile in dst_tiles.values()}
+    assert plan.cross_mesh_bytes == 4 * sum(box_size(t) for t in distinct)
+
+
+def test_move_reshards_across_meshes_exactly() -> None:
+    m1, m2 = _meshes()
+    data = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    for src, dst in itertools.product(SPECS, SPECS):
+        array = jax.device_put(data, NamedSharding(m1, src))
+        target = NamedSharding(m2, dst)
+        moved = move(array, target)
+        assert moved.sharding == target
+        np.testing.assert_array_equal(np.asarray(moved), data)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _manifest(**parallelism: Any) -> Any:
+    return parse_manifest({
+        "apiVersion": "alpajob.io/v1alpha1",
+        "kind": "AlpaJob",
+        "metadata": {"name": "rt"},
+        "spec": {
+            "model": {"zoo": "gpt", "config": "tiny"},
+            "training": {"globalBatchSize": 8, "dtype": "float32", "learningRate": 1e-3},
+            "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
+            "parallelism": parallelism or {
+                "method": "manual", "numMicroBatches": 2,
+                "stages": [{"layers": [0, 1], "submeshShape": [1, 4]},
+                           {"layers": [1, 2], "submeshShape": [1, 4]}],
+            },
+        },
+    })
+
+
+class _Args:
+    method = None
+    ilp_time_limit = 5.0
+    baselines = False
+
+
+def _options(manifest: Any, steps: int, **extra: Any) -> RunOptions:
+    return RunOptions(steps=steps, plan_options=plan_options(manifest, _Args()), **extra)
+
+
+def test_checkpoint_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    manifest = _manifest()
+    whole = run(manifest, _options(manifest, 4))
+    ckpt = tmp_path / "ckpt"
+    first = run(manifest, _options(manifest, 2, checkpoint_dir=str(ckpt)))
+    assert (ckpt / "step_00000002" / "index.json").exists()
+    resumed = run(manifest, _options(manifest, 4, checkpoint_dir=str(ckpt), resume=True))
+    assert resumed.start_step == 2
+    np.testing.assert_array_equal(first.losses + resumed.losses, whole.losses)
+    for name, value in whole.params.items():
+        np.testing.assert_array_equal(resumed.params[name], value, err_msg=name)
+
+
+def test_metrics_json_and_prometheus(tmp_path: Path) -> None:
+    manifest = _manifest(method="data")
+    out = tmp_path / "metrics.json"
+    port = 19000 + os.getpid() % 1000
+    seen: list[str] = []
+
+    def scrape(step: int, loss: float, seconds: float) -> None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            seen.append(reply.read().decode())
+
+    options = _options(manifest, 2, metrics_out=str(out), metrics_port=port)
+    result = run(manifest, options, on_step=scrape)
+    doc = json.loads(out.read_text())
+    assert doc["losses"] == result.losses and len(doc["step_seconds"]) == 2
+    assert doc["plan_hash"] == result.plan.content_hash()
+    text = seen[-1]
+    assert 'alpajob_step{job="rt"} 2.0' in text
+    for metric in ("alpajob_stage_step_compute_seconds", "alpajob_stage_step_idle_seconds",
+                   "alpajob_stage_step_communication_seconds", "alpajob_stage_compute_seconds_total",
+                   "alpajob_samples_per_second", "alpajob_step_seconds"):
+        assert metric in text, metric
+    compute = [line for line in text.splitlines()
+               if line.startswith('alpajob_stage_step_compute_seconds{job="rt",stage="0"}')]
+    assert compute and float(compute[0].split()[-1]) > 0
+
+
+def test_plan_for_another_model_is_refused(tmp_path: Path) -> None:
+    manifest = _manifest(method="data")
+    first = run(manifest, _options(manifest, 1))
+    path = tmp_path / "plan.json"
+    write_plan(first.plan, path)
+    other = parse_manifest({**manifest.model_dump(by_alias=True, mode="json"),
+                            "spec": {**manifest.spec.model_dump(by_alias=True, mode="json"),
+                                     "model": {"zoo": "mlp", "config": "tiny"}}})
+    with pytest.raises(PlanFormatError, match="fingerprint"):
+        run(other, RunOptions(steps=1, plan_path=str(path)))
+    with pytest.raises(DeviceError, match="--devices 8"):
+        run(manifest, RunOptions(steps=1, plan_path=str(path), devices=4))
+    path.write_text(path.read_text()[:100])
+    with pytest.raises(PlanFormatError, match="not valid JSON"):
+        run(manifest, RunOptions(steps=1, plan_path=str(path)))
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "alpajob", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_cli_run_trains_and_reports(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    done = _cli("run", str(ROOT / "manifests/examples/local-gpt.yaml"), "--steps", "2",
+                "--devices", "4", "--method", "data", "--metrics-out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "measured / predicted" in done.stdout and "1x4" in done.stdout
+    assert len(json.loads(out.read_text())["losses"]) == 2
+
+
+def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
+    bad = tmp_path / "custom.yaml"
+    bad.write_text(
+        "apiVersion: alpajob.io/v1alpha1\nkind: AlpaJob\nmetadata: {name: c}\n"
+        "spec:\n  model: {entrypoint: 'no_such_module_xyz:make'}\n"
+        "  training: {globalBatchSize: 8}\n  cluster: {gpu: cpu, nodes: 1, gpusPerNode: 8}\n"
+    )
+    out = tmp_path / "m.json"
+    done = _cli("run", str(bad), "--steps", "1", "--metrics-out", str(out), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "spec.model.entrypoint" in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
+    plan = tmp_path / "plan.json"
+    plan.write_text("{")
+    done = _cli("run", str(ROOT / "manifests/examples/local-gpt.yaml"), "--plan", str(plan),
+                "--metrics-out", str(out), cwd=tmp_path)
+    assert done.returncode == 2 and "not valid JSON" in done.stderr
+    assert not out.exists()
+
+
+def test_alpajob_error_is_the_base_of_runtime_errors() -> None:
+    assert issubclass(DeviceError, AlpaJobError)
