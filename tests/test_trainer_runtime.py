@@ -199,3 +199,17 @@ def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
 
 def test_alpajob_error_is_the_base_of_runtime_errors() -> None:
     assert issubclass(DeviceError, AlpaJobError)
+
+
+def test_custom_entrypoint_example_trains_as_a_pipeline(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    env_path = ROOT / "manifests" / "examples"
+    done = subprocess.run(
+        [sys.executable, "-m", "alpajob", "run", str(env_path / "custom-model.yaml"),
+         "--steps", "3", "--metrics-out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+        env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(env_path)},
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert len(doc["losses"]) == 3 and len(doc["stages"]) > 1
