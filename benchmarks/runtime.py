@@ -1,0 +1,125 @@
+"""Runtime benchmark (BENCHMARKS.md sections 2 and 3) on 8 forced CPU devices.
+
+For several plans of one model: measured step time against the plan's prediction
+(plan fidelity), against the ideal its schedule allows given the measured per-stage
+forward/backward/update times (``simulate`` with free communication: runtime
+overhead), and against single-device (serial) and plain data-parallel training of
+the same model. Then cross-mesh transfer throughput against a plain memory copy of
+the same bytes.
+
+    python benchmarks/runtime.py [--steps 6] [--model gpt] [--config tiny] [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from alpajob.cli import plan_options
+    from alpajob.planner.manifest import parse_manifest
+    from alpajob.planner.schedules import Schedule, simulate
+    from alpajob.trainer.local_run import RunOptions, run
+    from alpajob.trainer.runtime.transport import move
+
+    def manifest(parallelism: dict) -> object:
+        return parse_manifest({
+            "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "bench"},
+            "spec": {"model": {"zoo": args.model, "config": args.config},
+                     "training": {"globalBatchSize": args.batch, "dtype": "float32"},
+                     "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
+                     "parallelism": parallelism}})
+
+    class Flags:
+        method = None
+        ilp_time_limit = 5.0
+        baselines = False
+
+    def stages(*shapes: tuple[int, int]) -> list[dict]:
+        return [{"layers": [i, i + 1], "submeshShape": list(s)} for i, s in enumerate(shapes)]
+
+    cases = {
+        "data parallel": {"method": "data"},
+        "shard (ILP)": {"method": "shard"},
+        "auto": {"method": "auto"},
+        "2 stages 1f1b m=4": {"method": "manual", "numMicroBatches": 4, "numLayers": 2,
+                              "stages": stages((1, 4), (1, 4))},
+        "4 stages 1f1b m=8": {"method": "manual", "numMicroBatches": 8, "numLayers": 4,
+                              "stages": stages((1, 2), (1, 2), (1, 2), (1, 2))},
+        "4 stages gpipe m=8": {"method": "manual", "numMicroBatches": 8, "numLayers": 4,
+                               "schedule": "gpipe", "stages": stages((1, 2), (1, 2), (1, 2), (1, 2))},
+    }
+    serial_m = manifest({})
+    serial = run(serial_m, RunOptions(steps=args.steps, serial=True))
+    t_serial = statistics.median(serial.step_seconds[1:])
+    rows = []
+    t_data = None
+    for name, par in cases.items():
+        m = manifest(par)
+        result = run(m, RunOptions(steps=args.steps, plan_options=plan_options(m, Flags())))
+        plan = result.plan
+        measured = statistics.median(result.step_seconds[1:])
+        recent = result.stage_times[1:]
+        fwd = [statistics.mean(x for t in recent for x in t[i].forward) for i in range(len(plan.stages))]
+        bwd = [statistics.mean(x for t in recent for x in t[i].backward) for i in range(len(plan.stages))]
+        upd = max(statistics.mean(t[i].update for t in recent) for i in range(len(plan.stages)))
+        ideal = simulate(Schedule(plan.schedule), fwd, bwd, plan.num_micro_batches).makespan + upd
+        if name == "data parallel":
+            t_data = measured
+        rows.append((name, len(plan.stages), plan.num_micro_batches, plan.predicted_step_seconds,
+                     measured, ideal))
+    print(f"model {args.model}-{args.config}, global batch {args.batch}, 8 CPU devices, "
+          f"{args.steps} steps (median after the first)")
+    print(f"serial (1 device): {t_serial * 1e3:.1f} ms/step")
+    print("| plan | stages | m | predicted ms | measured ms | error | ideal ms | overhead vs ideal "
+          "| vs serial | vs data parallel |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, n, mb, pred, meas, ideal in rows:
+        print(f"| {name} | {n} | {mb} | {pred * 1e3:.2f} | {meas * 1e3:.1f} | "
+              f"{(pred - meas) / meas:+.0%} | {ideal * 1e3:.1f} | {meas / ideal - 1:+.0%} | "
+              f"{t_serial / meas:.2f}x | {t_data / meas:.2f}x |")
+
+    devices = jax.devices()
+    src = Mesh(np.array(devices[:4]).reshape(2, 2), ("x", "y"))
+    dst = Mesh(np.array(devices[4:]).reshape(1, 4), ("x", "y"))
+    print("\n| transfer (64 MiB f32) | move GB/s | memcpy GB/s | ratio |")
+    print("| --- | --- | --- | --- |")
+    data = np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32)
+    for a, b in [(P("x", None), P(None, "y")), (P("x", "y"), P("y")), (P("x"), P())]:
+        array = jax.device_put(data, NamedSharding(src, a))
+        target = NamedSharding(dst, b)
+        move(array, target).block_until_ready()
+        reps = 5
+        start = time.perf_counter()
+        for _ in range(reps):
+            move(array, target).block_until_ready()
+        moved = (time.perf_counter() - start) / reps
+        # the copy baseline moves the bytes the destination holds (replicas included)
+        nbytes = sum(s.data.nbytes for s in move(array, target).addressable_shards)
+        start = time.perf_counter()
+        for _ in range(reps):
+            for _ in range(nbytes // data.nbytes):
+                data.copy()
+        copied = (time.perf_counter() - start) / reps
+        print(f"| {a} -> {b} | {nbytes / moved / 1e9:.2f} | {nbytes / copied / 1e9:.2f} | "
+              f"{copied / moved:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
