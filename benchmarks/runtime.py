@@ -30,7 +30,8 @@ def main() -> None:
 
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from alpajob.cli import plan_options
     from alpajob.planner.manifest import parse_manifest

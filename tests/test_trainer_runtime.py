@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from alpajob.cli import plan_options
 from alpajob.planner.errors import AlpaJobError, PlanFormatError
