@@ -156,14 +156,14 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         for leaf, readers in split.shared_params().items():
             if split.home[leaf] == s:
-                value = stage.params[_name(stage, split, leaf)]
+                value = stage.params[stage.leaf_names[leaf]]
                 for r in readers:
                     boxes[r].put(("param", leaf), move(value, by_stage[r].param_sharding[leaf]))
         comm += time.perf_counter() - t0
         params = []
         for leaf in program.params:
             if split.home[leaf] == s:
-                params.append(stage.params[_name(stage, split, leaf)])
+                params.append(stage.params[stage.leaf_names[leaf]])
             else:
                 params.append(boxes[s].get(("param", leaf)))
         acc = stage.zeros()
@@ -188,7 +188,6 @@ class PipelineExecutor:
                         reader = by_stage[r]
                         pos = split.stages[r].inputs.index(vid)
                         boxes[r].put(("act", j, vid), move(value, reader.input_sharding[pos]))
-                jax.block_until_ready([])
                 comm += time.perf_counter() - t0
             else:
                 cotangents = []
@@ -224,7 +223,7 @@ class PipelineExecutor:
                 for r in readers:
                     grads[leaf] = grads[leaf] + boxes[s].get(("shared", leaf, r))
         t0 = time.perf_counter()
-        named_grads = {_name(stage, split, leaf): g for leaf, g in grads.items()}
+        named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
         stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named_grads)
         jax.block_until_ready((stage.params, stage.opt_state))
         update = time.perf_counter() - t0
@@ -238,8 +237,3 @@ class PipelineExecutor:
             backward=tuple(bwd_times),
             update=update,
         )
-
-
-def _name(stage: StageRuntime, split: SplitProgram, leaf: int) -> str:
-    del split
-    return stage.leaf_names[leaf]
