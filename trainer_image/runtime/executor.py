@@ -110,6 +110,7 @@ class PipelineExecutor:
         self.stages = list(stages)
         self.schedule = schedule
         self.num_micro_batches = num_micro_batches
+        self.shared = split.shared_params()
         last = self.stages[-1]
         self._loss_seed = jax.device_put(
             jnp.float32(1.0 / num_micro_batches), jax.sharding.NamedSharding(last.mesh, jax.sharding.PartitionSpec())
@@ -154,7 +155,7 @@ class PipelineExecutor:
 
         # Shared parameters out; our own and the received ones in.
         t0 = time.perf_counter()
-        for leaf, readers in split.shared_params().items():
+        for leaf, readers in self.shared.items():
             if split.home[leaf] == s:
                 value = stage.params[stage.leaf_names[leaf]]
                 for r in readers:
@@ -218,7 +219,7 @@ class PipelineExecutor:
             if home != s:
                 boxes[home].put(("shared", leaf, s), move(grads.pop(leaf), by_stage[home].acc_sharding[leaf]))
         comm += time.perf_counter() - t0
-        for leaf, readers in split.shared_params().items():
+        for leaf, readers in self.shared.items():
             if split.home[leaf] == s:
                 for r in readers:
                     grads[leaf] = grads[leaf] + boxes[s].get(("shared", leaf, r))
