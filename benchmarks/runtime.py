@@ -7,12 +7,14 @@ overhead), and against single-device (serial) and plain data-parallel training o
 the same model. Then cross-mesh transfer throughput against a plain memory copy of
 the same bytes.
 
-    python benchmarks/runtime.py [--steps 6] [--model gpt] [--config tiny] [--batch 32]
+    python benchmarks/runtime.py [--steps 6] [--model gpt] [--config tiny|JSON] [--batch 32]
+        [--cases "data parallel,auto"] [--no-transfer]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -26,7 +28,10 @@ def main() -> None:
     parser.add_argument("--model", default="gpt")
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--cases", default="", help="comma-separated plan names to run (default all)")
+    parser.add_argument("--no-transfer", action="store_true", help="skip the transfer table")
     args = parser.parse_args()
+    config = json.loads(args.config) if args.config.startswith("{") else args.config
 
     import jax
     import numpy as np
@@ -42,7 +47,7 @@ def main() -> None:
     def manifest(parallelism: dict) -> object:
         return parse_manifest({
             "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "bench"},
-            "spec": {"model": {"zoo": args.model, "config": args.config},
+            "spec": {"model": {"zoo": args.model, "config": config},
                      "training": {"globalBatchSize": args.batch, "dtype": "float32"},
                      "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
                      "parallelism": parallelism}})
@@ -71,7 +76,10 @@ def main() -> None:
     t_serial = statistics.median(serial.step_seconds[1:])
     rows = []
     t_data = None
+    wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
     for name, par in cases.items():
+        if wanted and name not in wanted:
+            continue
         m = manifest(par)
         result = run(m, RunOptions(steps=args.steps, plan_options=plan_options(m, Flags())))
         plan = result.plan
@@ -94,8 +102,10 @@ def main() -> None:
     for name, n, mb, pred, meas, ideal in rows:
         print(f"| {name} | {n} | {mb} | {pred * 1e3:.2f} | {meas * 1e3:.1f} | "
               f"{(pred - meas) / meas:+.0%} | {ideal * 1e3:.1f} | {meas / ideal - 1:+.0%} | "
-              f"{t_serial / meas:.2f}x | {t_data / meas:.2f}x |")
+              f"{t_serial / meas:.2f}x | " + (f"{t_data / meas:.2f}x |" if t_data else "- |"))
 
+    if args.no_transfer:
+        return
     devices = jax.devices()
     src = Mesh(np.array(devices[:4]).reshape(2, 2), ("x", "y"))
     dst = Mesh(np.array(devices[4:]).reshape(1, 4), ("x", "y"))
@@ -105,19 +115,19 @@ def main() -> None:
     for a, b in [(P("x", None), P(None, "y")), (P("x", "y"), P("y")), (P("x"), P())]:
         array = jax.device_put(data, NamedSharding(src, a))
         target = NamedSharding(dst, b)
-        move(array, target).block_until_ready()
-        reps = 5
-        start = time.perf_counter()
-        for _ in range(reps):
-            move(array, target).block_until_ready()
-        moved = (time.perf_counter() - start) / reps
         # the copy baseline moves the bytes the destination holds (replicas included)
         nbytes = sum(s.data.nbytes for s in move(array, target).addressable_shards)
-        start = time.perf_counter()
-        for _ in range(reps):
-            for _ in range(nbytes // data.nbytes):
+        copies = nbytes // data.nbytes
+        moves, memcpys = [], []
+        for _ in range(9):  # interleaved, so both see the same machine state; medians
+            start = time.perf_counter()
+            move(array, target).block_until_ready()
+            moves.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for _ in range(copies):
                 data.copy()
-        copied = (time.perf_counter() - start) / reps
+            memcpys.append(time.perf_counter() - start)
+        moved, copied = statistics.median(moves), statistics.median(memcpys)
         print(f"| {a} -> {b} | {nbytes / moved / 1e9:.2f} | {nbytes / copied / 1e9:.2f} | "
               f"{copied / moved:.2f} |")
 

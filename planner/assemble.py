@@ -1,7 +1,8 @@
 """Turn the winning candidate into the Plan document (contract 2).
 
 Reads every decision back out of the per-layer ILP solutions: the PartitionSpec of each
-parameter and of each tensor entering or leaving a stage, which parameters got
+parameter, of each tensor entering or leaving a stage and of the output of each forward
+op the trainer pins (``PINNED_PRIMITIVES``), which parameters got
 weight-update sharding, and the cross-mesh resharding tasks between stages.
 """
 
@@ -10,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from alpajob.planner.cluster import ClusterSpec
-from alpajob.planner.graph import OpGraph, TensorRole
+from alpajob.planner.graph import OpGraph, Phase, TensorRole
 from alpajob.planner.inter_op import Candidate, CostContext
 from alpajob.planner.plan import (
+    PINNED_PRIMITIVES,
     LayerInfo,
     ModelInfo,
+    PinnedOp,
     Plan,
     ReshardingTask,
     SolverStats,
@@ -73,6 +76,15 @@ def _stage_plan(
     for tensor, src, _dst in coster.crossing_tensors(stage.last + 1):
         if stage.first <= src <= stage.last:
             outputs[str(tensor)] = spec_of(tensor, src)
+    pinned = []
+    for layer in range(stage.first, stage.last + 1):
+        for op_id in coster.layers[layer]:
+            op = graph.ops[op_id]
+            if op.phase is Phase.FORWARD and op.primitive in PINNED_PRIMITIVES and len(op.outputs) == 1:
+                out = op.outputs[0]
+                pinned.append(PinnedOp(op=op_id, primitive=op.primitive,
+                                       shape=list(graph.tensors[out].shape), sharding=spec_of(out, layer)))
+    pinned.sort(key=lambda p: p.op)
     wus: set[str] = set()
     for layer in range(stage.first, stage.last + 1):
         result = coster.result(layer, stage.submesh, stage.shape, stage.level)
@@ -101,6 +113,7 @@ def _stage_plan(
         output_shardings=outputs,
         batch_shardings=batch,
         weight_update_sharded=sorted(wus),
+        pinned_ops=pinned,
     )
 
 

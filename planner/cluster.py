@@ -4,6 +4,11 @@ Presets (``v100-16gb``, ``a100-40gb``, ``a100-80gb``, ``h100-80gb``, ``cpu``) ar
 in ``data/presets.json``; :func:`cluster_from_preset` builds a :class:`ClusterSpec`
 from one, with the node count and devices per node chosen by the caller.
 
+A preset marked ``shared_host`` (``cpu``: XLA's forced host devices) stores the whole
+host's FLOP/s and memory bandwidth, measured by ``benchmarks/calibrate_cpu.py``; its
+devices share the host's cores, so each of a node's ``devices_per_node`` devices gets
+that fraction of them (in steady state every device of a plan is busy at once).
+
 Bandwidths are in bytes per second, latencies in seconds, memory in bytes.
 ``inter_node_bandwidth`` is a whole node's network bandwidth: when every device of a
 node sends across nodes at once they share it.
@@ -49,6 +54,9 @@ class ClusterSpec:
     inter_node_bandwidth: float
     inter_node_latency: float
     preset: str = "custom"
+    #: The devices time-share one host's cores (forced CPU devices): an idle device's
+    #: share goes to the busy ones, so a pipeline bubble costs no time.
+    shared_host: bool = False
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -87,6 +95,7 @@ class ClusterSpec:
             "intra_node_latency": self.intra_node_latency,
             "inter_node_bandwidth": self.inter_node_bandwidth,
             "inter_node_latency": self.inter_node_latency,
+            "shared_host": self.shared_host,
         }
 
 
@@ -116,19 +125,23 @@ def cluster_from_preset(
             f"unknown GPU preset {preset!r}; use one of: {', '.join(sorted(presets))}",
         )
     data = presets[preset]
+    per_node = devices_per_node or int(data["gpus_per_node"])
+    # A shared host's rates are the whole host's; each of its devices gets its share.
+    share = 1.0 / per_node if data.get("shared_host", False) else 1.0
     device = DeviceSpec(
         name=preset,
-        peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
+        peak_flops={k: float(v) * share for k, v in data["peak_flops"].items()},
         memory_bytes=int(data["memory_bytes"]),
-        memory_bandwidth=float(data["memory_bandwidth"]),
+        memory_bandwidth=float(data["memory_bandwidth"]) * share,
     )
     return ClusterSpec(
         num_nodes=num_nodes,
-        devices_per_node=devices_per_node or int(data["gpus_per_node"]),
+        devices_per_node=per_node,
         device=device,
         intra_node_bandwidth=float(data["intra_node_bandwidth"]),
         intra_node_latency=float(data["intra_node_latency"]),
         inter_node_bandwidth=float(data["inter_node_bandwidth"]),
         inter_node_latency=float(data["inter_node_latency"]),
         preset=preset,
+        shared_host=bool(data.get("shared_host", False)),
     )

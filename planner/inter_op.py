@@ -234,9 +234,28 @@ def evaluate_stages(
         if best is None:
             return None
         stages.append(best)
+    return Candidate(name, mode, num_micro_batches, tuple(stages),
+                     pipeline_step_seconds(context.cluster, stages, num_micro_batches))
+
+
+def pipeline_step_seconds(cluster: ClusterSpec, stages: Sequence[StageEval], num_micro_batches: int) -> float:
+    """Predicted step time of a pipeline of ``stages`` (each costed per micro-batch).
+
+    Alpa's eq. 2, ``sum t_i + (B - 1) max t_i``, plus the slowest stage's update: the
+    stages' devices are independent, so a stage waiting in the pipeline bubble is lost
+    time. On a shared host (``cluster.shared_host``, forced CPU devices) a waiting
+    device's share of the cores goes to the busy ones, so no time is lost: the step
+    is the total work at the whole host's rate, each stage's ``B t_i + update_i``
+    weighted by its share of the devices (``t_i`` is costed at a 1/N share).
+    """
+    if cluster.shared_host:
+        total = cluster.num_devices
+        return sum(
+            (num_micro_batches * s.seconds + s.update) * s.submesh[0] * s.submesh[1] / total
+            for s in stages
+        )
     seconds = [s.seconds for s in stages]
-    step = sum(seconds) + (num_micro_batches - 1) * max(seconds) + max(s.update for s in stages)
-    return Candidate(name, mode, num_micro_batches, tuple(stages), step)
+    return sum(seconds) + (num_micro_batches - 1) * max(seconds) + max(s.update for s in stages)
 
 
 @dataclass(frozen=True)

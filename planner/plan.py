@@ -56,6 +56,25 @@ class LayerInfo(_Doc):
     param_bytes: int
 
 
+#: Forward primitives whose output sharding the plan records (:class:`PinnedOp`) and the
+#: trainer pins with a sharding constraint: the ops where the ILP's choice matters
+#: (how a matmul, convolution or lookup splits its work); GSPMD propagates the rest.
+PINNED_PRIMITIVES: frozenset[str] = frozenset({"dot_general", "conv_general_dilated", "gather"})
+
+
+class PinnedOp(_Doc):
+    """The sharding the ILP chose for one forward op's output (at micro-batch size).
+
+    ``op`` is the op's id in the planner's graph; ``primitive`` and ``shape`` let the
+    trainer find the same equation in its own trace of the loss.
+    """
+
+    op: int
+    primitive: str
+    shape: list[int]
+    sharding: list[SpecEntry]
+
+
 class StagePlan(_Doc):
     """One pipeline stage: layers [first, last+1) on a submesh, sharded as decided."""
 
@@ -83,6 +102,10 @@ class StagePlan(_Doc):
         default_factory=dict, description="batch leaf index (flattened batch) -> its sharding"
     )
     weight_update_sharded: list[str]
+    pinned_ops: list[PinnedOp] = Field(
+        default_factory=list,
+        description="output shardings of the stage's forward ops in PINNED_PRIMITIVES, by op id",
+    )
 
 
 class ReshardingTask(_Doc):

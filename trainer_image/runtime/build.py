@@ -21,6 +21,7 @@ from alpajob.planner.plan import Plan
 from alpajob.planner.schedules import Schedule
 from alpajob.trainer.runtime.executor import PipelineExecutor
 from alpajob.trainer.runtime.meshes import stage_mesh
+from alpajob.trainer.runtime.pinning import stage_pins
 from alpajob.trainer.runtime.split import split_loss
 from alpajob.trainer.runtime.stage import build_stage
 
@@ -59,10 +60,11 @@ def build_pipeline(
     split = split_loss(loss, abstract, batch_shapes(micro), param_stages(plan, names), len(plan.stages))
     plan_shapes = {str(task.tensor): tuple(task.shape) for task in plan.resharding}
     leaves = jax.tree.leaves(params)
+    pins = stage_pins(split, plan.stages)
     stages = []
     for index, plan_stage in enumerate(plan.stages):
         mesh = stage_mesh(plan_stage, plan, devices)
-        stage = build_stage(split, index, plan_stage, mesh, names, optimizer, plan_shapes)
+        stage = build_stage(split, index, plan_stage, mesh, names, optimizer, plan_shapes, pins[index])
         for leaf in split.stages[index].params:
             if split.home[leaf] == index:
                 stage.params[names[leaf]] = jax.device_put(np.array(leaves[leaf]), stage.param_sharding[leaf])

@@ -343,12 +343,15 @@ def readers_of_stage(eqns: Sequence[FlatEqn]) -> set[ValueId]:
 
 
 def stage_function(
-    split: SplitProgram, stage: StageProgram
+    split: SplitProgram, stage: StageProgram, pins: Mapping[ValueId, Any] | None = None
 ) -> Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[list[Any], Any]]:
     """``f(params, batch, inputs) -> (outputs, loss_or_None)`` for one stage.
 
     Arguments follow ``stage.params``, ``stage.batch`` and ``stage.inputs`` order.
+    ``pins`` maps a value id to the sharding it is constrained to
+    (``jax.lax.with_sharding_constraint``) as soon as it is computed.
     """
+    pins = dict(pins or {})
 
     def run(params: Sequence[Any], batch: Sequence[Any], inputs: Sequence[Any]) -> tuple[list[Any], Any]:
         env: dict[ValueId, Any] = {}
@@ -371,7 +374,7 @@ def stage_function(
             result = eqn.primitive.bind(*[read(v) for v in eqn.inputs], **bind_params)
             results = result if eqn.primitive.multiple_results else [result]
             for vid, value in zip(eqn.outputs, results, strict=True):
-                env[vid] = value
+                env[vid] = jax.lax.with_sharding_constraint(value, pins[vid]) if vid in pins else value
         outputs = [env[v] for v in stage.outputs]
         return outputs, (env[split.loss] if stage.returns_loss else None)
 

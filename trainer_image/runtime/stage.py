@@ -17,13 +17,15 @@ For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss
 Every one is ``jax.jit`` ed with ``NamedSharding`` s on the stage mesh: parameters as
 the plan's ``param_shardings``, batch leaves as its ``batch_shardings``, activations
 as its input/output shardings (matched by shape and dtype; the data-parallel default
-where the plan has none), and a weight-update-sharded parameter's accumulator and
+where the plan has none), the outputs of the plan's pinned ops (matmuls, convolutions,
+lookups: :mod:`.pinning`) constrained inside the forward to the ILP's shardings (their
+cotangents inherit the constraint in the backward), and a weight-update-sharded parameter's accumulator and
 optimizer state as :func:`~.meshes.weight_update_spec`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +36,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpajob.planner.extract import init_optimizer_state
 from alpajob.planner.plan import SpecEntry, StagePlan
-from alpajob.trainer.runtime.meshes import batch_spec, named, partition_spec, weight_update_spec
-from alpajob.trainer.runtime.split import SplitProgram, is_differentiable, stage_function
+from alpajob.trainer.runtime.meshes import (
+    batch_spec,
+    fits,
+    named,
+    partition_spec,
+    weight_update_spec,
+)
+from alpajob.trainer.runtime.split import SplitProgram, ValueId, is_differentiable, stage_function
 
 
 def _by_shape(specs: dict[str, list[SpecEntry]], avals: Sequence[Any], plan_shapes: dict[str, tuple]) -> list[PartitionSpec | None]:
@@ -81,8 +89,14 @@ def build_stage(
     names: Sequence[str],
     optimizer: optax.GradientTransformation,
     plan_shapes: dict[str, tuple],
+    pins: Mapping[ValueId, list[SpecEntry]] | None = None,
 ) -> StageRuntime:
-    """Compile-ready executables of stage ``index`` (jitted lazily, on first call)."""
+    """Compile-ready executables of stage ``index`` (jitted lazily, on first call).
+
+    ``pins`` (value id -> sharding, from :func:`~.pinning.stage_pins`) are the op
+    outputs the forward constrains to the ILP's choice; a sharding that does not fit
+    this stage's mesh (the trainer's stage cut moved the op) is left to GSPMD.
+    """
     program = split.stages[index]
     avals = split.avals
     param_avals = [avals[split.param_ids[k]] for k in program.params]
@@ -118,7 +132,12 @@ def build_stage(
     output_sharding = activation_shardings(program.outputs, plan_stage.output_shardings)
     diff_in = tuple(i for i, v in enumerate(program.inputs) if is_differentiable(avals[v]))
     diff_out = tuple(i for i, v in enumerate(program.outputs) if is_differentiable(avals[v]))
-    run = stage_function(split, program)
+    constraints = {}
+    for vid, entries in (pins or {}).items():
+        spec = partition_spec(entries)
+        if fits(spec, avals[vid].shape, mesh):
+            constraints[vid] = NamedSharding(mesh, spec)
+    run = stage_function(split, program, constraints)
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def forward(params: list[Any], batch: list[Any], inputs: list[Any]) -> tuple[Any, Any, Any]:

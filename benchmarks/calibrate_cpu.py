@@ -1,0 +1,192 @@
+"""Calibrate the planner's ``cpu`` preset from micro-benchmarks on this machine.
+
+The ``cpu`` preset describes XLA's forced host devices: K devices that share one
+host's cores and memory. So the preset stores the *host's* rates and is marked
+``shared_host``; :func:`alpajob.planner.cluster.cluster_from_preset` gives each of a
+node's devices its 1/K share (every device of a plan is busy at once in steady
+state, so that share is what each gets).
+
+What is measured, with all K local devices busy at once (one ``shard_map`` over all
+of them, every device running the same kernel on its own data):
+
+- **matmul**: float32 and bfloat16 ``dot`` at the shapes a transformer layer uses;
+  the best aggregate rate is the host's peak FLOP/s, the median over shapes divided
+  by it is ``matmul_efficiency``;
+- **vector arithmetic**: a chain of transcendental ops (``exp``, ``tanh``): its FLOP
+  rate over the peak is ``vector_flops_fraction``;
+- **memory**: a streaming elementwise op on arrays far larger than cache: bytes read
+  and written per second is ``memory_bandwidth`` (``memory_efficiency`` 1);
+- **collectives**: all-reduce and all-gather over 2, 4 and K devices at 64 KiB to
+  4 MiB; a least-squares fit of the cost model's alpha-beta forms
+  (all-reduce ``alpha + 2 beta (n-1)/n B``, all-gather ``alpha + beta (n-1)/n B``)
+  gives ``intra_node_latency`` (alpha) and ``intra_node_bandwidth`` (1/beta), with
+  ``comm_bandwidth_efficiency`` 1 and no extra collective overhead.
+
+    python benchmarks/calibrate_cpu.py            # print the fitted values
+    python benchmarks/calibrate_cpu.py --write    # and store them in planner/data/
+
+Each measurement is the median of several timed runs after a warm-up (compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+DATA = Path(__file__).resolve().parent.parent / "planner" / "data"
+
+
+def _median_seconds(fn: Any, *args: Any, reps: int = 7) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure() -> dict[str, Any]:
+    """Run every micro-benchmark; returns raw rates and the fitted constants."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = jax.devices()
+    k = len(devices)
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def per_device(fn: Any, *shapes: tuple[tuple[int, ...], Any]) -> float:
+        """Seconds for every device to run ``fn`` on its own arrays of ``shapes``."""
+        specs = tuple(P("d") for _ in shapes)
+        mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("d")))
+        args = [
+            jax.device_put(jnp.ones((k * s[0], *s[1:]), dtype), NamedSharding(mesh, P("d")))
+            for s, dtype in shapes
+        ]
+        return _median_seconds(mapped, *args)
+
+    matmul: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    shapes = [(512, 256, 1024), (512, 1024, 256), (1024, 1024, 1024), (2048, 512, 512)]
+    for dtype_name, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+        for m, kk, n in shapes:
+            seconds = per_device(lambda a, b: a @ b[0], ((m, kk), dtype), ((1, kk, n), dtype))
+            matmul[dtype_name].append(k * 2 * m * kk * n / seconds)
+    peak = {name: max(rates) for name, rates in matmul.items()}
+    matmul_efficiency = statistics.median(matmul["float32"]) / peak["float32"]
+
+    elements = 1 << 20
+    vector_seconds = per_device(lambda x: jnp.tanh(jnp.exp(-x * x) + x), ((elements,), jnp.float32))
+    vector_rate = k * 5 * elements / vector_seconds  # mul, neg, exp, add, tanh
+    stream = 1 << 23  # 32 MiB per device: far beyond any cache
+    stream_seconds = per_device(lambda x: x * 2.0 + 1.0, ((stream,), jnp.float32))
+    memory_bandwidth = k * 2 * 4 * stream / stream_seconds
+
+    samples = []  # (factor * (n-1)/n * bytes, seconds)
+    for n in sorted({2, 4, k}):
+        if n > k:
+            continue
+        sub = Mesh(np.array(devices[:n]), ("d",))
+        for nbytes in (1 << 16, 1 << 20, 1 << 22):
+            shard = nbytes // 4 // n
+            x = jax.device_put(jnp.ones((n * shard,), jnp.float32), NamedSharding(sub, P("d")))
+            reduce = jax.jit(jax.shard_map(
+                lambda v, n=n: jax.lax.psum(jnp.tile(v, n), "d"), mesh=sub, in_specs=P("d"), out_specs=P("d")))
+            gather = jax.jit(jax.shard_map(
+                lambda v: jax.lax.all_gather(v, "d", tiled=True), mesh=sub, in_specs=P("d"), out_specs=P("d")))
+            samples.append((2 * (n - 1) / n * nbytes, _median_seconds(reduce, x), "all-reduce", n, nbytes))
+            samples.append(((n - 1) / n * nbytes, _median_seconds(gather, x), "all-gather", n, nbytes))
+    # least squares t = alpha + beta * x, both non-negative
+    xs = np.array([s[0] for s in samples])
+    ts = np.array([s[1] for s in samples])
+    design = np.stack([np.ones_like(xs), xs], axis=1)
+    # relative error matters (small collectives are as common as big ones): weight 1/t
+    weights = 1.0 / ts
+    alpha, beta = np.linalg.lstsq(design * weights[:, None], ts * weights, rcond=None)[0]
+    alpha, beta = max(float(alpha), 1e-6), max(float(beta), 1e-12)
+    fit_errors = [(alpha + beta * x - t) / t for x, t, *_ in samples]
+
+    return {
+        "devices": k,
+        "matmul_flops": {name: [round(r / 1e9, 1) for r in rates] for name, rates in matmul.items()},
+        "vector_flops": vector_rate,
+        "memory_bandwidth": memory_bandwidth,
+        "collectives": [
+            {"op": op, "devices": n, "bytes": nbytes, "ms": round(t * 1e3, 3)}
+            for _x, t, op, n, nbytes in samples
+        ],
+        "collective_fit_error": [round(e, 3) for e in fit_errors],
+        "preset": {
+            "peak_flops": {
+                "float32": round(peak["float32"], -6),
+                "bfloat16": round(peak["bfloat16"], -6),
+                "float16": round(peak["bfloat16"], -6),
+            },
+            "memory_bandwidth": round(memory_bandwidth, -6),
+            "intra_node_bandwidth": round(1.0 / beta, -6),
+            "intra_node_latency": float(f"{alpha:.3g}"),
+        },
+        "calibration": {
+            "matmul_efficiency": round(matmul_efficiency, 3),
+            "vector_flops_fraction": round(min(1.0, vector_rate / peak["float32"]), 4),
+            "memory_efficiency": 1.0,
+            "comm_bandwidth_efficiency": 1.0,
+            "collective_overhead_seconds": 0.0,
+        },
+    }
+
+
+def _number(value: Any) -> str:
+    return format(value, ".4g") if isinstance(value, float) else json.dumps(value)
+
+
+def _entry(entry: dict[str, Any]) -> str:
+    """One preset entry in the files' style: a field per line, dicts on one line."""
+    lines = []
+    for key, value in entry.items():
+        if isinstance(value, dict):
+            text = "{" + ", ".join(f"{json.dumps(k)}: {_number(v)}" for k, v in value.items()) + "}"
+        else:
+            text = _number(value)
+        lines.append(f"    {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(lines) + "\n  }"
+
+
+def write(result: dict[str, Any]) -> None:
+    """Replace the ``cpu`` entries of planner/data/presets.json and calibration.json
+    (the other presets' text is left as it is)."""
+    for name, key in (("presets.json", "preset"), ("calibration.json", "calibration")):
+        path = DATA / name
+        text = path.read_text()
+        entry = json.loads(text)["cpu"]
+        entry.update(result[key])
+        start = text.index('"cpu": {') + len('"cpu": ')
+        end = text.index("\n  }", start) + len("\n  }")
+        path.write_text(text[:start] + _entry(entry) + text[end:])
+        json.loads(path.read_text())  # still valid
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true", help="store the fit in planner/data/")
+    args = parser.parse_args()
+    result = measure()
+    print(json.dumps(result, indent=1))
+    if args.write:
+        write(result)
+        print(f"written to {DATA}/presets.json and calibration.json ('cpu' entries)")
+
+
+if __name__ == "__main__":
+    main()
