@@ -12,8 +12,9 @@ of them, every device running the same kernel on its own data):
 - **matmul**: float32 and bfloat16 ``dot`` at the shapes a transformer layer uses;
   the best aggregate rate is the host's peak FLOP/s, the median over shapes divided
   by it is ``matmul_efficiency``;
-- **vector arithmetic**: a chain of transcendental ops (``exp``, ``tanh``): its FLOP
-  rate over the peak is ``vector_flops_fraction``;
+- **vector arithmetic**: an Adam-like update chain (multiply, add, square root,
+  divide: most of a step's non-matmul ops are the optimizer's) on cache-sized
+  arrays: its FLOP rate over the peak is ``vector_flops_fraction``;
 - **memory**: a streaming elementwise op on arrays far larger than cache: bytes read
   and written per second is ``memory_bandwidth`` (``memory_efficiency`` 1);
 - **collectives**: all-reduce and all-gather over 2, 4 and K devices at 64 KiB to
@@ -86,9 +87,15 @@ def measure() -> dict[str, Any]:
     peak = {name: max(rates) for name, rates in matmul.items()}
     matmul_efficiency = statistics.median(matmul["float32"]) / peak["float32"]
 
-    elements = 1 << 20
-    vector_seconds = per_device(lambda x: jnp.tanh(jnp.exp(-x * x) + x), ((elements,), jnp.float32))
-    vector_rate = k * 5 * elements / vector_seconds  # mul, neg, exp, add, tanh
+    elements = 1 << 18  # 1 MiB per array per device: arithmetic, not memory, bound
+
+    def adam_like(p: Any, g: Any, m: Any, v: Any) -> Any:  # 14 FLOPs per element
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        return p - 0.001 * (m / 0.1) / (jnp.sqrt(v / 0.001) + 1e-8) + 0.0 * m * v
+
+    vector_seconds = per_device(adam_like, *[((elements,), jnp.float32)] * 4)
+    vector_rate = k * 14 * elements / vector_seconds
     stream = 1 << 23  # 32 MiB per device: far beyond any cache
     stream_seconds = per_device(lambda x: x * 2.0 + 1.0, ((stream,), jnp.float32))
     memory_bandwidth = k * 2 * 4 * stream / stream_seconds
