@@ -92,7 +92,7 @@ def measure() -> dict[str, Any]:
     def adam_like(p: Any, g: Any, m: Any, v: Any) -> Any:  # 14 FLOPs per element
         m = 0.9 * m + 0.1 * g
         v = 0.999 * v + 0.001 * g * g
-        return p - 0.001 * (m / 0.1) / (jnp.sqrt(v / 0.001) + 1e-8) + 0.0 * m * v
+        return p - 0.001 * (m / 0.1) / (jnp.sqrt(v / 0.001) + 1e-8)
 
     vector_seconds = per_device(adam_like, *[((elements,), jnp.float32)] * 4)
     vector_rate = k * 14 * elements / vector_seconds

@@ -147,7 +147,7 @@ class PipelineExecutor:
     def _stage_program(self, s: int, micro: list[list[np.ndarray]], boxes: list[Mailbox], losses: list[Any]) -> StageTimes:
         split, stage = self.split, self.stages[s]
         program = split.stages[s]
-        by_stage = {st.index: st for st in self.stages}
+        by_stage = self.stages  # built in index order: stage i is self.stages[i]
         begin = time.perf_counter()
         comm = compute = 0.0
         fwd_times: list[float] = []
