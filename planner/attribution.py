@@ -76,21 +76,24 @@ def anchors(
     owner: dict[int, int],
     params: Sequence[int],
     grads: Sequence[int],
+    constants: frozenset[int] = frozenset(),
 ) -> list[int]:
     """Attribute every op to a forward op (the rules are in the module docstring).
 
     ``owner`` maps each parameter, and each optimizer-state leaf that belongs to one
-    parameter (Adam's moments), to that parameter's tensor id.
+    parameter (Adam's moments), to that parameter's tensor id; ``constants`` are the
+    captured constants (tensors that are neither produced by an op nor step inputs).
     """
     n = len(ops)
     forward_ids = [i for i in range(n) if phases[i] is Phase.FORWARD]
     last_forward = forward_ids[-1] if forward_ids else 0
     param_set = set(params)
-    first_use: dict[int, int] = {}
+    uses: dict[int, list[int]] = {}  # parameter -> the forward ops reading it, in order
     for i in forward_ids:
         for t in ops[i].inputs:
             if t in param_set:
-                first_use.setdefault(t, i)
+                uses.setdefault(t, []).append(i)
+    first_use = {t: found[0] for t, found in uses.items()}
 
     # The one parameter whose gradient a backward op exclusively feeds (-1 none, -2 many).
     grad_of = {g: k for k, g in enumerate(grads)}
@@ -114,17 +117,28 @@ def anchors(
     anchor = [last_forward] * n
     primal = [False] * n  # computed from forward values only (a residual)
     reach = [math.inf] * n  # update ops: min first use of params read (transitively)
+    free = [False] * n  # a backward/update op computed from constants only (re-anchored below)
     for i, op in enumerate(ops):
         phase = phases[i]
         producers = [producer[t] for t in op.inputs if t in producer]
+        free[i] = phase is not Phase.FORWARD and all(
+            t in constants or (t in producer and free[producer[t]]) for t in op.inputs
+        )
         if phase is Phase.FORWARD:
             anchor[i] = i
             primal[i] = True
         elif phase is Phase.BACKWARD:
             primal[i] = bool(producers) and all(primal[j] for j in producers)
-            residual = [anchor[j] for j in producers if primal[j]]
-            upstream = [anchor[j] for j in producers if not primal[j]]
-            anchor[i] = max(residual) if residual else min(upstream, default=last_forward)
+            upstream = [anchor[j] for j in producers if not (primal[j] or free[j])]
+            bound = min(upstream, default=last_forward)
+            # A parameter read directly (``dy @ W.T``) stands for the latest forward op
+            # that read it before the gradient arrived: the op this one differentiates.
+            mirrored = [
+                max((u for u in uses[t] if u <= bound), default=uses[t][0])
+                for t in op.inputs if t in uses
+            ]
+            residual = [anchor[j] for j in producers if primal[j]] + mirrored
+            anchor[i] = max(residual) if residual else bound
             if target[i] >= 0:
                 use = first_use.get(params[target[i]])
                 if use is not None:
@@ -139,4 +153,8 @@ def anchors(
                 anchor[i] = int(reach[i])
             elif producers:
                 anchor[i] = min(anchor[j] for j in producers)
+    for i in range(n - 1, -1, -1):
+        if free[i]:
+            users = [anchor[c] for t in ops[i].outputs for c in consumers.get(t, ())]
+            anchor[i] = min(users, default=last_forward)
     return anchor

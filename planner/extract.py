@@ -39,7 +39,11 @@ optimizer state (ops that feed no output: see :func:`alpajob.planner.attribution
   connection's skip path (anchored one layer later) to the gradient coming out of the
   layer belongs to the earlier layer, and taking the largest would drag every
   residual-free op of the backward pass (bias gradients, the stream itself) into the
-  last layer;
+  last layer; a parameter the op reads directly (``dy @ W.T``) counts as a residual
+  anchored at the latest forward op that read it no later than that smallest anchor
+  (the op being differentiated: for a tied embedding, the LM head's matmul rather
+  than the lookup), so the gradient of an MLP's hidden layer is computed in the MLP's
+  layer instead of being shipped there across a pipeline cut;
   a backward op whose results only feed one parameter's gradient (``x^T @ dy`` for a
   weight ``W``) is moved no earlier than ``W``'s first forward consumer, since the
   residual ``x`` usually comes from the previous layer;
@@ -48,7 +52,12 @@ optimizer state (ops that feed no output: see :func:`alpajob.planner.attribution
   state leaf that mirrors a parameter (Adam's ``mu``/``nu`` for ``p``: same path suffix
   and shape) counts as reading that parameter; with none, the smallest anchor of its
   producers;
-- anything left (e.g. Adam's step counter): the last forward op.
+- a backward or update op computed from constants only (the zeros that the
+  backward of ``jnp.where`` broadcasts, a mask built from ``iota``): the smallest
+  anchor of its consumers, so that it is built in the stage that uses it instead
+  of being shipped there (a causal mask's [b, heads, s, s] zeros would otherwise
+  land in the last layer and cross every pipeline cut);
+- anything left: the last forward op.
 
 **Batch dimension**: the step is traced at ``b`` and ``2b``; both traces must flatten to
 the same ops. A tensor whose shapes differ in exactly one dimension, by a factor 2,
@@ -400,7 +409,8 @@ def extract_graph(
     owner = _owners(flat.shapes, names, opt_state, n_params)
     producer = {t: i for i, op in enumerate(flat.ops) for t in op.outputs}
     op_phases = phases(flat.ops, producer, loss_id, grads, outputs[1 + n_params :])
-    op_anchors = anchors(flat.ops, op_phases, producer, owner, param_ids, grads)
+    constants = frozenset(t for t, role in enumerate(flat.roles) if role is TensorRole.CONSTANT)
+    op_anchors = anchors(flat.ops, op_phases, producer, owner, param_ids, grads, constants)
 
     tensors = tuple(
         Tensor(t, flat.shapes[t], flat.dtypes[t], flat.roles[t], batch_dims[t])

@@ -166,6 +166,53 @@ def test_anchors_point_at_forward_ops(gpt_graph):
             assert op.anchor == op.id
 
 
+def test_backward_constants_are_anchored_with_their_consumers(gpt_graph):
+    """The zeros that the backward of ``jnp.where`` broadcasts (the causal mask) are
+    built from nothing: they belong to the layer that uses them, not to the loss."""
+    producer = gpt_graph.producers()
+    consumers: dict[int, list[int]] = {}
+    for op in gpt_graph.ops:
+        for t in op.inputs:
+            consumers.setdefault(t, []).append(op.id)
+    big = [
+        op for op in gpt_graph.ops
+        if op.phase is Phase.BACKWARD and op.outputs
+        and not any(t in producer for t in op.inputs)
+        and len(gpt_graph.tensor(op.outputs[0]).shape) == 4  # [b, heads, s, s]
+    ]
+    assert big, "the causal attention's backward should broadcast [b, h, s, s] zeros"
+    for op in big:
+        users = [gpt_graph.ops[c].anchor for t in op.outputs for c in consumers[t]]
+        assert op.anchor == min(users)
+
+
+def test_gpt_pipeline_cuts_carry_one_activation_each_way():
+    """Between two transformer layers only the residual stream crosses (forward) and
+    its gradient (backward), plus the tied embedding's gradient: nothing proportional
+    to the attention scores."""
+    from alpajob.planner.clustering import cluster_layers
+    from alpajob.planner.cluster import cluster_from_preset
+    from alpajob.planner.cost_model import load_calibration
+    from alpajob.planner.inter_op import CostContext
+    from alpajob.planner.intra_op import ShardingMode
+    from alpajob.planner.schedules import Schedule
+
+    model = resolve_model("gpt", {"hidden": 64, "layers": 4, "heads": 4, "seqLen": 128,
+                                  "vocab": 256})
+    graph = extract_model(model, 8)
+    layers = cluster_layers(graph, 4)
+    cluster = cluster_from_preset("cpu", 1, 8)
+    context = CostContext(graph=graph, layers=layers, cluster=cluster,
+                          calibration=load_calibration("cpu"), schedule=Schedule.ONE_F_ONE_B,
+                          memory_budget=cluster.device.memory_bytes, time_limit_s=10)
+    boundary = context.coster(1, ShardingMode.AUTO).boundary_bytes()
+    stream = 8 * 128 * 64 * 4  # [b, s, h] float32
+    embedding = 256 * 64 * 4
+    scores = 8 * 4 * 128 * 128 * 4
+    for cut in range(1, 4):
+        assert boundary[cut] < 3 * stream + 2 * embedding < scores, (cut, boundary)
+
+
 def test_batch_dims(gpt_graph):
     for t in gpt_graph.batch:
         assert gpt_graph.tensor(t).batch_dim == 0
