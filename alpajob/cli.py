@@ -9,6 +9,8 @@ Subcommands:
   train ``--steps`` steps on synthetic data, with a progress bar and a summary of
   measured against predicted step time; ``--method serial`` runs the same job on one
   device.
+- ``alpajob ray-head`` / ``mesh-worker`` / ``driver``: the distributed runtime's
+  processes inside a job's Ray cluster (:mod:`alpajob.cli_ray`).
 - ``alpajob models``: the zoo's named configurations.
 - ``alpajob schema``: the Plan document's JSON schema.
 
@@ -37,6 +39,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from alpajob.cli_ray import add_parsers as add_ray_parsers
+from alpajob.cli_ray import dispatch as dispatch_ray
 from alpajob.planner.cluster import ClusterSpec, cluster_from_preset, preset_names
 from alpajob.planner.errors import AlpaJobError, ClusterError, ManifestError
 from alpajob.planner.manifest import AlpaJobManifest, Method, load_manifest
@@ -77,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     run.add_argument("--ilp-time-limit", type=float, default=10.0,
                      help="seconds allowed to each intra-op ILP solve (default 10)")
+    add_ray_parsers(sub)
     sub.add_parser("models", help="list the zoo's named model configurations")
     sub.add_parser("schema", help="print the Plan document's JSON schema")
     return parser
@@ -333,6 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_run(args, out, err)
         if args.command == "models":
             return cmd_models(out)
+        done = dispatch_ray(args, out)
+        if done is not None:
+            return done
         if args.command == "schema":
             print(json.dumps(plan_json_schema(), indent=2))
             return 0

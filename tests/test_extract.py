@@ -190,8 +190,8 @@ def test_gpt_pipeline_cuts_carry_one_activation_each_way():
     """Between two transformer layers only the residual stream crosses (forward) and
     its gradient (backward), plus the tied embedding's gradient: nothing proportional
     to the attention scores."""
-    from alpajob.planner.clustering import cluster_layers
     from alpajob.planner.cluster import cluster_from_preset
+    from alpajob.planner.clustering import cluster_layers
     from alpajob.planner.cost_model import load_calibration
     from alpajob.planner.inter_op import CostContext
     from alpajob.planner.intra_op import ShardingMode

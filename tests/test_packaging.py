@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 PACKAGES = ["alpajob", "alpajob.planner", "alpajob.operator", "alpajob.trainer",
-            "alpajob.trainer.zoo", "alpajob.cli"]
+            "alpajob.trainer.zoo", "alpajob.trainer.runtime", "alpajob.trainer.distributed",
+            "alpajob.cli"]
 CHECK = (
     "import importlib, operator; "
     f"[importlib.import_module(p) for p in {PACKAGES!r}]; "

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from alpajob.planner.extract import path_name
 from alpajob.planner.plan import Plan
@@ -22,8 +23,8 @@ from alpajob.planner.schedules import Schedule
 from alpajob.trainer.runtime.executor import PipelineExecutor
 from alpajob.trainer.runtime.meshes import stage_mesh
 from alpajob.trainer.runtime.pinning import stage_pins
-from alpajob.trainer.runtime.split import split_loss
-from alpajob.trainer.runtime.stage import build_stage
+from alpajob.trainer.runtime.split import SplitProgram, split_loss
+from alpajob.trainer.runtime.stage import StageRuntime, build_stage
 
 
 def param_names(params: Any) -> list[str]:
@@ -41,6 +42,37 @@ def param_stages(plan: Plan, names: Sequence[str]) -> list[int]:
     return [first.get(name, 0) for name in names]
 
 
+def split_for_plan(plan: Plan, loss: Any, params: Any, batch_shapes: Any) -> tuple[SplitProgram, list[str]]:
+    """The loss traced at the plan's micro-batch size and cut into its stages, and the
+    parameter leaves' names."""
+    names = param_names(params)
+    micro = plan.global_batch_size // plan.num_micro_batches
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    split = split_loss(loss, abstract, batch_shapes(micro), param_stages(plan, names), len(plan.stages))
+    return split, names
+
+
+def place_stage(
+    plan: Plan,
+    split: SplitProgram,
+    names: Sequence[str],
+    index: int,
+    mesh: Mesh,
+    leaves: Sequence[Any],
+    optimizer: optax.GradientTransformation,
+) -> StageRuntime:
+    """Stage ``index``'s runtime on ``mesh``, holding its own parameters (from the
+    full list of initial ``leaves``) and fresh optimizer state."""
+    plan_shapes = {str(task.tensor): tuple(task.shape) for task in plan.resharding}
+    pins = stage_pins(split, plan.stages)[index]
+    stage = build_stage(split, index, plan.stages[index], mesh, names, optimizer, plan_shapes, pins)
+    for leaf in split.stages[index].params:
+        if split.home[leaf] == index:
+            stage.params[names[leaf]] = jax.device_put(np.array(leaves[leaf]), stage.param_sharding[leaf])
+    stage.opt_state = stage.init_opt(stage.params)
+    return stage
+
+
 def build_pipeline(
     plan: Plan,
     loss: Any,
@@ -54,20 +86,10 @@ def build_pipeline(
     ``batch_shapes(b)`` gives the abstract batch at batch size ``b``; the loss is traced
     at the micro-batch size ``global_batch_size / num_micro_batches``.
     """
-    names = param_names(params)
-    micro = plan.global_batch_size // plan.num_micro_batches
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    split = split_loss(loss, abstract, batch_shapes(micro), param_stages(plan, names), len(plan.stages))
-    plan_shapes = {str(task.tensor): tuple(task.shape) for task in plan.resharding}
+    split, names = split_for_plan(plan, loss, params, batch_shapes)
     leaves = jax.tree.leaves(params)
-    pins = stage_pins(split, plan.stages)
-    stages = []
-    for index, plan_stage in enumerate(plan.stages):
-        mesh = stage_mesh(plan_stage, plan, devices)
-        stage = build_stage(split, index, plan_stage, mesh, names, optimizer, plan_shapes, pins[index])
-        for leaf in split.stages[index].params:
-            if split.home[leaf] == index:
-                stage.params[names[leaf]] = jax.device_put(np.array(leaves[leaf]), stage.param_sharding[leaf])
-        stage.opt_state = stage.init_opt(stage.params)
-        stages.append(stage)
+    stages = [
+        place_stage(plan, split, names, index, stage_mesh(plan_stage, plan, devices), leaves, optimizer)
+        for index, plan_stage in enumerate(plan.stages)
+    ]
     return PipelineExecutor(split, stages, Schedule(plan.schedule), plan.num_micro_batches)

@@ -32,16 +32,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import reduce
 from operator import add
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from alpajob.planner.schedules import Direction, Schedule, instruction_list
 from alpajob.trainer.runtime.split import SplitProgram
 from alpajob.trainer.runtime.stage import StageRuntime
 from alpajob.trainer.runtime.transport import move
+
+#: A message's address inside a stage (see :func:`destination_sharding`).
+Key = tuple[Any, ...]
 
 
 class Mailbox:
@@ -57,11 +61,15 @@ class Mailbox:
             self._items[key] = value
             self._ready.notify_all()
 
-    def get(self, key: Any) -> Any:
+    def get(self, key: Any, timeout: float | None = None) -> Any:
+        """The value under ``key``, removed; waits for it (at most ``timeout`` seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._ready:
             while key not in self._items:
                 if self._abort.is_set():
                     raise RuntimeError("another stage failed")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no message {key!r} within {timeout} s")
                 self._ready.wait(timeout=0.5)
             return self._items.pop(key)
 
@@ -96,8 +104,162 @@ def split_micro_batches(batch: Sequence[np.ndarray], num_micro_batches: int) -> 
     return [[leaf[j * step : (j + 1) * step] for leaf in batch] for j in range(num_micro_batches)]
 
 
+def destination_sharding(split: SplitProgram, stage: StageRuntime, key: Key) -> Any:
+    """The sharding a value addressed to ``stage`` under ``key`` must arrive in.
+
+    Keys: ``("param", leaf)`` a shared parameter; ``("act", j, vid)`` micro-batch
+    ``j``'s activation ``vid``; ``("grad", j, vid, reader)`` the gradient of ``vid``
+    coming back from stage ``reader``; ``("shared", leaf, reader)`` a reader's
+    gradient sum of a shared parameter, going home.
+    """
+    kind = key[0]
+    program = split.stages[stage.index]
+    if kind == "param":
+        return stage.param_sharding[key[1]]
+    if kind == "act":
+        return stage.input_sharding[program.inputs.index(key[2])]
+    if kind == "grad":
+        return stage.output_sharding[program.outputs.index(key[2])]
+    if kind == "shared":
+        return stage.acc_sharding[key[1]]
+    raise ValueError(f"unknown message kind {kind!r}")
+
+
+class StageLink(Protocol):
+    """How a stage exchanges values with the others (local threads, Ray actors)."""
+
+    def send(self, stage: int, key: Key, value: jax.Array) -> None:
+        """Deliver ``value`` to ``stage`` under ``key``, resharded for it."""
+
+    def receive(self, key: Key) -> jax.Array:
+        """Wait for the value addressed to this stage under ``key``."""
+
+
+class LocalLink:
+    """Stages of one process: :func:`.transport.move` onto the reader, then its mailbox."""
+
+    def __init__(self, split: SplitProgram, stages: Sequence[StageRuntime], boxes: Sequence[Mailbox], index: int) -> None:
+        self.split, self.stages, self.boxes, self.index = split, stages, boxes, index
+
+    def send(self, stage: int, key: Key, value: jax.Array) -> None:
+        target = destination_sharding(self.split, self.stages[stage], key)
+        self.boxes[stage].put(key, move(value, target))
+
+    def receive(self, key: Key) -> jax.Array:
+        return self.boxes[self.index].get(key)
+
+
+def run_stage_program(
+    split: SplitProgram,
+    stage: StageRuntime,
+    schedule: Schedule,
+    num_stages: int,
+    micro: list[list[np.ndarray]],
+    link: StageLink,
+    loss_seed: jax.Array | None,
+) -> tuple[StageTimes, list[Any]]:
+    """One step of stage ``stage.index`` (see the module docstring); returns its times
+    and, on the stage that computes the loss, the loss of every micro-batch."""
+    s = stage.index
+    program = split.stages[s]
+    num_micro_batches = len(micro)
+    shared = split.shared_params()
+    losses: list[Any] = [None] * num_micro_batches
+    begin = time.perf_counter()
+    comm = compute = 0.0
+    fwd_times: list[float] = []
+    bwd_times: list[float] = []
+
+    # Shared parameters out; our own and the received ones in.
+    t0 = time.perf_counter()
+    for leaf, readers in shared.items():
+        if split.home[leaf] == s:
+            for r in readers:
+                link.send(r, ("param", leaf), stage.params[stage.leaf_names[leaf]])
+    comm += time.perf_counter() - t0
+    params = []
+    for leaf in program.params:
+        if split.home[leaf] == s:
+            params.append(stage.params[stage.leaf_names[leaf]])
+        else:
+            params.append(link.receive(("param", leaf)))
+    acc = stage.zeros()
+    saved: dict[int, Any] = {}
+
+    for direction, j in instruction_list(schedule, s, num_stages, num_micro_batches):
+        if direction is Direction.FORWARD:
+            t0 = time.perf_counter()
+            leaves = [jax.device_put(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
+            comm += time.perf_counter() - t0
+            inputs = [link.receive(("act", j, vid)) for vid in program.inputs]
+            t0 = time.perf_counter()
+            outs, loss, vjp = stage.forward(params, leaves, inputs)
+            jax.block_until_ready((outs, loss, vjp))
+            fwd_times.append(time.perf_counter() - t0)
+            saved[j] = vjp
+            if loss is not None:
+                losses[j] = loss
+            t0 = time.perf_counter()
+            for vid, value in zip(program.outputs, outs, strict=True):
+                for r in split.consumers[vid]:
+                    link.send(r, ("act", j, vid), value)
+            comm += time.perf_counter() - t0
+        else:
+            cotangents = []
+            for pos in stage.diff_outputs:
+                vid = program.outputs[pos]
+                parts = [link.receive(("grad", j, vid, r)) for r in split.consumers[vid]]
+                cotangents.append(reduce(add, parts))
+            if program.returns_loss:
+                cotangents.append(loss_seed)
+            t0 = time.perf_counter()
+            acc, grads = stage.backward(saved.pop(j), cotangents, acc)
+            jax.block_until_ready((acc, grads))
+            bwd_times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for pos, grad in zip(stage.diff_inputs, grads, strict=True):
+                vid = program.inputs[pos]
+                link.send(split.producer[vid], ("grad", j, vid, s), grad)
+            comm += time.perf_counter() - t0
+    compute += sum(fwd_times) + sum(bwd_times)
+
+    # Shared parameters' gradients home, then the update.
+    grads = dict(zip(program.params, acc, strict=True))
+    t0 = time.perf_counter()
+    for leaf in program.params:
+        home = split.home[leaf]
+        if home != s:
+            link.send(home, ("shared", leaf, s), grads.pop(leaf))
+    comm += time.perf_counter() - t0
+    for leaf, readers in shared.items():
+        if split.home[leaf] == s:
+            for r in readers:
+                grads[leaf] = grads[leaf] + link.receive(("shared", leaf, r))
+    t0 = time.perf_counter()
+    named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
+    stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named_grads)
+    jax.block_until_ready((stage.params, stage.opt_state))
+    update = time.perf_counter() - t0
+    compute += update
+    wall = time.perf_counter() - begin
+    times = StageTimes(
+        compute=compute,
+        communication=comm,
+        idle=max(0.0, wall - compute - comm),
+        forward=tuple(fwd_times),
+        backward=tuple(bwd_times),
+        update=update,
+    )
+    return times, losses
+
+
+def loss_seed(num_micro_batches: int, mesh: Any) -> jax.Array:
+    """The cotangent the last stage seeds each micro-batch's loss with: ``1 / m``."""
+    return jax.device_put(jnp.float32(1.0 / num_micro_batches), NamedSharding(mesh, PartitionSpec()))
+
+
 class PipelineExecutor:
-    """Runs steps of a split program over its stage runtimes."""
+    """Runs steps of a split program over its stage runtimes, one thread per stage."""
 
     def __init__(
         self,
@@ -107,134 +269,36 @@ class PipelineExecutor:
         num_micro_batches: int,
     ) -> None:
         self.split = split
-        self.stages = list(stages)
+        self.stages = list(stages)  # stage i is self.stages[i]
         self.schedule = schedule
         self.num_micro_batches = num_micro_batches
-        self.shared = split.shared_params()
-        last = self.stages[-1]
-        self._loss_seed = jax.device_put(
-            jnp.float32(1.0 / num_micro_batches), jax.sharding.NamedSharding(last.mesh, jax.sharding.PartitionSpec())
-        )
+        self._loss_seed = loss_seed(num_micro_batches, self.stages[-1].mesh)
 
     def step(self, batch: Sequence[np.ndarray]) -> StepResult:
         """One training step on the host ``batch`` (flattened leaves, global batch)."""
         micro = split_micro_batches(batch, self.num_micro_batches)
         abort = threading.Event()
         boxes = [Mailbox(abort) for _ in self.stages]
-        losses: list[Any] = [None] * self.num_micro_batches
         start = time.perf_counter()
         with ThreadPoolExecutor(len(self.stages), thread_name_prefix="stage") as pool:
             futures = [
-                pool.submit(self._run_stage, s, micro, boxes, losses, abort)
+                pool.submit(self._run_stage, s, micro, boxes, abort)
                 for s in range(len(self.stages))
             ]
             try:
-                times = [f.result() for f in futures]
+                results = [f.result() for f in futures]
             except BaseException:
                 abort.set()
                 raise
         seconds = time.perf_counter() - start
+        losses = [x for _, stage_losses in results for x in stage_losses if x is not None]
         loss = float(np.mean([float(x) for x in losses]))
-        return StepResult(loss, seconds, tuple(times))
+        return StepResult(loss, seconds, tuple(times for times, _ in results))
 
-    def _run_stage(self, s: int, micro: list[list[np.ndarray]], boxes: list[Mailbox], losses: list[Any], abort: threading.Event) -> StageTimes:
+    def _run_stage(self, s: int, micro: list[list[np.ndarray]], boxes: list[Mailbox], abort: threading.Event) -> tuple[StageTimes, list[Any]]:
         try:
-            return self._stage_program(s, micro, boxes, losses)
+            link = LocalLink(self.split, self.stages, boxes, s)
+            return run_stage_program(self.split, self.stages[s], self.schedule, len(self.stages), micro, link, self._loss_seed)
         except BaseException:
             abort.set()
             raise
-
-    def _stage_program(self, s: int, micro: list[list[np.ndarray]], boxes: list[Mailbox], losses: list[Any]) -> StageTimes:
-        split, stage = self.split, self.stages[s]
-        program = split.stages[s]
-        by_stage = self.stages  # built in index order: stage i is self.stages[i]
-        begin = time.perf_counter()
-        comm = compute = 0.0
-        fwd_times: list[float] = []
-        bwd_times: list[float] = []
-
-        # Shared parameters out; our own and the received ones in.
-        t0 = time.perf_counter()
-        for leaf, readers in self.shared.items():
-            if split.home[leaf] == s:
-                value = stage.params[stage.leaf_names[leaf]]
-                for r in readers:
-                    boxes[r].put(("param", leaf), move(value, by_stage[r].param_sharding[leaf]))
-        comm += time.perf_counter() - t0
-        params = []
-        for leaf in program.params:
-            if split.home[leaf] == s:
-                params.append(stage.params[stage.leaf_names[leaf]])
-            else:
-                params.append(boxes[s].get(("param", leaf)))
-        acc = stage.zeros()
-        saved: dict[int, Any] = {}
-
-        for direction, j in instruction_list(self.schedule, s, len(self.stages), self.num_micro_batches):
-            if direction is Direction.FORWARD:
-                t0 = time.perf_counter()
-                leaves = [jax.device_put(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
-                comm += time.perf_counter() - t0
-                inputs = [boxes[s].get(("act", j, vid)) for vid in program.inputs]
-                t0 = time.perf_counter()
-                outs, loss, vjp = stage.forward(params, leaves, inputs)
-                jax.block_until_ready((outs, loss, vjp))
-                fwd_times.append(time.perf_counter() - t0)
-                saved[j] = vjp
-                if loss is not None:
-                    losses[j] = loss
-                t0 = time.perf_counter()
-                for vid, value in zip(program.outputs, outs, strict=True):
-                    for r in split.consumers[vid]:
-                        reader = by_stage[r]
-                        pos = split.stages[r].inputs.index(vid)
-                        boxes[r].put(("act", j, vid), move(value, reader.input_sharding[pos]))
-                comm += time.perf_counter() - t0
-            else:
-                cotangents = []
-                for pos in stage.diff_outputs:
-                    vid = program.outputs[pos]
-                    parts = [boxes[s].get(("grad", j, vid, r)) for r in split.consumers[vid]]
-                    cotangents.append(reduce(add, parts))
-                if program.returns_loss:
-                    cotangents.append(self._loss_seed)
-                t0 = time.perf_counter()
-                acc, grads = stage.backward(saved.pop(j), cotangents, acc)
-                jax.block_until_ready((acc, grads))
-                bwd_times.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                for pos, grad in zip(stage.diff_inputs, grads, strict=True):
-                    vid = program.inputs[pos]
-                    src = by_stage[split.producer[vid]]
-                    out_pos = split.stages[src.index].outputs.index(vid)
-                    boxes[src.index].put(("grad", j, vid, s), move(grad, src.output_sharding[out_pos]))
-                comm += time.perf_counter() - t0
-        compute += sum(fwd_times) + sum(bwd_times)
-
-        # Shared parameters' gradients home, then the update.
-        grads = dict(zip(program.params, acc, strict=True))
-        t0 = time.perf_counter()
-        for leaf in program.params:
-            home = split.home[leaf]
-            if home != s:
-                boxes[home].put(("shared", leaf, s), move(grads.pop(leaf), by_stage[home].acc_sharding[leaf]))
-        comm += time.perf_counter() - t0
-        for leaf, readers in self.shared.items():
-            if split.home[leaf] == s:
-                for r in readers:
-                    grads[leaf] = grads[leaf] + boxes[s].get(("shared", leaf, r))
-        t0 = time.perf_counter()
-        named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
-        stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named_grads)
-        jax.block_until_ready((stage.params, stage.opt_state))
-        update = time.perf_counter() - t0
-        compute += update
-        wall = time.perf_counter() - begin
-        return StageTimes(
-            compute=compute,
-            communication=comm,
-            idle=max(0.0, wall - compute - comm),
-            forward=tuple(fwd_times),
-            backward=tuple(bwd_times),
-            update=update,
-        )

@@ -1,0 +1,121 @@
+"""The ``alpajob`` subcommands that the trainer image runs in a cluster.
+
+- ``alpajob ray-head``: start the job's Ray head (foreground, as a pod's main process);
+- ``alpajob mesh-worker``: join the job's Ray cluster as host ``--host`` of mesh
+  ``--mesh`` (foreground), offering the resource that pins that host's actor to it;
+- ``alpajob driver MANIFEST``: wait for every mesh host, then train the plan across
+  them (:mod:`alpajob.trainer.distributed.driver`).
+
+Every flag defaults to the environment variable the operator sets (listed in
+:mod:`alpajob.trainer.distributed.cluster`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from alpajob.planner.errors import ManifestError
+from alpajob.trainer.distributed import cluster as ray_cluster
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ManifestError(name, f"must be an integer, got {value!r}") from None
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ray-head, mesh-worker and driver on the subparsers ``sub``."""
+    head = sub.add_parser("ray-head", help="start the job's Ray head (foreground)")
+    head.add_argument("--port", type=int, help=f"GCS port (default ${ray_cluster.ENV_PORT} or 6379)")
+    head.add_argument("--temp-dir", help="Ray's session directory (default Ray's own)")
+    worker = sub.add_parser("mesh-worker", help="join the job's Ray cluster as one mesh host (foreground)")
+    worker.add_argument("--address", help=f"the head's host:port (default ${ray_cluster.ENV_ADDRESS})")
+    worker.add_argument("--mesh", type=int, help=f"mesh index (default ${ray_cluster.ENV_MESH})")
+    worker.add_argument("--host", type=int, help=f"host index in the mesh (default ${ray_cluster.ENV_HOST} or 0)")
+    worker.add_argument("--devices", type=int,
+                        help=f"on CPU: force this many host devices (default ${ray_cluster.ENV_DEVICES})")
+    driver = sub.add_parser("driver", help="train a plan across the mesh hosts of the job's Ray cluster")
+    driver.add_argument("manifest", help="AlpaJob YAML")
+    driver.add_argument("--plan", required=True, help="the Plan file (`alpajob plan --output`)")
+    driver.add_argument("--address", help=f"the head's host:port (default ${ray_cluster.ENV_ADDRESS})")
+    driver.add_argument("--steps", type=int, help="steps to train (default spec.training.steps)")
+    driver.add_argument("--seed", type=int, help="parameter and data seed (default spec.training.seed)")
+    driver.add_argument("--join-timeout", type=float,
+                        help=f"seconds to wait for every mesh host (default ${ray_cluster.ENV_JOIN_TIMEOUT} or 120)")
+    driver.add_argument("--metrics-out", help="write per-step losses and step seconds (JSON) here")
+
+
+def _address(args: argparse.Namespace) -> str:
+    address = args.address or os.environ.get(ray_cluster.ENV_ADDRESS)
+    if not address:
+        raise ManifestError("--address", f"give the Ray head's host:port (or set ${ray_cluster.ENV_ADDRESS})")
+    return address
+
+
+def cmd_ray_head(args: argparse.Namespace) -> int:
+    port = args.port or _env_int(ray_cluster.ENV_PORT) or 6379
+    command = ray_cluster.head_command(port, args.temp_dir, block=True)
+    return ray_cluster.run_command(command, ray_cluster.ray_env())
+
+
+def cmd_mesh_worker(args: argparse.Namespace) -> int:
+    mesh = args.mesh if args.mesh is not None else _env_int(ray_cluster.ENV_MESH)
+    if mesh is None or mesh < 0:
+        raise ManifestError("--mesh", f"give this worker's mesh index >= 0 (or set ${ray_cluster.ENV_MESH})")
+    host = args.host if args.host is not None else (_env_int(ray_cluster.ENV_HOST) or 0)
+    devices = args.devices if args.devices is not None else _env_int(ray_cluster.ENV_DEVICES)
+    if devices is not None and devices < 1:
+        raise ManifestError("--devices", f"must be at least 1, got {devices}")
+    command = ray_cluster.worker_command(_address(args), mesh, host, block=True)
+    return ray_cluster.run_command(command, ray_cluster.ray_env(devices))
+
+
+def cmd_driver(args: argparse.Namespace, out: Console) -> int:
+    from alpajob.planner.manifest import load_manifest
+    from alpajob.planner.plan import read_plan
+    from alpajob.trainer.distributed.driver import DriverOptions, drive
+
+    manifest = load_manifest(args.manifest)
+    training = manifest.spec.training
+    plan = read_plan(args.plan)
+    steps = args.steps if args.steps is not None else training.steps
+    if steps < 1:
+        raise ManifestError("--steps", f"must be at least 1, got {steps}")
+    timeout = args.join_timeout
+    if timeout is None:
+        timeout = float(os.environ.get(ray_cluster.ENV_JOIN_TIMEOUT, "120"))
+    options = DriverOptions(
+        address=_address(args),
+        steps=steps,
+        seed=args.seed if args.seed is not None else training.seed,
+        join_timeout=timeout,
+        metrics_out=args.metrics_out,
+    )
+    batch = training.global_batch_size
+
+    def on_step(step: int, loss: float, seconds: float) -> None:
+        out.print(f"step {step}/{steps}  loss {loss:.4f}  {batch / seconds:,.1f} samples/s")
+
+    drive(Path(args.manifest).read_text(), plan, options, on_step=on_step)
+    return 0
+
+
+def dispatch(args: argparse.Namespace, out: Console) -> int | None:
+    """Run the command if it is one of ours; None otherwise."""
+    if args.command == "ray-head":
+        return cmd_ray_head(args)
+    if args.command == "mesh-worker":
+        return cmd_mesh_worker(args)
+    if args.command == "driver":
+        return cmd_driver(args, out)
+    return None

@@ -1,0 +1,156 @@
+"""The job's Ray cluster: who runs where, and how the processes start and find each other.
+
+Naming: mesh ``i`` (the plan's stage ``i``) has one host per node of its submesh;
+host ``j`` of mesh ``i`` joins the job's Ray cluster with the custom resource
+``alpajob-mesh-<i>-host-<j>`` (one unit), and that mesh host's actor asks for it, so
+Ray places it on exactly that process. The operator sets these environment variables
+on the pods; every flag of the entry points defaults to them:
+
+==========================  ==============================================
+``ALPAJOB_RAY_ADDRESS``     the head's ``host:port`` (workers, driver)
+``ALPAJOB_RAY_PORT``        the head's GCS port (head; default 6379)
+``ALPAJOB_MESH``            this worker's mesh index
+``ALPAJOB_HOST``            this worker's host index inside its mesh
+``ALPAJOB_DEVICES``         on CPU, how many host devices to force (tests)
+``ALPAJOB_JOIN_TIMEOUT``    seconds the driver waits for every mesh host
+==========================  ==============================================
+
+The entry points run ``ray start`` (blocking in the foreground, as a pod's main
+process should) with a temp dir and no token auth inside the job's private network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from alpajob.planner.errors import AlpaJobError
+from alpajob.planner.plan import Plan
+
+#: Environment variable names (see the module docstring).
+ENV_ADDRESS = "ALPAJOB_RAY_ADDRESS"
+ENV_PORT = "ALPAJOB_RAY_PORT"
+ENV_MESH = "ALPAJOB_MESH"
+ENV_HOST = "ALPAJOB_HOST"
+ENV_DEVICES = "ALPAJOB_DEVICES"
+ENV_JOIN_TIMEOUT = "ALPAJOB_JOIN_TIMEOUT"
+
+
+class JoinTimeoutError(AlpaJobError):
+    """Some mesh host never joined the job's Ray cluster."""
+
+
+def host_resource(mesh: int, host: int) -> str:
+    """The custom resource that pins mesh ``mesh``'s host ``host`` actor to its worker."""
+    return f"alpajob-mesh-{mesh}-host-{host}"
+
+
+@dataclass(frozen=True)
+class MeshHostSpec:
+    """One mesh host the plan needs: its mesh, its index there and its devices."""
+
+    mesh: int
+    host: int
+    devices: int
+
+    @property
+    def resource(self) -> str:
+        return host_resource(self.mesh, self.host)
+
+
+def mesh_hosts(plan: Plan) -> list[MeshHostSpec]:
+    """Every mesh host of ``plan``: a stage on an ``n x m`` submesh has ``n`` hosts of
+    ``m`` devices each."""
+    hosts = []
+    for stage in plan.stages:
+        nodes, per_node = stage.submesh_shape
+        hosts.extend(MeshHostSpec(stage.index, j, per_node) for j in range(nodes))
+    return hosts
+
+
+def ray_env(devices: int | None = None) -> dict[str, str]:
+    """The environment ``ray start`` (and so every worker it spawns) runs with."""
+    env = dict(os.environ)
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    if devices is not None:
+        flag = "--xla_force_host_platform_device_count"
+        kept = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(flag))
+        env["XLA_FLAGS"] = f"{kept} {flag}={devices}".strip()
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def _ray_binary() -> str:
+    candidate = os.path.join(os.path.dirname(sys.executable), "ray")
+    return candidate if os.path.exists(candidate) else "ray"
+
+
+def head_command(port: int, temp_dir: str | None, block: bool, num_cpus: int | None = 0) -> list[str]:
+    """``ray start --head``: the GCS and a raylet that runs no mesh actor (0 CPUs)."""
+    command = [_ray_binary(), "start", "--head", f"--port={port}", "--include-dashboard=false",
+               "--disable-usage-stats"]
+    if num_cpus is not None:
+        command.append(f"--num-cpus={num_cpus}")
+    if temp_dir:
+        command.append(f"--temp-dir={temp_dir}")
+    if block:
+        command.append("--block")
+    return command
+
+
+def worker_command(address: str, mesh: int, host: int, block: bool, num_cpus: int = 1) -> list[str]:
+    """``ray start --address``: a raylet offering this mesh host's resource."""
+    resources = json.dumps({host_resource(mesh, host): 1})
+    command = [_ray_binary(), "start", f"--address={address}", f"--resources={resources}",
+               f"--num-cpus={num_cpus}", "--disable-usage-stats"]
+    if block:
+        command.append("--block")
+    return command
+
+
+def run_command(command: Sequence[str], env: dict[str, str]) -> int:
+    """Run ``command`` in the foreground, passing SIGTERM and SIGINT on to it (so that
+    stopping the pod's main process stops Ray's); its exit code."""
+    child = subprocess.Popen(list(command), env=env)
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def wait_for_hosts(
+    hosts: Sequence[MeshHostSpec],
+    available: Callable[[], dict[str, float]],
+    timeout: float,
+    poll: float = 0.5,
+) -> None:
+    """Wait until every host's resource is in the cluster; else raise naming the missing ones.
+
+    ``available`` returns the cluster's resources (``ray.cluster_resources``).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        have = available()
+        missing = [h for h in hosts if have.get(h.resource, 0) < 1]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            names = ", ".join(f"mesh {h.mesh} host {h.host} ({h.resource})" for h in missing)
+            raise JoinTimeoutError(
+                f"{len(missing)} mesh host(s) did not join the Ray cluster within "
+                f"{timeout:g} s: {names}; start them with `alpajob mesh-worker --mesh I "
+                f"--host J` (or check that their pods are running and can reach the head)"
+            )
+        time.sleep(poll)
