@@ -19,11 +19,9 @@ One pass, top to bottom:
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -44,7 +42,7 @@ from alpajob.planner.plan import Plan, read_plan
 from alpajob.planner.planning import PlanOptions, make_plan
 from alpajob.trainer import checkpoint
 from alpajob.trainer.entrypoint import load_model
-from alpajob.trainer.metrics import TrainingMetrics
+from alpajob.trainer.metrics import TrainingMetrics, write_metrics_json
 from alpajob.trainer.runtime.build import build_pipeline
 from alpajob.trainer.runtime.executor import PipelineExecutor, StageTimes
 from alpajob.trainer.runtime.meshes import DeviceError, devices_needed, local_devices
@@ -265,8 +263,5 @@ def run(
         for name, value in runner.named_arrays().items() if name.startswith("params/")
     }
     if options.metrics_out:
-        path = Path(options.metrics_out)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(result.to_json(), indent=1) + "\n")
-        tmp.replace(path)
+        write_metrics_json(options.metrics_out, result.to_json())
     return result

@@ -19,11 +19,21 @@ step's values; counters add up over the run::
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 _LABELS = ("job", "stage")
+
+
+def write_metrics_json(path: str | Path, data: dict[str, Any]) -> None:
+    """Write ``--metrics-out`` atomically (a temp file renamed into place)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
 
 
 class TrainingMetrics:

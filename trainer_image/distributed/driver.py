@@ -19,11 +19,9 @@ such a plan is refused with a clear error.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +30,7 @@ from alpajob.planner.errors import AlpaJobError
 from alpajob.planner.plan import Plan
 from alpajob.trainer.distributed.cluster import mesh_hosts, wait_for_hosts
 from alpajob.trainer.distributed.mesh_host import MeshHost
+from alpajob.trainer.metrics import write_metrics_json
 
 
 @dataclass(frozen=True)
@@ -117,8 +116,5 @@ def drive(
             ray.kill(actor)
         ray.shutdown()
     if options.metrics_out:
-        path = Path(options.metrics_out)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(result.to_json(), indent=1) + "\n")
-        tmp.replace(path)
+        write_metrics_json(options.metrics_out, result.to_json())
     return result

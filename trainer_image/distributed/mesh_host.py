@@ -20,17 +20,54 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from alpajob.trainer.runtime.executor import Key
+import jax
+import numpy as np
+import ray
+import yaml
+
+from alpajob.planner.extract import make_optimizer, path_name
+from alpajob.planner.manifest import parse_manifest
+from alpajob.planner.plan import plan_from_json
+from alpajob.planner.schedules import Schedule
+from alpajob.trainer.distributed.transport import assemble, cut, position_tiles
+from alpajob.trainer.entrypoint import load_model
+from alpajob.trainer.runtime.build import place_stage, split_for_plan
+from alpajob.trainer.runtime.executor import (
+    Key,
+    Mailbox,
+    destination_sharding,
+    loss_seed,
+    run_stage_program,
+    split_micro_batches,
+)
+from alpajob.trainer.runtime.split import SplitProgram
+from alpajob.trainer.zoo.model import synthetic_batch
 
 
 def layout_key(key: Key) -> tuple[str, int]:
     """A message key without its micro-batch and reader: what fixes its tiles."""
     kind = key[0]
     return (kind, key[2]) if kind in ("act", "grad") else (kind, key[1])
+
+
+def addresses(split: SplitProgram, index: int) -> Iterator[tuple[Key, tuple[int, ...]]]:
+    """One representative key (any micro-batch, any reader) per address stage ``index``
+    receives on, with the shape of its value."""
+    program = split.stages[index]
+    for leaf in program.params:
+        shape = tuple(split.avals[split.param_ids[leaf]].shape)
+        yield ("param", leaf), shape
+        yield ("shared", leaf, -1), shape
+    for vid in program.inputs:
+        yield ("act", -1, vid), tuple(split.avals[vid].shape)
+    for vid in program.outputs:
+        yield ("grad", -1, vid, -1), tuple(split.avals[vid].shape)
 
 
 class RayLink:
@@ -42,18 +79,11 @@ class RayLink:
         self.sent_bytes = 0
 
     def send(self, stage: int, key: Key, value: Any) -> None:
-        import ray
-
-        from alpajob.trainer.distributed.transport import cut
-
         parcel = cut(value, self.layouts[stage][layout_key(key)])
         self.sent_bytes += parcel.nbytes
         self.peers[stage].deliver.remote(key, ray.put(parcel))
 
     def receive(self, key: Key) -> Any:
-        from alpajob.trainer.distributed.transport import assemble
-        from alpajob.trainer.runtime.executor import destination_sharding
-
         parcel = self.mailbox.get(key, timeout=self.timeout)
         return assemble(parcel, destination_sharding(self.split, self.stage, key))
 
@@ -63,17 +93,6 @@ class MeshHost:
     it with ``ray.remote``; tests may also drive it in-process."""
 
     def __init__(self, manifest_yaml: str, plan_json: str, mesh: int, seed: int, receive_timeout: float = 300.0) -> None:
-        import jax
-        import numpy as np
-        import yaml
-
-        from alpajob.planner.extract import make_optimizer
-        from alpajob.planner.manifest import parse_manifest
-        from alpajob.planner.plan import plan_from_json
-        from alpajob.trainer.entrypoint import load_model
-        from alpajob.trainer.runtime.build import place_stage, split_for_plan
-        from alpajob.trainer.runtime.executor import Mailbox, loss_seed
-
         manifest = parse_manifest(yaml.safe_load(manifest_yaml))
         training = manifest.spec.training
         self.plan = plan_from_json(plan_json)
@@ -105,29 +124,15 @@ class MeshHost:
 
     def ready(self) -> dict[str, Any]:
         """Who this actor is: mesh, devices, process."""
-        import os
-
-        import jax
-
         return {"mesh": self.index, "devices": len(jax.devices()), "platform": jax.devices()[0].platform,
                 "pid": os.getpid()}
 
     def layout(self) -> dict[tuple[str, int], dict[int, Any]]:
         """Per message address, the tiles (by mesh position) this stage receives into."""
-        from alpajob.trainer.distributed.transport import position_tiles
-
-        split, stage = self.split, self.stage
-        program = split.stages[self.index]
-        out: dict[tuple[str, int], dict[int, Any]] = {}
-        for leaf in program.params:
-            shape = tuple(split.avals[split.param_ids[leaf]].shape)
-            out[("param", leaf)] = position_tiles(stage.param_sharding[leaf], shape)
-            out[("shared", leaf)] = position_tiles(stage.acc_sharding[leaf], shape)
-        for pos, vid in enumerate(program.inputs):
-            out[("act", vid)] = position_tiles(stage.input_sharding[pos], tuple(split.avals[vid].shape))
-        for pos, vid in enumerate(program.outputs):
-            out[("grad", vid)] = position_tiles(stage.output_sharding[pos], tuple(split.avals[vid].shape))
-        return out
+        return {
+            layout_key(key): position_tiles(destination_sharding(self.split, self.stage, key), shape)
+            for key, shape in addresses(self.split, self.index)
+        }
 
     def connect(self, peers: list[Any], layouts: list[dict]) -> None:
         """Learn every stage's actor handle and layout (index = stage)."""
@@ -139,14 +144,6 @@ class MeshHost:
 
     def step(self, step: int) -> dict[str, Any]:
         """Run training step ``step`` (0-based) of this stage; its times and losses."""
-        import dataclasses
-
-        import jax
-
-        from alpajob.planner.schedules import Schedule
-        from alpajob.trainer.runtime.executor import run_stage_program, split_micro_batches
-        from alpajob.trainer.zoo.model import synthetic_batch
-
         batch = jax.tree.leaves(synthetic_batch(self.model, self.batch_size, seed=self.seed + step))
         micro = split_micro_batches(batch, self.plan.num_micro_batches)
         link = RayLink(self.split, self.stage, self.peers, self.layouts, self.mailbox, self.timeout)
@@ -162,11 +159,6 @@ class MeshHost:
 
     def named_arrays(self) -> dict[str, Any]:
         """This stage's own parameters and optimizer state as host arrays, by name."""
-        import jax
-        import numpy as np
-
-        from alpajob.planner.extract import path_name
-
         out = {f"params/{name}": np.asarray(value) for name, value in self.stage.params.items()}
         leaves, _ = jax.tree_util.tree_flatten_with_path(self.stage.opt_state)
         for path, leaf in leaves:
