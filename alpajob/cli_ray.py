@@ -53,6 +53,18 @@ def add_parsers(sub: Any) -> None:
     driver.add_argument("--join-timeout", type=float,
                         help=f"seconds to wait for every mesh host (default ${ray_cluster.ENV_JOIN_TIMEOUT} or 120)")
     driver.add_argument("--metrics-out", help="write per-step losses and step seconds (JSON) here")
+    driver.add_argument("--checkpoint-dir",
+                        help=f"shared directory every mesh writes its checkpoint part to (default ${ray_cluster.ENV_CHECKPOINT_DIR}); "
+                             "a restart resumes from the newest complete checkpoint there")
+    driver.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end)")
+    driver.add_argument("--max-restarts", type=int, default=3,
+                        help="restarts of every mesh after a host dies or hangs before the job fails (default 3)")
+    driver.add_argument("--step-timeout", type=float, default=600.0,
+                        help="seconds a step (or a checkpoint) may take before the hosts count as hung (default 600)")
+    driver.add_argument("--metrics-port", type=int,
+                        help=f"serve Prometheus /metrics here (default ${ray_cluster.ENV_METRICS_PORT}; none if unset)")
+    driver.add_argument("--status-file", help="keep the job's progress (JSON: phase, step, loss, samples/s, "
+                                              "checkpoint step, restarts) in this file")
 
 
 def _address(args: argparse.Namespace) -> str:
@@ -99,14 +111,29 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
         steps=steps,
         seed=args.seed if args.seed is not None else training.seed,
         join_timeout=timeout,
+        step_timeout=args.step_timeout,
         metrics_out=args.metrics_out,
+        checkpoint_dir=args.checkpoint_dir or os.environ.get(ray_cluster.ENV_CHECKPOINT_DIR) or None,
+        checkpoint_every=args.checkpoint_every,
+        max_restarts=args.max_restarts,
+        metrics_port=args.metrics_port if args.metrics_port is not None else _env_int(ray_cluster.ENV_METRICS_PORT),
+        status_file=args.status_file,
     )
+    if options.checkpoint_every is not None and options.checkpoint_every < 1:
+        raise ManifestError("--checkpoint-every", f"must be at least 1, got {options.checkpoint_every}")
+    if options.max_restarts < 0:
+        raise ManifestError("--max-restarts", f"must be at least 0, got {options.max_restarts}")
     batch = training.global_batch_size
 
     def on_step(step: int, loss: float, seconds: float) -> None:
         out.print(f"step {step}/{steps}  loss {loss:.4f}  {batch / seconds:,.1f} samples/s")
 
-    drive(Path(args.manifest).read_text(), plan, options, on_step=on_step)
+    def on_event(what: str) -> None:
+        out.print(f"[yellow]{what}[/yellow]")
+
+    result = drive(Path(args.manifest).read_text(), plan, options, on_step=on_step, on_event=on_event)
+    out.print(f"done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}, "
+              f"{result.restarts} restart(s), last checkpoint step {result.checkpoint_step}")
     return 0
 
 

@@ -34,7 +34,6 @@ from alpajob.planner.extract import (
     init_optimizer_state,
     make_optimizer,
     make_train_step,
-    path_name,
 )
 from alpajob.planner.graph import OpGraph
 from alpajob.planner.manifest import AlpaJobManifest
@@ -143,27 +142,14 @@ class _Serial:
         return float(loss), ()
 
     def named_arrays(self) -> dict[str, jax.Array]:
-        out = _named("params", self.params)
-        out.update(_named("opt", self.opt_state))
+        out = checkpoint.named_leaves("params", self.params)
+        out.update(checkpoint.named_leaves("opt", self.opt_state))
         return out
 
     def restore(self, root: str, step: int) -> None:
         sharding = jax.sharding.SingleDeviceSharding(self.device)
-        self.params = _restored(root, step, "params", self.params, sharding)
-        self.opt_state = _restored(root, step, "opt", self.opt_state, sharding)
-
-
-def _named(prefix: str, tree: Any) -> dict[str, jax.Array]:
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {f"{prefix}/{path_name(path)}": leaf for path, leaf in leaves}
-
-
-def _restored(root: str, step: int, prefix: str, tree: Any, sharding: Any = None) -> Any:
-    def load(path: Any, leaf: Any) -> Any:
-        target = sharding if sharding is not None else leaf.sharding
-        return checkpoint.restore(root, step, f"{prefix}/{path_name(path)}", target)
-
-    return jax.tree_util.tree_map_with_path(load, tree)
+        self.params = checkpoint.restore_tree(root, step, "params", self.params, sharding)
+        self.opt_state = checkpoint.restore_tree(root, step, "opt", self.opt_state, sharding)
 
 
 class _Pipelined:
@@ -180,7 +166,7 @@ class _Pipelined:
         out: dict[str, jax.Array] = {}
         for stage in self.executor.stages:
             out.update({f"params/{name}": value for name, value in stage.params.items()})
-            out.update(_named("opt", stage.opt_state))
+            out.update(checkpoint.named_leaves("opt", stage.opt_state))
         return out
 
     def restore(self, root: str, step: int) -> None:
@@ -189,7 +175,7 @@ class _Pipelined:
                 name: checkpoint.restore(root, step, f"params/{name}", value.sharding)
                 for name, value in stage.params.items()
             }
-            stage.opt_state = _restored(root, step, "opt", stage.opt_state)
+            stage.opt_state = checkpoint.restore_tree(root, step, "opt", stage.opt_state)
 
 
 def run(
@@ -256,6 +242,7 @@ def run(
             done = step + 1
             if options.checkpoint_dir and ((every and done % every == 0) or done == options.steps):
                 checkpoint.save(options.checkpoint_dir, done, runner.named_arrays(), meta)
+                metrics.checkpoint.labels(metrics.job).set(done)
     finally:
         metrics.close()
     result.params = {

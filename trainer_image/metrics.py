@@ -9,6 +9,8 @@ step's values; counters add up over the run::
     alpajob_step_seconds                          its wall time
     alpajob_samples_per_second                    global batch / step seconds
     alpajob_predicted_step_seconds                the plan's prediction
+    alpajob_checkpoint_step                       the last complete checkpoint's step
+    alpajob_restarts_total                        restarts from a checkpoint (Ray runtime)
     alpajob_stage_step_compute_seconds{stage="0"}        per stage, last step
     alpajob_stage_step_idle_seconds{stage="0"}           (waiting: the bubble)
     alpajob_stage_step_communication_seconds{stage="0"}
@@ -54,6 +56,9 @@ class TrainingMetrics:
         self.compute_total = Counter("alpajob_stage_compute_seconds", "stage compute seconds", _LABELS, registry=r)
         self.idle_total = Counter("alpajob_stage_idle_seconds", "stage idle seconds", _LABELS, registry=r)
         self.comm_total = Counter("alpajob_stage_communication_seconds", "stage communication seconds", _LABELS, registry=r)
+        self.checkpoint = Gauge("alpajob_checkpoint_step", "step of the last complete checkpoint", ["job"], registry=r)
+        self.restarts = Counter("alpajob_restarts", "restarts of every mesh from the last checkpoint", ["job"], registry=r)
+        self.restarts.labels(job)
         if predicted_step_seconds is not None:
             self.predicted.labels(job).set(predicted_step_seconds)
         self._server: Any = None

@@ -13,6 +13,8 @@ on the pods; every flag of the entry points defaults to them:
 ``ALPAJOB_HOST``            this worker's host index inside its mesh
 ``ALPAJOB_DEVICES``         on CPU, how many host devices to force (tests)
 ``ALPAJOB_JOIN_TIMEOUT``    seconds the driver waits for every mesh host
+``ALPAJOB_CHECKPOINT_DIR``  the shared checkpoint directory (driver)
+``ALPAJOB_METRICS_PORT``    the driver's Prometheus port
 ==========================  ==============================================
 
 The entry points run ``ray start`` (blocking in the foreground, as a pod's main
@@ -40,6 +42,8 @@ ENV_MESH = "ALPAJOB_MESH"
 ENV_HOST = "ALPAJOB_HOST"
 ENV_DEVICES = "ALPAJOB_DEVICES"
 ENV_JOIN_TIMEOUT = "ALPAJOB_JOIN_TIMEOUT"
+ENV_CHECKPOINT_DIR = "ALPAJOB_CHECKPOINT_DIR"
+ENV_METRICS_PORT = "ALPAJOB_METRICS_PORT"
 
 
 class JoinTimeoutError(AlpaJobError):

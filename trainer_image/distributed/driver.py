@@ -1,26 +1,42 @@
 """``alpajob driver``: train one plan across the mesh hosts of the job's Ray cluster.
 
-On the head (a Ray client of the job's cluster):
+On the head (a Ray client of the job's cluster), one **attempt**:
 
 1. wait until every mesh host of the plan has joined (its custom resource is in the
    cluster), or fail naming the missing ones (:func:`~.cluster.wait_for_hosts`);
 2. start one :class:`~.mesh_host.MeshHost` actor per mesh host, pinned by its
-   resource; each builds its stage on its own devices;
+   resource; a mesh of several hosts gets its JAX coordinator's address from its
+   host 0, then every actor joins its mesh's process group and builds its stage
+   (:class:`MeshGroup`);
 3. gather every stage's layout and hand all of them, with the actor handles, to
    every actor: from then on stages talk to each other directly (object store),
    not through the driver;
-4. per step, ask every actor to run it and wait for all (a step's timeout bounds a
-   hung worker); the loss is the mean of the loss stage's micro-batch losses;
-5. at the end, collect the parameters and stop the actors.
+4. restore every mesh from the newest complete checkpoint, if there is one;
+5. per step, ask every actor to run it and wait for all; the loss is the mean of
+   the loss stage's micro-batch losses. Every ``checkpoint_every`` steps (and at
+   the end) every host writes its part of the checkpoint, and the driver commits it
+   once all parts are written (:mod:`alpajob.trainer.checkpoint`).
 
-Meshes spanning several hosts (one JAX process group per mesh) are not built yet:
-such a plan is refused with a clear error.
+**Recovery.** A mesh host that dies (its actor, its process or its node) or hangs
+(no answer within ``step_timeout``) fails the attempt: the driver stops every actor
+of every mesh and starts a new attempt, which waits for the lost host to come back
+(its pod restarted) and resumes from the last complete checkpoint, so at most
+``checkpoint_every`` steps are lost. While an attempt is being set up, a host
+failure (an actor placed on a node Ray has not yet declared dead) only sets it up
+again, until ``join_timeout`` has passed since the failure. After
+``max_restarts`` restarts the job fails. An error raised by the training code itself is not retried: it would fail
+again the same way.
+
+**Progress.** After every step the driver updates its Prometheus metrics (step,
+loss, samples per second, the last checkpoint step, restarts, and every stage's
+compute, idle and communication seconds, served on ``metrics_port``) and, when
+asked, a status file (JSON) that the operator reads.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +44,18 @@ import numpy as np
 
 from alpajob.planner.errors import AlpaJobError
 from alpajob.planner.plan import Plan
-from alpajob.trainer.distributed.cluster import mesh_hosts, wait_for_hosts
-from alpajob.trainer.distributed.mesh_host import MeshHost
-from alpajob.trainer.metrics import write_metrics_json
+from alpajob.trainer import checkpoint
+from alpajob.trainer.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
+from alpajob.trainer.distributed.mesh_host import MeshHost, stage_times
+from alpajob.trainer.metrics import TrainingMetrics, write_metrics_json
+
+
+class JobFailedError(AlpaJobError):
+    """The job failed more often than ``max_restarts`` allows."""
+
+
+class HostFailure(Exception):
+    """A mesh host died or hung during an attempt (recoverable by a restart)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +68,11 @@ class DriverOptions:
     join_timeout: float = 120.0
     step_timeout: float = 600.0
     metrics_out: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    max_restarts: int = 3
+    metrics_port: int | None = None
+    status_file: str | None = None
 
 
 @dataclass
@@ -54,21 +84,125 @@ class DriverResult:
     sent_bytes: list[int] = field(default_factory=list)
     stage_times: list[list[dict[str, Any]]] = field(default_factory=list)
     params: dict[str, np.ndarray] = field(default_factory=dict)
+    restarts: int = 0
+    checkpoint_step: int | None = None
+    resumed_from: list[int] = field(default_factory=list)  # per attempt, its first step
 
     def to_json(self) -> dict[str, Any]:
         return {"losses": self.losses, "step_seconds": self.step_seconds,
-                "sent_bytes": self.sent_bytes, "stage_times": self.stage_times}
+                "sent_bytes": self.sent_bytes, "stage_times": self.stage_times,
+                "restarts": self.restarts, "checkpoint_step": self.checkpoint_step,
+                "resumed_from": self.resumed_from}
+
+    def truncate(self, steps: int) -> None:
+        """Forget the steps after ``steps`` (they are run again after a restart)."""
+        for series in (self.losses, self.step_seconds, self.sent_bytes, self.stage_times):
+            del series[steps:]
 
 
-def check_supported(plan: Plan) -> None:
-    """Refuse what this runtime cannot run yet (meshes spanning several hosts)."""
-    wide = [s.index for s in plan.stages if s.submesh_shape[0] > 1]
-    if wide:
-        raise AlpaJobError(
-            f"stage(s) {wide} of the plan span several hosts; the Ray runtime runs one host "
-            "per mesh so far: re-plan with meshes of at most one node each (for example "
-            "method pipeshard with more stages), or run on one machine with `alpajob run`"
-        )
+def _recoverable() -> tuple[type[BaseException], ...]:
+    import ray.exceptions as rex
+
+    return (HostFailure, rex.RayActorError, rex.ObjectLostError, rex.GetTimeoutError,
+            rex.NodeDiedError, rex.WorkerCrashedError)
+
+
+def gather(refs: Sequence[Any], timeout: float, what: str) -> list[Any]:
+    """The results of ``refs`` in order; raises as soon as one fails (a dead actor is
+    noticed at once, not after its peers time out waiting for it), or
+    :class:`HostFailure` if they are not all done within ``timeout`` seconds."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    pending = list(refs)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise HostFailure(f"{what}: {len(pending)} of {len(refs)} mesh host(s) gave no answer "
+                              f"within {timeout:g} s (hung?)")
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            ray.get(ref)  # raises the host's error, if any
+    return ray.get(list(refs))
+
+
+class MeshGroup:
+    """The actors of one attempt: ``actors[stage][host]``, built and connected."""
+
+    def __init__(self, manifest_yaml: str, plan: Plan, hosts: Sequence[MeshHostSpec], seed: int, timeout: float) -> None:
+        import ray
+
+        self.timeout = timeout
+        remote = ray.remote(MeshHost)
+        text = plan.to_json()
+        self.actors: list[list[Any]] = [[] for _ in plan.stages]
+        for host in hosts:
+            self.actors[host.mesh].append(
+                remote.options(resources={host.resource: 1}, num_cpus=0, max_concurrency=16)
+                .remote(manifest_yaml, text, host.mesh, host.host, seed)
+            )
+        firsts = [group[0] for group in self.actors]
+        addresses = gather([a.coordinator.remote() for a in firsts], timeout, "coordinator")
+        gather([a.setup.remote(addresses[mesh] if len(group) > 1 else None)
+                for mesh, group in enumerate(self.actors) for a in group], timeout, "setup")
+        layouts = gather([a.layout.remote() for a in firsts], timeout, "layout")
+        gather([a.connect.remote(self.actors, layouts) for a in self.all], timeout, "connect")
+
+    @property
+    def all(self) -> list[Any]:
+        return [a for group in self.actors for a in group]
+
+    def step(self, step: int) -> list[list[dict[str, Any]]]:
+        """Run one step on every host; replies as ``[stage][host]``."""
+        refs = [[a.step.remote(step) for a in group] for group in self.actors]
+        flat = gather([r for group in refs for r in group], self.timeout, f"step {step + 1}")
+        out, k = [], 0
+        for group in refs:
+            out.append(flat[k:k + len(group)])
+            k += len(group)
+        return out
+
+    def save(self, root: str, step: int, meta: dict[str, Any]) -> None:
+        """Checkpoint ``step``: every host writes its part, then the commit."""
+        checkpoint.begin(root, step)
+        parts = gather([a.save_part.remote(root, step) for a in self.all], self.timeout, "checkpoint")
+        checkpoint.commit(root, step, parts, meta)
+
+    def restore(self, root: str, step: int) -> None:
+        gather([a.restore.remote(root, step) for a in self.all], self.timeout, "restore")
+
+    def params(self) -> dict[str, np.ndarray]:
+        """Every stage's parameters, assembled from every host's shards."""
+        pieces: dict[str, Any] = {}
+        for shards in gather([a.shards.remote() for a in self.all], self.timeout, "parameters"):
+            for name, (shape, dtype, parts) in shards.items():
+                if name.startswith("params/"):
+                    pieces.setdefault(name[len("params/"):], (shape, dtype, []))[2].extend(parts)
+        return {name: checkpoint.assemble_pieces(shape, dtype, parts)
+                for name, (shape, dtype, parts) in pieces.items()}
+
+    def stop(self) -> None:
+        import ray
+
+        for actor in self.all:
+            ray.kill(actor)
+
+
+def _status(options: DriverOptions, result: DriverResult, phase: str, batch: int, message: str = "") -> None:
+    if not options.status_file:
+        return
+    last = result.step_seconds[-1] if result.step_seconds else None
+    write_metrics_json(options.status_file, {
+        "phase": phase,
+        "step": len(result.losses),
+        "steps": options.steps,
+        "loss": result.losses[-1] if result.losses else None,
+        "samples_per_second": batch / last if last else None,
+        "checkpoint_step": result.checkpoint_step,
+        "restarts": result.restarts,
+        "message": message,
+        "time": time.time(),
+    })
 
 
 def drive(
@@ -76,45 +210,92 @@ def drive(
     plan: Plan,
     options: DriverOptions,
     on_step: Callable[[int, float, float], None] | None = None,
+    on_event: Callable[[str], None] | None = None,
 ) -> DriverResult:
     """Train ``plan`` on the Ray cluster at ``options.address`` (see the module docstring)."""
     import ray
+    import yaml
 
-    check_supported(plan)
+    say = on_event or (lambda _what: None)
+    name = str((yaml.safe_load(manifest_yaml).get("metadata") or {}).get("name", "alpajob"))
     hosts = mesh_hosts(plan)
+    batch = plan.global_batch_size
+    metrics = TrainingMetrics(name, plan.predicted_step_seconds)
+    if options.metrics_port is not None:
+        metrics.serve(options.metrics_port)
+    meta = {"model": plan.model.name, "plan_hash": plan.content_hash()}
+    root = options.checkpoint_dir
+    result = DriverResult()
     ray.init(address=options.address, log_to_driver=False, logging_level="WARNING")
-    actors: list[Any] = []
     try:
-        wait_for_hosts(hosts, ray.cluster_resources, options.join_timeout)
-        remote = ray.remote(MeshHost)
-        text = plan.to_json()
-        for host in hosts:
-            actors.append(
-                remote.options(resources={host.resource: 1}, num_cpus=0, max_concurrency=16)
-                .remote(manifest_yaml, text, host.mesh, options.seed)
-            )
-        ray.get([a.ready.remote() for a in actors], timeout=options.step_timeout)
-        layouts = ray.get([a.layout.remote() for a in actors])
-        ray.get([a.connect.remote(actors, layouts) for a in actors])
-        result = DriverResult()
-        for step in range(options.steps):
-            began = time.perf_counter()
-            replies = ray.get([a.step.remote(step) for a in actors], timeout=options.step_timeout)
-            seconds = time.perf_counter() - began
-            losses = [x for reply in replies for x in reply["losses"]]
-            loss = float(np.mean(losses))
-            result.losses.append(loss)
-            result.step_seconds.append(seconds)
-            result.sent_bytes.append(sum(int(r["sent_bytes"]) for r in replies))
-            result.stage_times.append([r["times"] for r in replies])
-            if on_step:
-                on_step(step + 1, loss, seconds)
-        for arrays in ray.get([a.named_arrays.remote() for a in actors]):
-            result.params.update({k[len("params/"):]: v for k, v in arrays.items() if k.startswith("params/")})
+        recovering_since = time.monotonic()  # of the attempt being set up
+        while True:
+            group: MeshGroup | None = None
+            training = False
+            try:
+                _status(options, result, "Starting", batch)
+                left = options.join_timeout - (time.monotonic() - recovering_since)
+                wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
+                group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout)
+                start = (checkpoint.latest_step(root) or 0) if root else 0
+                if start:
+                    say(f"restoring every mesh from the checkpoint of step {start}")
+                    group.restore(root, start)  # type: ignore[arg-type]
+                    result.checkpoint_step = start
+                result.truncate(start)
+                result.resumed_from.append(start)
+                training = True
+                for step in range(start, options.steps):
+                    _status(options, result, "Running", batch)
+                    began = time.perf_counter()
+                    replies = group.step(step)
+                    seconds = time.perf_counter() - began
+                    loss = float(np.mean([x for group_replies in replies for r in group_replies for x in r["losses"]]))
+                    result.losses.append(loss)
+                    result.step_seconds.append(seconds)
+                    result.sent_bytes.append(sum(int(r["sent_bytes"]) for g in replies for r in g))
+                    result.stage_times.append([g[0]["times"] for g in replies])
+                    metrics.record(step + 1, loss, seconds, batch, [stage_times(g[0]) for g in replies])
+                    done = step + 1
+                    every = options.checkpoint_every
+                    if root and ((every and done % every == 0) or done == options.steps):
+                        group.save(root, done, meta)
+                        result.checkpoint_step = done
+                        metrics.checkpoint.labels(name).set(done)
+                    if on_step:
+                        on_step(done, loss, seconds)
+                result.params = group.params()
+                break
+            except _recoverable() as failure:
+                reason = f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
+                if not training and time.monotonic() - recovering_since < options.join_timeout:
+                    # A host is still coming back (Ray may not have declared its lost
+                    # node dead yet, and placed an actor there): set up again.
+                    say(f"mesh hosts not ready ({reason}); setting up again")
+                    time.sleep(1.0)
+                    continue
+                result.restarts += 1
+                metrics.restarts.labels(name).inc()
+                if result.restarts > options.max_restarts:
+                    _status(options, result, "Failed", batch, reason)
+                    raise JobFailedError(
+                        f"a mesh host failed {result.restarts} times (max_restarts "
+                        f"{options.max_restarts}); last failure: {reason}"
+                    ) from None
+                say(f"restart {result.restarts}/{options.max_restarts} after {reason}")
+                _status(options, result, "Restarting", batch, reason)
+                recovering_since = time.monotonic()
+            finally:
+                if group is not None:
+                    group.stop()
+    except BaseException as error:
+        if not isinstance(error, JobFailedError):
+            _status(options, result, "Failed", batch, str(error).splitlines()[0] if str(error) else type(error).__name__)
+        raise
     finally:
-        for actor in actors:
-            ray.kill(actor)
         ray.shutdown()
+        metrics.close()
+    _status(options, result, "Succeeded", batch)
     if options.metrics_out:
         write_metrics_json(options.metrics_out, result.to_json())
     return result

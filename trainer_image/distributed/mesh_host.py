@@ -4,24 +4,35 @@ A driver creates one :class:`MeshHost` per mesh host of the plan, pinned to that
 by the host's custom resource (:func:`~.cluster.host_resource`). In its own process
 (its own JAX runtime, with the devices the host was started with) the actor:
 
-1. loads the manifest's model and traces its loss at the plan's micro-batch size,
+1. on :meth:`setup`, when its mesh spans several hosts, joins the mesh's JAX process
+   group (``jax.distributed.initialize``; host 0's actor runs the coordinator at the
+   address :meth:`coordinator` picked, every host is process ``host``), so the
+   stage's SPMD executables run across the mesh's hosts (gloo collectives on CPU,
+   NCCL on GPU). The mesh is the first ``m`` devices of each host, hosts in order,
+   reshaped to the plan's logical mesh;
+2. loads the manifest's model and traces its loss at the plan's micro-batch size,
    cutting it into the plan's stages exactly as the local runtime does (every actor
-   makes the same cut, so value ids agree without any exchange);
-2. builds its stage on its devices (the plan's logical mesh over the host's first
-   ``n x m`` devices) and places its own parameters, initialised from the run's seed;
-3. publishes its :func:`layout`: the tiles of everything it receives, per message
-   address, so senders can plan transfers onto it;
+   makes the same cut, so value ids agree without any exchange), builds its stage on
+   the mesh and places its own parameters, initialised from the run's seed;
+3. publishes its :meth:`layout`: the tiles of everything it receives, per message
+   address, and which host owns each mesh position, so senders can plan transfers
+   onto it;
 4. per :meth:`step`, runs its stage's instruction list
    (:func:`~alpajob.trainer.runtime.executor.run_stage_program`) with a
    :class:`RayLink`: sends are parcels of the transfer plan put into the object store
-   and delivered to the peer actor; receives wait on the actor's mailbox, fed by
-   :meth:`deliver` (the actor runs several calls at once: ``max_concurrency``).
+   and delivered to the receiving hosts' actors; receives wait on the actor's
+   mailbox, fed by :meth:`deliver` (the actor runs several calls at once:
+   ``max_concurrency``). Every host of a mesh runs the same program in the same
+   order, as SPMD requires;
+5. writes its shards of the stage's state into a checkpoint (:meth:`save_part`) and
+   restores them from one (:meth:`restore`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -31,16 +42,18 @@ import numpy as np
 import ray
 import yaml
 
-from alpajob.planner.extract import make_optimizer, path_name
+from alpajob.planner.extract import make_optimizer
 from alpajob.planner.manifest import parse_manifest
 from alpajob.planner.plan import plan_from_json
 from alpajob.planner.schedules import Schedule
-from alpajob.trainer.distributed.transport import assemble, cut, position_tiles
+from alpajob.trainer import checkpoint
+from alpajob.trainer.distributed.transport import assemble, cut_for_hosts, merge, position_tiles
 from alpajob.trainer.entrypoint import load_model
 from alpajob.trainer.runtime.build import place_stage, split_for_plan
 from alpajob.trainer.runtime.executor import (
     Key,
     Mailbox,
+    StageTimes,
     destination_sharding,
     loss_seed,
     run_stage_program,
@@ -70,97 +83,164 @@ def addresses(split: SplitProgram, index: int) -> Iterator[tuple[Key, tuple[int,
         yield ("grad", -1, vid, -1), tuple(split.avals[vid].shape)
 
 
-class RayLink:
-    """A stage's link to the other stages' actors through the Ray object store."""
+def sender_stage(split: SplitProgram, receiver: int, key: Key) -> int:
+    """The stage that sends the message ``key`` to stage ``receiver``."""
+    kind = key[0]
+    if kind == "act":
+        return split.producer[key[2]]
+    if kind == "param":
+        return split.home[key[1]]
+    if kind in ("grad", "shared"):
+        return int(key[-1])
+    raise ValueError(f"unknown message kind {kind!r} (to stage {receiver})")
 
-    def __init__(self, split: Any, stage: Any, peers: Sequence[Any], layouts: Sequence[dict], mailbox: Any, timeout: float) -> None:
-        self.split, self.stage, self.peers, self.layouts = split, stage, peers, layouts
+
+def mesh_devices(stage: Any, devices: Sequence[Any]) -> np.ndarray:
+    """The stage's device grid: the first ``m`` devices of each of its ``n`` hosts
+    (JAX process ``j`` is host ``j``), hosts in order, in its logical mesh shape."""
+    hosts, per_host = stage.submesh_shape
+    chosen = []
+    for host in range(hosts):
+        own = sorted((d for d in devices if d.process_index == host), key=lambda d: d.id)
+        if len(own) < per_host:
+            raise RuntimeError(
+                f"mesh {stage.index} host {host} has {len(own)} devices but the plan needs "
+                f"{per_host} per host; start the mesh worker with --devices {per_host}"
+            )
+        chosen.extend(own[:per_host])
+    return np.array(chosen, dtype=object).reshape(stage.logical_mesh_shape)
+
+
+class RayLink:
+    """A mesh host's link to the other stages' actors through the Ray object store.
+
+    ``peers[stage][host]`` is an actor handle; ``layouts[stage]`` that stage's
+    :meth:`MeshHost.layout`. Messages are delivered under ``(key, sending host)``.
+    """
+
+    def __init__(self, split: Any, stage: Any, host: int, peers: Sequence[Sequence[Any]], layouts: Sequence[dict], mailbox: Any, timeout: float) -> None:
+        self.split, self.stage, self.host, self.peers, self.layouts = split, stage, host, peers, layouts
         self.mailbox, self.timeout = mailbox, timeout
         self.sent_bytes = 0
 
     def send(self, stage: int, key: Key, value: Any) -> None:
-        parcel = cut(value, self.layouts[stage][layout_key(key)])
-        self.sent_bytes += parcel.nbytes
-        self.peers[stage].deliver.remote(key, ray.put(parcel))
+        layout = self.layouts[stage]
+        hosts = self.peers[stage]
+        parcels = cut_for_hosts(value, layout["tiles"][layout_key(key)], layout["owners"], len(hosts))
+        for peer, parcel in zip(hosts, parcels, strict=True):
+            self.sent_bytes += parcel.nbytes
+            peer.deliver.remote((key, self.host), ray.put(parcel))
 
     def receive(self, key: Key) -> Any:
-        parcel = self.mailbox.get(key, timeout=self.timeout)
-        return assemble(parcel, destination_sharding(self.split, self.stage, key))
+        senders = len(self.peers[sender_stage(self.split, self.stage.index, key)])
+        parcels = [self.mailbox.get((key, h), timeout=self.timeout) for h in range(senders)]
+        return assemble(merge(parcels), destination_sharding(self.split, self.stage, key))
 
 
 class MeshHost:
     """One mesh host's actor (see the module docstring). Plain class: the driver wraps
     it with ``ray.remote``; tests may also drive it in-process."""
 
-    def __init__(self, manifest_yaml: str, plan_json: str, mesh: int, seed: int, receive_timeout: float = 300.0) -> None:
-        manifest = parse_manifest(yaml.safe_load(manifest_yaml))
-        training = manifest.spec.training
+    def __init__(self, manifest_yaml: str, plan_json: str, mesh: int, host: int, seed: int, receive_timeout: float = 300.0) -> None:
+        self.manifest_yaml = manifest_yaml
         self.plan = plan_from_json(plan_json)
-        self.index = mesh
-        self.seed = seed
+        self.index, self.host, self.seed = mesh, host, seed
+        self.hosts = self.plan.stages[mesh].submesh_shape[0]
         self.timeout = receive_timeout
+        self._abort = threading.Event()
+        self.mailbox = Mailbox(self._abort)
+        self.peers: list[list[Any]] = []
+        self.layouts: list[dict] = []
+
+    def coordinator(self) -> str:
+        """An address for this mesh's JAX coordinator (called on host 0 only)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def setup(self, coordinator: str | None, init_timeout: int = 120) -> dict[str, Any]:
+        """Join the mesh's process group (several hosts), build the stage; who we are."""
+        if self.hosts > 1:
+            jax.distributed.initialize(coordinator, num_processes=self.hosts, process_id=self.host,
+                                       initialization_timeout=init_timeout)
+        manifest = parse_manifest(yaml.safe_load(self.manifest_yaml))
+        training = manifest.spec.training
         self.model = load_model(manifest.spec.model, training.dtype)
         self.batch_size = training.global_batch_size
         optimizer = make_optimizer(training.optimizer, training.learning_rate)
-        params = self.model.init(jax.random.key(seed))
+        params = self.model.init(jax.random.key(self.seed))
         self.split, names = split_for_plan(self.plan, self.model.loss, params, self.model.batch_shapes)
-        plan_stage = self.plan.stages[mesh]
-        devices = jax.devices()
-        size = int(np.prod(plan_stage.logical_mesh_shape))
-        if len(devices) < size:
-            raise RuntimeError(
-                f"mesh {mesh} needs {size} devices but its host has {len(devices)} "
-                f"({devices[0].platform}); start the mesh worker with --devices {size}"
-            )
-        grid = np.array(devices[:size], dtype=object).reshape(plan_stage.logical_mesh_shape)
-        mesh_obj = jax.sharding.Mesh(grid, tuple(plan_stage.axis_names))
-        self.stage = place_stage(self.plan, self.split, names, mesh, mesh_obj, jax.tree.leaves(params), optimizer)
+        plan_stage = self.plan.stages[self.index]
+        mesh_obj = jax.sharding.Mesh(mesh_devices(plan_stage, jax.devices()), tuple(plan_stage.axis_names))
+        self.stage = place_stage(self.plan, self.split, names, self.index, mesh_obj, jax.tree.leaves(params), optimizer)
         del params
-        self._abort = threading.Event()
-        self.mailbox = Mailbox(self._abort)
         self._loss_seed = loss_seed(self.plan.num_micro_batches, mesh_obj)
-        self.peers: list[Any] = []
-        self.layouts: list[dict] = []
+        return {"mesh": self.index, "host": self.host, "devices": len(jax.local_devices()),
+                "platform": jax.devices()[0].platform, "pid": os.getpid()}
 
-    def ready(self) -> dict[str, Any]:
-        """Who this actor is: mesh, devices, process."""
-        return {"mesh": self.index, "devices": len(jax.devices()), "platform": jax.devices()[0].platform,
-                "pid": os.getpid()}
-
-    def layout(self) -> dict[tuple[str, int], dict[int, Any]]:
-        """Per message address, the tiles (by mesh position) this stage receives into."""
-        return {
+    def layout(self) -> dict[str, Any]:
+        """Per message address, the tiles (by mesh position) this stage receives into,
+        and the host that owns each position. The same on every host of the mesh."""
+        owners = {p: int(d.process_index) for p, d in enumerate(self.stage.mesh.devices.flat)}
+        tiles = {
             layout_key(key): position_tiles(destination_sharding(self.split, self.stage, key), shape)
             for key, shape in addresses(self.split, self.index)
         }
+        return {"tiles": tiles, "owners": owners}
 
-    def connect(self, peers: list[Any], layouts: list[dict]) -> None:
-        """Learn every stage's actor handle and layout (index = stage)."""
+    def connect(self, peers: list[list[Any]], layouts: list[dict]) -> None:
+        """Learn every stage's actor handles (by host) and layout (index = stage)."""
         self.peers, self.layouts = peers, layouts
 
-    def deliver(self, key: Key, parcel: Any) -> None:
+    def deliver(self, key: Any, parcel: Any) -> None:
         """A peer's message (Ray has fetched the parcel from the object store)."""
         self.mailbox.put(key, parcel)
 
     def step(self, step: int) -> dict[str, Any]:
-        """Run training step ``step`` (0-based) of this stage; its times and losses."""
+        """Run training step ``step`` (0-based) of this stage; its times and losses
+        (the losses from host 0 only: every host of the mesh holds the same)."""
         batch = jax.tree.leaves(synthetic_batch(self.model, self.batch_size, seed=self.seed + step))
         micro = split_micro_batches(batch, self.plan.num_micro_batches)
-        link = RayLink(self.split, self.stage, self.peers, self.layouts, self.mailbox, self.timeout)
+        link = RayLink(self.split, self.stage, self.host, self.peers, self.layouts, self.mailbox, self.timeout)
         times, losses = run_stage_program(
             self.split, self.stage, Schedule(self.plan.schedule), len(self.plan.stages), micro, link,
             self._loss_seed,
         )
+        own = [float(np.asarray(x.addressable_data(0))) for x in losses if x is not None]
         return {
             "times": dataclasses.asdict(times),
-            "losses": [float(x) for x in losses if x is not None],
+            "losses": own if self.host == 0 else [],
             "sent_bytes": link.sent_bytes,
         }
 
-    def named_arrays(self) -> dict[str, Any]:
-        """This stage's own parameters and optimizer state as host arrays, by name."""
-        out = {f"params/{name}": np.asarray(value) for name, value in self.stage.params.items()}
-        leaves, _ = jax.tree_util.tree_flatten_with_path(self.stage.opt_state)
-        for path, leaf in leaves:
-            out[f"opt/{path_name(path)}"] = np.asarray(leaf)
+    def arrays(self) -> dict[str, Any]:
+        """This stage's parameters and optimizer state (global arrays), by checkpoint name."""
+        out = {f"params/{name}": value for name, value in self.stage.params.items()}
+        out.update(checkpoint.named_leaves("opt", self.stage.opt_state))
         return out
+
+    def shards(self) -> dict[str, Any]:
+        """This host's distinct shards of :meth:`arrays`: name -> (shape, dtype, pieces)."""
+        return {
+            name: (tuple(value.shape), str(value.dtype), checkpoint.local_pieces(value))
+            for name, value in self.arrays().items()
+        }
+
+    def save_part(self, root: str, step: int) -> dict[str, Any]:
+        """Write this host's shards into checkpoint ``step`` (begun by the driver)."""
+        return checkpoint.save_part(root, step, f"mesh{self.index}-host{self.host}", self.arrays())
+
+    def restore(self, root: str, step: int) -> None:
+        """Replace the stage's parameters and optimizer state with checkpoint ``step``'s."""
+        self.stage.params = {
+            name: checkpoint.restore(root, step, f"params/{name}", value.sharding)
+            for name, value in self.stage.params.items()
+        }
+        self.stage.opt_state = checkpoint.restore_tree(root, step, "opt", self.stage.opt_state)
+
+
+def stage_times(reply: dict[str, Any]) -> StageTimes:
+    """The :class:`StageTimes` of a :meth:`MeshHost.step` reply."""
+    times = reply["times"]
+    return StageTimes(**{**times, "forward": tuple(times["forward"]), "backward": tuple(times["backward"])})

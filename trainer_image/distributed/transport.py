@@ -17,6 +17,15 @@ positions, exactly as the local runtime does over device ids, and:
    puts it on that device, makes the plan's local copies inside the mesh, and returns
    one ``jax.Array`` with the receiver's sharding.
 
+Meshes spanning several hosts (one JAX process group per mesh): every host of the
+sending mesh computes the same plan and sends the pieces whose source position is its
+own, so each needed piece still travels once. :func:`cut_for_hosts` splits one
+host's pieces by the receiving host that owns each destination position (a copy
+inside the receiver whose two ends live on different hosts becomes a second piece
+sent straight to the far one); every sending host sends every receiving host one
+parcel, possibly empty, so a receiver knows how many to wait for, and :func:`merge`
+joins them before :func:`assemble`.
+
 The GPU path (NCCL send/receive of the same pieces between the two meshes' devices)
 would replace steps 2 and 3's host hop behind the same two functions; it is not
 built, and nothing here has run on a GPU.
@@ -82,12 +91,45 @@ def cut(array: jax.Array, dst_tiles: Tiles) -> Parcel:
     shards = {where[s.device.id]: s for s in array.addressable_shards}
     pieces: dict[int, list[tuple[Box, np.ndarray]]] = {}
     for send in plan.sends:
-        shard = shards[send.src]
+        shard = shards.get(send.src)
+        if shard is None:  # another host of this mesh holds it and sends it
+            continue
         origin = box_of(shard.index, array.shape)
         data = np.asarray(shard.data)[_local(send.box, origin)]
         pieces.setdefault(send.dst, []).append((send.box, data))
     copies = tuple((c.src, c.dst) for c in plan.copies)
     return Parcel(tuple(array.shape), str(array.dtype), pieces, copies)
+
+
+def cut_for_hosts(array: jax.Array, dst_tiles: Tiles, owners: Mapping[int, int], hosts: int) -> list[Parcel]:
+    """This host's pieces of ``array`` for the receiver, one parcel per receiving host
+    (``owners``: receiving position -> its host)."""
+    whole = cut(array, dst_tiles)
+    parcels = []
+    for host in range(hosts):
+        pieces = {p: parts for p, parts in whole.pieces.items() if owners[p] == host}
+        copies = []
+        for src, dst in whole.copies:
+            if owners[dst] != host:
+                continue
+            if owners[src] == host:
+                copies.append((src, dst))
+            elif src in whole.pieces:
+                pieces.setdefault(dst, []).extend(whole.pieces[src])
+        parcels.append(Parcel(whole.shape, whole.dtype, pieces, tuple(copies)))
+    return parcels
+
+
+def merge(parcels: list[Parcel]) -> Parcel:
+    """One parcel from the parcels every sending host sent this receiver."""
+    pieces: dict[int, list[tuple[Box, np.ndarray]]] = {}
+    copies: dict[tuple[int, int], None] = {}
+    for parcel in parcels:
+        for position, parts in parcel.pieces.items():
+            pieces.setdefault(position, []).extend(parts)
+        copies.update(dict.fromkeys(parcel.copies))
+    first = parcels[0]
+    return Parcel(first.shape, first.dtype, pieces, tuple(copies))
 
 
 def assemble(parcel: Parcel, sharding: Any) -> jax.Array:

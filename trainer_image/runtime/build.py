@@ -21,7 +21,7 @@ from alpajob.planner.extract import path_name
 from alpajob.planner.plan import Plan
 from alpajob.planner.schedules import Schedule
 from alpajob.trainer.runtime.executor import PipelineExecutor
-from alpajob.trainer.runtime.meshes import stage_mesh
+from alpajob.trainer.runtime.meshes import place, stage_mesh
 from alpajob.trainer.runtime.pinning import stage_pins
 from alpajob.trainer.runtime.split import SplitProgram, split_loss
 from alpajob.trainer.runtime.stage import StageRuntime, build_stage
@@ -68,7 +68,7 @@ def place_stage(
     stage = build_stage(split, index, plan.stages[index], mesh, names, optimizer, plan_shapes, pins)
     for leaf in split.stages[index].params:
         if split.home[leaf] == index:
-            stage.params[names[leaf]] = jax.device_put(np.array(leaves[leaf]), stage.param_sharding[leaf])
+            stage.params[names[leaf]] = place(np.array(leaves[leaf]), stage.param_sharding[leaf])
     stage.opt_state = stage.init_opt(stage.params)
     return stage
 

@@ -35,11 +35,11 @@ from operator import add
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpajob.planner.schedules import Direction, Schedule, instruction_list
+from alpajob.trainer.runtime.meshes import place
 from alpajob.trainer.runtime.split import SplitProgram
 from alpajob.trainer.runtime.stage import StageRuntime
 from alpajob.trainer.runtime.transport import move
@@ -189,7 +189,7 @@ def run_stage_program(
     for direction, j in instruction_list(schedule, s, num_stages, num_micro_batches):
         if direction is Direction.FORWARD:
             t0 = time.perf_counter()
-            leaves = [jax.device_put(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
+            leaves = [place(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
             comm += time.perf_counter() - t0
             inputs = [link.receive(("act", j, vid)) for vid in program.inputs]
             t0 = time.perf_counter()
@@ -255,7 +255,7 @@ def run_stage_program(
 
 def loss_seed(num_micro_batches: int, mesh: Any) -> jax.Array:
     """The cotangent the last stage seeds each micro-batch's loss with: ``1 / m``."""
-    return jax.device_put(jnp.float32(1.0 / num_micro_batches), NamedSharding(mesh, PartitionSpec()))
+    return place(np.float32(1.0 / num_micro_batches), NamedSharding(mesh, PartitionSpec()))
 
 
 class PipelineExecutor:

@@ -110,3 +110,17 @@ def local_devices(count: int | None = None) -> list[Any]:
             )
         devices = devices[:count]
     return devices
+
+
+def place(value: Any, sharding: Any) -> Any:
+    """The host array ``value`` as a global array with ``sharding``.
+
+    On a mesh of one process this is ``jax.device_put``. On a mesh spanning several
+    processes (hosts) every process holds the same ``value`` and places only the tiles
+    of its own devices (``jax.make_array_from_callback``): no collective, and hosts
+    need not have the same number of devices.
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    data = np.asarray(value)
+    return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
