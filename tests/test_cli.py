@@ -72,3 +72,29 @@ def test_models_and_schema(capsys):
     assert "gpt-39b" in names and "moe-70b" in names and "wresnet-13b" in names
     assert main(["schema"]) == 0
     assert json.loads(capsys.readouterr().out)["$id"].startswith("alpajob.io/plan")
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["mesh-worker", "--address", "127.0.0.1:1"], "--mesh"),
+        (["mesh-worker", "--mesh", "0", "--address", "127.0.0.1:1", "--devices", "0"], "--devices"),
+        (["driver", "{manifest}", "--plan", "{plan}"], "--address"),
+        (["driver", "{manifest}", "--plan", "{plan}", "--address", "127.0.0.1:1", "--steps", "0"], "--steps"),
+        (["driver", "{manifest}", "--plan", "{plan}", "--address", "127.0.0.1:1",
+          "--checkpoint-every", "0"], "--checkpoint-every"),
+        (["driver", "{manifest}", "--plan", "{plan}", "--address", "127.0.0.1:1",
+          "--max-restarts", "-1"], "--max-restarts"),
+    ],
+)
+def test_ray_commands_refuse_bad_flags_naming_them(tmp_path, capsys, monkeypatch, args, field):
+    """Bad flags of the Ray entry points exit 2 naming the flag, before touching Ray."""
+    for name in ("ALPAJOB_RAY_ADDRESS", "ALPAJOB_MESH", "ALPAJOB_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    manifest = EXAMPLES / "manual-gpt.yaml"
+    plan = tmp_path / "plan.json"
+    assert main(["plan", str(manifest), "--output", str(plan)]) == 0
+    capsys.readouterr()
+    filled = [a.format(manifest=manifest, plan=plan) for a in args]
+    assert main(filled) == 2
+    assert field in capsys.readouterr().err

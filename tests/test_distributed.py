@@ -8,13 +8,9 @@ single-device run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +24,8 @@ pytest.importorskip("ray")
 from alpajob.planner.plan import write_plan  # noqa: E402
 from alpajob.trainer.distributed.cluster import JoinTimeoutError  # noqa: E402
 from alpajob.trainer.distributed.driver import DriverOptions, drive  # noqa: E402
+from alpajob.trainer.distributed.loopback import LoopbackCluster, alive, descendants, free_port  # noqa: E402
 
-ALPAJOB = [sys.executable, "-m", "alpajob.cli"]
 STEPS = 3
 #: The mesh hosts the cluster offers: (mesh, host, devices). Mesh 1 has two hosts: a
 #: plan whose stage 1 is 1 x 4 uses host 0 alone; one whose stage 1 is 2 x 2 spans
@@ -37,110 +33,9 @@ STEPS = 3
 MESHES = [(0, 0, 2), (1, 0, 4), (1, 1, 2), (2, 0, 2)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pids: list[int]) -> set[int]:
-    """Every live process below ``pids`` (from /proc's parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    stack = list(pids)
-    while stack:
-        pid = stack.pop()
-        for child in children.get(pid, []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-class LoopbackCluster:
-    """A Ray head and mesh workers as processes of this machine."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-        self.env.pop("XLA_FLAGS", None)  # each worker forces its own device count
-        self.procs: list[subprocess.Popen] = []
-        self.workers: dict[tuple[int, int], subprocess.Popen] = {}
-        self.tracked: set[int] = set()
-
-    def _start(self, args: list[str], log: str, ready: str = "block forever", timeout: float = 90) -> subprocess.Popen:
-        out = open(self.root / log, "a")  # noqa: SIM115 (closed with the process)
-        begin = (self.root / log).stat().st_size
-        proc = subprocess.Popen(ALPAJOB + args, stdout=out, stderr=subprocess.STDOUT, env=self.env)
-        self.procs.append(proc)
-        deadline = time.monotonic() + timeout
-        while ready not in (self.root / log).read_text()[begin:]:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{log} did not start:\n{(self.root / log).read_text()[-3000:]}")
-            time.sleep(0.5)
-        return proc
-
-    def start_worker(self, mesh: int, host: int, devices: int) -> None:
-        self.workers[mesh, host] = self._start(
-            ["mesh-worker", "--address", self.address, "--mesh", str(mesh), "--host", str(host),
-             "--devices", str(devices)], f"mesh{mesh}-host{host}.log")
-
-    def start(self) -> None:
-        self._start(["ray-head", "--port", str(self.port), "--temp-dir", str(self.root / "ray")], "head.log")
-        for mesh, host, devices in MESHES:  # one at a time: raylets started together time out
-            self.start_worker(mesh, host, devices)
-
-    def kill_worker(self, mesh: int, host: int) -> None:
-        """SIGKILL a mesh worker and everything below it (the node is lost)."""
-        proc = self.workers.pop((mesh, host))
-        tree = _descendants([proc.pid]) | {proc.pid}
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        self.procs.remove(proc)
-        deadline = time.monotonic() + 30
-        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-    def stop(self) -> set[int]:
-        """Stop every process; return those still alive afterwards."""
-        self.tracked |= _descendants([p.pid for p in self.procs]) | {p.pid for p in self.procs}
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        while time.monotonic() < deadline and any(_alive(p) for p in self.tracked):
-            time.sleep(0.5)
-        self.procs = []
-        return {p for p in self.tracked if _alive(p)}
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    loop = LoopbackCluster(Path(str(tmp_path_factory.mktemp("ray", numbered=True))))
+    loop = LoopbackCluster(Path(str(tmp_path_factory.mktemp("ray", numbered=True))), MESHES)
     try:
         loop.start()
         yield loop
@@ -238,7 +133,7 @@ def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster:
     steps = 5
     doc = _manifest(TWO_MESHES)
     plan, serial = _plan_and_serial(doc, tmp_path, steps=steps)
-    port = _free_port()
+    port = free_port()
     scraped: list[str] = []
     restarted: list[threading.Thread] = []
 
@@ -273,6 +168,45 @@ def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster:
     assert status["phase"] == "Succeeded" and status["step"] == steps
     assert status["restarts"] == 1 and status["checkpoint_step"] == steps
     assert status["samples_per_second"] > 0
+
+
+def _actor_pids(cluster: LoopbackCluster, mesh: int, host: int) -> list[int]:
+    """The mesh host actors' processes below a worker (Ray titles them ``ray::MeshHost``)."""
+    pids = []
+    for pid in descendants([cluster.workers[mesh, host].pid]):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if title.startswith(b"ray::MeshHost"):
+            pids.append(pid)
+    return pids
+
+
+def test_a_hung_mesh_host_is_restarted_from_the_last_checkpoint(cluster: LoopbackCluster, tmp_path: Path) -> None:
+    """Mesh 1's actor is frozen (SIGSTOP) after step 2: step 3 gets no answer within the
+    step timeout, the driver stops every mesh (killing the frozen actor) and resumes
+    from the checkpoint of step 2 on fresh actors."""
+    steps = 4
+    doc = _manifest(TWO_MESHES)
+    plan, serial = _plan_and_serial(doc, tmp_path, steps=steps)
+    frozen: list[int] = []
+
+    def on_step(step: int, _loss: float, _seconds: float) -> None:
+        if step == 2 and not frozen:
+            frozen.extend(_actor_pids(cluster, 1, 0))
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+
+    options = DriverOptions(address=cluster.address, steps=steps, join_timeout=60, step_timeout=30,
+                            checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
+    began = time.monotonic()
+    result = drive(yaml.safe_dump(doc), plan, options, on_step=on_step)
+    assert frozen, "the mesh 1 actor should have been found and frozen"
+    assert result.restarts == 1 and result.resumed_from == [0, 2]
+    _assert_equal(result, serial)
+    assert not any(alive(pid) for pid in frozen)  # the hung actor was stopped for good
+    assert time.monotonic() - began < 180
 
 
 def test_a_mesh_host_that_never_joins_is_named(cluster: LoopbackCluster, tmp_path: Path) -> None:

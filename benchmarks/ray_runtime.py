@@ -1,0 +1,184 @@
+"""Ray runtime benchmark (issue 4): the same plan on the Ray runtime and on the local one,
+and cross-mesh transfers through the Ray object store against a memory copy.
+
+A loopback Ray cluster (:mod:`alpajob.trainer.distributed.loopback`) runs on this
+machine: mesh 0 host 0 and mesh 1 host 0 with 4 forced CPU devices each, mesh 1 host 1
+and mesh 2 host 0 with 2. Two plans of one GPT:
+
+- ``2 meshes``: stages on 1 x 4 and 1 x 4 (mesh 0, mesh 1 host 0);
+- ``3 meshes, one on 2 hosts``: 1 x 2, 2 x 2 (mesh 1 spans two processes: one JAX
+  process group, gloo collectives), 1 x 2.
+
+Each runs ``--steps`` steps with ``alpajob driver``'s code path and with ``alpajob run
+--plan`` (8 forced devices in this process); the table compares the median step time
+after the first (compiling) step. Then one actor per 4-device host moves arrays of
+several sizes from one mesh to the other exactly as the runtime does (cut by the
+transfer plan, ``ray.put``, delivered to the receiving actor, assembled on its devices)
+and the table compares the bytes per second with ``numpy.copyto`` of the same bytes.
+
+    python benchmarks/ray_runtime.py [--steps 6] [--config JSON] [--batch 32] [--sizes-mb 4,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+HOSTS = [(0, 0, 4), (1, 0, 4), (1, 1, 2), (2, 0, 2)]
+PLANS = {
+    "2 meshes (1x4, 1x4)": (1, [{"layers": [0, 2], "submeshShape": [1, 4]},
+                                {"layers": [2, 4], "submeshShape": [1, 4]}]),
+    "3 meshes (1x2, 2x2 on 2 hosts, 1x2)": (4, [{"layers": [0, 1], "submeshShape": [1, 2]},
+                                                {"layers": [1, 3], "submeshShape": [2, 2]},
+                                                {"layers": [3, 4], "submeshShape": [1, 2]}]),
+}
+
+
+class Probe:
+    """One 4-device host's end of a transfer (a Ray actor)."""
+
+    def __init__(self) -> None:
+        import jax
+        import numpy as np
+
+        self.mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+
+    def tiles(self, shape: tuple[int, ...], spec: tuple) -> dict:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from alpajob.trainer.distributed.transport import position_tiles
+
+        return position_tiles(NamedSharding(self.mesh, PartitionSpec(*spec)), shape)
+
+    def send(self, peer, shape: tuple[int, ...], spec: tuple, dst_tiles: dict, dst_spec: tuple, repeats: int) -> list[float]:
+        import jax
+        import numpy as np
+        import ray
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from alpajob.trainer.distributed.transport import cut
+
+        data = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+        array = jax.device_put(data, NamedSharding(self.mesh, PartitionSpec(*spec)))
+        seconds = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            ray.get(peer.receive.remote(ray.put(cut(array, dst_tiles)), dst_spec))
+            seconds.append(time.perf_counter() - began)
+        return seconds
+
+    def receive(self, parcel, spec: tuple) -> int:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from alpajob.trainer.distributed.transport import assemble
+
+        moved = assemble(parcel, NamedSharding(self.mesh, PartitionSpec(*spec)))
+        jax.block_until_ready(moved)
+        return parcel.nbytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--config", default='{"hidden":256,"layers":4,"heads":8,"seqLen":128,"vocab":1024}')
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--sizes-mb", default="4,16,64")
+    args = parser.parse_args()
+    config = json.loads(args.config) if args.config.startswith("{") else args.config
+
+    import numpy as np
+    import ray
+    import yaml
+
+    from alpajob.cli import cluster_for, plan_options
+    from alpajob.planner.extract import extract_model
+    from alpajob.planner.manifest import parse_manifest
+    from alpajob.planner.plan import write_plan
+    from alpajob.planner.planning import make_plan
+    from alpajob.trainer.distributed.driver import DriverOptions, drive
+    from alpajob.trainer.distributed.loopback import LoopbackCluster
+    from alpajob.trainer.entrypoint import load_model
+    from alpajob.trainer.local_run import RunOptions, run
+
+    class Flags:
+        method = None
+        ilp_time_limit = 5.0
+        baselines = False
+        nodes = gpus_per_node = gpu = None
+
+    root = Path(tempfile.mkdtemp(prefix="alpajob-ray-bench-"))
+    cluster = LoopbackCluster(root, HOSTS)
+    print(f"starting a loopback Ray cluster in {root} ...", flush=True)
+    cluster.start()
+    rows = []
+    try:
+        for name, (nodes, stages) in PLANS.items():
+            doc = {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "ray-bench"},
+                   "spec": {"model": {"zoo": "gpt", "config": config},
+                            "training": {"globalBatchSize": args.batch, "dtype": "float32", "optimizer": "sgd"},
+                            "cluster": {"gpu": "cpu", "nodes": nodes, "gpusPerNode": 8 // nodes},
+                            "parallelism": {"method": "manual", "numMicroBatches": 4, "numLayers": 4,
+                                            "stages": stages}}}
+            manifest = parse_manifest(doc)
+            training = manifest.spec.training
+            graph = extract_model(load_model(manifest.spec.model, training.dtype), training.global_batch_size,
+                                  optimizer=training.optimizer, learning_rate=training.learning_rate)
+            plan = make_plan(graph, cluster_for(manifest, Flags()), plan_options(manifest, Flags())).plan
+            write_plan(plan, root / "plan.json")
+            local = run(manifest, RunOptions(steps=args.steps, plan_path=str(root / "plan.json")))
+            remote = drive(yaml.safe_dump(doc), plan, DriverOptions(address=cluster.address, steps=args.steps))
+            np.testing.assert_allclose(remote.losses, local.losses, rtol=1e-4)
+            lo = statistics.median(local.step_seconds[1:])
+            ra = statistics.median(remote.step_seconds[1:])
+            mb = statistics.median(remote.sent_bytes) / 2**20
+            rows.append((name, lo, ra, mb))
+            print(f"{name}: local {lo * 1e3:.1f} ms, ray {ra * 1e3:.1f} ms, {mb:.1f} MiB between meshes per step", flush=True)
+
+        ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
+        actor = ray.remote(Probe)
+        a = actor.options(resources={"alpajob-mesh-0-host-0": 1}, num_cpus=0).remote()
+        b = actor.options(resources={"alpajob-mesh-1-host-0": 1}, num_cpus=0).remote()
+        transfers = []
+        for size in [int(x) for x in args.sizes_mb.split(",")]:
+            shape = (size * 2**20 // 4 // 1024, 1024)
+            buffer = np.ones(shape, np.float32)
+            out = np.empty_like(buffer)
+            copies = []
+            for _ in range(5):
+                began = time.perf_counter()
+                np.copyto(out, buffer)
+                copies.append(time.perf_counter() - began)
+            copy = statistics.median(copies)
+            for label, src, dst in [("x -> x", ("x",), ("x",)), ("x -> (None, x)", ("x",), (None, "x"))]:
+                tiles = ray.get(b.tiles.remote(shape, dst))
+                seconds = statistics.median(ray.get(a.send.remote(b, shape, src, tiles, dst, 5))[1:])
+                transfers.append((size, label, seconds, copy))
+                print(f"{size} MiB {label}: object store {size / 1024 / seconds:.2f} GiB/s, "
+                      f"memcpy {size / 1024 / copy:.2f} GiB/s", flush=True)
+        ray.shutdown()
+    finally:
+        left = cluster.stop()
+        if left:
+            print(f"warning: {len(left)} process(es) still alive after the cluster stopped")
+
+    print("\n| plan | local runtime (ms/step) | Ray runtime (ms/step) | Ray / local | between meshes (MiB/step) |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, lo, ra, mb in rows:
+        print(f"| {name} | {lo * 1e3:.1f} | {ra * 1e3:.1f} | {ra / lo:.2f}x | {mb:.1f} |")
+    print("\n| bytes | sharding | object store (GiB/s) | memcpy (GiB/s) | object store / memcpy |")
+    print("| --- | --- | --- | --- | --- |")
+    for size, label, seconds, copy in transfers:
+        print(f"| {size} MiB | {label} | {size / 1024 / seconds:.2f} | {size / 1024 / copy:.2f} | {copy / seconds:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
