@@ -1,0 +1,86 @@
+"""Deterministic names and labels of an AlpaJob's children.
+
+Every child's name follows from the job's name and the **attempt** (0 for the first
+run, one more after every restart of the whole job), so a restarted operator finds
+what it created before instead of creating it twice. The operator saves the names
+it is about to use into ``status.children`` before creating anything.
+
+=====================  ==========================================================
+``<job>-config``       ConfigMap: the AlpaJob as applied (``manifest.yaml``)
+``<job>-plan``         ConfigMap: the Plan (``plan.json``), written by the planner
+``<job>-planner``      Pod: runs ``alpajob plan`` once
+``<job>-head``         Service: the Ray head's GCS and the driver's metrics
+``<job>-hosts``        headless Service: DNS names of the mesh pods
+``<job>-<a>-head``     Pod: Ray head + driver of attempt ``a``
+``<job>-<a>-m<i>-h<j>`` Pod: host ``j`` of mesh ``i``, attempt ``a``
+``<job>-<a>``          PodGroup of attempt ``a`` (gang scheduling)
+=====================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "alpajob.io"
+VERSION = "v1alpha1"
+PLURAL = "alpajobs"
+KIND = "AlpaJob"
+
+LABEL_JOB = "alpajob.io/job"
+LABEL_ROLE = "alpajob.io/role"  # planner, head or mesh
+LABEL_ATTEMPT = "alpajob.io/attempt"
+LABEL_MESH = "alpajob.io/mesh"
+LABEL_HOST = "alpajob.io/host"
+
+
+@dataclass(frozen=True)
+class ChildNames:
+    """The names of one job's children for one attempt."""
+
+    job: str
+    attempt: int
+
+    @property
+    def config(self) -> str:
+        return f"{self.job}-config"
+
+    @property
+    def plan(self) -> str:
+        return f"{self.job}-plan"
+
+    @property
+    def planner(self) -> str:
+        return f"{self.job}-planner"
+
+    @property
+    def service(self) -> str:
+        return f"{self.job}-head"
+
+    @property
+    def hosts_service(self) -> str:
+        return f"{self.job}-hosts"
+
+    @property
+    def head(self) -> str:
+        return f"{self.job}-{self.attempt}-head"
+
+    @property
+    def pod_group(self) -> str:
+        return f"{self.job}-{self.attempt}"
+
+    def mesh_pod(self, mesh: int, host: int) -> str:
+        return f"{self.job}-{self.attempt}-m{mesh}-h{host}"
+
+    def to_status(self, hosts: list[tuple[int, int]]) -> dict[str, object]:
+        """What ``status.children`` records for this attempt."""
+        return {
+            "attempt": self.attempt,
+            "config": self.config,
+            "plan": self.plan,
+            "planner": self.planner,
+            "service": self.service,
+            "hostsService": self.hosts_service,
+            "head": self.head,
+            "podGroup": self.pod_group,
+            "meshPods": [self.mesh_pod(m, h) for m, h in hosts],
+        }

@@ -1,0 +1,354 @@
+"""One reconciliation of an AlpaJob: from what exists to what to do (pure).
+
+:func:`reconcile` is level-based: it looks at the job and its children as they are
+now and returns a :class:`Decision` (the new status, the children to create or
+delete, the events to post). The handlers apply it and call it again a moment later;
+every step is safe to repeat, so a restarted operator simply carries on. The steps,
+in order (the first that has something to wait for ends the pass):
+
+1. **finished** (Succeeded/Failed): delete what still runs; after
+   ``ttlSecondsAfterFinished`` delete the job itself;
+2. **deadline**: past ``activeDeadlineSeconds`` since the start, fail;
+3. **suspend**: delete the pods of the attempt, phase Suspended; on resume a new
+   attempt starts (from the last checkpoint);
+4. **plan**: the config and plan ConfigMaps, then the planner pod (the pool
+   decides the cluster it plans for); its failure fails the job with the
+   planner's message;
+5. **restart**: a failed pod of the attempt (head or mesh), or one gone missing
+   after it ran, restarts the *whole* job as a new attempt (every mesh, resuming
+   from the last complete checkpoint), counted against ``backoffLimit``; a pod of
+   an old attempt stuck terminating on a lost node is force-deleted, so it never
+   holds the job up;
+6. **children**: the Services, the PodGroup (when a gang scheduler is installed:
+   before the pods), the head pod and every mesh pod, named in ``status.children``
+   before they are created;
+7. **observe**: Starting until every pod runs, then Running; the head pod's
+   success is the job's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from alpajob.operator import children
+from alpajob.operator.names import LABEL_ATTEMPT, LABEL_ROLE, ChildNames
+from alpajob.operator.pool import PoolError, PoolNode, assign_nodes, pool_cluster
+from alpajob.operator.status import FINISHED, with_phase
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The job and its world as the handlers read them."""
+
+    job: Mapping[str, Any]
+    now: datetime
+    manifest_yaml: str
+    pool: Sequence[PoolNode] = ()
+    configmaps: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # the job's pods, by name
+    services: frozenset[str] = frozenset()
+    pod_groups: frozenset[str] = frozenset()
+    gang: str | None = None  # installed gang scheduler: volcano, coscheduling or None
+    ready_nodes: frozenset[str] = frozenset()
+
+
+@dataclass
+class Decision:
+    """What to do: status first (children's names included), then creations, deletions."""
+
+    status: dict[str, Any]
+    create: list[dict[str, Any]] = field(default_factory=list)
+    delete: list[tuple[str, str, int | None]] = field(default_factory=list)  # kind, name, grace seconds
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
+    delete_job: bool = False
+
+
+def _time(now: datetime) -> str:
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=None)
+
+
+def _phase(pod: Mapping[str, Any] | None) -> str | None:
+    return None if pod is None else (pod.get("status") or {}).get("phase", "Pending")
+
+
+def _terminating(pod: Mapping[str, Any]) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def _pod_message(pod: Mapping[str, Any]) -> str:
+    """The reason a pod failed: its container's termination message, else its status."""
+    status = pod.get("status") or {}
+    for container in status.get("containerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if terminated.get("message"):
+            return str(terminated["message"]).strip()[-2000:]
+        if terminated.get("reason"):
+            return f"{terminated['reason']} (exit code {terminated.get('exitCode')})"
+    return str(status.get("message") or status.get("reason") or "the pod failed")
+
+
+class _Pass:
+    """One reconciliation pass's state (see the module docstring)."""
+
+    def __init__(self, seen: Observed) -> None:
+        self.seen = seen
+        self.job = seen.job
+        self.spec = seen.job.get("spec") or {}
+        self.meta = seen.job["metadata"]
+        self.generation = int(self.meta.get("generation") or 1)
+        self.now = _time(seen.now)
+        status = dict(seen.job.get("status") or {})
+        status.setdefault("restarts", 0)
+        status.setdefault("phase", "Pending")
+        self.decision = Decision(status=status)
+        self.attempt = int((status.get("children") or {}).get("attempt", 0))
+        self.names = ChildNames(self.meta["name"], self.attempt)
+        self.run_policy = self.spec.get("runPolicy") or {}
+
+    # ------------------------------------------------------------ helpers
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.decision.status
+
+    def phase(self, phase: str, reason: str, message: str = "", meshes_ready: bool = False) -> None:
+        before = self.status.get("phase")
+        planned = bool(self.status.get("plan"))
+        self.decision.status = with_phase(self.status, phase, reason, message, self.generation, self.now,
+                                          planned, meshes_ready)
+        if phase != before:
+            kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
+            self.decision.events.append((kind, reason, message or f"phase {before} -> {phase}"))
+            if phase in FINISHED:
+                self.status["completionTime"] = self.now
+
+    def pods_of(self, attempt: int | None = None, role: str | None = None) -> dict[str, Mapping[str, Any]]:
+        out = {}
+        for name, pod in self.seen.pods.items():
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            if attempt is not None and labels.get(LABEL_ATTEMPT) != str(attempt):
+                continue
+            if role is not None and labels.get(LABEL_ROLE) != role:
+                continue
+            out[name] = pod
+        return out
+
+    def delete_pods(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
+        """Delete ``pods``; one stuck terminating on a node that is gone is forced."""
+        for name, pod in pods.items():
+            node = (pod.get("spec") or {}).get("nodeName")
+            if _terminating(pod):
+                if node and node not in self.seen.ready_nodes:
+                    self.decision.delete.append(("Pod", name, 0))
+                continue
+            self.decision.delete.append(("Pod", name, None))
+
+    def hosts(self) -> list[tuple[int, int, int]]:
+        """(mesh, host, hosts of the mesh) of the plan."""
+        return [(m, h, n) for m, h, n, _ in self.host_devices()]
+
+    def host_devices(self) -> list[tuple[int, int, int, int]]:
+        """(mesh, host, hosts of the mesh, devices per host) of the plan."""
+        out = []
+        for stage in self.plan_doc["stages"]:
+            n, m = (int(x) for x in stage["submesh_shape"])
+            out.extend((int(stage["index"]), j, n, m) for j in range(n))
+        return out
+
+    # ------------------------------------------------------------ steps
+    def finished(self) -> bool:
+        if self.status.get("phase") not in FINISHED:
+            return False
+        self.delete_pods({n: p for n, p in self.seen.pods.items()})
+        ttl = self.run_policy.get("ttlSecondsAfterFinished")
+        done = _parse_time(self.status.get("completionTime"))
+        if ttl is not None and done is not None and (self.seen.now.replace(tzinfo=None) - done).total_seconds() >= ttl:
+            self.decision.delete_job = True
+        return True
+
+    def deadline(self) -> bool:
+        limit = self.run_policy.get("activeDeadlineSeconds")
+        started = _parse_time(self.status.get("startTime"))
+        if limit is None or started is None:
+            return False
+        if (self.seen.now.replace(tzinfo=None) - started).total_seconds() < limit:
+            return False
+        self.delete_pods(self.seen.pods)
+        self.phase("Failed", "DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds ({limit} s)")
+        return True
+
+    def suspend(self) -> bool:
+        if self.run_policy.get("suspend"):
+            self.delete_pods(self.seen.pods)
+            if self.status.get("phase") != "Suspended":
+                self.phase("Suspended", "Suspended", "spec.runPolicy.suspend is true; pods deleted")
+            return True
+        if self.status.get("phase") == "Suspended":
+            # Resume: a fresh attempt, from the last complete checkpoint.
+            self.next_attempt()
+            self.phase("Starting", "Resumed", "resumed; restarting every mesh from the last checkpoint")
+        return False
+
+    def next_attempt(self) -> None:
+        self.attempt += 1
+        self.names = ChildNames(self.meta["name"], self.attempt)
+        self.status["children"] = {**(self.status.get("children") or {}), "attempt": self.attempt}
+
+    def plan(self) -> bool:
+        """Ensure the plan; True while it is not there yet (or failed)."""
+        names, configmaps = self.names, self.seen.configmaps
+        self.status.setdefault("startTime", self.now)
+        if names.config not in configmaps:
+            self.decision.create.append(children.config_map(self.job, names, self.seen.manifest_yaml))
+        if names.plan not in configmaps:
+            self.decision.create.append(children.plan_config_map(self.job, names))
+        text = ((configmaps.get(names.plan) or {}).get("data") or {}).get("plan.json")
+        if text:
+            try:
+                self.plan_doc = json.loads(text)
+            except json.JSONDecodeError as error:
+                self.phase("Failed", "InvalidPlan", f"ConfigMap {names.plan}: plan.json is not JSON ({error})")
+                return True
+            if self.status.get("plan", {}).get("hash") != self.plan_doc.get("hash"):
+                self.status["plan"] = self.summary()
+            planner = self.seen.pods.get(names.planner)
+            if planner is not None and _phase(planner) in ("Succeeded", "Failed"):
+                self.delete_pods({names.planner: planner})
+            return False
+        planner = self.seen.pods.get(names.planner)
+        if planner is None:
+            try:
+                cluster = pool_cluster(self.spec.get("cluster") or {}, self.seen.pool)
+            except PoolError as error:
+                self.phase("Failed", "NoNodePool", str(error))
+                return True
+            self.status["children"] = {**(self.status.get("children") or {}), "attempt": self.attempt,
+                                       "planner": names.planner}
+            self.decision.create.append(children.planner_pod(self.job, names, cluster))
+            self.phase("Planning", "Planning",
+                       f"planning for {cluster.nodes} x {cluster.gpus_per_node} {cluster.preset}")
+        elif _phase(planner) == "Failed":
+            self.phase("Failed", "PlanningFailed", _pod_message(planner))
+        elif self.status.get("phase") != "Planning":
+            self.phase("Planning", "Planning", "the planner pod is running")
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        doc = self.plan_doc
+        stages = doc.get("stages") or []
+        return {
+            "configMap": self.names.plan,
+            "hash": doc.get("hash"),
+            "stages": len(stages),
+            "meshes": len(stages),
+            "predictedStepSeconds": doc.get("predicted_step_seconds"),
+            "numMicroBatches": doc.get("num_micro_batches"),
+        }
+
+    def restart(self) -> bool:
+        """Restart the whole job after a failure of the current attempt; True if it did."""
+        current = self.pods_of(self.attempt)
+        created = (self.status.get("children") or {}).get("created") == self.attempt
+        expected = [self.names.head] + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts()]
+        failed = [n for n, p in current.items() if _phase(p) == "Failed"]
+        missing = [n for n in expected if created and n not in self.seen.pods]
+        head_done = _phase(current.get(self.names.head)) == "Succeeded"
+        # Old attempts' pods: deleted, forced when stuck on a lost node.
+        self.delete_pods({n: p for n, p in self.seen.pods.items()
+                          if n not in current and n != self.names.planner})
+        if head_done or not (failed or missing):
+            return False
+        what = ", ".join(f"{n} failed: {_pod_message(current[n])}" for n in failed)
+        what += ", ".join(f"{n} is gone" for n in missing)
+        limit = int(self.run_policy.get("backoffLimit", 3))
+        self.delete_pods(current)
+        if self.status["restarts"] >= limit:
+            self.phase("Failed", "BackoffLimitExceeded",
+                       f"{what}; the job restarted {self.status['restarts']} times (backoffLimit {limit})")
+            return True
+        self.status["restarts"] += 1
+        self.next_attempt()
+        self.phase("Restarting", "PodFailed",
+                   f"{what}; restarting every mesh from the last checkpoint "
+                   f"(restart {self.status['restarts']} of {limit})")
+        return True
+
+    def ensure_children(self) -> bool:
+        """Create what is missing; True if the pool cannot hold the plan any more."""
+        names, job, gang = self.names, self.job, self.seen.gang
+        try:
+            nodes = assign_nodes(self.plan_doc["stages"], self.seen.pool)
+        except PoolError as error:
+            self.phase("Failed", "PoolShrank", str(error))
+            return True
+        hosts = self.hosts()
+        cluster = self.plan_doc.get("cluster") or {}
+        cpu = (cluster.get("device") or {}).get("name") == "cpu" or cluster.get("preset") == "cpu"
+        record = names.to_status([(m, h) for m, h, _ in hosts])
+        self.status["children"] = {**(self.status.get("children") or {}), **record}
+        if names.service not in self.seen.services:
+            self.decision.create.append(children.head_service(job, names))
+        if names.hosts_service not in self.seen.services:
+            self.decision.create.append(children.hosts_service(job, names))
+        if gang and names.pod_group not in self.seen.pod_groups:
+            members = 1 + len(hosts)
+            gpus = 0 if cpu else sum(m for _, _, _, m in self.host_devices())
+            self.decision.create.append(children.pod_group(job, names, gang, members, gpus))
+        if names.head not in self.seen.pods:
+            self.decision.create.append(children.head_pod(job, names, gang))
+        for mesh, host, count, devices in self.host_devices():
+            if names.mesh_pod(mesh, host) not in self.seen.pods:
+                self.decision.create.append(
+                    children.mesh_pod(job, names, mesh, host, count, nodes[mesh, host], devices, cpu, gang))
+        return False
+
+    def observe(self) -> None:
+        current = self.pods_of(self.attempt)
+        head = current.get(self.names.head)
+        meshes: dict[int, dict[str, Any]] = {}
+        for mesh, host, count in self.hosts():
+            entry = meshes.setdefault(mesh, {"name": f"mesh-{mesh}", "nodes": count, "readyPods": 0, "totalPods": count})
+            if _phase(current.get(self.names.mesh_pod(mesh, host))) == "Running":
+                entry["readyPods"] += 1
+        self.status["meshes"] = [meshes[k] for k in sorted(meshes)]
+        expected = [self.names.head] + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts()]
+        if all(name in current for name in expected):
+            # Every pod of the attempt has been seen: from now on one that vanishes
+            # (its node lost, evicted) counts as a failure.
+            self.status["children"]["created"] = self.attempt
+        if _phase(head) == "Succeeded":
+            self.delete_pods({n: p for n, p in current.items() if n != self.names.head})
+            self.phase("Succeeded", "TrainingFinished", "the driver finished every step")
+            return
+        running = head is not None and _phase(head) == "Running" and all(
+            m["readyPods"] == m["totalPods"] for m in meshes.values())
+        if running:
+            self.phase("Running", "Training", "every mesh is running", meshes_ready=True)
+        else:
+            ready = sum(m["readyPods"] for m in meshes.values())
+            total = sum(m["totalPods"] for m in meshes.values())
+            self.phase("Starting", "PodsStarting", f"{ready} of {total} mesh pods running")
+
+    def run(self) -> Decision:
+        if self.finished() or self.deadline() or self.suspend() or self.plan():
+            return self.decision
+        if self.restart():
+            return self.decision
+        if self.ensure_children():
+            return self.decision
+        self.observe()
+        return self.decision
+
+
+def reconcile(seen: Observed) -> Decision:
+    """What to do about ``seen.job`` now (see the module docstring)."""
+    return _Pass(seen).run()

@@ -1,0 +1,270 @@
+"""The operator's reconciliation, pass by pass, against an in-memory world.
+
+:func:`reconcile` is pure: a tiny world here applies its decisions (status, creations,
+deletions) the way the handlers apply them to the API, and the tests play the kubelet
+by moving pods through their phases.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from alpajob.cli import main
+from alpajob.operator.names import LABEL_JOB
+from alpajob.operator.pool import PoolNode
+from alpajob.operator.reconcile import Observed, reconcile
+
+EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
+
+
+@pytest.fixture(scope="module")
+def plan_json(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A real plan of the 2-stage manual example (``alpajob plan --output``)."""
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert main(["plan", str(EXAMPLES / "manual-gpt.yaml"), "--output", str(out)]) == 0
+    return out.read_text()
+
+
+class World:
+    """The API server's objects for one job, and a clock."""
+
+    def __init__(self, spec_edits: dict[str, Any] | None = None, nodes: int = 1) -> None:
+        doc = yaml.safe_load((EXAMPLES / "manual-gpt.yaml").read_text())
+        doc["metadata"].update(namespace="ml", uid="uid-1", generation=1)
+        doc["spec"].update(spec_edits or {})
+        self.job = doc
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.now = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
+        self.pool = [PoolNode(f"node-{i}", 8, None) for i in range(nodes)]
+        self.ready = frozenset(n.name for n in self.pool)
+        self.gang: str | None = None
+        self.events: list[tuple[str, str, str]] = []
+        self.deleted_job = False
+        self.forced: list[str] = []
+
+    def pods(self) -> dict[str, dict[str, Any]]:
+        return {name: obj for (kind, name), obj in self.objects.items() if kind == "Pod"}
+
+    def step(self, seconds: float = 1.0):
+        self.now += timedelta(seconds=seconds)
+        seen = Observed(
+            job=copy.deepcopy(self.job), now=self.now, manifest_yaml=yaml.safe_dump(self.job),
+            pool=self.pool,
+            configmaps={n: o for (k, n), o in self.objects.items() if k == "ConfigMap"},
+            pods=self.pods(),
+            services=frozenset(n for k, n in self.objects if k == "Service"),
+            pod_groups=frozenset(n for k, n in self.objects if k == "PodGroup"),
+            gang=self.gang, ready_nodes=self.ready,
+        )
+        decision = reconcile(seen)
+        self.job["status"] = decision.status
+        for obj in decision.create:
+            key = (obj["kind"], obj["metadata"]["name"])
+            assert key not in self.objects, f"{key} created twice"
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+            self.objects[key] = copy.deepcopy(obj)
+            if obj["kind"] == "Pod":
+                self.objects[key]["status"] = {"phase": "Pending"}
+        for kind, name, grace in decision.delete:
+            if grace == 0:
+                self.forced.append(name)
+            obj = self.objects.get((kind, name))
+            if obj is not None and (grace == 0 or not obj["metadata"].get("stuck")):
+                del self.objects[kind, name]
+        self.events += decision.events
+        self.deleted_job |= decision.delete_job
+        return decision
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.job["status"]
+
+    def set_pods(self, phase: str, role: str | None = None, **status: Any) -> None:
+        for pod in self.pods().values():
+            if role is None or pod["metadata"]["labels"]["alpajob.io/role"] == role:
+                pod["status"] = {"phase": phase, **status}
+
+    def planned(self, plan_json: str) -> None:
+        """Play the planner pod: write the plan, succeed."""
+        self.objects["ConfigMap", "manual-gpt-plan"]["data"] = {"plan.json": plan_json}
+        self.objects["Pod", "manual-gpt-planner"]["status"] = {"phase": "Succeeded"}
+
+    def condition(self, kind: str) -> str:
+        return next(c["status"] for c in self.status["conditions"] if c["type"] == kind)
+
+
+def _running(world: World, plan_json: str) -> None:
+    world.step()
+    world.planned(plan_json)
+    world.step()
+    world.set_pods("Running")
+    world.step()
+
+
+def test_a_new_job_plans_in_a_pod_for_the_pool(plan_json: str) -> None:
+    world = World()
+    decision = world.step()
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in decision.create]
+    assert kinds == [("ConfigMap", "manual-gpt-config"), ("ConfigMap", "manual-gpt-plan"),
+                     ("Pod", "manual-gpt-planner")]
+    planner = world.objects["Pod", "manual-gpt-planner"]
+    command = planner["spec"]["containers"][0]["command"]
+    assert command[:3] == ["alpajob", "plan", "/etc/alpajob/manifest.yaml"]
+    assert command[command.index("--gpu") + 1] == "cpu" and command[command.index("--nodes") + 1] == "1"
+    assert command[-1] == "ml/manual-gpt-plan"
+    assert world.status["phase"] == "Planning" and world.status["children"]["planner"] == "manual-gpt-planner"
+    assert world.step().create == []  # nothing twice while planning
+
+
+def test_after_planning_every_child_is_created_once_with_its_environment(plan_json: str) -> None:
+    world = World()
+    world.step()
+    world.planned(plan_json)
+    decision = world.step()
+    created = [(o["kind"], o["metadata"]["name"]) for o in decision.create]
+    assert created == [("Service", "manual-gpt-head"), ("Service", "manual-gpt-hosts"),
+                       ("Pod", "manual-gpt-0-head"), ("Pod", "manual-gpt-0-m0-h0"), ("Pod", "manual-gpt-0-m1-h0")]
+    assert world.status["children"]["meshPods"] == ["manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0"]
+    assert world.status["plan"]["stages"] == 2 and world.status["plan"]["hash"]
+    assert ("Pod", "manual-gpt-planner") not in world.objects  # done: cleaned up
+    pod = world.objects["Pod", "manual-gpt-0-m1-h0"]
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["ALPAJOB_RAY_ADDRESS"] == "manual-gpt-head.ml.svc:6379"
+    assert (env["ALPAJOB_MESH"], env["ALPAJOB_HOST"], env["ALPAJOB_PROCESS_COUNT"]) == ("1", "0", "1")
+    assert env["ALPAJOB_DEVICES"] == "4"  # a cpu plan: forced devices, no GPU request
+    assert pod["metadata"]["labels"][LABEL_JOB] == "manual-gpt"
+    term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["node-0"]
+    assert world.status["phase"] == "Starting"
+    assert world.step().create == []
+
+
+def test_running_then_succeeded_then_cleaned_up_and_deleted_after_ttl(plan_json: str) -> None:
+    world = World({"runPolicy": {"ttlSecondsAfterFinished": 60}})
+    _running(world, plan_json)
+    assert world.status["phase"] == "Running"
+    assert world.condition("Ready") == "True" and world.condition("MeshesReady") == "True"
+    assert world.status["meshes"] == [{"name": "mesh-0", "nodes": 1, "readyPods": 1, "totalPods": 1},
+                                      {"name": "mesh-1", "nodes": 1, "readyPods": 1, "totalPods": 1}]
+    world.set_pods("Succeeded", role="head")
+    world.step()
+    assert world.status["phase"] == "Succeeded" and world.status["completionTime"]
+    world.step()
+    assert not world.pods()  # nothing left running
+    assert not world.deleted_job
+    world.step(61)
+    assert world.deleted_job
+    assert [e[1] for e in world.events if e[0] == "Normal"][-1] == "TrainingFinished"
+
+
+def test_a_failed_pod_restarts_every_mesh_then_backoff_fails_the_job(plan_json: str) -> None:
+    world = World({"runPolicy": {"backoffLimit": 1}})
+    _running(world, plan_json)
+    world.objects["Pod", "manual-gpt-0-m1-h0"]["status"] = {
+        "phase": "Failed", "containerStatuses": [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}
+    world.step()
+    assert world.status["phase"] == "Restarting" and world.status["restarts"] == 1
+    assert any("OOMKilled" in e[2] and e[1] == "PodFailed" for e in world.events)
+    assert not [n for n in world.pods() if n.startswith("manual-gpt-0-")]  # the whole attempt went
+    world.step()
+    assert sorted(world.pods()) == ["manual-gpt-1-head", "manual-gpt-1-m0-h0", "manual-gpt-1-m1-h0"]
+    world.set_pods("Running")
+    world.step()
+    assert world.status["phase"] == "Running"
+    world.set_pods("Failed", role="head")
+    world.step()
+    assert world.status["phase"] == "Failed"
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded" and failed["status"] == "True"
+    world.step()
+    assert not world.pods()
+
+
+def test_a_pod_lost_with_its_node_restarts_the_job_and_never_hangs_it(plan_json: str) -> None:
+    world = World()
+    _running(world, plan_json)
+    pod = world.objects["Pod", "manual-gpt-0-m0-h0"]
+    pod["metadata"].update(deletionTimestamp="2026-11-21T12:00:05Z", stuck=True)
+    pod["spec"]["nodeName"] = "node-0"
+    pod["status"] = {"phase": "Failed", "reason": "NodeLost"}
+    world.ready = frozenset()  # the node is gone
+    world.step()
+    assert world.status["phase"] == "Restarting"
+    assert "manual-gpt-0-m0-h0" in world.forced  # stuck Terminating: force-deleted
+    world.ready = frozenset({"node-0"})
+    world.step()
+    assert "manual-gpt-1-m0-h0" in world.pods()
+
+
+def test_suspend_deletes_the_pods_and_resume_starts_a_new_attempt(plan_json: str) -> None:
+    world = World()
+    _running(world, plan_json)
+    world.job["spec"]["runPolicy"] = {"suspend": True}
+    world.step()
+    assert world.status["phase"] == "Suspended" and world.condition("Suspended") == "True"
+    assert not world.pods()
+    world.step()
+    assert not world.pods()
+    world.job["spec"]["runPolicy"] = {"suspend": False}
+    world.step()
+    assert world.status["children"]["attempt"] == 1
+    assert "manual-gpt-1-head" in world.pods() and world.status["restarts"] == 0
+
+
+def test_the_deadline_fails_the_job(plan_json: str) -> None:
+    world = World({"runPolicy": {"activeDeadlineSeconds": 30}})
+    _running(world, plan_json)
+    world.step(40)
+    assert world.status["phase"] == "Failed"
+    assert next(c for c in world.status["conditions"] if c["type"] == "Failed")["reason"] == "DeadlineExceeded"
+
+
+def test_no_matching_nodes_fails_naming_the_selector() -> None:
+    world = World()
+    world.pool = []
+    world.step()
+    assert world.status["phase"] == "Failed"
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "NoNodePool" and "spec.cluster.nodeSelector" in failed["message"]
+
+
+def test_a_failed_planner_fails_the_job_with_its_message() -> None:
+    world = World()
+    world.step()
+    world.objects["Pod", "manual-gpt-planner"]["status"] = {"phase": "Failed", "containerStatuses": [
+        {"state": {"terminated": {"exitCode": 2, "message": "error: the model needs 80 GiB per device"}}}]}
+    world.step()
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert world.status["phase"] == "Failed" and "80 GiB" in failed["message"]
+    assert ("Warning", "PlanningFailed") in [(e[0], e[1]) for e in world.events]
+
+
+def test_with_volcano_the_pod_group_comes_first_and_pods_join_it(plan_json: str) -> None:
+    world = World({"scheduling": {"queue": "research"}})
+    world.gang = "volcano"
+    world.step()
+    world.planned(plan_json)
+    decision = world.step()
+    kinds = [o["kind"] for o in decision.create]
+    assert kinds.index("PodGroup") < kinds.index("Pod")
+    group = world.objects["PodGroup", "manual-gpt-0"]
+    assert group["spec"]["minMember"] == 3 and group["spec"]["queue"] == "research"
+    for pod in world.pods().values():
+        assert pod["spec"]["schedulerName"] == "volcano"
+        assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "manual-gpt-0"
+
+
+def test_conditions_keep_their_transition_time_until_they_flip(plan_json: str) -> None:
+    world = World()
+    _running(world, plan_json)
+    since = next(c for c in world.status["conditions"] if c["type"] == "Ready")["lastTransitionTime"]
+    world.step(5)
+    world.step(5)
+    assert next(c for c in world.status["conditions"] if c["type"] == "Ready")["lastTransitionTime"] == since
+    assert world.status["observedGeneration"] == 1
