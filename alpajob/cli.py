@@ -41,6 +41,7 @@ from rich.table import Table
 
 from alpajob.cli_ray import add_parsers as add_ray_parsers
 from alpajob.cli_ray import dispatch as dispatch_ray
+from alpajob.operator import main as operator_main
 from alpajob.planner.cluster import ClusterSpec, cluster_from_preset, preset_names
 from alpajob.planner.errors import AlpaJobError, ClusterError, ManifestError
 from alpajob.planner.manifest import AlpaJobManifest, Method, load_manifest
@@ -61,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-node", type=int, help="override spec.cluster.gpusPerNode")
     plan.add_argument("--gpu", help=f"override the device preset ({', '.join(preset_names())})")
     plan.add_argument("--output", "-o", help="write the Plan document (JSON) here")
+    plan.add_argument("--output-configmap", metavar="NAMESPACE/NAME",
+                      help="also write the Plan into this ConfigMap as plan.json (the planning pod of a job)")
     plan.add_argument("--baselines", action="store_true",
                       help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
     plan.add_argument("--ilp-time-limit", type=float, default=10.0,
@@ -82,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--ilp-time-limit", type=float, default=10.0,
                      help="seconds allowed to each intra-op ILP solve (default 10)")
     add_ray_parsers(sub)
+    operator_main.add_parser(sub)
     sub.add_parser("models", help="list the zoo's named model configurations")
     sub.add_parser("schema", help="print the Plan document's JSON schema")
     return parser
@@ -232,6 +236,11 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.output:
         write_plan(plan, args.output)
         out.print(f"plan written to {args.output}")
+    if args.output_configmap:
+        from alpajob.trainer.publish import write_plan_configmap
+
+        write_plan_configmap(plan.to_json(), args.output_configmap)
+        out.print(f"plan written to ConfigMap {args.output_configmap}")
     return 0
 
 
@@ -338,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_run(args, out, err)
         if args.command == "models":
             return cmd_models(out)
+        if args.command == "operator":
+            return operator_main.run(args)
         done = dispatch_ray(args, out)
         if done is not None:
             return done

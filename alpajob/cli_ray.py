@@ -48,6 +48,9 @@ def add_parsers(sub: Any) -> None:
     driver.add_argument("manifest", help="AlpaJob YAML")
     driver.add_argument("--plan", required=True, help="the Plan file (`alpajob plan --output`)")
     driver.add_argument("--address", help=f"the head's host:port (default ${ray_cluster.ENV_ADDRESS})")
+    driver.add_argument("--head-port", type=int,
+                        help="start the job's Ray head here first (port P) and drive through it; "
+                             "stop it at the end (the head pod of a job runs this)")
     driver.add_argument("--steps", type=int, help="steps to train (default spec.training.steps)")
     driver.add_argument("--seed", type=int, help="parameter and data seed (default spec.training.seed)")
     driver.add_argument("--join-timeout", type=float,
@@ -68,6 +71,8 @@ def add_parsers(sub: Any) -> None:
 
 
 def _address(args: argparse.Namespace) -> str:
+    if getattr(args, "head_port", None):
+        return f"127.0.0.1:{args.head_port}"
     address = args.address or os.environ.get(ray_cluster.ENV_ADDRESS)
     if not address:
         raise ManifestError("--address", f"give the Ray head's host:port (or set ${ray_cluster.ENV_ADDRESS})")
@@ -131,7 +136,16 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
     def on_event(what: str) -> None:
         out.print(f"[yellow]{what}[/yellow]")
 
-    result = drive(Path(args.manifest).read_text(), plan, options, on_step=on_step, on_event=on_event)
+    if args.head_port:
+        import subprocess
+
+        command = ray_cluster.head_command(args.head_port, None, block=False)
+        subprocess.run(command, env=ray_cluster.ray_env(), check=True)
+    try:
+        result = drive(Path(args.manifest).read_text(), plan, options, on_step=on_step, on_event=on_event)
+    finally:
+        if args.head_port:
+            subprocess.run([ray_cluster.ray_binary(), "stop"], env=ray_cluster.ray_env(), check=False)
     out.print(f"done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}, "
               f"{result.restarts} restart(s), last checkpoint step {result.checkpoint_step}")
     return 0

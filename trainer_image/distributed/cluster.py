@@ -90,14 +90,14 @@ def ray_env(devices: int | None = None) -> dict[str, str]:
     return env
 
 
-def _ray_binary() -> str:
+def ray_binary() -> str:
     candidate = os.path.join(os.path.dirname(sys.executable), "ray")
     return candidate if os.path.exists(candidate) else "ray"
 
 
 def head_command(port: int, temp_dir: str | None, block: bool, num_cpus: int | None = 0) -> list[str]:
     """``ray start --head``: the GCS and a raylet that runs no mesh actor (0 CPUs)."""
-    command = [_ray_binary(), "start", "--head", f"--port={port}", "--include-dashboard=false",
+    command = [ray_binary(), "start", "--head", f"--port={port}", "--include-dashboard=false",
                "--disable-usage-stats"]
     if num_cpus is not None:
         command.append(f"--num-cpus={num_cpus}")
@@ -111,7 +111,7 @@ def head_command(port: int, temp_dir: str | None, block: bool, num_cpus: int | N
 def worker_command(address: str, mesh: int, host: int, block: bool, num_cpus: int = 1) -> list[str]:
     """``ray start --address``: a raylet offering this mesh host's resource."""
     resources = json.dumps({host_resource(mesh, host): 1})
-    command = [_ray_binary(), "start", f"--address={address}", f"--resources={resources}",
+    command = [ray_binary(), "start", f"--address={address}", f"--resources={resources}",
                f"--num-cpus={num_cpus}", "--disable-usage-stats"]
     if block:
         command.append("--block")

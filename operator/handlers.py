@@ -1,0 +1,100 @@
+"""The kopf operator: one daemon per AlpaJob runs the reconciliation loop.
+
+:func:`build_registry` registers, on a registry of its own (no global state):
+
+- a **daemon** per AlpaJob: every ``interval`` seconds it reads the job and its world
+  (:class:`~.kube.Kube`), decides (:func:`~.reconcile.reconcile`) and applies the
+  decision; the loop is level-based, so any pass may be interrupted and the next
+  (or a restarted operator's first) carries on. kopf stops the daemon when the job
+  is deleted; its children go with it (owner references);
+- the **validating webhook** for AlpaJobs (:func:`~.admission.validate_alpajob`):
+  what the CRD's schema and CEL rules cannot judge;
+- a **startup** hook that sets kopf's settings: progress kept in annotations, no
+  kopf-generated events (the operator posts its own on every transition).
+
+The blocking API calls run in a worker thread, never in kopf's event loop;
+planning runs in a pod, never in the operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from alpajob.operator.kube import Kube
+from alpajob.operator.metrics import OperatorMetrics
+from alpajob.operator.names import GROUP, PLURAL, VERSION
+from alpajob.operator.reconcile import reconcile
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    """How often to reconcile, and where the API is."""
+
+    interval: float = 2.0
+    webhook: bool = False
+
+
+def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str) -> str | None:
+    """One pass over job ``namespace/name``; its phase afterwards (None if it is gone)."""
+    began = time.perf_counter()
+    job = kube.job(namespace, name)
+    if job is None:
+        metrics.phase(f"{namespace}/{name}", None)
+        return None
+    before = (job.get("status") or {}).get("phase")
+    decision = reconcile(kube.observe(job, datetime.now(UTC)))
+    kube.apply(job, decision)
+    phase = decision.status.get("phase")
+    if phase == "Restarting" and before != "Restarting":
+        metrics.restarts.inc()
+    if before == "Planning" and phase not in ("Planning", "Failed"):
+        started = decision.status.get("startTime")
+        if started:
+            then = datetime.strptime(started, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+            metrics.planning.observe((datetime.now(UTC) - then).total_seconds())
+    metrics.reconcile.observe(time.perf_counter() - began)
+    metrics.phase(f"{namespace}/{name}", None if decision.delete_job else phase)
+    return phase
+
+
+def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOptions) -> kopf.OperatorRegistry:
+    """The operator's handlers (see the module docstring)."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        settings.posting.enabled = False
+        settings.watching.server_timeout = 60
+
+    @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
+    async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
+        while not stopped:
+            try:
+                phase = await asyncio.to_thread(reconcile_once, kube, metrics, namespace, name)
+            except Exception as error:  # noqa: BLE001 (one bad pass must not end the loop)
+                metrics.errors.inc()
+                logger.warning(f"reconcile of {namespace}/{name} failed: {error}")
+                phase = "?"
+            if phase is None:
+                return
+            await stopped.wait(options.interval)
+
+    if options.webhook:
+        from alpajob.operator.admission import validate_alpajob
+
+        @kopf.on.validate(GROUP, VERSION, PLURAL, registry=registry, operation="CREATE")
+        def validate(body: kopf.Body, **_: Any) -> None:
+            problems = validate_alpajob(dict(body))
+            if problems:
+                raise kopf.AdmissionError("; ".join(problems), code=422)
+
+    return registry

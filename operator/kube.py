@@ -1,0 +1,172 @@
+"""The operator's side of the Kubernetes API: read a job's world, apply a decision.
+
+A thin adapter over the ``kubernetes`` client, so :mod:`.reconcile` stays pure. The
+job's pods are found by listing the namespace's pods with the job's label (and the
+label checked again here: some API emulators ignore selectors). Creating what
+already exists and deleting what is gone are not errors: every pass may repeat the
+last one's work.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+from alpajob.operator.names import GROUP, KIND, LABEL_JOB, PLURAL, VERSION, ChildNames
+from alpajob.operator.pool import pool_nodes
+from alpajob.operator.reconcile import Decision, Observed
+
+#: CRDs whose presence means a gang scheduler is installed.
+GANG_CRDS = {"volcano": "podgroups.scheduling.volcano.sh", "coscheduling": "podgroups.scheduling.x-k8s.io"}
+_POD_GROUP_API = {"volcano": ("scheduling.volcano.sh", "v1beta1"), "coscheduling": ("scheduling.x-k8s.io", "v1alpha1")}
+
+
+class Kube:
+    """Reads and writes for the operator, on one ``ApiClient``."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.extensions = client.ApiextensionsV1Api(api)
+
+    def _dict(self, obj: Any) -> dict[str, Any]:
+        return self.api.sanitize_for_serialization(obj)
+
+    def _get(self, read: Any, *args: Any) -> dict[str, Any] | None:
+        try:
+            return self._dict(read(*args))
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    # ------------------------------------------------------------ reading
+    def job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def gang(self, job: Mapping[str, Any]) -> str | None:
+        wanted = ((job.get("spec") or {}).get("scheduling") or {}).get("gang", "auto")
+        if wanted == "none":
+            return None
+        if wanted in GANG_CRDS:
+            return str(wanted)
+        for name, crd in GANG_CRDS.items():
+            if self._get(self.extensions.read_custom_resource_definition, crd) is not None:
+                return name
+        return None
+
+    def observe(self, job: Mapping[str, Any], now: datetime) -> Observed:
+        """Everything :func:`~.reconcile.reconcile` needs about ``job``."""
+        meta = job["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        attempt = int(((job.get("status") or {}).get("children") or {}).get("attempt", 0))
+        names = ChildNames(name, attempt)
+        pods = {}
+        for pod in self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}").items:
+            body = self._dict(pod)
+            if (body["metadata"].get("labels") or {}).get(LABEL_JOB) == name:
+                pods[body["metadata"]["name"]] = body
+        configmaps = {}
+        for cm in (names.config, names.plan):
+            found = self._get(self.core.read_namespaced_config_map, cm, namespace)
+            if found is not None:
+                configmaps[cm] = found
+        services = frozenset(
+            s for s in (names.service, names.hosts_service)
+            if self._get(self.core.read_namespaced_service, s, namespace) is not None)
+        gang = self.gang(job)
+        groups: frozenset[str] = frozenset()
+        if gang:
+            group, version = _POD_GROUP_API[gang]
+            try:
+                self.custom.get_namespaced_custom_object(group, version, namespace, "podgroups", names.pod_group)
+                groups = frozenset({names.pod_group})
+            except client.ApiException as error:
+                if error.status != 404:
+                    raise
+        nodes = [self._dict(n) for n in self.core.list_node().items]
+        spec = job.get("spec") or {}
+        cluster = spec.get("cluster") or {}
+        pool = pool_nodes(nodes, cluster.get("nodeSelector") or {}, cpu=cluster.get("gpu") == "cpu")
+        ready = frozenset(n.name for n in pool_nodes(nodes, {}, cpu=True))
+        manifest = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+                    "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+        return Observed(job=job, now=now, manifest_yaml=yaml.safe_dump(manifest, sort_keys=False),
+                        pool=pool, configmaps=configmaps, pods=pods, services=services,
+                        pod_groups=groups, gang=gang, ready_nodes=ready)
+
+    # ------------------------------------------------------------ writing
+    def apply(self, job: Mapping[str, Any], decision: Decision) -> None:
+        """Status first (children's names are in it), then creations, deletions, events."""
+        meta = job["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        if decision.status != (job.get("status") or {}):
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": decision.status})
+        for obj in decision.create:
+            self.create(obj)
+        for kind, child, grace in decision.delete:
+            self.delete(kind, namespace, child, grace)
+        for kind, reason, message in decision.events:
+            self.event(job, kind, reason, message)
+        if decision.delete_job:
+            try:
+                self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            except client.ApiException as error:
+                if error.status != 404:
+                    raise
+
+    def create(self, obj: Mapping[str, Any]) -> None:
+        namespace = obj["metadata"]["namespace"]
+        kind = obj["kind"]
+        try:
+            if kind == "Pod":
+                self.core.create_namespaced_pod(namespace, obj)
+            elif kind == "ConfigMap":
+                self.core.create_namespaced_config_map(namespace, obj)
+            elif kind == "Service":
+                self.core.create_namespaced_service(namespace, obj)
+            elif kind == "PodGroup":
+                group, version = obj["apiVersion"].split("/")
+                self.custom.create_namespaced_custom_object(group, version, namespace, "podgroups", obj)
+            else:
+                raise ValueError(f"cannot create a {kind}")
+        except client.ApiException as error:
+            if error.status != 409:  # already there: an earlier pass made it
+                raise
+
+    def delete(self, kind: str, namespace: str, name: str, grace: int | None) -> None:
+        options = client.V1DeleteOptions(grace_period_seconds=grace) if grace is not None else None
+        try:
+            if kind == "Pod":
+                self.core.delete_namespaced_pod(name, namespace, body=options)
+            else:
+                raise ValueError(f"cannot delete a {kind}")
+        except client.ApiException as error:
+            if error.status != 404:
+                raise
+
+    def event(self, job: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        meta = job["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta.get("uid")},
+            "type": kind, "reason": reason, "message": message[:1024],
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "source": {"component": "alpajob-operator"}, "reportingComponent": "alpajob-operator",
+        }
+        self.core.create_namespaced_event(meta["namespace"], body)

@@ -1,0 +1,52 @@
+"""``alpajob operator``: run the kopf operator for AlpaJobs.
+
+    alpajob operator --all-namespaces --liveness http://0.0.0.0:8080/healthz --metrics-port 9090
+    alpajob operator --namespace ml --interval 1
+
+It talks to the API server of the pod's service account (in a cluster) or of
+``$KUBECONFIG``. One replica runs at a time (the Deployment's strategy is Recreate;
+kopf runs standalone, without peering). Every pass is idempotent, so the operator may
+be restarted at any moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``alpajob operator`` on the subparsers ``sub``."""
+    parser = sub.add_parser("operator", help="run the AlpaJob Kubernetes operator (kopf)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--namespace", "-n", action="append", help="watch this namespace (repeatable)")
+    where.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    parser.add_argument("--interval", type=float, default=2.0,
+                        help="seconds between two reconciliations of a job (default 2)")
+    parser.add_argument("--liveness", help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
+    parser.add_argument("--webhook", action="store_true",
+                        help="also serve the validating admission webhook (needs a WebhookServer setup)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run until interrupted."""
+    import kopf
+
+    from alpajob.operator.handlers import OperatorOptions, build_registry
+    from alpajob.operator.kube import Kube
+    from alpajob.operator.metrics import OperatorMetrics
+    from alpajob.trainer.publish import kube_client
+
+    if args.interval <= 0:
+        from alpajob.planner.errors import ManifestError
+
+        raise ManifestError("--interval", f"must be positive, got {args.interval}")
+    metrics = OperatorMetrics()
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port)
+    registry = build_registry(Kube(kube_client()), metrics,
+                              OperatorOptions(interval=args.interval, webhook=args.webhook))
+    kopf.run(registry=registry, standalone=True, clusterwide=bool(args.all_namespaces),
+             namespaces=args.namespace or (), liveness_endpoint=args.liveness)
+    return 0
