@@ -9,7 +9,8 @@
   is deleted; its children go with it (owner references);
 - the **validating webhook** for AlpaJobs (:func:`~.admission.validate_alpajob`):
   what the CRD's schema and CEL rules cannot judge;
-- a **startup** hook that sets kopf's settings: progress kept in annotations, no
+- **login** through the ``kubernetes`` client's configuration (in-cluster, or
+  ``$KUBECONFIG``), and a **startup** hook that sets kopf's settings: progress kept in annotations, no
   kopf-generated events (the operator posts its own on every transition).
 
 The blocking API calls run in a worker thread, never in kopf's event loop;
@@ -39,6 +40,7 @@ class OperatorOptions:
 
     interval: float = 2.0
     webhook: bool = False
+    scanning: bool = True  # list namespaces and watch CRDs (kopf's scanning)
 
 
 def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str) -> str | None:
@@ -68,12 +70,18 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
     """The operator's handlers (see the module docstring)."""
     registry = kopf.OperatorRegistry()
 
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        """The pod's service account in a cluster, else ``$KUBECONFIG``."""
+        return kopf.login_via_client(**kwargs)
+
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
         settings.posting.enabled = False
         settings.watching.server_timeout = 60
+        settings.scanning.disabled = not options.scanning
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
     async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:

@@ -25,6 +25,10 @@ def add_parser(sub: Any) -> None:
                         help="seconds between two reconciliations of a job (default 2)")
     parser.add_argument("--liveness", help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
+    parser.add_argument("--no-scanning", action="store_true",
+                        help="do not list namespaces and CRDs (least privilege: watch only the "
+                             "--namespace names given, discover resources once at start)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log every API call and handler")
     parser.add_argument("--webhook", action="store_true",
                         help="also serve the validating admission webhook (needs a WebhookServer setup)")
 
@@ -42,11 +46,13 @@ def run(args: argparse.Namespace) -> int:
         from alpajob.planner.errors import ManifestError
 
         raise ManifestError("--interval", f"must be positive, got {args.interval}")
+    kopf.configure(verbose=args.verbose)
     metrics = OperatorMetrics()
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
     registry = build_registry(Kube(kube_client()), metrics,
-                              OperatorOptions(interval=args.interval, webhook=args.webhook))
+                              OperatorOptions(interval=args.interval, webhook=args.webhook,
+                                              scanning=not args.no_scanning))
     kopf.run(registry=registry, standalone=True, clusterwide=bool(args.all_namespaces),
              namespaces=args.namespace or (), liveness_endpoint=args.liveness)
     return 0
