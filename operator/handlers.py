@@ -47,7 +47,8 @@ def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: s
     """One pass over job ``namespace/name``; its phase afterwards (None if it is gone)."""
     began = time.perf_counter()
     job = kube.job(namespace, name)
-    if job is None:
+    if job is None or job["metadata"].get("deletionTimestamp"):
+        # Gone, or going: its children go with it (owner references).
         metrics.phase(f"{namespace}/{name}", None)
         return None
     before = (job.get("status") or {}).get("phase")

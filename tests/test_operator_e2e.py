@@ -169,3 +169,96 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     reasons = [e.reason for e in cluster.core.list_namespaced_event(NS).items
                if e.involved_object.name == "gpt-a"]
     assert {"Planning", "PodsStarting", "Training", "TrainingFinished"} <= set(reasons)
+
+
+def _to_running(cluster: Cluster, operator: Operator, job: str, tmp: Path, attempt: int = 0) -> set[str]:
+    expected = {f"{job}-{attempt}-head", f"{job}-{attempt}-m0-h0", f"{job}-{attempt}-m1-h0"}
+    _wait(f"attempt {attempt}'s pods", lambda: expected <= set(cluster.pods(job)), op=operator)
+    for name in expected:
+        cluster.set_phase(name, "Running")
+    _wait("phase Running", lambda: cluster.phase(job) == "Running", op=operator)
+    return expected
+
+
+def _condition(cluster: Cluster, job: str, kind: str) -> dict[str, Any]:
+    return next(c for c in cluster.job(job)["status"]["conditions"] if c["type"] == kind)
+
+
+def test_a_failed_pod_restarts_the_whole_job_until_the_backoff_limit(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    cluster.create_job("gpt-b", runPolicy={"backoffLimit": 1})
+    cluster.run_planner("gpt-b", tmp_path)
+    _to_running(cluster, operator, "gpt-b", tmp_path)
+    cluster.set_phase("gpt-b-0-m1-h0", "Failed", containerStatuses=[
+        {"name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "x",
+         "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}])
+    _wait("attempt 1", lambda: "gpt-b-1-head" in cluster.pods("gpt-b"), op=operator)
+    assert not {n for n in cluster.pods("gpt-b") if n.startswith("gpt-b-0-")}  # every mesh restarted
+    assert cluster.job("gpt-b")["status"]["restarts"] == 1
+    _to_running(cluster, operator, "gpt-b", tmp_path, attempt=1)
+    cluster.set_phase("gpt-b-1-head", "Failed")
+    _wait("phase Failed", lambda: cluster.phase("gpt-b") == "Failed", op=operator)
+    failed = _condition(cluster, "gpt-b", "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
+    assert _condition(cluster, "gpt-b", "Ready")["status"] == "False"
+    _wait("the pods cleaned up", lambda: not cluster.pods("gpt-b"), op=operator)
+    warnings = [e.reason for e in cluster.core.list_namespaced_event(NS).items
+                if e.involved_object.name == "gpt-b" and e.type == "Warning"]
+    assert "PodFailed" in warnings and "BackoffLimitExceeded" in warnings
+
+
+def test_suspend_and_resume(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    cluster.create_job("gpt-c")
+    cluster.run_planner("gpt-c", tmp_path)
+    _to_running(cluster, operator, "gpt-c", tmp_path)
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-c",
+                                                  {"spec": {"runPolicy": {"suspend": True}}})
+    _wait("phase Suspended", lambda: cluster.phase("gpt-c") == "Suspended", op=operator)
+    _wait("no pods while suspended", lambda: not cluster.pods("gpt-c"), op=operator)
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-c",
+                                                  {"spec": {"runPolicy": {"suspend": False}}})
+    _to_running(cluster, operator, "gpt-c", tmp_path, attempt=1)
+    assert cluster.job("gpt-c")["status"]["restarts"] == 0  # a resume is not a failure
+
+
+def test_deleting_the_job_stops_the_operator_acting_on_it(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    cluster.create_job("gpt-d")
+    cluster.run_planner("gpt-d", tmp_path)
+    pods = _wait("the pods", lambda: len(cluster.pods("gpt-d")) == 3 and cluster.pods("gpt-d"), op=operator)
+    children = [*pods.values(), cluster.core.read_namespaced_config_map("gpt-d-plan", NS),
+                cluster.core.read_namespaced_config_map("gpt-d-config", NS),
+                cluster.core.read_namespaced_service("gpt-d-head", NS)]
+    for child in children:  # what makes the API server's garbage collector delete them
+        ref = child.metadata.owner_references[0]
+        assert (ref.kind, ref.name, ref.uid, ref.controller) == ("AlpaJob", "gpt-d", "uid-gpt-d", True)
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-d")
+
+    def gone() -> bool:
+        try:
+            cluster.job("gpt-d")
+        except client.ApiException as error:
+            return error.status == 404
+        return False
+
+    _wait("the job gone (kopf releases its finalizer once the daemon stops)", gone, op=operator)
+    posts = cluster.emu.requests("POST", "/namespaces/ml/pods")
+    patches = cluster.emu.requests("PATCH", "/alpajobs/gpt-d")
+    time.sleep(2.0)  # several reconcile intervals: nothing more may happen to it
+    assert cluster.emu.requests("POST", "/namespaces/ml/pods") == posts
+    assert cluster.emu.requests("PATCH", "/alpajobs/gpt-d") == patches
+
+
+def test_an_operator_killed_mid_way_creates_no_duplicates(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    cluster.create_job("gpt-e")
+    _wait("the planner pod", lambda: "gpt-e-planner" in cluster.pods("gpt-e"), op=operator)
+    operator.kill()
+    operator.start()
+    cluster.run_planner("gpt-e", tmp_path)
+    _wait("the head pod", lambda: "gpt-e-0-head" in cluster.pods("gpt-e"), op=operator)
+    operator.kill()  # possibly half-way through creating the mesh pods
+    operator.start()
+    _to_running(cluster, operator, "gpt-e", tmp_path)
+    created = [r.data["metadata"]["name"] for r in list(cluster.emu.kmock)
+               if r.method.upper() == "POST" and "/pods" in str(r.url) and isinstance(r.data, dict)
+               and r.data.get("metadata", {}).get("name", "").startswith("gpt-e-")]
+    assert sorted(created) == sorted(set(created)), f"created twice: {created}"
+    assert set(created) == {"gpt-e-planner", "gpt-e-0-head", "gpt-e-0-m0-h0", "gpt-e-0-m1-h0"}
