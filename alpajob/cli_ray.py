@@ -66,6 +66,8 @@ def add_parsers(sub: Any) -> None:
                         help="seconds a step (or a checkpoint) may take before the hosts count as hung (default 600)")
     driver.add_argument("--metrics-port", type=int,
                         help=f"serve Prometheus /metrics here (default ${ray_cluster.ENV_METRICS_PORT}; none if unset)")
+    driver.add_argument("--status-configmap", metavar="NAMESPACE/NAME",
+                        help="also keep the progress in this ConfigMap (progress.json; a job's head pod)")
     driver.add_argument("--status-file", help="keep the job's progress (JSON: phase, step, loss, samples/s, "
                                               "checkpoint step, restarts) in this file")
 
@@ -123,6 +125,7 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
         max_restarts=args.max_restarts,
         metrics_port=args.metrics_port if args.metrics_port is not None else _env_int(ray_cluster.ENV_METRICS_PORT),
         status_file=args.status_file,
+        status_configmap=args.status_configmap,
     )
     if options.checkpoint_every is not None and options.checkpoint_every < 1:
         raise ManifestError("--checkpoint-every", f"must be at least 1, got {options.checkpoint_every}")

@@ -77,6 +77,11 @@ def plan_config_map(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, names.plan, "plan"), "data": {}}
 
 
+def progress_config_map(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
+    """``<job>-progress``: the driver keeps its progress here (``progress.json``)."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, names.progress, "progress"), "data": {}}
+
+
 def _security() -> dict[str, Any]:
     return {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]}}
@@ -187,7 +192,8 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None) -> dic
     checkpoint = spec.get("checkpoint") or {}
     command = ["alpajob", "driver", f"{CONFIG_DIR}/manifest.yaml", "--plan", f"{PLAN_DIR}/plan.json",
                "--head-port", str(RAY_PORT), "--steps", str(training.get("steps", 1000)),
-               "--metrics-port", str(METRICS_PORT), "--max-restarts", "0"]
+               "--metrics-port", str(METRICS_PORT), "--max-restarts", "0",
+               "--status-configmap", f"{job['metadata']['namespace']}/{names.progress}"]
     if checkpoint.get("volume"):
         command += ["--checkpoint-dir", f"{CHECKPOINT_DIR}/{checkpoint.get('path') or names.job}",
                     "--checkpoint-every", str(checkpoint.get("intervalSteps", 500))]

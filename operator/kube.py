@@ -78,7 +78,7 @@ class Kube:
             if (body["metadata"].get("labels") or {}).get(LABEL_JOB) == name:
                 pods[body["metadata"]["name"]] = body
         configmaps = {}
-        for cm in (names.config, names.plan):
+        for cm in (names.config, names.plan, names.progress):
             found = self._get(self.core.read_namespaced_config_map, cm, namespace)
             if found is not None:
                 configmaps[cm] = found

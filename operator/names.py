@@ -8,6 +8,7 @@ it is about to use into ``status.children`` before creating anything.
 =====================  ==========================================================
 ``<job>-config``       ConfigMap: the AlpaJob as applied (``manifest.yaml``)
 ``<job>-plan``         ConfigMap: the Plan (``plan.json``), written by the planner
+``<job>-progress``     ConfigMap: the driver's progress (``progress.json``)
 ``<job>-planner``      Pod: runs ``alpajob plan`` once
 ``<job>-head``         Service: the Ray head's GCS and the driver's metrics
 ``<job>-hosts``        headless Service: DNS names of the mesh pods
@@ -49,6 +50,10 @@ class ChildNames:
         return f"{self.job}-plan"
 
     @property
+    def progress(self) -> str:
+        return f"{self.job}-progress"
+
+    @property
     def planner(self) -> str:
         return f"{self.job}-planner"
 
@@ -77,6 +82,7 @@ class ChildNames:
             "attempt": self.attempt,
             "config": self.config,
             "plan": self.plan,
+            "progress": self.progress,
             "planner": self.planner,
             "service": self.service,
             "hostsService": self.hosts_service,

@@ -211,6 +211,8 @@ class _Pass:
             self.decision.create.append(children.config_map(self.job, names, self.seen.manifest_yaml))
         if names.plan not in configmaps:
             self.decision.create.append(children.plan_config_map(self.job, names))
+        if names.progress not in configmaps:
+            self.decision.create.append(children.progress_config_map(self.job, names))
         text = ((configmaps.get(names.plan) or {}).get("data") or {}).get("plan.json")
         if text:
             try:
@@ -311,7 +313,23 @@ class _Pass:
                     children.mesh_pod(job, names, mesh, host, count, nodes[mesh, host], devices, cpu, gang))
         return False
 
+    def progress(self) -> None:
+        """The driver's progress (``<job>-progress``) into ``status.progress``."""
+        text = ((self.seen.configmaps.get(self.names.progress) or {}).get("data") or {}).get("progress.json")
+        if not text:
+            return
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError:
+            return
+        self.status["progress"] = {
+            "step": doc.get("step"), "steps": doc.get("steps"), "loss": doc.get("loss"),
+            "samplesPerSecond": doc.get("samples_per_second"),
+            "lastCheckpointStep": doc.get("checkpoint_step"),
+        }
+
     def observe(self) -> None:
+        self.progress()
         current = self.pods_of(self.attempt)
         head = current.get(self.names.head)
         meshes: dict[int, dict[str, Any]] = {}

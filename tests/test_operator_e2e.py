@@ -163,6 +163,17 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     _wait("phase Running", lambda: cluster.phase("gpt-a") == "Running", op=operator)
     ready = {c["type"]: c["status"] for c in cluster.job("gpt-a")["status"]["conditions"]}
     assert ready["Ready"] == "True" and ready["MeshesReady"] == "True"
+    head = cluster.pods("gpt-a")["gpt-a-0-head"].spec.containers[0].command
+    assert head[head.index("--status-configmap") + 1] == "ml/gpt-a-progress"
+    # Play the driver: its progress, as `alpajob driver --status-configmap` writes it.
+    from alpajob.trainer.publish import write_status_configmap
+
+    write_status_configmap({"step": 40, "steps": 100, "loss": 2.5, "samples_per_second": 812.5,
+                            "checkpoint_step": 40}, "ml/gpt-a-progress", api=cluster.api)
+    progress = _wait("progress in the status",
+                     lambda: (cluster.job("gpt-a")["status"].get("progress") or {}).get("step") == 40
+                     and cluster.job("gpt-a")["status"]["progress"], op=operator)
+    assert progress["lastCheckpointStep"] == 40 and progress["samplesPerSecond"] == 812.5
     cluster.set_phase("gpt-a-0-head", "Succeeded")
     _wait("phase Succeeded", lambda: cluster.phase("gpt-a") == "Succeeded", op=operator)
     _wait("the pods cleaned up", lambda: not cluster.pods("gpt-a"), op=operator)
@@ -240,6 +251,7 @@ def test_deleting_the_job_stops_the_operator_acting_on_it(cluster: Cluster, oper
         return False
 
     _wait("the job gone (kopf releases its finalizer once the daemon stops)", gone, op=operator)
+    time.sleep(1.0)  # a pass that read the job just before it went may still be answered
     posts = cluster.emu.requests("POST", "/namespaces/ml/pods")
     patches = cluster.emu.requests("PATCH", "/alpajobs/gpt-d")
     time.sleep(2.0)  # several reconcile intervals: nothing more may happen to it

@@ -112,7 +112,7 @@ def test_a_new_job_plans_in_a_pod_for_the_pool(plan_json: str) -> None:
     decision = world.step()
     kinds = [(o["kind"], o["metadata"]["name"]) for o in decision.create]
     assert kinds == [("ConfigMap", "manual-gpt-config"), ("ConfigMap", "manual-gpt-plan"),
-                     ("Pod", "manual-gpt-planner")]
+                     ("ConfigMap", "manual-gpt-progress"), ("Pod", "manual-gpt-planner")]
     planner = world.objects["Pod", "manual-gpt-planner"]
     command = planner["spec"]["containers"][0]["command"]
     assert command[:3] == ["alpajob", "plan", "/etc/alpajob/manifest.yaml"]

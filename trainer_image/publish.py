@@ -1,8 +1,11 @@
 """Publish a job's results into the Kubernetes API from inside its pods.
 
 The planning pod writes the Plan into the job's ``<job>-plan`` ConfigMap (created
-empty, and owned, by the operator) with :func:`write_plan_configmap`; the pod's
-service account needs ``get`` and ``patch`` on ConfigMaps in its namespace. The
+empty, and owned, by the operator) with :func:`write_plan_configmap`; the driver
+keeps its progress (step, loss, samples/s, last checkpoint) in ``<job>-progress``
+with :func:`write_status_configmap`, and the operator copies it into the job's
+status. The pods' service account needs ``get`` and ``patch`` on ConfigMaps in
+their namespace. The
 client configures itself from the pod's service account, or else from
 ``$KUBECONFIG`` / ``~/.kube/config`` (a developer's machine, or a test's emulator).
 """
@@ -55,4 +58,20 @@ def write_plan_configmap(plan_json: str, target: str, api: Any = None) -> None:
             f"--output-configmap: cannot write ConfigMap {namespace}/{name} "
             f"({error.status} {error.reason}); it must exist and this pod's service account "
             "needs get and patch on configmaps"
+        ) from None
+
+
+def write_status_configmap(doc: dict[str, Any], target: str, api: Any = None) -> None:
+    """Put the driver's status ``doc`` into the ConfigMap ``target`` as ``progress.json``."""
+    import json
+
+    from kubernetes import client
+
+    namespace, name = parse_target(target, "--status-configmap")
+    core = client.CoreV1Api(api or kube_client())
+    try:
+        core.patch_namespaced_config_map(name, namespace, {"data": {"progress.json": json.dumps(doc)}})
+    except client.ApiException as error:
+        raise AlpaJobError(
+            f"--status-configmap: cannot write ConfigMap {namespace}/{name} ({error.status} {error.reason})"
         ) from None

@@ -73,6 +73,7 @@ class DriverOptions:
     max_restarts: int = 3
     metrics_port: int | None = None
     status_file: str | None = None
+    status_configmap: str | None = None  # namespace/name: the operator shows it in the job's status
 
 
 @dataclass
@@ -189,10 +190,10 @@ class MeshGroup:
 
 
 def _status(options: DriverOptions, result: DriverResult, phase: str, batch: int, message: str = "") -> None:
-    if not options.status_file:
+    if not (options.status_file or options.status_configmap):
         return
     last = result.step_seconds[-1] if result.step_seconds else None
-    write_metrics_json(options.status_file, {
+    doc = {
         "phase": phase,
         "step": len(result.losses),
         "steps": options.steps,
@@ -202,7 +203,16 @@ def _status(options: DriverOptions, result: DriverResult, phase: str, batch: int
         "restarts": result.restarts,
         "message": message,
         "time": time.time(),
-    })
+    }
+    if options.status_file:
+        write_metrics_json(options.status_file, doc)
+    if options.status_configmap:
+        from alpajob.trainer.publish import write_status_configmap
+
+        try:
+            write_status_configmap(doc, options.status_configmap)
+        except AlpaJobError as error:  # progress is advisory: training goes on
+            print(f"warning: {error}", flush=True)
 
 
 def drive(
