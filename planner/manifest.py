@@ -14,8 +14,8 @@ A user's manifest is the same YAML they ``kubectl apply``::
 :func:`load_manifest` validates it into :class:`AlpaJobManifest` (unknown keys are
 refused) and turns every validation failure into a :class:`ManifestError` naming the
 field in the manifest's own camelCase spelling, e.g. ``spec.training.globalBatchSize``.
-Fields the planner does not use (image, checkpoint, runPolicy, scheduling) are accepted
-and kept for the operator.
+Fields the planner does not use (image, serviceAccountName, checkpoint, runPolicy,
+scheduling) are accepted and kept for the operator.
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ class Spec(_Model):
     cluster: ClusterSpecModel = Field(default_factory=ClusterSpecModel)  # type: ignore[arg-type]
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)  # type: ignore[arg-type]
     image: str | None = None
+    service_account_name: str | None = None
     checkpoint: dict[str, Any] | None = None
     run_policy: dict[str, Any] | None = None
     scheduling: dict[str, Any] | None = None

@@ -1,0 +1,92 @@
+"""The admission webhook's own contract (``alpajob.operator.admission``).
+
+Which bad specs it refuses, beside the CRD, is in ``tests/test_crd.py``; here: it
+imports neither JAX nor kopf, its copy of the zoo's catalogue equals the zoo, it
+reports every problem it finds, and it never raises on a malformed body.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from alpajob.operator.admission import ZOO, validate_alpajob
+
+BASE: dict[str, Any] = {
+    "apiVersion": "alpajob.io/v1alpha1",
+    "kind": "AlpaJob",
+    "metadata": {"name": "tiny-gpt"},
+    "spec": {"model": {"zoo": "gpt", "config": "tiny"}, "cluster": {"gpu": "cpu"}},
+}
+
+
+def test_importing_admission_imports_neither_jax_nor_kopf() -> None:
+    code = ("import sys, alpajob.operator.admission; "
+            "print(sorted(m for m in ('jax', 'kopf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_zoo_catalogue_equals_the_zoo() -> None:
+    from alpajob.trainer.zoo.registry import families
+
+    zoo = families()
+    assert set(ZOO) == set(zoo)
+    for name, family in zoo.items():
+        ours = ZOO[name]
+        assert ours.sizes == tuple(family.sizes), name
+        keys = family.default.keys()
+        assert all(set(size) == set(keys) for size in family.sizes.values()), name
+        floats = {k for k, v in family.default.items() if isinstance(v, float)}
+        assert (ours.int_keys, ours.float_keys) == (frozenset(keys) - floats, frozenset(floats)), name
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    body = copy.deepcopy(BASE)
+    body["spec"]["cluster"] = {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8}
+    body["spec"]["training"] = {"globalBatchSize": 32}
+    body["spec"]["parallelism"] = {"method": "manual", "numLayers": 4, "numMicroBatches": 3, "stages": [
+        {"layers": [1, 2], "submeshShape": [1, 3]},
+        {"layers": [2, 3], "submeshShape": [1, 8], "logicalMeshShape": [3, 3]},
+    ]}
+    problems = validate_alpajob(body)
+    fields = [p.split(":")[0] for p in problems]
+    assert fields == [
+        "spec.parallelism.numMicroBatches",
+        "spec.parallelism.stages[0].layers",
+        "spec.parallelism.stages[0].submeshShape",
+        "spec.parallelism.stages[1].logicalMeshShape",
+        "spec.parallelism.stages",
+        "spec.parallelism.stages",
+    ]
+
+
+def test_zoo_names_are_case_insensitive_like_the_zoo() -> None:
+    body = copy.deepcopy(BASE)
+    body["spec"]["model"] = {"zoo": "GPT-2.6B"}
+    assert validate_alpajob(body) == []
+    body["spec"]["model"] = {"zoo": "moe", "config": {"experts": 8, "capacityFactor": 1.5}}
+    assert validate_alpajob(body) == []
+
+
+def test_without_old_no_field_is_judged_immutable() -> None:
+    new = copy.deepcopy(BASE)
+    new["spec"]["model"]["config"] = "350m"
+    assert validate_alpajob(new) == []
+    assert validate_alpajob(new, old=BASE)[0].startswith("spec.model: is immutable")
+
+
+@pytest.mark.parametrize("body", [
+    {},
+    {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "spec": None},
+    {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "spec": {"model": "gpt"}},
+    {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": 5},
+     "spec": {"model": {"zoo": "gpt"}, "parallelism": ["auto"]}},
+])
+def test_a_malformed_body_gets_messages_not_an_exception(body: dict[str, Any]) -> None:
+    problems = validate_alpajob(body)
+    assert problems and all(isinstance(p, str) and ": " in p for p in problems)

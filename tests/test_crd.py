@@ -1,0 +1,542 @@
+"""The AlpaJob CRD (manifests/crd.yaml), its admission webhook, RBAC and the operator's Deployment.
+
+No API server runs here: ``tests/kube_schema.py`` models what one does with the CRD's
+schema (structural rules, defaulting, OpenAPI validation, CEL). Each bad spec below is
+refused by the CRD with the field named, and by the webhook
+(:func:`~alpajob.operator.admission.validate_alpajob`) too wherever its pydantic model
+can judge it; the webhook-only cases are accepted by the CRD and refused by the webhook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import typing
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from kube_schema import (
+    Violation,
+    apply_defaults,
+    cel_reference_problems,
+    cel_violations,
+    schema_violations,
+    structural_problems,
+    to_json_schema,
+    walk,
+)
+
+from alpajob.operator import main as operator_main
+from alpajob.operator.admission import validate_alpajob
+from alpajob.operator.status import PHASES
+from alpajob.planner.manifest import (
+    ClusterSpecModel,
+    Method,
+    ParallelismSpec,
+    TrainingSpec,
+    parse_manifest,
+)
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
+EXAMPLES = sorted((MANIFESTS / "examples").glob("*.yaml"))
+DELETE = object()
+
+
+@cache
+def crd() -> dict[str, Any]:
+    return yaml.safe_load((MANIFESTS / "crd.yaml").read_text())
+
+
+def schema() -> dict[str, Any]:
+    return crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def spec_schema(section: str) -> dict[str, Any]:
+    return schema()["properties"]["spec"]["properties"][section]
+
+
+def documents(name: str) -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all((MANIFESTS / name).read_text()))
+
+
+def admit(document: dict[str, Any], old: dict[str, Any] | None = None) -> list[Violation]:
+    """What the API server refuses: OpenAPI first, then CEL on a schema-valid object."""
+    new = apply_defaults(copy.deepcopy(document), schema())
+    refused = schema_violations(new, schema())
+    if refused:
+        return refused
+    if old is None:
+        return cel_violations(new, schema())
+    return cel_violations(new, schema(), apply_defaults(copy.deepcopy(old), schema()))
+
+
+def names(violations: list[Violation], field: str) -> bool:
+    """Some violation is about ``field``: at it, below it, or naming it in its message."""
+    return any(
+        v.path == field or v.path.startswith((f"{field}.", f"{field}[")) or field in v.message
+        for v in violations
+    )
+
+
+def changed(document: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A copy of ``document`` with the dotted ``path`` set to ``value`` (or deleted)."""
+    out = copy.deepcopy(document)
+    *parents, last = path.split(".")
+    node = out
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DELETE:
+        node.pop(last, None)
+    else:
+        node[last] = value
+    return out
+
+
+BASE: dict[str, Any] = {
+    "apiVersion": "alpajob.io/v1alpha1",
+    "kind": "AlpaJob",
+    "metadata": {"name": "tiny-gpt", "namespace": "ml"},
+    "spec": {
+        "model": {"zoo": "gpt", "config": "tiny"},
+        "training": {"globalBatchSize": 32},
+        "cluster": {"gpu": "cpu", "nodes": 2, "gpusPerNode": 8},
+    },
+}
+
+
+def manual(stages: Any, num_layers: Any = 4, method: str = "manual") -> dict[str, Any]:
+    return {"method": method, "numLayers": num_layers, "numMicroBatches": 4, "stages": stages}
+
+
+GOOD_STAGES = [{"layers": [0, 2], "submeshShape": [1, 8]},
+               {"layers": [2, 4], "submeshShape": [1, 8], "logicalMeshShape": [2, 4]}]
+H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+
+
+# ------------------------------------------------------------------ (a) structure
+def test_crd_names_scope_version_and_subresources() -> None:
+    doc = crd()
+    assert (doc["apiVersion"], doc["kind"]) == ("apiextensions.k8s.io/v1", "CustomResourceDefinition")
+    assert doc["metadata"]["name"] == "alpajobs.alpajob.io"
+    spec = doc["spec"]
+    assert (spec["group"], spec["scope"]) == ("alpajob.io", "Namespaced")
+    assert spec["names"] == {"kind": "AlpaJob", "listKind": "AlpaJobList", "plural": "alpajobs",
+                             "singular": "alpajob", "shortNames": ["aj"], "categories": ["all", "alpajob"]}
+    [version] = spec["versions"]
+    assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
+    assert version["subresources"] == {"status": {}}
+
+
+def test_crd_schema_is_structural() -> None:
+    assert structural_problems(schema()) == []
+
+
+def test_structural_checker_catches_what_the_api_server_refuses() -> None:
+    bad = {"type": "object", "properties": {
+        "untyped": {"description": "no type"},
+        "list": {"type": "array"},
+        "both": {"type": "object", "properties": {"a": {"type": "string"}},
+                 "additionalProperties": {"type": "string"}},
+        "junctor": {"type": "string", "anyOf": [{"type": "string"}]},
+        "rule": {"type": "string", "x-kubernetes-validations": [
+            {"rule": "self == 'a'", "fieldPath": ".missing"}]},
+        "items": {"type": "array", "items": {"type": "string", "x-kubernetes-validations": [
+            {"rule": "self == oldSelf"}]}},
+    }}
+    found = "\n".join(structural_problems(bad))
+    for where in ("untyped.type", "list.items", "both:", "junctor.anyOf[0].type",
+                  "rule.x-kubernetes-validations[0].fieldPath", "oldSelf"):
+        assert where in found
+
+
+def test_kube_schema_converter_maps_the_kubernetes_dialect() -> None:
+    node = {"type": "object", "properties": {
+        "count": {"x-kubernetes-int-or-string": True},
+        "rate": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "nullable": True},
+        "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                 "properties": {"a": {"type": "string"}}},
+    }}
+    validator = jsonschema.Draft202012Validator(to_json_schema(node))
+    assert validator.is_valid({"count": 3, "rate": None, "free": {"a": "x", "b": 1}})
+    assert validator.is_valid({"count": "auto", "rate": 0.5})
+    assert not validator.is_valid({"count": 1.5})
+    assert not validator.is_valid({"rate": 0})
+    assert not validator.is_valid({"unknown": 1})
+
+
+def test_cel_rules_only_name_fields_cel_can_see() -> None:
+    assert cel_reference_problems(schema()) == []
+    hidden = {"type": "object", "properties": {"free": {"x-kubernetes-preserve-unknown-fields": True}},
+              "x-kubernetes-validations": [{"rule": "has(self.free)"}]}
+    assert cel_reference_problems(hidden)
+
+
+def test_every_default_is_valid_against_its_own_schema_and_rules() -> None:
+    """As the API server checks a CRD's defaults: as written, against the node's schema
+    and its CEL rules (transition rules with oldSelf = the default), and here also once
+    the default's own fields are defaulted."""
+    defaults = [(path, node) for path, node in walk(schema()) if "default" in node]
+    assert len(defaults) >= 17
+    for path, node in defaults:
+        assert not path.startswith("metadata"), "no defaults in metadata"
+        for value in (node["default"], apply_defaults(copy.deepcopy(node["default"]), node)):
+            assert schema_violations(value, node) == [], path
+            assert cel_violations(value, node) == [], path
+            assert cel_violations(value, node, old=value) == [], path
+
+
+def test_cel_rules_have_one_line_messages_naming_a_field() -> None:
+    for path, node in walk(schema()):
+        for rule in node.get("x-kubernetes-validations") or []:
+            message = rule["message"]
+            assert ("spec." in message or "metadata.name" in message), (path, message)
+            if "oldSelf" in rule["rule"]:
+                assert path.startswith("spec"), "transition rules guard spec only"
+
+
+def test_sizes_bound_every_string_list_and_map_of_spec() -> None:
+    """Bounded sizes keep the CEL cost estimate within the API server's budget."""
+    for path, node in walk(schema()["properties"]["spec"], "spec"):
+        kind = node.get("type")
+        if kind == "string":
+            assert "maxLength" in node or "enum" in node, path
+        elif kind == "array":
+            assert "maxItems" in node, path
+        elif kind == "object" and "additionalProperties" in node:
+            assert "maxProperties" in node, path
+
+
+def test_enums_agree_with_the_pydantic_model() -> None:
+    def literal(model: Any, name: str) -> list[str]:
+        return list(typing.get_args(model.model_fields[name].annotation))
+
+    training, parallelism = spec_schema("training")["properties"], spec_schema("parallelism")["properties"]
+    assert training["dtype"]["enum"] == literal(TrainingSpec, "dtype")
+    assert training["optimizer"]["enum"] == literal(TrainingSpec, "optimizer")
+    assert parallelism["schedule"]["enum"] == literal(ParallelismSpec, "schedule")
+    assert parallelism["method"]["enum"] == [m.value for m in Method]
+    assert schema()["properties"]["status"]["properties"]["phase"]["enum"] == list(PHASES)
+
+
+def test_printer_columns_point_into_the_schema() -> None:
+    columns = {c["name"]: c for c in crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert {"Phase", "Stages", "Meshes", "Step", "Age"} <= set(columns)
+    assert columns["Age"]["jsonPath"] == ".metadata.creationTimestamp"
+    for name, column in columns.items():
+        if name == "Age":
+            continue
+        node = schema()
+        for key in column["jsonPath"].lstrip(".").split("."):
+            node = node["properties"][key]
+        assert node["type"] == column["type"], name
+
+
+# ------------------------------------------------------------------ (b) examples
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_pass_the_schema_cel_and_webhook(path: Path) -> None:
+    document = yaml.safe_load(path.read_text())
+    assert admit(document) == []
+    assert admit(document, old=document) == [], "an unchanged update passes the transition rules"
+    assert validate_alpajob(document) == []
+    assert validate_alpajob(document, old=document) == []
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_defaulting_an_example_does_not_change_what_it_means(path: Path) -> None:
+    document = yaml.safe_load(path.read_text())
+    defaulted = apply_defaults(copy.deepcopy(document), schema())
+    before, after = parse_manifest(document).spec, parse_manifest(defaulted).spec
+    for section in ("model", "training", "cluster", "parallelism", "image"):
+        assert getattr(before, section) == getattr(after, section), section
+
+
+# ------------------------------------------------------------------ (c) defaults
+def test_defaults_equal_the_pydantic_defaults() -> None:
+    minimal = {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob",
+               "metadata": {"name": "minimal"}, "spec": {"model": {"zoo": "gpt"}}}
+    defaulted = apply_defaults(copy.deepcopy(minimal), schema())
+    ours = parse_manifest(minimal).spec
+    dumped = ours.model_dump(by_alias=True, exclude_none=True, mode="json")
+    for section in ("training", "parallelism", "cluster"):
+        expected = {k: v for k, v in dumped[section].items() if v != {}}  # no nodeSelector: {}
+        assert defaulted["spec"][section] == expected, section
+    assert parse_manifest(defaulted).spec == ours.model_copy(update={
+        "run_policy": {"backoffLimit": 3, "suspend": False}, "scheduling": {"gang": "auto"}})
+    # Every pydantic default is in the schema, with the same value.
+    for section, model in (("training", TrainingSpec), ("cluster", ClusterSpecModel),
+                           ("parallelism", ParallelismSpec)):
+        props = spec_schema(section)["properties"]
+        for name, info in model.model_fields.items():
+            if info.default is None or info.default_factory is not None:
+                continue
+            assert props[info.alias or name]["default"] == info.default, (section, name)
+
+
+# ------------------------------------------------------------------ (d) bad specs
+# (field the refusal names, path changed in BASE, its new value, webhook refuses too)
+CRD_REFUSES = [
+    ("spec.model", "spec.model", DELETE, True),
+    ("spec.model.zoo", "spec.model.zoo", 5, True),
+    ("spec.model.zoo", "spec.model.zoo", "", True),
+    ("spec.model", "spec.model.entrypoint", "pkg.train:make_model", True),
+    ("spec.model", "spec.model", {"config": "tiny"}, True),
+    ("spec.model.entrypoint", "spec.model", {"entrypoint": "make_model"}, True),
+    ("spec.model.entrypoint", "spec.model", {"entrypoint": "pkg:make:model"}, True),
+    ("spec.training.globalBatchSize", "spec.training.globalBatchSize", 0, True),
+    ("spec.training.steps", "spec.training.steps", -5, True),
+    ("spec.training.steps", "spec.training.steps", "10", False),
+    ("spec.training.dtype", "spec.training.dtype", "int8", True),
+    ("spec.training.optimizer", "spec.training.optimizer", "lamb", True),
+    ("spec.training.learningRate", "spec.training.learningRate", 0, True),
+    ("spec.training.batchSize", "spec.training.batchSize", 8, True),
+    ("spec.cluster.nodes", "spec.cluster.nodes", 0, True),
+    ("spec.cluster.gpusPerNode", "spec.cluster.gpusPerNode", -8, True),
+    ("spec.cluster.nodeSelector.pool", "spec.cluster.nodeSelector", {"pool": 1}, True),
+    ("spec.cluster.nodeSelector", "spec.cluster.nodeSelector", {f"k{i}": "v" for i in range(33)}, False),
+    ("spec.cluster.gpu", "spec.cluster.gpu", "H100 80GB", True),
+    ("spec.parallelism.method", "spec.parallelism.method", "magic", True),
+    ("spec.parallelism.schedule", "spec.parallelism.schedule", "zero-bubble", True),
+    ("spec.parallelism.numMicroBatches", "spec.parallelism.numMicroBatches", 0, True),
+    ("spec.parallelism.numMicroBatches", "spec.parallelism.numMicroBatches", "four", True),
+    ("spec.parallelism.numMicroBatches", "spec.parallelism.numMicroBatches", 2.5, True),
+    ("spec.parallelism.numMicroBatches", "spec.parallelism.numMicroBatches", 3, True),
+    ("spec.parallelism.numLayers", "spec.parallelism.numLayers", -2, True),
+    ("spec.parallelism.numLayers", "spec.parallelism.numLayers", "many", True),
+    ("spec.image", "spec.image", 5, True),
+    ("spec.image", "spec.image", "", False),
+    ("spec.serviceAccountName", "spec.serviceAccountName", "Trainer_SA", False),
+    ("spec.checkpoint.volume", "spec.checkpoint", {"intervalSteps": 100}, False),
+    ("spec.checkpoint.volume", "spec.checkpoint", {"volume": "Shared_Ckpt"}, False),
+    ("spec.checkpoint.intervalSteps", "spec.checkpoint", {"volume": "ckpt", "intervalSteps": 0}, False),
+    ("spec.checkpoint.path", "spec.checkpoint", {"volume": "ckpt", "path": "../other-job"}, False),
+    ("spec.checkpoint", "spec.checkpoint", "ckpt", True),
+    ("spec.runPolicy.backoffLimit", "spec.runPolicy.backoffLimit", -1, False),
+    ("spec.runPolicy.activeDeadlineSeconds", "spec.runPolicy.activeDeadlineSeconds", 0, False),
+    ("spec.runPolicy.ttlSecondsAfterFinished", "spec.runPolicy.ttlSecondsAfterFinished", -1, False),
+    ("spec.runPolicy.suspend", "spec.runPolicy.suspend", "yes", False),
+    ("spec.runPolicy.restartPolicy", "spec.runPolicy.restartPolicy", "Always", False),
+    ("spec.scheduling.gang", "spec.scheduling.gang", "kueue", False),
+    ("spec.scheduling.priorityClassName", "spec.scheduling.priorityClassName", "High Priority", False),
+    ("spec.scheduling.queue", "spec.scheduling.queue", "q" * 300, False),
+    ("spec.trainer", "spec.trainer", {"replicas": 2}, True),
+    ("metadata.name", "metadata.name", "9-lives", True),
+    ("metadata.name", "metadata.name", "a" * 50, True),
+]
+
+
+@pytest.mark.parametrize(("field", "path", "value", "webhook"), CRD_REFUSES,
+                         ids=[f"{c[1]}={str(c[2])[:20]}" for c in CRD_REFUSES])
+def test_crd_refuses_a_bad_spec_naming_the_field(field: str, path: str, value: Any, webhook: bool) -> None:
+    document = changed(BASE, path, value)
+    refused = admit(document)
+    assert names(refused, field), refused
+    if webhook:
+        problems = validate_alpajob(document)
+        assert any(field in p for p in problems), problems
+
+
+def test_thirty_bad_specs_or_more() -> None:
+    assert len(CRD_REFUSES) >= 30
+    assert sum(1 for *_, webhook in CRD_REFUSES if webhook) >= 25
+
+
+# What only the webhook can judge: a zoo lookup, the device presets, manual stages.
+WEBHOOK_REFUSES = [
+    ("spec.model.zoo", "spec.model", {"zoo": "bert"}),
+    ("spec.model.config", "spec.model", {"zoo": "gpt", "config": "9b"}),
+    ("spec.model.zoo", "spec.model", {"zoo": "gpt-9b"}),
+    ("spec.model.config", "spec.model", {"zoo": "gpt-2.6b", "config": "tiny"}),
+    ("spec.model.config.depth", "spec.model", {"zoo": "gpt", "config": {"hidden": 64, "depth": 3}}),
+    ("spec.model.config.hidden", "spec.model", {"zoo": "gpt", "config": {"hidden": -1}}),
+    ("spec.model.config.capacityFactor", "spec.model", {"zoo": "moe", "config": {"capacityFactor": "x"}}),
+    ("spec.cluster.gpu", "spec.cluster.gpu", "h200"),
+    ("spec.cluster.nodeSelector", "spec.cluster",
+     {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B200"}, "nodes": 1}),
+    ("spec.cluster.gpu", "spec.cluster", {"gpu": "v100-16gb", "nodeSelector": H100}),
+    ("spec.parallelism.stages", "spec.parallelism", manual("auto")),
+    ("spec.parallelism.stages", "spec.parallelism", manual(GOOD_STAGES, method="pipeshard")),
+    ("spec.parallelism.stages", "spec.parallelism", {"stages": "manual"}),
+    ("spec.parallelism.stages[0].layers", "spec.parallelism",
+     manual([{"layers": [1, 2], "submeshShape": [1, 8]}, {"layers": [2, 4], "submeshShape": [1, 8]}])),
+    ("spec.parallelism.stages[1].layers", "spec.parallelism",
+     manual([{"layers": [0, 2], "submeshShape": [1, 8]}, {"layers": [3, 4], "submeshShape": [1, 8]}])),
+    ("spec.parallelism.stages[0].layers", "spec.parallelism", manual([{"layers": [0, 0], "submeshShape": [1, 8]}])),
+    ("spec.parallelism.stages", "spec.parallelism",
+     manual([{"layers": [0, 2], "submeshShape": [1, 8]}, {"layers": [2, 3], "submeshShape": [1, 8]}])),
+    ("spec.parallelism.stages[1].layers", "spec.parallelism",
+     manual([{"layers": [0, 2], "submeshShape": [1, 8]}, {"layers": [2, 6], "submeshShape": [1, 8]}])),
+    ("spec.parallelism.stages[0].submeshShape", "spec.parallelism",
+     manual([{"layers": [0, 4], "submeshShape": [2, 4]}])),
+    ("spec.parallelism.stages[0].submeshShape", "spec.parallelism",
+     manual([{"layers": [0, 4], "submeshShape": [1, 16]}])),
+    ("spec.parallelism.stages[0].submeshShape", "spec.parallelism",
+     manual([{"layers": [0, 4], "submeshShape": [1, 3]}])),
+    ("spec.parallelism.stages[0].submeshShape", "spec.parallelism",
+     manual([{"layers": [0, 4], "submeshShape": [0, 8]}])),
+    ("spec.parallelism.stages[0].submeshShape", "spec.parallelism",
+     manual([{"layers": [0, 4], "submeshShape": [3, 8]}])),
+    ("spec.parallelism.stages[1].logicalMeshShape", "spec.parallelism",
+     manual([GOOD_STAGES[0], {**GOOD_STAGES[1], "logicalMeshShape": [2, 3]}])),
+    ("spec.parallelism.stages", "spec.parallelism",
+     manual([{"layers": [0, 2], "submeshShape": [2, 8]}, {"layers": [2, 4], "submeshShape": [2, 8]}])),
+    ("spec.parallelism.stages[0].foo", "spec.parallelism",
+     manual([{"layers": [0, 4], "submeshShape": [1, 8], "foo": 1}])),
+]
+
+
+@pytest.mark.parametrize(("field", "path", "value"), WEBHOOK_REFUSES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(WEBHOOK_REFUSES)])
+def test_webhook_refuses_what_the_crd_cannot_judge(field: str, path: str, value: Any) -> None:
+    document = changed(BASE, path, value)
+    assert admit(document) == [], "the CRD cannot judge this one"
+    problems = validate_alpajob(document)
+    assert problems and all(p.startswith(("spec.", "metadata.")) for p in problems)
+    assert any(field in p for p in problems), problems
+
+
+def test_a_good_manual_plan_passes_both() -> None:
+    document = changed(BASE, "spec.parallelism", manual(GOOD_STAGES))
+    assert admit(document) == []
+    assert validate_alpajob(document) == []
+
+
+# ------------------------------------------------------------------ (e) updates
+MUTABLE = [
+    ("spec.runPolicy.suspend", True),
+    ("spec.runPolicy.activeDeadlineSeconds", 3600),
+    ("spec.runPolicy.ttlSecondsAfterFinished", 600),
+    ("spec.scheduling.queue", "night"),
+]
+IMMUTABLE = [
+    ("spec.model", "spec.model.zoo", "moe"),
+    ("spec.training", "spec.training.steps", 5),
+    ("spec.cluster", "spec.cluster.nodes", 1),
+    ("spec.parallelism", "spec.parallelism.schedule", "gpipe"),
+    ("spec.image", "spec.image", "registry.example/trainer:2"),
+    ("spec.checkpoint", "spec.checkpoint", {"volume": "ckpt"}),
+    ("spec.serviceAccountName", "spec.serviceAccountName", "other"),
+    ("spec.runPolicy.backoffLimit", "spec.runPolicy.backoffLimit", 10),
+    ("spec.scheduling.gang", "spec.scheduling.gang", "none"),
+    ("spec.scheduling.schedulerName", "spec.scheduling.schedulerName", "volcano"),
+    ("spec.scheduling.priorityClassName", "spec.scheduling.priorityClassName", "high"),
+]
+
+
+@pytest.mark.parametrize(("path", "value"), MUTABLE, ids=[m[0] for m in MUTABLE])
+def test_update_of_a_mutable_field_is_allowed(path: str, value: Any) -> None:
+    new = changed(BASE, path, value)
+    assert admit(new, old=BASE) == []
+    assert validate_alpajob(new, old=BASE) == []
+
+
+@pytest.mark.parametrize(("field", "path", "value"), IMMUTABLE, ids=[m[1] for m in IMMUTABLE])
+def test_update_of_an_immutable_field_is_refused(field: str, path: str, value: Any) -> None:
+    new = changed(BASE, path, value)
+    assert admit(new) == [], "the value itself is fine"
+    refused = admit(new, old=BASE)
+    assert names(refused, field) and all("immutable" in v.message for v in refused), refused
+    problems = validate_alpajob(new, old=BASE)
+    assert any(p.startswith(field) and "immutable" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(("field", "path", "value"), [
+    ("spec.model", "spec.model.config", {"hidden": 128}),
+    ("spec.parallelism", "spec.parallelism", manual(GOOD_STAGES)),
+])
+def test_untyped_fields_are_immutable_too(field: str, path: str, value: Any) -> None:
+    """No rule can name config or stages, but their parent's ``self == oldSelf`` compares them."""
+    old = changed(BASE, "spec.parallelism", manual([{"layers": [0, 4], "submeshShape": [2, 8]}]))
+    new = changed(old, path, value)
+    assert names(admit(new, old=old), field)
+    assert any(p.startswith(field) for p in validate_alpajob(new, old=old))
+
+
+# ------------------------------------------------------------------ (f) RBAC, Deployment
+#: What the operator does to each resource (operator/kube.py, kopf); read verbs on all it observes.
+NEEDED_VERBS = {
+    ("alpajob.io", "alpajobs"): {"get", "list", "watch", "patch", "delete"},
+    ("alpajob.io", "alpajobs/status"): {"get", "patch"},
+    ("alpajob.io", "alpajobs/finalizers"): {"update"},
+    ("", "pods"): {"create", "get", "list", "watch", "delete"},
+    ("", "services"): {"create", "get", "list", "watch"},
+    ("", "configmaps"): {"create", "get", "list", "watch"},
+    ("", "events"): {"create"},
+    ("", "nodes"): {"get", "list", "watch"},
+    ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "watch", "delete"},
+    ("scheduling.x-k8s.io", "podgroups"): {"create", "get", "list", "watch", "delete"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+}
+CREATED = [("", "pods"), ("", "services"), ("", "configmaps"), ("", "events"),
+           ("scheduling.volcano.sh", "podgroups"), ("scheduling.x-k8s.io", "podgroups")]
+
+
+def by_kind(name: str) -> dict[str, dict[str, Any]]:
+    return {doc["kind"]: doc for doc in documents(name)}
+
+
+def test_cluster_role_grants_exactly_the_verbs_needed() -> None:
+    rbac = by_kind("rbac.yaml")
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in rbac["ClusterRole"]["rules"]:
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], rule
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    assert granted == NEEDED_VERBS
+    for key in CREATED:
+        assert "create" in granted[key], key
+
+
+def test_the_service_account_is_bound_to_the_cluster_role() -> None:
+    rbac = by_kind("rbac.yaml")
+    account, binding = rbac["ServiceAccount"], rbac["ClusterRoleBinding"]
+    assert account["metadata"] == {**account["metadata"], "name": "alpajob-operator", "namespace": "alpajob-system"}
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": rbac["ClusterRole"]["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "alpajob-operator",
+                                    "namespace": "alpajob-system"}]
+
+
+def test_operator_deployment_is_single_non_root_and_probed() -> None:
+    objects = by_kind("operator.yaml")
+    deployment, service = objects["Deployment"], objects["Service"]
+    namespace = by_kind("namespace.yaml")["Namespace"]
+    assert namespace["metadata"]["name"] == deployment["metadata"]["namespace"] == "alpajob-system"
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert pod["serviceAccountName"] == "alpajob-operator"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    [container] = pod["containers"]
+    assert container["image"] == "ghcr.io/alpajob/alpajob:0.1.0"
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": 8080}, probe
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == 9090
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container["resources"][kind]), kind
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics"}]
+
+
+def test_operator_command_is_one_the_cli_accepts() -> None:
+    [container] = by_kind("operator.yaml")["Deployment"]["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[:2] == ["alpajob", "operator"]
+    parser = argparse.ArgumentParser()
+    operator_main.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(command[1:])
+    assert args.all_namespaces and args.metrics_port == 9090
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
