@@ -39,8 +39,13 @@ class OperatorOptions:
     """How often to reconcile, and where the API is."""
 
     interval: float = 2.0
-    webhook: bool = False
     scanning: bool = True  # list namespaces and watch CRDs (kopf's scanning)
+    webhook_port: int | None = None  # serve the validating webhook here (None: no webhook)
+    webhook_host: str | None = None  # the name the API server calls it by (its Service)
+    webhook_cert: str | None = None  # TLS certificate and key files (else self-signed)
+    webhook_key: str | None = None
+    webhook_insecure: bool = False  # plain HTTP: for tests, never for an API server
+    webhook_managed: bool = False  # kopf keeps a ValidatingWebhookConfiguration up to date
 
 
 def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str) -> str | None:
@@ -83,6 +88,13 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
         settings.posting.enabled = False
         settings.watching.server_timeout = 60
         settings.scanning.disabled = not options.scanning
+        if options.webhook_port is not None:
+            settings.admission.server = kopf.WebhookServer(
+                addr="0.0.0.0", port=options.webhook_port, host=options.webhook_host,
+                certfile=options.webhook_cert, pkeyfile=options.webhook_key,
+                insecure=options.webhook_insecure)
+            if options.webhook_managed:
+                settings.admission.managed = f"{PLURAL}.{GROUP}"
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
     async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
@@ -97,12 +109,16 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
                 return
             await stopped.wait(options.interval)
 
-    if options.webhook:
+    if options.webhook_port is not None:
         from alpajob.operator.admission import validate_alpajob
 
-        @kopf.on.validate(GROUP, VERSION, PLURAL, registry=registry, operation="CREATE")
-        def validate(body: kopf.Body, **_: Any) -> None:
-            problems = validate_alpajob(dict(body))
+        @kopf.on.validate(GROUP, VERSION, PLURAL, registry=registry, id="validate-alpajob")
+        def validate(body: kopf.Body, old: Any, operation: str | None, **_: Any) -> None:
+            """Refuse what the CRD's schema and CEL cannot judge; on an update, also a
+            change of an immutable field."""
+            if operation not in ("CREATE", "UPDATE"):
+                return
+            problems = validate_alpajob(dict(body), old=dict(old) if operation == "UPDATE" and old else None)
             if problems:
                 raise kopf.AdmissionError("; ".join(problems), code=422)
 

@@ -29,8 +29,15 @@ def add_parser(sub: Any) -> None:
                         help="do not list namespaces and CRDs (least privilege: watch only the "
                              "--namespace names given, discover resources once at start)")
     parser.add_argument("--verbose", "-v", action="store_true", help="log every API call and handler")
-    parser.add_argument("--webhook", action="store_true",
-                        help="also serve the validating admission webhook (needs a WebhookServer setup)")
+    parser.add_argument("--webhook-port", type=int,
+                        help="serve the validating admission webhook on this port (HTTPS)")
+    parser.add_argument("--webhook-host", help="the host name the API server reaches the webhook by")
+    parser.add_argument("--webhook-cert", help="TLS certificate file (default: self-signed)")
+    parser.add_argument("--webhook-key", help="TLS private key file")
+    parser.add_argument("--webhook-managed", action="store_true",
+                        help="create and update the ValidatingWebhookConfiguration")
+    parser.add_argument("--webhook-insecure", action="store_true",
+                        help="plain HTTP (tests only: an API server requires HTTPS)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,8 +58,11 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
     registry = build_registry(Kube(kube_client()), metrics,
-                              OperatorOptions(interval=args.interval, webhook=args.webhook,
-                                              scanning=not args.no_scanning))
+                              OperatorOptions(interval=args.interval, scanning=not args.no_scanning,
+                                              webhook_port=args.webhook_port, webhook_host=args.webhook_host,
+                                              webhook_cert=args.webhook_cert, webhook_key=args.webhook_key,
+                                              webhook_insecure=args.webhook_insecure,
+                                              webhook_managed=args.webhook_managed))
     kopf.run(registry=registry, standalone=True, clusterwide=bool(args.all_namespaces),
              namespaces=args.namespace or (), liveness_endpoint=args.liveness)
     return 0

@@ -52,13 +52,15 @@ class Operator:
     def __init__(self, emu: Emulator, log: Path) -> None:
         self.emu, self.log = emu, log
         self.proc: subprocess.Popen | None = None
+        self.args: list[str] = []
+        self.metrics_port = 0
 
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.emu.kubeconfig)}
         out = open(self.log, "a")  # noqa: SIM115 (closed with the process)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "alpajob.cli", "operator", "--namespace", NS, "--interval", "0.3",
-             "--no-scanning"],
+             "--no-scanning", *self.args],
             stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def kill(self) -> None:
@@ -77,7 +79,11 @@ class Operator:
 
 @pytest.fixture
 def operator(emulator: Emulator, tmp_path: Path) -> Iterator[Operator]:
+    from alpajob.trainer.distributed.loopback import free_port
+
     op = Operator(emulator, tmp_path / "operator.log")
+    op.metrics_port = free_port()
+    op.args = ["--metrics-port", str(op.metrics_port)]
     op.start()
     yield op
     op.stop()
@@ -163,6 +169,13 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     _wait("phase Running", lambda: cluster.phase("gpt-a") == "Running", op=operator)
     ready = {c["type"]: c["status"] for c in cluster.job("gpt-a")["status"]["conditions"]}
     assert ready["Ready"] == "True" and ready["MeshesReady"] == "True"
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=10) as page:
+        metrics = page.read().decode()
+    assert 'alpajob_operator_jobs{phase="Running"} 1.0' in metrics
+    assert "alpajob_operator_reconcile_seconds_count" in metrics
+    assert "alpajob_operator_planning_seconds_count 1.0" in metrics
     head = cluster.pods("gpt-a")["gpt-a-0-head"].spec.containers[0].command
     assert head[head.index("--status-configmap") + 1] == "ml/gpt-a-progress"
     # Play the driver: its progress, as `alpajob driver --status-configmap` writes it.
@@ -274,3 +287,53 @@ def test_an_operator_killed_mid_way_creates_no_duplicates(cluster: Cluster, oper
                and r.data.get("metadata", {}).get("name", "").startswith("gpt-e-")]
     assert sorted(created) == sorted(set(created)), f"created twice: {created}"
     assert set(created) == {"gpt-e-planner", "gpt-e-0-head", "gpt-e-0-m0-h0", "gpt-e-0-m1-h0"}
+
+
+def _review(url: str, body: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Send one AdmissionReview, as the API server would, and return its response."""
+    import json
+    import urllib.request
+
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "review-1", "kind": {"group": GROUP, "version": VERSION, "kind": "AlpaJob"},
+        "resource": {"group": GROUP, "version": VERSION, "resource": PLURAL},
+        "namespace": NS, "name": body["metadata"].get("name"),
+        "operation": "UPDATE" if old else "CREATE", "object": body, "oldObject": old,
+        "userInfo": {"username": "test"}, "dryRun": False}}
+    request = urllib.request.Request(url, json.dumps(review).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return json.loads(answer.read())["response"]
+
+
+def test_the_webhook_refuses_bad_specs_naming_the_field(emulator: Emulator, tmp_path: Path) -> None:
+    """Through kopf's webhook server (plain HTTP here): every bad spec the webhook can
+    judge, the immutable fields on update, and a good spec admitted."""
+    from test_crd import BASE, CRD_REFUSES, IMMUTABLE, WEBHOOK_REFUSES, changed
+
+    from alpajob.trainer.distributed.loopback import free_port
+
+    port = free_port()
+    op = Operator(emulator, tmp_path / "operator.log")
+    op.args = ["--webhook-port", str(port), "--webhook-insecure"]
+    op.start()
+    try:
+        url = f"http://127.0.0.1:{port}/validate-alpajob"
+
+        def up() -> bool:
+            try:
+                return bool(_review(url, BASE)["allowed"])
+            except OSError:
+                return False
+
+        _wait("the webhook serving", up, op=op)
+        cases = [(f, p, v) for f, p, v, webhook in CRD_REFUSES if webhook] + WEBHOOK_REFUSES
+        assert len(cases) >= 30
+        for field, path, value in cases:
+            answer = _review(url, changed(BASE, path, value))
+            assert answer["allowed"] is False, (path, value)
+            assert field in answer["status"]["message"], (field, answer["status"]["message"])
+        for field, path, value in IMMUTABLE:
+            answer = _review(url, changed(BASE, path, value), old=BASE)
+            assert answer["allowed"] is False and field in answer["status"]["message"], (field, answer)
+    finally:
+        op.stop()
