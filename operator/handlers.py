@@ -38,7 +38,7 @@ from alpajob.operator.reconcile import reconcile
 class OperatorOptions:
     """How often to reconcile, and where the API is."""
 
-    interval: float = 2.0
+    interval: float = 1.0
     scanning: bool = True  # list namespaces and watch CRDs (kopf's scanning)
     webhook_port: int | None = None  # serve the validating webhook here (None: no webhook)
     webhook_host: str | None = None  # the name the API server calls it by (its Service)

@@ -1,16 +1,25 @@
 """The operator's side of the Kubernetes API: read a job's world, apply a decision.
 
 A thin adapter over the ``kubernetes`` client, so :mod:`.reconcile` stays pure. The
-job's pods are found by listing the namespace's pods with the job's label (and the
+job's pods are found by listing the namespace's pods with the job label (and the
 label checked again here: some API emulators ignore selectors). Creating what
 already exists and deleting what is gone are not errors: every pass may repeat the
 last one's work.
+
+Lists shared by every job are cached for a short time (:class:`Cached`): the
+namespace's AlpaJob pods, the nodes, and which gang scheduler is installed. One list
+then serves every job's pass in that window instead of one list per job, which is
+what lets one operator follow hundreds of jobs. A stale list is harmless: a snapshot
+never loses a pod that an earlier one had, unless it was deleted, and creating what
+exists is refused by the API server (409) and ignored here.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,14 +35,38 @@ GANG_CRDS = {"volcano": "podgroups.scheduling.volcano.sh", "coscheduling": "podg
 _POD_GROUP_API = {"volcano": ("scheduling.volcano.sh", "v1beta1"), "coscheduling": ("scheduling.x-k8s.io", "v1alpha1")}
 
 
+class Cached:
+    """Values by key, each recomputed when older than ``ttl`` seconds (thread-safe)."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._values: dict[object, tuple[float, object]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: object, compute: Callable[[], object]) -> object:
+        with self._lock:
+            hit = self._values.get(key)
+            if hit is not None and time.monotonic() - hit[0] < self.ttl:
+                return hit[1]
+            value = compute()
+            self._values[key] = (time.monotonic(), value)
+            return value
+
+    def forget(self, key: object) -> None:
+        with self._lock:
+            self._values.pop(key, None)
+
+
 class Kube:
     """Reads and writes for the operator, on one ``ApiClient``."""
 
-    def __init__(self, api: client.ApiClient) -> None:
+    def __init__(self, api: client.ApiClient, ttl: float = 0.5) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.extensions = client.ApiextensionsV1Api(api)
+        self.lists = Cached(ttl)  # pods by namespace, nodes
+        self.gangs = Cached(60.0)  # installed gang schedulers change rarely
 
     def _dict(self, obj: Any) -> dict[str, Any]:
         return self.api.sanitize_for_serialization(obj)
@@ -61,10 +94,30 @@ class Kube:
             return None
         if wanted in GANG_CRDS:
             return str(wanted)
-        for name, crd in GANG_CRDS.items():
-            if self._get(self.extensions.read_custom_resource_definition, crd) is not None:
-                return name
-        return None
+
+        def installed() -> str | None:
+            for name, crd in GANG_CRDS.items():
+                if self._get(self.extensions.read_custom_resource_definition, crd) is not None:
+                    return name
+            return None
+
+        return self.gangs.get("gang", installed)  # type: ignore[return-value]
+
+    def _owned(self, kind: str, namespace: str) -> dict[str, list[dict[str, Any]]]:
+        """The namespace's pods, config maps or services of AlpaJobs, by job (cached)."""
+        lister = {"pods": self.core.list_namespaced_pod, "configmaps": self.core.list_namespaced_config_map,
+                  "services": self.core.list_namespaced_service}[kind]
+
+        def fetch() -> dict[str, list[dict[str, Any]]]:
+            by_job: dict[str, list[dict[str, Any]]] = {}
+            for item in lister(namespace, label_selector=LABEL_JOB).items:
+                body = self._dict(item)
+                job = (body["metadata"].get("labels") or {}).get(LABEL_JOB)
+                if job:
+                    by_job.setdefault(job, []).append(body)
+            return by_job
+
+        return self.lists.get((kind, namespace), fetch)  # type: ignore[return-value]
 
     def observe(self, job: Mapping[str, Any], now: datetime) -> Observed:
         """Everything :func:`~.reconcile.reconcile` needs about ``job``."""
@@ -72,19 +125,9 @@ class Kube:
         namespace, name = meta["namespace"], meta["name"]
         attempt = int(((job.get("status") or {}).get("children") or {}).get("attempt", 0))
         names = ChildNames(name, attempt)
-        pods = {}
-        for pod in self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}").items:
-            body = self._dict(pod)
-            if (body["metadata"].get("labels") or {}).get(LABEL_JOB) == name:
-                pods[body["metadata"]["name"]] = body
-        configmaps = {}
-        for cm in (names.config, names.plan, names.progress):
-            found = self._get(self.core.read_namespaced_config_map, cm, namespace)
-            if found is not None:
-                configmaps[cm] = found
-        services = frozenset(
-            s for s in (names.service, names.hosts_service)
-            if self._get(self.core.read_namespaced_service, s, namespace) is not None)
+        pods = {pod["metadata"]["name"]: pod for pod in self._owned("pods", namespace).get(name, [])}
+        configmaps = {cm["metadata"]["name"]: cm for cm in self._owned("configmaps", namespace).get(name, [])}
+        services = frozenset(s["metadata"]["name"] for s in self._owned("services", namespace).get(name, []))
         gang = self.gang(job)
         groups: frozenset[str] = frozenset()
         if gang:
@@ -95,7 +138,8 @@ class Kube:
             except client.ApiException as error:
                 if error.status != 404:
                     raise
-        nodes = [self._dict(n) for n in self.core.list_node().items]
+        nodes: list[dict[str, Any]] = self.lists.get(  # type: ignore[assignment]
+            "nodes", lambda: [self._dict(n) for n in self.core.list_node().items])
         spec = job.get("spec") or {}
         cluster = spec.get("cluster") or {}
         pool = pool_nodes(nodes, cluster.get("nodeSelector") or {}, cpu=cluster.get("gpu") == "cpu")
@@ -118,6 +162,9 @@ class Kube:
             self.create(obj)
         for kind, child, grace in decision.delete:
             self.delete(kind, namespace, child, grace)
+        if decision.create or decision.delete:  # the next pass must see what changed
+            for kind in ("pods", "configmaps", "services"):
+                self.lists.forget((kind, namespace))
         for kind, reason, message in decision.events:
             self.event(job, kind, reason, message)
         if decision.delete_job:

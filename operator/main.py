@@ -21,8 +21,8 @@ def add_parser(sub: Any) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--namespace", "-n", action="append", help="watch this namespace (repeatable)")
     where.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
-    parser.add_argument("--interval", type=float, default=2.0,
-                        help="seconds between two reconciliations of a job (default 2)")
+    parser.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between two reconciliations of a job (default 1)")
     parser.add_argument("--liveness", help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
     parser.add_argument("--no-scanning", action="store_true",
