@@ -1,0 +1,34 @@
+{{/*
+The operator's name: its ServiceAccount, ClusterRole, ClusterRoleBinding and
+Deployment (the metrics Service appends "-metrics").
+*/}}
+{{- define "alpajob.operatorName" -}}
+{{- default "alpajob-operator" .Values.fullnameOverride | trunc 55 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Labels of every object of the release.
+*/}}
+{{- define "alpajob.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/part-of: alpajob
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/*
+Selector labels of the operator's pod (the Deployment's selector and the metrics
+Service's); fixed for the life of a release.
+*/}}
+{{- define "alpajob.operatorSelectorLabels" -}}
+app.kubernetes.io/name: alpajob-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/*
+The operator's image.
+*/}}
+{{- define "alpajob.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}

@@ -1,0 +1,164 @@
+"""The trainer image: trainer_image/Dockerfile read statically (no container engine
+runs here), and the image's entry points run as plain processes, as the pods run them:
+``alpajob plan`` (planner pod), ``alpajob driver`` (head pod), ``alpajob mesh-worker``
+(mesh pods) and ``alpajob operator`` (the operator's Deployment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "trainer_image" / "Dockerfile"
+DOCKERIGNORE = ROOT / "trainer_image" / "Dockerfile.dockerignore"
+EXAMPLE = ROOT / "manifests" / "examples" / "manual-gpt.yaml"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined."""
+    logical, current = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
+            continue
+        logical.append(current + line)
+        current = ""
+    assert not current, "the Dockerfile ends inside a continued line"
+    out = []
+    for line in logical:
+        word, _, rest = line.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def only(name: str) -> list[str]:
+    return [args for word, args in instructions() if word == name]
+
+
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def pinned(package: str) -> str:
+    for requirement in pyproject()["project"]["dependencies"]:
+        match = re.fullmatch(rf"{re.escape(package)}==([\w.]+)", requirement)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"pyproject.toml does not pin {package}")
+
+
+# --- the Dockerfile --------------------------------------------------------------------
+
+def test_base_is_a_pinned_cuda_12_runtime_on_ubuntu_lts() -> None:
+    (base,) = only("FROM")
+    assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-runtime-ubuntu(22|24)\.04", base), base
+
+
+def test_python_is_3_11_in_a_virtual_environment() -> None:
+    runs = " ".join(only("RUN"))
+    assert "python3.11" in runs and "python3.11 -m venv" in runs
+    assert pyproject()["project"]["requires-python"] == ">=3.11"
+
+
+def test_gpu_jax_is_pinned_to_the_project_version() -> None:
+    args = dict(arg.split("=", 1) for arg in only("ARG"))
+    assert args["JAX_VERSION"] == pinned("jax") == pinned("jaxlib")
+    runs = only("RUN")
+    assert any('pip install "jax[cuda12]==${JAX_VERSION}"' in run for run in runs)
+    assert any(re.search(r"pip install \.(\s|$)", run) for run in runs)
+
+
+def test_every_package_folder_is_copied_and_sent() -> None:
+    tool = pyproject()["tool"]["setuptools"]
+    folders = {path.split("/")[0] for path in tool["package-dir"].values()}
+    copied = {args.split()[0] for args in only("COPY") if len(args.split()) == 2}
+    sources = {source for args in only("COPY") for source in args.split()[:-1]}
+    assert folders <= copied, sorted(folders - copied)
+    assert {"pyproject.toml", pyproject()["project"]["readme"]} <= sources
+    assert all((ROOT / source).exists() for source in sources)
+    # The ignore file keeps everything out but what is copied.
+    kept = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")}
+    assert sources <= kept, sorted(sources - kept)
+
+
+def test_runs_as_non_root_uid_1000_like_the_pods() -> None:
+    from alpajob.operator.children import head_pod
+    from alpajob.operator.names import ChildNames
+
+    users = only("USER")
+    assert users, "no USER: the image would run as root"
+    uid, _, gid = users[-1].partition(":")
+    assert uid.isdigit() and int(uid) != 0, "a numeric uid lets the kubelet check runAsNonRoot"
+    assert gid == "" or (gid.isdigit() and int(gid) != 0)
+    operator = yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text())
+    deployment = next(d for d in operator if d["kind"] == "Deployment")
+    assert int(uid) == deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+    job = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}, "spec": {"model": {"zoo": "gpt"}}}
+    (driver,) = head_pod(job, ChildNames("demo", 0), None)["spec"]["containers"]
+    assert int(uid) == driver["securityContext"]["runAsUser"]
+    words = [word for word, _ in instructions()]
+    assert "WORKDIR" in words[words.index("USER"):], "a WORKDIR after USER, owned by the user"
+
+
+def test_entrypoint_is_the_alpajob_command() -> None:
+    assert [json.loads(a) for a in only("ENTRYPOINT")] == [["alpajob"]]
+    assert [json.loads(a) for a in only("CMD")] == [["--help"]]
+    assert pyproject()["project"]["scripts"]["alpajob"] == "alpajob.cli:main"
+    assert only("HEALTHCHECK") == []
+
+
+# --- the entry points, as plain processes ----------------------------------------------
+
+def alpajob(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
+    """``alpajob ARGS`` (the image's ENTRYPOINT) as ``python -m alpajob.cli``, without
+    the ALPAJOB_* environment the operator would set; wide, so no line is wrapped."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALPAJOB_")}
+    env["COLUMNS"] = "500"
+    return subprocess.run([sys.executable, "-m", "alpajob.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_plan_writes_a_plan(tmp_path: Path) -> None:
+    from alpajob.planner.plan import read_plan
+
+    output = tmp_path / "plan.json"
+    done = alpajob("plan", str(EXAMPLE.relative_to(ROOT)), "--output", str(output))
+    assert done.returncode == 0, done.stdout + done.stderr
+    plan = read_plan(output)
+    assert len(plan.stages) == 2  # the example's two manual stages
+    assert str(output) in done.stdout
+
+
+def test_mesh_worker_without_a_mesh_names_the_flag() -> None:
+    done = alpajob("mesh-worker")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--mesh" in done.stderr and "ALPAJOB_MESH" in done.stderr
+
+
+def test_driver_with_a_missing_plan_names_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "plan.json"
+    done = alpajob("driver", str(EXAMPLE), "--plan", str(missing))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert str(missing) in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["operator", "--help"], ["--help"]], ids=["operator", "cmd"])
+def test_help_exits_zero(command: list[str]) -> None:
+    done = alpajob(*command)
+    assert done.returncode == 0, done.stderr
+    assert "usage: alpajob" in done.stdout
+    if command[0] == "operator":
+        assert "--all-namespaces" in done.stdout and "--namespace" in done.stdout
