@@ -15,6 +15,7 @@ with ``--no-scanning`` (only the namespaces named).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,12 @@ from kubernetes import client
 class Emulator:
     """A running KubernetesEmulator; ``url``, ``kubeconfig`` and a configured client."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, keep_history: bool = True) -> None:
+        """``keep_history=False``: forget served requests (kmock matches every new
+        request against its whole history, so a long run slows down quadratically;
+        benchmarks turn it off, tests that count requests keep it)."""
         self.root = root
+        self.keep_history = keep_history
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -58,7 +63,11 @@ class Emulator:
             self.kmock = emulator
             self.url = str(server.url).rstrip("/")
             self._ready.set()
-            await self._stop.wait()
+            while not self._stop.is_set():
+                if not self.keep_history:
+                    del emulator._requests[:-16]  # kmock internals: its request log
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 0.5)
 
     def start(self) -> Emulator:
         self._thread.start()
