@@ -129,8 +129,10 @@ class Cluster:
     def set_phase(self, pod: str, phase: str, **extra: Any) -> None:
         self.core.patch_namespaced_pod_status(pod, NS, {"status": {"phase": phase, **extra}})
 
-    def run_planner(self, job: str, tmp: Path) -> None:
-        """Play the kubelet for the planning pod: run its command, for real."""
+    def run_planner(self, job: str, tmp: Path, succeeds: bool = True) -> None:
+        """Play the kubelet for the planning pod: run its command, for real; a failed
+        command fails the pod with its log's tail as the termination message (the pod's
+        terminationMessagePolicy is FallbackToLogsOnError)."""
         pod = _wait("the planner pod", lambda: self.pods(job).get(f"{job}-planner"))
         manifest = self.core.read_namespaced_config_map(f"{job}-config", NS).data["manifest.yaml"]
         (tmp / "manifest.yaml").write_text(manifest)
@@ -140,8 +142,14 @@ class Cluster:
         self.set_phase(f"{job}-planner", "Running")
         done = subprocess.run([sys.executable, "-m", "alpajob.cli", *command[1:]], capture_output=True, text=True,
                               env={**os.environ, "KUBECONFIG": str(self.emu.kubeconfig)}, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        self.set_phase(f"{job}-planner", "Succeeded")
+        if succeeds:
+            assert done.returncode == 0, done.stderr[-3000:]
+            self.set_phase(f"{job}-planner", "Succeeded")
+            return
+        assert done.returncode == 2, done.stderr[-3000:]
+        self.set_phase(f"{job}-planner", "Failed", containerStatuses=[
+            {"name": "planner", "ready": False, "restartCount": 0, "image": "x", "imageID": "x",
+             "state": {"terminated": {"exitCode": 2, "reason": "Error", "message": done.stderr[-1500:]}}}])
 
 
 @pytest.fixture
@@ -337,3 +345,19 @@ def test_the_webhook_refuses_bad_specs_naming_the_field(emulator: Emulator, tmp_
             assert answer["allowed"] is False and field in answer["status"]["message"], (field, answer)
     finally:
         op.stop()
+
+
+def test_a_model_that_cannot_fit_the_pool_fails_with_the_planners_message(
+        cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    cluster.create_job("gpt-f", model={"zoo": "gpt", "config": "1.3b"},
+                       training={"globalBatchSize": 1024, "dtype": "float16"},
+                       cluster={"gpu": "v100-16gb", "nodes": 1, "gpusPerNode": 1},
+                       parallelism={"method": "auto"})
+    cluster.run_planner("gpt-f", tmp_path, succeeds=False)
+    _wait("phase Failed", lambda: cluster.phase("gpt-f") == "Failed", op=operator)
+    failed = _condition(cluster, "gpt-f", "Failed")
+    assert failed["reason"] == "PlanningFailed" and "GiB per device" in failed["message"]
+    events = [(e.type, e.reason, e.message) for e in cluster.core.list_namespaced_event(NS).items
+              if e.involved_object.name == "gpt-f"]
+    assert any(t == "Warning" and r == "PlanningFailed" and "GiB per device" in m for t, r, m in events)
+    assert set(cluster.pods("gpt-f")) <= {"gpt-f-planner"}  # nothing else was started
