@@ -97,7 +97,10 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
                 settings.admission.managed = f"{PLURAL}.{GROUP}"
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
-    async def run_job(namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
+    async def run_job(**kwargs: Any) -> None:
+        namespace, name = kwargs["namespace"], kwargs["name"]
+        stopped: kopf.DaemonStopped = kwargs["stopped"]
+        logger: logging.Logger = kwargs["logger"]
         while not stopped:
             try:
                 phase = await asyncio.to_thread(reconcile_once, kube, metrics, namespace, name)
@@ -113,9 +116,10 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
         from alpajob.operator.admission import validate_alpajob
 
         @kopf.on.validate(GROUP, VERSION, PLURAL, registry=registry, id="validate-alpajob")
-        def validate(body: kopf.Body, old: Any, operation: str | None, **_: Any) -> None:
+        def validate(**kwargs: Any) -> None:
             """Refuse what the CRD's schema and CEL cannot judge; on an update, also a
             change of an immutable field."""
+            body, old, operation = kwargs["body"], kwargs.get("old"), kwargs.get("operation")
             if operation not in ("CREATE", "UPDATE"):
                 return
             problems = validate_alpajob(dict(body), old=dict(old) if operation == "UPDATE" and old else None)

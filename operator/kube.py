@@ -60,8 +60,9 @@ class Cached:
 class Kube:
     """Reads and writes for the operator, on one ``ApiClient``."""
 
-    def __init__(self, api: client.ApiClient, ttl: float = 0.5) -> None:
+    def __init__(self, api: client.ApiClient, ttl: float = 0.5, default_image: str | None = None) -> None:
         self.api = api
+        self.default_image = default_image
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.extensions = client.ApiextensionsV1Api(api)
@@ -148,7 +149,8 @@ class Kube:
                     "metadata": {"name": name, "namespace": namespace}, "spec": spec}
         return Observed(job=job, now=now, manifest_yaml=yaml.safe_dump(manifest, sort_keys=False),
                         pool=pool, configmaps=configmaps, pods=pods, services=services,
-                        pod_groups=groups, gang=gang, ready_nodes=ready)
+                        pod_groups=groups, gang=gang, ready_nodes=ready,
+                        **({"default_image": self.default_image} if self.default_image else {}))
 
     # ------------------------------------------------------------ writing
     def apply(self, job: Mapping[str, Any], decision: Decision) -> None:
@@ -158,11 +160,14 @@ class Kube:
         if decision.status != (job.get("status") or {}):
             self.custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, namespace, PLURAL, name, {"status": decision.status})
+        if decision.clear_plan:  # a merge patch's null removes the key
+            self.core.patch_namespaced_config_map(
+                ChildNames(name, 0).plan, namespace, {"data": {"plan.json": None}})
         for obj in decision.create:
             self.create(obj)
         for kind, child, grace in decision.delete:
             self.delete(kind, namespace, child, grace)
-        if decision.create or decision.delete:  # the next pass must see what changed
+        if decision.create or decision.delete or decision.clear_plan:  # the next pass must see it
             for kind in ("pods", "configmaps", "services"):
                 self.lists.forget((kind, namespace))
         for kind, reason, message in decision.events:

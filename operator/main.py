@@ -25,6 +25,8 @@ def add_parser(sub: Any) -> None:
                         help="seconds between two reconciliations of a job (default 1)")
     parser.add_argument("--liveness", help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
+    parser.add_argument("--default-image",
+                        help="the trainer image of jobs without spec.image (default: this release's)")
     parser.add_argument("--no-scanning", action="store_true",
                         help="do not list namespaces and CRDs (least privilege: watch only the "
                              "--namespace names given, discover resources once at start)")
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = OperatorMetrics()
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
-    registry = build_registry(Kube(kube_client()), metrics,
+    registry = build_registry(Kube(kube_client(), default_image=args.default_image), metrics,
                               OperatorOptions(interval=args.interval, scanning=not args.no_scanning,
                                               webhook_port=args.webhook_port, webhook_host=args.webhook_host,
                                               webhook_cert=args.webhook_cert, webhook_key=args.webhook_key,

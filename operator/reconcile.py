@@ -18,7 +18,9 @@ in order (the first that has something to wait for ends the pass):
    after it ran, restarts the *whole* job as a new attempt (every mesh, resuming
    from the last complete checkpoint), counted against ``backoffLimit``; a pod of
    an old attempt stuck terminating on a lost node is force-deleted, so it never
-   holds the job up;
+   holds the job up. When the node pool has changed since the plan was made (nodes
+   lost or added, fewer GPUs), the new attempt is **planned again** for the pool as
+   it is, instead of failing;
 6. **children**: the Services, the PodGroup (when a gang scheduler is installed:
    before the pods), the head pod and every mesh pod, named in ``status.children``
    before they are created;
@@ -54,6 +56,7 @@ class Observed:
     pod_groups: frozenset[str] = frozenset()
     gang: str | None = None  # installed gang scheduler: volcano, coscheduling or None
     ready_nodes: frozenset[str] = frozenset()
+    default_image: str = children.DEFAULT_IMAGE  # for jobs without spec.image
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Decision:
     delete: list[tuple[str, str, int | None]] = field(default_factory=list)  # kind, name, grace seconds
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
     delete_job: bool = False
+    clear_plan: bool = False  # empty the plan ConfigMap: the job is planned again
 
 
 def _time(now: datetime) -> str:
@@ -102,8 +106,10 @@ class _Pass:
 
     def __init__(self, seen: Observed) -> None:
         self.seen = seen
-        self.job = seen.job
-        self.spec = seen.job.get("spec") or {}
+        spec = dict(seen.job.get("spec") or {})
+        spec.setdefault("image", seen.default_image)  # a view: the operator never writes spec
+        self.job = {**seen.job, "spec": spec}
+        self.spec = spec
         self.meta = seen.job["metadata"]
         self.generation = int(self.meta.get("generation") or 1)
         self.now = _time(seen.now)
@@ -158,7 +164,7 @@ class _Pass:
 
     def host_devices(self) -> list[tuple[int, int, int, int]]:
         """(mesh, host, hosts of the mesh, devices per host) of the plan."""
-        out = []
+        out: list[tuple[int, int, int, int]] = []
         for stage in self.plan_doc["stages"]:
             n, m = (int(x) for x in stage["submesh_shape"])
             out.extend((int(stage["index"]), j, n, m) for j in range(n))
@@ -282,7 +288,27 @@ class _Pass:
         self.phase("Restarting", "PodFailed",
                    f"{what}; restarting every mesh from the last checkpoint "
                    f"(restart {self.status['restarts']} of {limit})")
+        if self.pool_changed():
+            self.replan("the node pool changed since the plan was made")
         return True
+
+    def pool_changed(self) -> bool:
+        """Would the pool now give the planner another cluster than the plan's?"""
+        try:
+            now = pool_cluster(self.spec.get("cluster") or {}, self.seen.pool)
+        except PoolError:
+            return False  # no pool at all: keep the plan, the pods wait for nodes
+        cluster = self.plan_doc.get("cluster") or {}
+        return (now.nodes, now.gpus_per_node) != (cluster.get("num_nodes"), cluster.get("devices_per_node"))
+
+    def replan(self, why: str) -> None:
+        """Plan the job again (for the pool as it is now) before the next attempt."""
+        self.decision.clear_plan = True
+        self.status["plan"] = None
+        planner = self.seen.pods.get(self.names.planner)
+        if planner is not None:
+            self.delete_pods({self.names.planner: planner})
+        self.decision.events.append(("Normal", "Replanning", why))
 
     def ensure_children(self) -> bool:
         """Create what is missing; True if the pool cannot hold the plan any more."""
@@ -290,7 +316,9 @@ class _Pass:
         try:
             nodes = assign_nodes(self.plan_doc["stages"], self.seen.pool)
         except PoolError as error:
-            self.phase("Failed", "PoolShrank", str(error))
+            self.delete_pods(self.pods_of(self.attempt))
+            self.replan(f"the plan no longer fits the node pool ({error})")
+            self.phase("Planning", "Replanning", "planning again for the node pool as it is now")
             return True
         hosts = self.hosts()
         cluster = self.plan_doc.get("cluster") or {}

@@ -79,6 +79,8 @@ class World:
                 del self.objects[kind, name]
         self.events += decision.events
         self.deleted_job |= decision.delete_job
+        if decision.clear_plan:
+            self.objects["ConfigMap", f"{self.job['metadata']['name']}-plan"]["data"] = {}
         return decision
 
     @property
@@ -268,3 +270,34 @@ def test_conditions_keep_their_transition_time_until_they_flip(plan_json: str) -
     world.step(5)
     assert next(c for c in world.status["conditions"] if c["type"] == "Ready")["lastTransitionTime"] == since
     assert world.status["observedGeneration"] == 1
+
+
+def test_a_restart_after_the_pool_grew_plans_again_for_the_new_pool(plan_json: str) -> None:
+    """Planned on the one node there was (spec asks for 2); a node joins; the next
+    failure restarts the job with a new plan for both nodes instead of the old one."""
+    world = World({"cluster": {"gpu": "cpu", "nodes": 2, "gpusPerNode": 8}}, nodes=1)
+    world.step()
+    command = world.objects["Pod", "manual-gpt-planner"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--nodes") + 1] == "1"
+    world.planned(plan_json)
+    world.step()
+    world.set_pods("Running")
+    world.step()
+    world.pool = [PoolNode("node-0", 8, None), PoolNode("node-1", 8, None)]
+    world.ready = frozenset({"node-0", "node-1"})
+    world.set_pods("Failed", role="head")
+    world.step()
+    assert world.status["phase"] == "Restarting" and world.status["plan"] is None
+    assert ("Normal", "Replanning") in [(e[0], e[1]) for e in world.events]
+    world.step()
+    planner = world.objects["Pod", "manual-gpt-planner"]["spec"]["containers"][0]["command"]
+    assert planner[planner.index("--nodes") + 1] == "2"
+    assert world.status["phase"] == "Planning"
+
+
+def test_jobs_without_an_image_get_the_operators_default(plan_json: str) -> None:
+    world = World()
+    world.job["spec"].pop("image", None)
+    world.step()
+    assert world.objects["Pod", "manual-gpt-planner"]["spec"]["containers"][0]["image"] == "ghcr.io/alpajob/alpajob:0.1.0"
+    assert "image" not in world.job["spec"]  # the operator never writes spec
