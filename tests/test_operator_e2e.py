@@ -361,3 +361,41 @@ def test_a_model_that_cannot_fit_the_pool_fails_with_the_planners_message(
               if e.involved_object.name == "gpt-f"]
     assert any(t == "Warning" and r == "PlanningFailed" and "GiB per device" in m for t, r, m in events)
     assert set(cluster.pods("gpt-f")) <= {"gpt-f-planner"}  # nothing else was started
+
+
+def test_with_volcano_installed_the_pod_group_comes_before_the_pods(
+        emulator: Emulator, cluster: Cluster, tmp_path: Path) -> None:
+    """Volcano's PodGroup CRD installed: the attempt's PodGroup (every pod of the job as
+    minMember) is created through the API before any pod, and the pods join it."""
+    import kmock
+
+    emulator.kmock.resources["scheduling.volcano.sh/v1beta1/podgroups"] = kmock.ResourceInfo(
+        kind="PodGroup", namespaced=True, verbs={"get", "list", "watch", "create", "delete"})
+    extensions = client.ApiextensionsV1Api(cluster.api)
+    extensions.create_custom_resource_definition({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "podgroups.scheduling.volcano.sh"},
+        "spec": {"group": "scheduling.volcano.sh", "scope": "Namespaced",
+                 "names": {"plural": "podgroups", "kind": "PodGroup"},
+                 "versions": [{"name": "v1beta1", "served": True, "storage": True,
+                               "schema": {"openAPIV3Schema": {"type": "object"}}}]}})
+    op = Operator(emulator, tmp_path / "operator.log")
+    op.start()
+    try:
+        cluster.create_job("gpt-g", scheduling={"queue": "research"})
+        cluster.run_planner("gpt-g", tmp_path)
+        _wait("the pods", lambda: len(cluster.pods("gpt-g")) == 3, op=op)
+        group = cluster.custom.get_namespaced_custom_object(
+            "scheduling.volcano.sh", "v1beta1", NS, "podgroups", "gpt-g-0")
+        assert group["spec"]["minMember"] == 3 and group["spec"]["queue"] == "research"
+        assert group["metadata"]["ownerReferences"][0]["uid"] == "uid-gpt-g"
+        order = [str(r.url) for r in list(emulator.kmock) if r.method.upper() == "POST"
+                 and ("/podgroups" in str(r.url) or "/pods" in str(r.url))
+                 and isinstance(r.data, dict) and r.data["metadata"]["name"].startswith("gpt-g-0")]
+        assert "/podgroups" in order[0]
+        for pod in cluster.pods("gpt-g").values():
+            assert pod.spec.scheduler_name == "volcano"
+            assert pod.metadata.annotations["scheduling.k8s.io/group-name"] == "gpt-g-0"
+    finally:
+        op.stop()
+        extensions.delete_custom_resource_definition("podgroups.scheduling.volcano.sh")
