@@ -89,10 +89,14 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
         settings.watching.server_timeout = 60
         settings.scanning.disabled = not options.scanning
         if options.webhook_port is not None:
-            settings.admission.server = kopf.WebhookServer(
-                addr="0.0.0.0", port=options.webhook_port, host=options.webhook_host,
-                certfile=options.webhook_cert, pkeyfile=options.webhook_key,
-                insecure=options.webhook_insecure)
+            import tempfile
+            from pathlib import Path
+
+            from alpajob.operator.webhook import webhook_server
+
+            settings.admission.server = webhook_server(
+                options.webhook_port, options.webhook_host, options.webhook_cert, options.webhook_key,
+                options.webhook_insecure, Path(tempfile.mkdtemp(prefix="alpajob-webhook-")))
             if options.webhook_managed:
                 settings.admission.managed = f"{PLURAL}.{GROUP}"
 
@@ -115,7 +119,8 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
     if options.webhook_port is not None:
         from alpajob.operator.admission import validate_alpajob
 
-        @kopf.on.validate(GROUP, VERSION, PLURAL, registry=registry, id="validate-alpajob")
+        @kopf.on.validate(GROUP, VERSION, PLURAL, registry=registry, id="validate-alpajob",
+                          operations=["CREATE", "UPDATE"])
         def validate(**kwargs: Any) -> None:
             """Refuse what the CRD's schema and CEL cannot judge; on an update, also a
             change of an immutable field."""

@@ -33,8 +33,10 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--verbose", "-v", action="store_true", help="log every API call and handler")
     parser.add_argument("--webhook-port", type=int,
                         help="serve the validating admission webhook on this port (HTTPS)")
-    parser.add_argument("--webhook-host", help="the host name the API server reaches the webhook by")
-    parser.add_argument("--webhook-cert", help="TLS certificate file (default: self-signed)")
+    parser.add_argument("--webhook-host",
+                        help="how the API server reaches the webhook: NAME.NAMESPACE.svc registers that "
+                             "Service (the API server cannot resolve cluster DNS in a URL), any other host a URL")
+    parser.add_argument("--webhook-cert", help="TLS certificate file (default: a self-signed one, made at start)")
     parser.add_argument("--webhook-key", help="TLS private key file")
     parser.add_argument("--webhook-managed", action="store_true",
                         help="create and update the ValidatingWebhookConfiguration")

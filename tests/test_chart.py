@@ -57,6 +57,7 @@ FULL_VALUES: dict[str, Any] = {
                    "labels": {"release": "kube-prometheus-stack"}},
     "grafanaDashboard": {"enabled": True, "namespace": "monitoring",
                          "annotations": {"grafana_folder": "AlpaJob"}},
+    "webhook": {"enabled": True, "port": 10443, "certSecret": "alpajob-webhook-tls"},
 }
 
 
@@ -96,9 +97,10 @@ def find(objects: list[dict[str, Any]], kind: str, name: str,
     return hits[0]
 
 
-def manifest(name: str, kind: str) -> dict[str, Any]:
+def manifest(name: str, kind: str, named: str | None = None) -> dict[str, Any]:
+    """The one object of ``kind`` (and name ``named``, if given) in manifests/``name``."""
     docs = [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d]
-    (hit,) = [d for d in docs if d["kind"] == kind]
+    (hit,) = [d for d in docs if d["kind"] == kind and named in (None, d["metadata"]["name"])]
     return hit
 
 
@@ -189,6 +191,7 @@ def test_defaults_install_the_operator_and_the_trainer_rbac_only(default: list[d
         ("ClusterRoleBinding", "alpajob-operator", None),
         ("Deployment", "alpajob-operator", NAMESPACE),
         ("Service", "alpajob-operator-metrics", NAMESPACE),
+        ("Service", "alpajob-operator-webhook", NAMESPACE),
         ("ClusterRole", "alpajob-trainer", None),
         ("ServiceAccount", "alpajob-trainer", "default"),
         ("RoleBinding", "alpajob-trainer", "default"),
@@ -232,9 +235,10 @@ def test_operator_deployment_equals_the_manifest_at_defaults(default: list[dict[
     assert source["spec"]["selector"]["matchLabels"].items() <= selector.items()
 
 
-def test_metrics_service_equals_the_manifest_and_selects_the_operator(default: list[dict[str, Any]]) -> None:
-    service = find(default, "Service", "alpajob-operator-metrics", NAMESPACE)
-    assert service["spec"]["ports"] == manifest("operator.yaml", "Service")["spec"]["ports"]
+@pytest.mark.parametrize("name", ["alpajob-operator-metrics", "alpajob-operator-webhook"])
+def test_service_equals_the_manifest_and_selects_the_operator(default: list[dict[str, Any]], name: str) -> None:
+    service = find(default, "Service", name, NAMESPACE)
+    assert service["spec"]["ports"] == manifest("operator.yaml", "Service", name)["spec"]["ports"]
     pod = find(default, "Deployment", "alpajob-operator", NAMESPACE)["spec"]["template"]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     ports = {p["name"] for p in container({"spec": {"template": pod}})["ports"]}
@@ -286,6 +290,34 @@ def test_values_reach_the_operator_deployment(full: list[dict[str, Any]]) -> Non
     assert pod["securityContext"] == FULL_VALUES["podSecurityContext"]
     # Whatever the values, the container stays locked down.
     assert operator["securityContext"] == container(manifest("operator.yaml", "Deployment"))["securityContext"]
+    # The webhook on its own port, with the certificate of webhook.certSecret.
+    assert (args.webhook_port, args.webhook_managed) == (10443, True)
+    assert args.webhook_host == f"alpajob-operator-webhook.{NAMESPACE}.svc"
+    assert (args.webhook_cert, args.webhook_key) == ("/etc/alpajob/webhook-tls/tls.crt",
+                                                     "/etc/alpajob/webhook-tls/tls.key")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
+    assert volume == {"name": "webhook-tls", "secret": {"secretName": "alpajob-webhook-tls"}}
+    assert {"name": "webhook-tls", "mountPath": "/etc/alpajob/webhook-tls", "readOnly": True} in \
+        operator["volumeMounts"]
+    service = find(full, "Service", "alpajob-operator-webhook", NAMESPACE)
+    assert service["spec"]["ports"] == [{"name": "webhook", "port": 10443, "targetPort": "webhook"}]
+
+
+def test_disabling_the_webhook_drops_its_flags_port_service_and_rules(helm: ModuleType) -> None:
+    objects = render(helm, {"webhook": {"enabled": False, "certSecret": "ignored"}})
+    deployment = find(objects, "Deployment", "alpajob-operator", NAMESPACE)
+    operator = container(deployment)
+    args = operator_args(operator["command"])
+    assert args.webhook_port is None and not args.webhook_managed and args.webhook_host is None
+    assert args.webhook_cert is None
+    assert [p["name"] for p in operator["ports"]] == ["health", "metrics"]
+    assert [v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]] == ["tmp"]
+    assert {k for k in identity(objects) if k[0] == "Service"} == \
+        {("Service", "alpajob-operator-metrics", NAMESPACE)}
+    rules = find(objects, "ClusterRole", "alpajob-operator")["rules"]
+    with_webhook = manifest("rbac.yaml", "ClusterRole")["rules"]
+    assert rules == [r for r in with_webhook if r["apiGroups"] != ["admissionregistration.k8s.io"]]
+    assert len(rules) == len(with_webhook) - 2
 
 
 def test_interval_accepts_whole_numbers(helm: ModuleType) -> None:
@@ -317,6 +349,10 @@ def test_no_trainer_namespaces_leaves_the_cluster_role_alone(helm: ModuleType) -
     ({"trainerNamespaces": ["ML_team"]}, "/trainerNamespaces/0"),
     ({"serviceMonitor": {"enable": True}}, "enable"),
     ({"image": {"repository": "x", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ({"webhook": {"enable": True}}, "enable"),
+    ({"webhook": {"port": 9090}}, "/webhook/port"),
+    ({"webhook": {"port": 443}}, "/webhook/port"),
+    ({"webhook": {"certSecret": "My_Secret"}}, "/webhook/certSecret"),
 ])
 def test_the_values_schema_refuses_bad_values(helm: ModuleType, values: dict[str, Any], named: str) -> None:
     with pytest.raises(helm.HelmValuesError, match=re.escape(named)):

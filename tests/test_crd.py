@@ -469,9 +469,21 @@ NEEDED_VERBS = {
     ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "watch", "delete"},
     ("scheduling.x-k8s.io", "podgroups"): {"create", "get", "list", "watch", "delete"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    # kopf's managed webhook configurations (kopf/_core/engines/admission.py): a create
+    # (a 409 for an existing one is fine), then merge patches; never a read.
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations"): {"create"},
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"create"},
+}
+#: Verbs granted on one named object only: kopf patches only the configurations it
+#: manages, named by the operator (``settings.admission.managed``).
+WEBHOOK_CONFIGURATION = "alpajobs.alpajob.io"
+NEEDED_NAMED_VERBS = {
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations", WEBHOOK_CONFIGURATION): {"patch"},
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", WEBHOOK_CONFIGURATION): {"patch"},
 }
 CREATED = [("", "pods"), ("", "services"), ("", "configmaps"), ("", "events"),
-           ("scheduling.volcano.sh", "podgroups"), ("scheduling.x-k8s.io", "podgroups")]
+           ("scheduling.volcano.sh", "podgroups"), ("scheduling.x-k8s.io", "podgroups"),
+           ("admissionregistration.k8s.io", "validatingwebhookconfigurations")]
 
 
 def by_kind(name: str) -> dict[str, dict[str, Any]]:
@@ -481,14 +493,20 @@ def by_kind(name: str) -> dict[str, dict[str, Any]]:
 def test_cluster_role_grants_exactly_the_verbs_needed() -> None:
     rbac = by_kind("rbac.yaml")
     granted: dict[tuple[str, str], set[str]] = {}
+    named: dict[tuple[str, str, str], set[str]] = {}
     for rule in rbac["ClusterRole"]["rules"]:
         for field in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[field], rule
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        assert "nonResourceURLs" not in rule
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
-                granted.setdefault((group, resource), set()).update(rule["verbs"])
+                if "resourceNames" in rule:
+                    for name in rule["resourceNames"]:
+                        named.setdefault((group, resource, name), set()).update(rule["verbs"])
+                else:
+                    granted.setdefault((group, resource), set()).update(rule["verbs"])
     assert granted == NEEDED_VERBS
+    assert named == NEEDED_NAMED_VERBS
     for key in CREATED:
         assert "create" in granted[key], key
 
@@ -503,9 +521,17 @@ def test_the_service_account_is_bound_to_the_cluster_role() -> None:
                                     "namespace": "alpajob-system"}]
 
 
+def test_the_managed_webhook_configuration_is_the_one_rbac_names() -> None:
+    from alpajob.operator.names import GROUP, PLURAL
+
+    assert f"{PLURAL}.{GROUP}" == WEBHOOK_CONFIGURATION  # settings.admission.managed
+
+
 def test_operator_deployment_is_single_non_root_and_probed() -> None:
-    objects = by_kind("operator.yaml")
-    deployment, service = objects["Deployment"], objects["Service"]
+    deployment = by_kind("operator.yaml")["Deployment"]
+    services = {d["metadata"]["name"]: d for d in documents("operator.yaml") if d["kind"] == "Service"}
+    assert set(services) == {"alpajob-operator-metrics", "alpajob-operator-webhook"}
+    service, webhook = services["alpajob-operator-metrics"], services["alpajob-operator-webhook"]
     namespace = by_kind("namespace.yaml")["Namespace"]
     assert namespace["metadata"]["name"] == deployment["metadata"]["namespace"] == "alpajob-system"
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
@@ -524,11 +550,14 @@ def test_operator_deployment_is_single_non_root_and_probed() -> None:
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": 8080}, probe
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports["metrics"] == 9090
+    assert ports["metrics"] == 9090 and ports["webhook"] == 9443
     for kind in ("requests", "limits"):
         assert {"cpu", "memory"} <= set(container["resources"][kind]), kind
     assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics"}]
+    assert webhook["spec"]["selector"] == service["spec"]["selector"]
+    # kopf registers https://<host>:<listening port>/<handler id>: the Service serves that port.
+    assert webhook["spec"]["ports"] == [{"name": "webhook", "port": 9443, "targetPort": "webhook"}]
 
 
 def test_operator_command_is_one_the_cli_accepts() -> None:
@@ -540,3 +569,6 @@ def test_operator_command_is_one_the_cli_accepts() -> None:
     args = parser.parse_args(command[1:])
     assert args.all_namespaces and args.metrics_port == 9090
     assert args.liveness == "http://0.0.0.0:8080/healthz"
+    assert (args.webhook_port, args.webhook_managed, args.webhook_insecure) == (9443, True, False)
+    assert args.webhook_host == "alpajob-operator-webhook.alpajob-system.svc"
+    assert args.webhook_cert is args.webhook_key is None  # kopf self-signs for the host

@@ -1,6 +1,6 @@
 {{/*
 The operator's name: its ServiceAccount, ClusterRole, ClusterRoleBinding and
-Deployment (the metrics Service appends "-metrics").
+Deployment (the metrics and webhook Services append "-metrics" and "-webhook").
 */}}
 {{- define "alpajob.operatorName" -}}
 {{- default "alpajob-operator" .Values.fullnameOverride | trunc 55 | trimSuffix "-" -}}
@@ -31,4 +31,16 @@ The operator's image.
 */}}
 {{- define "alpajob.image" -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/*
+The webhook's Service, and the host name the operator registers its webhook URL
+with (https://<host>:<webhook.port>/validate-alpajob): the Service's DNS name.
+*/}}
+{{- define "alpajob.webhookServiceName" -}}
+{{- printf "%s-webhook" (include "alpajob.operatorName" .) -}}
+{{- end -}}
+
+{{- define "alpajob.webhookHost" -}}
+{{- printf "%s.%s.svc" (include "alpajob.webhookServiceName" .) .Release.Namespace -}}
 {{- end -}}

@@ -1,0 +1,97 @@
+"""The validating webhook's server: its certificate, and how the API server reaches it.
+
+kopf serves the webhook (HTTPS) and, with ``--webhook-managed``, keeps a
+ValidatingWebhookConfiguration pointing at it. Two things here make that work in a
+real cluster without extra packages or tunnels:
+
+- **Certificate.** Without ``--webhook-cert``/``--webhook-key`` the operator makes a
+  self-signed certificate for the webhook's host at start (:func:`self_signed`, with
+  the ``cryptography`` package the Kubernetes client already needs); the managed
+  configuration carries it as its CA bundle. Mount a cert-manager certificate
+  instead for rotation by your PKI.
+- **Address.** kube-apiserver does not resolve cluster DNS names in a webhook *URL*.
+  A host of the form ``<service>.<namespace>.svc`` is therefore registered as a
+  *Service reference* (:class:`ServiceWebhookServer`), which the API server resolves
+  itself; any other host is registered as a URL.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+
+def self_signed(host: str, folder: Path, days: int = 365) -> tuple[Path, Path]:
+    """A self-signed certificate (its own CA) and key for ``host`` and its short Service
+    names, written as ``tls.crt`` and ``tls.key`` into ``folder``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    parts = host.split(".")
+    names = [host] + [".".join(parts[:k]) for k in range(1, len(parts)) if host.endswith(".svc")]
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dict.fromkeys(names)]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    folder.mkdir(parents=True, exist_ok=True)
+    certfile, keyfile = folder / "tls.crt", folder / "tls.key"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    keyfile.chmod(0o600)
+    return certfile, keyfile
+
+
+def service_of(host: str | None) -> tuple[str, str] | None:
+    """``(namespace, name)`` when ``host`` is ``<name>.<namespace>.svc``, else None."""
+    if not host:
+        return None
+    parts = host.split(".")
+    if len(parts) == 3 and parts[2] == "svc" and all(parts[:2]):
+        return parts[1], parts[0]
+    return None
+
+
+class ServiceWebhookServer(kopf.WebhookServer):
+    """kopf's server, registered as a reference to the Service in front of it."""
+
+    def __init__(self, *, namespace: str, name: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.service_namespace, self.service_name = namespace, name
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        async for config in super().__call__(fn):
+            reference: dict[str, Any] = {"service": {"namespace": self.service_namespace,
+                                                      "name": self.service_name,
+                                                      "port": self.port, "path": self.path or ""}}
+            if config.get("caBundle"):
+                reference["caBundle"] = config["caBundle"]
+            yield reference
+
+
+def webhook_server(port: int, host: str | None, cert: str | None, key: str | None, insecure: bool,
+                   folder: Path) -> kopf.WebhookServer:
+    """The server for ``alpajob operator``'s webhook flags (see the module docstring)."""
+    if not insecure and not (cert and key):
+        certfile, keyfile = self_signed(host or "localhost", folder)
+        cert, key = str(certfile), str(keyfile)
+    options: dict[str, Any] = {"addr": "0.0.0.0", "port": port, "host": host, "insecure": insecure}
+    if not insecure:
+        options.update(certfile=cert, pkeyfile=key, cafile=cert)
+    service = service_of(host)
+    if service is not None:
+        return ServiceWebhookServer(namespace=service[0], name=service[1], **options)
+    return kopf.WebhookServer(**options)
