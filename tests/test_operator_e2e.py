@@ -53,7 +53,7 @@ class Operator:
         self.emu, self.log = emu, log
         self.proc: subprocess.Popen | None = None
         self.args: list[str] = []
-        self.metrics_port = 0
+        self.metrics_port = self.liveness_port = 0
 
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.emu.kubeconfig)}
@@ -82,8 +82,9 @@ def operator(emulator: Emulator, tmp_path: Path) -> Iterator[Operator]:
     from alpajob.trainer.distributed.loopback import free_port
 
     op = Operator(emulator, tmp_path / "operator.log")
-    op.metrics_port = free_port()
-    op.args = ["--metrics-port", str(op.metrics_port)]
+    op.metrics_port, op.liveness_port = free_port(), free_port()
+    op.args = ["--metrics-port", str(op.metrics_port),
+               "--liveness", f"http://127.0.0.1:{op.liveness_port}/healthz"]
     op.start()
     yield op
     op.stop()
@@ -184,6 +185,8 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     assert 'alpajob_operator_jobs{phase="Running"} 1.0' in metrics
     assert "alpajob_operator_reconcile_seconds_count" in metrics
     assert "alpajob_operator_planning_seconds_count 1.0" in metrics
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.liveness_port}/healthz", timeout=10) as probe:
+        assert probe.status == 200  # the Deployment's liveness and readiness probes
     head = cluster.pods("gpt-a")["gpt-a-0-head"].spec.containers[0].command
     assert head[head.index("--status-configmap") + 1] == "ml/gpt-a-progress"
     # Play the driver: its progress, as `alpajob driver --status-configmap` writes it.
