@@ -275,8 +275,8 @@ class _Pass:
                           if n not in current and n != self.names.planner})
         if head_done or not (failed or missing):
             return False
-        what = ", ".join(f"{n} failed: {_pod_message(current[n])}" for n in failed)
-        what += ", ".join(f"{n} is gone" for n in missing)
+        what = ", ".join([f"{n} failed: {_pod_message(current[n])}" for n in failed]
+                         + [f"{n} is gone" for n in missing])
         limit = int(self.run_policy.get("backoffLimit", 3))
         self.delete_pods(current)
         if self.status["restarts"] >= limit:

@@ -198,3 +198,20 @@ def restore_tree(root: str | Path, step: int, prefix: str, tree: Any, sharding: 
         return restore(root, step, f"{prefix}/{path_name(path)}", target)
 
     return jax.tree_util.tree_map_with_path(load, tree)
+
+
+def stage_arrays(stage: Any) -> dict[str, Any]:
+    """A pipeline stage's parameters and optimizer state (``stage.params``,
+    ``stage.opt_state``), by checkpoint name."""
+    out = {f"params/{name}": value for name, value in stage.params.items()}
+    out.update(named_leaves("opt", stage.opt_state))
+    return out
+
+
+def restore_stage(root: str | Path, step: int, stage: Any) -> None:
+    """Replace a stage's parameters and optimizer state with checkpoint ``step``'s,
+    each placed with its current sharding."""
+    stage.params = {
+        name: restore(root, step, f"params/{name}", value.sharding) for name, value in stage.params.items()
+    }
+    stage.opt_state = restore_tree(root, step, "opt", stage.opt_state)

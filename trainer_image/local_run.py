@@ -165,17 +165,12 @@ class _Pipelined:
     def named_arrays(self) -> dict[str, jax.Array]:
         out: dict[str, jax.Array] = {}
         for stage in self.executor.stages:
-            out.update({f"params/{name}": value for name, value in stage.params.items()})
-            out.update(checkpoint.named_leaves("opt", stage.opt_state))
+            out.update(checkpoint.stage_arrays(stage))
         return out
 
     def restore(self, root: str, step: int) -> None:
         for stage in self.executor.stages:
-            stage.params = {
-                name: checkpoint.restore(root, step, f"params/{name}", value.sharding)
-                for name, value in stage.params.items()
-            }
-            stage.opt_state = checkpoint.restore_tree(root, step, "opt", stage.opt_state)
+            checkpoint.restore_stage(root, step, stage)
 
 
 def run(

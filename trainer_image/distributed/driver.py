@@ -189,30 +189,43 @@ class MeshGroup:
             ray.kill(actor)
 
 
-def _status(options: DriverOptions, result: DriverResult, phase: str, batch: int, message: str = "") -> None:
-    if not (options.status_file or options.status_configmap):
-        return
-    last = result.step_seconds[-1] if result.step_seconds else None
-    doc = {
-        "phase": phase,
-        "step": len(result.losses),
-        "steps": options.steps,
-        "loss": result.losses[-1] if result.losses else None,
-        "samples_per_second": batch / last if last else None,
-        "checkpoint_step": result.checkpoint_step,
-        "restarts": result.restarts,
-        "message": message,
-        "time": time.time(),
-    }
-    if options.status_file:
-        write_metrics_json(options.status_file, doc)
-    if options.status_configmap:
-        from alpajob.trainer.publish import write_status_configmap
+class Progress:
+    """Publishes the job's progress: the status file at every call, the ConfigMap at
+    every phase change and at most every ``interval`` seconds while Running (one API
+    call per step would load the API server when steps are fast)."""
 
-        try:
-            write_status_configmap(doc, options.status_configmap)
-        except AlpaJobError as error:  # progress is advisory: training goes on
-            print(f"warning: {error}", flush=True)
+    def __init__(self, options: DriverOptions, batch: int, interval: float = 5.0) -> None:
+        self.options, self.batch, self.interval = options, batch, interval
+        self._last: tuple[str, float] | None = None  # phase and time of the last ConfigMap write
+
+    def __call__(self, result: DriverResult, phase: str, message: str = "") -> None:
+        options = self.options
+        if not (options.status_file or options.status_configmap):
+            return
+        last = result.step_seconds[-1] if result.step_seconds else None
+        doc = {
+            "phase": phase,
+            "step": len(result.losses),
+            "steps": options.steps,
+            "loss": result.losses[-1] if result.losses else None,
+            "samples_per_second": self.batch / last if last else None,
+            "checkpoint_step": result.checkpoint_step,
+            "restarts": result.restarts,
+            "message": message,
+            "time": time.time(),
+        }
+        if options.status_file:
+            write_metrics_json(options.status_file, doc)
+        now = time.monotonic()
+        due = self._last is None or self._last[0] != phase or now - self._last[1] >= self.interval
+        if options.status_configmap and due:
+            from alpajob.trainer.publish import write_status_configmap
+
+            self._last = (phase, now)
+            try:
+                write_status_configmap(doc, options.status_configmap)
+            except AlpaJobError as error:  # progress is advisory: training goes on
+                print(f"warning: {error}", flush=True)
 
 
 def drive(
@@ -231,6 +244,7 @@ def drive(
     hosts = mesh_hosts(plan)
     batch = plan.global_batch_size
     metrics = TrainingMetrics(name, plan.predicted_step_seconds)
+    status = Progress(options, batch)
     if options.metrics_port is not None:
         metrics.serve(options.metrics_port)
     meta = {"model": plan.model.name, "plan_hash": plan.content_hash()}
@@ -243,7 +257,7 @@ def drive(
             group: MeshGroup | None = None
             training = False
             try:
-                _status(options, result, "Starting", batch)
+                status(result, "Starting")
                 left = options.join_timeout - (time.monotonic() - recovering_since)
                 wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
                 group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout)
@@ -256,7 +270,7 @@ def drive(
                 result.resumed_from.append(start)
                 training = True
                 for step in range(start, options.steps):
-                    _status(options, result, "Running", batch)
+                    status(result, "Running")
                     began = time.perf_counter()
                     replies = group.step(step)
                     seconds = time.perf_counter() - began
@@ -287,25 +301,25 @@ def drive(
                 result.restarts += 1
                 metrics.restarts.labels(name).inc()
                 if result.restarts > options.max_restarts:
-                    _status(options, result, "Failed", batch, reason)
+                    status(result, "Failed", reason)
                     raise JobFailedError(
                         f"a mesh host failed {result.restarts} times (max_restarts "
                         f"{options.max_restarts}); last failure: {reason}"
                     ) from None
                 say(f"restart {result.restarts}/{options.max_restarts} after {reason}")
-                _status(options, result, "Restarting", batch, reason)
+                status(result, "Restarting", reason)
                 recovering_since = time.monotonic()
             finally:
                 if group is not None:
                     group.stop()
     except BaseException as error:
         if not isinstance(error, JobFailedError):
-            _status(options, result, "Failed", batch, str(error).splitlines()[0] if str(error) else type(error).__name__)
+            status(result, "Failed", str(error).splitlines()[0] if str(error) else type(error).__name__)
         raise
     finally:
         ray.shutdown()
         metrics.close()
-    _status(options, result, "Succeeded", batch)
+    status(result, "Succeeded")
     if options.metrics_out:
         write_metrics_json(options.metrics_out, result.to_json())
     return result

@@ -216,9 +216,7 @@ class MeshHost:
 
     def arrays(self) -> dict[str, Any]:
         """This stage's parameters and optimizer state (global arrays), by checkpoint name."""
-        out = {f"params/{name}": value for name, value in self.stage.params.items()}
-        out.update(checkpoint.named_leaves("opt", self.stage.opt_state))
-        return out
+        return checkpoint.stage_arrays(self.stage)
 
     def shards(self) -> dict[str, Any]:
         """This host's distinct shards of :meth:`arrays`: name -> (shape, dtype, pieces)."""
@@ -233,11 +231,7 @@ class MeshHost:
 
     def restore(self, root: str, step: int) -> None:
         """Replace the stage's parameters and optimizer state with checkpoint ``step``'s."""
-        self.stage.params = {
-            name: checkpoint.restore(root, step, f"params/{name}", value.sharding)
-            for name, value in self.stage.params.items()
-        }
-        self.stage.opt_state = checkpoint.restore_tree(root, step, "opt", self.stage.opt_state)
+        checkpoint.restore_stage(root, step, self.stage)
 
 
 def stage_times(reply: dict[str, Any]) -> StageTimes:
