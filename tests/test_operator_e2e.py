@@ -201,9 +201,11 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     cluster.set_phase("gpt-a-0-head", "Succeeded")
     _wait("phase Succeeded", lambda: cluster.phase("gpt-a") == "Succeeded", op=operator)
     _wait("the pods cleaned up", lambda: not cluster.pods("gpt-a"), op=operator)
-    reasons = [e.reason for e in cluster.core.list_namespaced_event(NS).items
-               if e.involved_object.name == "gpt-a"]
-    assert {"Planning", "PodsStarting", "Training", "TrainingFinished"} <= set(reasons)
+    def reasons() -> set[str]:
+        return {e.reason for e in cluster.core.list_namespaced_event(NS).items if e.involved_object.name == "gpt-a"}
+
+    _wait("an event per transition", lambda: {"Planning", "PodsStarting", "Training", "TrainingFinished"} <= reasons(),
+          op=operator)
 
 
 def _to_running(cluster: Cluster, operator: Operator, job: str, tmp: Path, attempt: int = 0) -> set[str]:
@@ -236,9 +238,11 @@ def test_a_failed_pod_restarts_the_whole_job_until_the_backoff_limit(cluster: Cl
     assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
     assert _condition(cluster, "gpt-b", "Ready")["status"] == "False"
     _wait("the pods cleaned up", lambda: not cluster.pods("gpt-b"), op=operator)
-    warnings = [e.reason for e in cluster.core.list_namespaced_event(NS).items
+    def warnings() -> list[str]:  # events are posted right after the status patch
+        return [e.reason for e in cluster.core.list_namespaced_event(NS).items
                 if e.involved_object.name == "gpt-b" and e.type == "Warning"]
-    assert "PodFailed" in warnings and "BackoffLimitExceeded" in warnings
+
+    _wait("the Warning events", lambda: {"PodFailed", "BackoffLimitExceeded"} <= set(warnings()), op=operator)
 
 
 def test_suspend_and_resume(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
