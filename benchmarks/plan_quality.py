@@ -79,15 +79,19 @@ def run_case(family: str, size: str, gpus: int, batch: int, dtype: str, preset: 
         if base[Baseline.DATA.value] else None,
         "vs_zero2": (base[Baseline.ZERO2.value] / plan.predicted_step_seconds)
         if base[Baseline.ZERO2.value] else None,
+        "vs_expert": (base[Baseline.EXPERT_ZERO2.value] / plan.predicted_step_seconds)
+        if base.get(Baseline.EXPERT_ZERO2.value) else None,
         "plan": one_line(plan),
         "ilps": plan.solver.ilp_solves,
         "winner": plan.solver.winner,
     }
 
 
-def fmt(value: float | None, unit: str = "") -> str:
+def fmt(value: float | str | None, unit: str = "") -> str:
     if value is None:
         return "OOM"
+    if isinstance(value, str):
+        return value
     return f"{value:.3g}{unit}"
 
 
@@ -97,7 +101,7 @@ def markdown(rows: list[dict]) -> str:
             + " | ".join(names) + " | best baseline / ours | plan |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
-        base = " | ".join(fmt(r["baselines"][n]) for n in names)
+        base = " | ".join(fmt(r["baselines"].get(n, "n/a")) for n in names)
         lines.append(
             f"| {r['case']} | {r['gpus']} | {r['preset']} | {r['planning_s']:.1f} | "
             f"{r['ours_s']:.4g} | {r['ours_pflops']:.3f} | {base} | "
@@ -125,7 +129,8 @@ def main() -> int:
                 print(f"{row['case']:>14} {gpus:>3} {preset:>10}  plan {row['planning_s']:6.1f} s"
                       f"  ours {row['ours_s']:.4g} s  best-baseline/ours "
                       f"{fmt(row['vs_best'], 'x'):>6}  dp/ours {fmt(row['vs_dp'], 'x'):>6}"
-                      f"  zero2/ours {fmt(row['vs_zero2'], 'x'):>6}  {row['winner']}: {row['plan']}",
+                      f"  zero2/ours {fmt(row['vs_zero2'], 'x'):>6}"
+                      f"  zero2-expert/ours {fmt(row['vs_expert'], 'x'):>6}  {row['winner']}: {row['plan']}",
                       flush=True)
     table = markdown(rows)
     print(table)

@@ -4,6 +4,10 @@
   replicated, gradients all-reduced once per step.
 - ZeRO-2: data parallel with gradients reduce-scattered and the optimizer state and
   update sharded over every device (parameters all-gathered after the update).
+- ZeRO-2 with expert parallelism (DeepSpeed-MoE, the paper's MoE baseline): ZeRO-2,
+  except that experts are split over the devices (every tensor with an expert
+  dimension, :mod:`~alpajob.planner.experts`, split along it), so tokens reach their
+  expert by an all-to-all; only for models with stacked experts.
 - Megatron-style 3-D grid: every dp x tp x pp with tp inside a node, layers split as
   evenly as possible over pp stages, each stage on a (dp, tp) logical mesh. The
   sharding inside a stage is the ILP's on that mesh, which is at least as good as
@@ -24,6 +28,8 @@ from enum import StrEnum
 
 import numpy as np
 
+from alpajob.planner.experts import expert_dims
+from alpajob.planner.graph import OpGraph
 from alpajob.planner.inter_op import (
     Candidate,
     CostContext,
@@ -40,6 +46,7 @@ class Baseline(StrEnum):
 
     DATA = "data-parallel"
     ZERO2 = "zero2"
+    EXPERT_ZERO2 = "zero2-expert"
     MEGATRON = "megatron-3d"
     EQUAL_LAYER = "equal-layer"
     EQUAL_OPERATOR = "equal-operator"
@@ -54,10 +61,19 @@ def whole_cluster(context: CostContext) -> tuple[tuple[int, int], tuple[int, int
 def data_parallel(
     context: CostContext, micro_batches: Sequence[int], mode: ShardingMode = ShardingMode.DATA
 ) -> Candidate | None:
-    """Data parallelism (or ZeRO-2 with ``mode=ZERO2``) on the whole cluster."""
-    submesh, shape = whole_cluster(context)
+    """Data parallelism (or ZeRO-2 with ``mode=ZERO2``, with expert parallelism too with
+    ``mode=EXPERT_ZERO2``) on the whole cluster. With experts every logical mesh of the
+    cluster is tried: splitting the experts over one axis and replicating them over
+    the other is how DeepSpeed runs fewer experts than devices (its expert-parallel
+    degree)."""
+    submesh, natural = whole_cluster(context)
+    # With experts the expert-parallel degree is the user's choice: every logical mesh.
+    shape = None if mode is ShardingMode.EXPERT_ZERO2 else natural
     last = len(context.layers) - 1
-    name = Baseline.DATA.value if mode is ShardingMode.DATA else Baseline.ZERO2.value
+    name = {
+        ShardingMode.DATA: Baseline.DATA, ShardingMode.ZERO2: Baseline.ZERO2,
+        ShardingMode.EXPERT_ZERO2: Baseline.EXPERT_ZERO2,
+    }[mode].value
     return best_of(
         [
             evaluate_stages(context, [StageRequest(0, last, submesh, shape)], b, mode, name)
@@ -178,11 +194,22 @@ def equal_operator(context: CostContext, micro_batches: Sequence[int]) -> Candid
 def all_baselines(
     context: CostContext, micro_batches: Sequence[int]
 ) -> dict[str, Candidate | None]:
-    """Every baseline's best candidate, by name (None where it never fits memory)."""
-    return {
+    """Every baseline's best candidate, by name (None where it never fits memory);
+    ZeRO-2 with expert parallelism only for a model with experts."""
+    found = {
         Baseline.DATA.value: data_parallel(context, micro_batches, ShardingMode.DATA),
         Baseline.ZERO2.value: data_parallel(context, micro_batches, ShardingMode.ZERO2),
-        Baseline.MEGATRON.value: megatron_grid(context, micro_batches),
-        Baseline.EQUAL_LAYER.value: equal_layer(context, micro_batches),
-        Baseline.EQUAL_OPERATOR.value: equal_operator(context, micro_batches),
     }
+    if has_experts(context.graph):
+        found[Baseline.EXPERT_ZERO2.value] = data_parallel(
+            context, micro_batches, ShardingMode.EXPERT_ZERO2
+        )
+    found[Baseline.MEGATRON.value] = megatron_grid(context, micro_batches)
+    found[Baseline.EQUAL_LAYER.value] = equal_layer(context, micro_batches)
+    found[Baseline.EQUAL_OPERATOR.value] = equal_operator(context, micro_batches)
+    return found
+
+
+def has_experts(graph: OpGraph) -> bool:
+    """Whether the step has stacked experts (:func:`~alpajob.planner.experts.expert_dims`)."""
+    return bool(expert_dims(graph))

@@ -426,7 +426,7 @@ def solve_intra_op(
             model,
             solution.choice,
             realised,
-            always=mode is ShardingMode.ZERO2,
+            always=mode in (ShardingMode.ZERO2, ShardingMode.EXPERT_ZERO2),
             num_micro_batches=num_micro_batches,
             memory_weight=memory_weight,
             index=context.index,

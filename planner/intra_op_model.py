@@ -59,7 +59,14 @@ from alpajob.planner.cost_model import Calibration, LogicalMesh
 from alpajob.planner.edge_costs import EdgeBuilder, EdgeTables
 from alpajob.planner.graph import Op, OpGraph, Phase, TensorRole
 from alpajob.planner.ilp import INF, Edge, Problem
-from alpajob.planner.op_tables import OpTable, PerStrategy, TableCache, data_spec, distinct
+from alpajob.planner.op_tables import (
+    OpTable,
+    PerStrategy,
+    TableCache,
+    data_spec,
+    distinct,
+    expert_spec,
+)
 from alpajob.planner.sharding import ShardSpec, replicated, resharding_seconds, tensor_bytes
 from alpajob.planner.strategies import OpKind, Strategy, op_kind
 from alpajob.planner.subset import GraphIndex, Subset, analyse_subset
@@ -79,6 +86,9 @@ class ShardingMode(StrEnum):
     AUTO = "auto"  # the free ILP, then weight-update sharding
     DATA = "data"  # batch dims split over all axes, parameters replicated
     ZERO2 = "zero2"  # DATA, then weight-update sharding over all axes
+    #: ZERO2, but tensors with an expert dimension split it (DeepSpeed-MoE's expert
+    #: parallelism; see :mod:`~alpajob.planner.experts`)
+    EXPERT_ZERO2 = "expert-zero2"
 
 
 @dataclass(frozen=True, eq=False)
@@ -341,14 +351,20 @@ class _Nodes:
         self.op_table: dict[int, OpTable] = {}
         mesh = tables.mesh
         data = mode is not ShardingMode.AUTO
+        experts = tables.expert_dims if mode is ShardingMode.EXPERT_ZERO2 else {}
+
+        def wanted(t: int) -> ShardSpec:
+            """The one spec of tensor ``t`` in the restricted modes."""
+            tensor = graph.tensor(t)
+            if t in experts:
+                return expert_spec(tensor, experts[t], mesh)
+            if tensor.role in (TensorRole.PARAM, TensorRole.OPT_STATE):
+                return replicated(len(tensor.shape))
+            return data_spec(tensor, mesh)
+
         for t in subset.boundary_inputs:
             tensor = graph.tensor(t)
-            if data and tensor.role in (TensorRole.PARAM, TensorRole.OPT_STATE):
-                set_id = tables.spec_set((replicated(len(tensor.shape)),))
-            elif data:
-                set_id = tables.spec_set((data_spec(tensor, mesh),))
-            else:
-                set_id = tables.tilings(tensor.shape)
+            set_id = tables.spec_set((wanted(t),)) if data else tables.tilings(tensor.shape)
             specs = tables.specs(set_id)
             self.tensor_node[t] = self._new(
                 f"input {t} ({tensor.role.value})", (None, t), tables.names(set_id),
@@ -360,13 +376,16 @@ class _Nodes:
             op = graph.ops[op_id]
             kind = op_kind(op.primitive)
             if kind.is_follower and op.inputs and op.outputs:
-                operand = self._pick_operand(op, kind, graph, subset.produced)
+                operand = self._pick_operand(op, kind, graph, subset.produced,
+                                             wanted(op.outputs[0]) if data else None)
                 followed = op.inputs[operand]
                 node = self.tensor_node[followed]
                 table = tables.follower(op_id, operand, self.tensor_set[followed])
                 index = self.tensor_specs[followed].index
             else:
-                table = tables.root(op_id, data)
+                table = tables.root(op_id, (
+                    tuple(wanted(t) for t in op.inputs), tuple(wanted(t) for t in op.outputs)
+                ) if data else None)
                 node = self._new(f"op {op.id} {op.primitive}", (op.id, None), table.names, False)
                 index = table.identity
             self.op_node[op_id] = node
@@ -390,22 +409,28 @@ class _Nodes:
         return len(self.labels) - 1
 
     def _pick_operand(
-        self, op: Op, kind: OpKind, graph: OpGraph, produced: dict[int, int]
+        self, op: Op, kind: OpKind, graph: OpGraph, produced: dict[int, int],
+        wanted: ShardSpec | None = None,
     ) -> int:
         """Which operand a follower copies: the first for layout ops and reductions; for
         elementwise ops (and concatenate) the same-shaped, largest operand whose node
         still has a choice, in the update phase preferably the parameter's (so that
-        ``p - lr * u`` keeps ``p``'s spec), else the latest produced."""
+        ``p - lr * u`` keeps ``p``'s spec), else the latest produced.
+
+        In the restricted modes (``wanted``: the output's one spec there) an operand
+        that can have the wanted spec comes first: following a replicated broadcast
+        instead would gather the other operands for nothing."""
         if len(op.inputs) == 1 or kind not in (OpKind.ELEMENTWISE, OpKind.RESIZE) or (
             kind is OpKind.RESIZE and op.primitive != "concatenate"
         ):
             return 0
         out = graph.tensor(op.outputs[0])
 
-        def key(position: int) -> tuple[bool, int, bool, bool, int]:
+        def key(position: int) -> tuple[bool, bool, int, bool, bool, int]:
             tensor = graph.tensor(op.inputs[position])
             node = self.tensor_node[tensor.id]
             return (
+                wanted is None or wanted in self.tensor_specs[tensor.id].values,
                 tensor.shape == out.shape,
                 math.prod(tensor.shape),
                 len(self.names[node]) > 1,

@@ -39,6 +39,7 @@ import numpy as np
 
 from alpajob.planner.cluster import DeviceSpec
 from alpajob.planner.cost_model import Calibration, LogicalMesh
+from alpajob.planner.experts import expert_dims
 from alpajob.planner.follow import follow_strategy
 from alpajob.planner.graph import Op, OpGraph, Tensor
 from alpajob.planner.sharding import (
@@ -102,13 +103,33 @@ def data_spec(tensor: Tensor, mesh: LogicalMesh) -> ShardSpec:
     return tuple(spec)
 
 
-def restrict_to_data(
-    strategies: Sequence[Strategy], op: Op, graph: OpGraph, mesh: LogicalMesh
+def expert_spec(tensor: Tensor, dim: int, mesh: LogicalMesh) -> ShardSpec:
+    """The expert-parallel spec of a tensor whose dimension ``dim`` runs over experts
+    (:mod:`~alpajob.planner.experts`): ``dim`` split over every mesh axis, or over the
+    largest that divides it; the axes left over split the batch dim as
+    :func:`data_spec` would (experts replicated over them, data split)."""
+    active = mesh.active_axes
+    options = [active] + sorted(((k,) for k in active), key=lambda a: -mesh.size_of(a))
+    chosen = next((a for a in options if a and tensor.shape[dim] % mesh.size_of(a) == 0), ())
+    spec: list[tuple[int, ...]] = [()] * len(tensor.shape)
+    spec[dim] = tuple(chosen)
+    rest = tuple(k for k in active if k not in chosen)
+    b = tensor.batch_dim
+    if rest and b is not None and b != dim and tensor.shape[b] % mesh.size_of(rest) == 0:
+        spec[b] = rest
+    return tuple(spec)
+
+
+#: The specs a restricted op should read and write: (inputs, outputs).
+Wanted = tuple[tuple[ShardSpec, ...], tuple[ShardSpec, ...]]
+
+
+def restrict_to(
+    strategies: Sequence[Strategy], op: Op, graph: OpGraph, wanted: Wanted
 ) -> list[Strategy]:
-    """DATA mode: the strategies that read and write the data-parallel specs; else
-    those that at least write them; else the replicated one."""
-    outs = [data_spec(graph.tensor(t), mesh) for t in op.outputs]
-    ins = [data_spec(graph.tensor(t), mesh) for t in op.inputs]
+    """The strategies that read and write the ``wanted`` specs (DATA mode: the
+    data-parallel ones); else those that at least write them; else the replicated one."""
+    ins, outs = (list(specs) for specs in wanted)
     writes = [s for s in strategies if list(s.output_specs) == outs]
     strict = [s for s in writes if list(s.input_specs) == ins]
     if strict or writes:
@@ -164,7 +185,8 @@ class TableCache:
         self._structure_ids: dict[tuple, int] = {}
         self._op_structure: dict[int, int] = {}
         self._tilings: dict[tuple[int, ...], int] = {}
-        self._roots: dict[tuple[int, bool], OpTable] = {}
+        self._roots: dict[tuple[int, Wanted | None], OpTable] = {}
+        self._expert_dims: dict[int, int] | None = None
         self._followers: dict[tuple[int, int, int], OpTable] = {}
         self._follow: dict[tuple[int, int, ShardSpec], Strategy] = {}
         self._reshard: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -339,15 +361,23 @@ class TableCache:
             any_comm=any(comm),
         )
 
-    def root(self, op_id: int, data: bool) -> OpTable:
-        """The table of root op ``op_id``; ``data``: restricted as in DATA mode."""
-        key = (self._structure(op_id), data)
+    @property
+    def expert_dims(self) -> dict[int, int]:
+        """:func:`~alpajob.planner.experts.expert_dims` of the graph (computed once)."""
+        if self._expert_dims is None:
+            self._expert_dims = expert_dims(self.graph)
+        return self._expert_dims
+
+    def root(self, op_id: int, wanted: Wanted | None = None) -> OpTable:
+        """The table of root op ``op_id``; with ``wanted``, only the strategies
+        :func:`restrict_to` keeps (the DATA, ZERO2 and EXPERT_ZERO2 modes)."""
+        key = (self._structure(op_id), wanted)
         table = self._roots.get(key)
         if table is None:
             op = self.graph.ops[op_id]
             strategies = op_strategies(op, self.graph, self.mesh, self.device, self.calibration)
-            if data:
-                strategies = tuple(restrict_to_data(strategies, op, self.graph, self.mesh))
+            if wanted is not None:
+                strategies = tuple(restrict_to(strategies, op, self.graph, wanted))
             table = self._roots[key] = self._table(op, strategies)
         return table
 

@@ -693,7 +693,7 @@ def test_table_cache_matches_the_functions_it_memoises():
                 assert seconds[a, b] == expected
     for op in graph.ops:
         if not op_kind(op.primitive).is_follower:
-            table = tables.root(op.id, data=False)
+            table = tables.root(op.id)
             assert table.strategies == op_strategies(op, graph, mesh, DEVICE, CAL)
             continue
         followed = tables.tilings(graph.tensor(op.inputs[0]).shape)
