@@ -64,6 +64,11 @@ def add_parsers(sub: Any) -> None:
                         help="restarts of every mesh after a host dies or hangs before the job fails (default 3)")
     driver.add_argument("--step-timeout", type=float, default=600.0,
                         help="seconds a step (or a checkpoint) may take before the hosts count as hung (default 600)")
+    driver.add_argument("--transport", choices=["object-store", "collective"],
+                        help="how activations and gradients cross between meshes: the Ray object store, or "
+                             "XLA collectives over one JAX process group of every mesh host (gloo on CPU, "
+                             f"NCCL on GPU; not yet run on a GPU) (default ${ray_cluster.ENV_TRANSPORT} "
+                             "or object-store)")
     driver.add_argument("--metrics-port", type=int,
                         help=f"serve Prometheus /metrics here (default ${ray_cluster.ENV_METRICS_PORT}; none if unset)")
     driver.add_argument("--status-configmap", metavar="NAMESPACE/NAME",
@@ -79,6 +84,16 @@ def _address(args: argparse.Namespace) -> str:
     if not address:
         raise ManifestError("--address", f"give the Ray head's host:port (or set ${ray_cluster.ENV_ADDRESS})")
     return address
+
+
+def _transport(value: str) -> Any:
+    from alpajob.trainer.distributed.mesh_host import Transport
+
+    try:
+        return Transport(value)
+    except ValueError:
+        choices = ", ".join(t.value for t in Transport)
+        raise ManifestError("--transport", f"unknown transport {value!r}; use one of {choices}") from None
 
 
 def cmd_ray_head(args: argparse.Namespace) -> int:
@@ -126,6 +141,7 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
         metrics_port=args.metrics_port if args.metrics_port is not None else _env_int(ray_cluster.ENV_METRICS_PORT),
         status_file=args.status_file,
         status_configmap=args.status_configmap,
+        transport=_transport(args.transport or os.environ.get(ray_cluster.ENV_TRANSPORT) or "object-store"),
     )
     if options.checkpoint_every is not None and options.checkpoint_every < 1:
         raise ManifestError("--checkpoint-every", f"must be at least 1, got {options.checkpoint_every}")

@@ -16,7 +16,11 @@ several sizes from one mesh to the other exactly as the runtime does (cut by the
 transfer plan, ``ray.put``, delivered to the receiving actor, assembled on its devices)
 and the table compares the bytes per second with ``numpy.copyto`` of the same bytes.
 
-    python benchmarks/ray_runtime.py [--steps 6] [--config JSON] [--batch 32] [--sizes-mb 4,16,64]
+With ``--collective`` every plan also runs with ``alpajob driver --transport
+collective`` (XLA collectives over one JAX process group, gloo on CPU) and the table
+adds its step time and its ratio to the object store's.
+
+    python benchmarks/ray_runtime.py [--steps 6] [--config JSON] [--batch 32] [--sizes-mb 4,16,64] [--collective]
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ def main() -> None:
     parser.add_argument("--config", default='{"hidden":256,"layers":4,"heads":8,"seqLen":128,"vocab":1024}')
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--sizes-mb", default="4,16,64")
+    parser.add_argument("--collective", action="store_true",
+                        help="also run every plan with the collective transport")
     args = parser.parse_args()
     config = json.loads(args.config) if args.config.startswith("{") else args.config
 
@@ -106,6 +112,7 @@ def main() -> None:
     from alpajob.planner.planning import make_plan
     from alpajob.trainer.distributed.driver import DriverOptions, drive
     from alpajob.trainer.distributed.loopback import LoopbackCluster
+    from alpajob.trainer.distributed.mesh_host import Transport
     from alpajob.trainer.entrypoint import load_model
     from alpajob.trainer.local_run import RunOptions, run
 
@@ -140,8 +147,16 @@ def main() -> None:
             lo = statistics.median(local.step_seconds[1:])
             ra = statistics.median(remote.step_seconds[1:])
             mb = statistics.median(remote.sent_bytes) / 2**20
-            rows.append((name, lo, ra, mb))
-            print(f"{name}: local {lo * 1e3:.1f} ms, ray {ra * 1e3:.1f} ms, {mb:.1f} MiB between meshes per step", flush=True)
+            co = None
+            if args.collective:
+                collective = drive(yaml.safe_dump(doc), plan, DriverOptions(address=cluster.address, steps=args.steps,
+                                                                            transport=Transport.COLLECTIVE))
+                np.testing.assert_allclose(collective.losses, local.losses, rtol=1e-4)
+                co = statistics.median(collective.step_seconds[1:])
+            rows.append((name, lo, ra, mb, co))
+            extra = f", collective {co * 1e3:.1f} ms" if co is not None else ""
+            print(f"{name}: local {lo * 1e3:.1f} ms, ray {ra * 1e3:.1f} ms{extra}, "
+                  f"{mb:.1f} MiB between meshes per step", flush=True)
 
         ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
         actor = ray.remote(Probe)
@@ -172,8 +187,13 @@ def main() -> None:
 
     print("\n| plan | local runtime (ms/step) | Ray runtime (ms/step) | Ray / local | between meshes (MiB/step) |")
     print("| --- | --- | --- | --- | --- |")
-    for name, lo, ra, mb in rows:
+    for name, lo, ra, mb, _ in rows:
         print(f"| {name} | {lo * 1e3:.1f} | {ra * 1e3:.1f} | {ra / lo:.2f}x | {mb:.1f} |")
+    if args.collective:
+        print("\n| plan | object store (ms/step) | collective (ms/step) | collective / object store |")
+        print("| --- | --- | --- | --- |")
+        for name, _, ra, _, co in rows:
+            print(f"| {name} | {ra * 1e3:.1f} | {co * 1e3:.1f} | {co / ra:.2f}x |")
     print("\n| bytes | sharding | object store (GiB/s) | memcpy (GiB/s) | object store / memcpy |")
     print("| --- | --- | --- | --- | --- |")
     for size, label, seconds, copy in transfers:

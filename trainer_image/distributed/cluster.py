@@ -15,6 +15,7 @@ on the pods; every flag of the entry points defaults to them:
 ``ALPAJOB_JOIN_TIMEOUT``    seconds the driver waits for every mesh host
 ``ALPAJOB_CHECKPOINT_DIR``  the shared checkpoint directory (driver)
 ``ALPAJOB_METRICS_PORT``    the driver's Prometheus port
+``ALPAJOB_TRANSPORT``       ``object-store`` or ``collective`` (driver)
 ==========================  ==============================================
 
 The entry points run ``ray start`` (blocking in the foreground, as a pod's main
@@ -44,6 +45,7 @@ ENV_DEVICES = "ALPAJOB_DEVICES"
 ENV_JOIN_TIMEOUT = "ALPAJOB_JOIN_TIMEOUT"
 ENV_CHECKPOINT_DIR = "ALPAJOB_CHECKPOINT_DIR"
 ENV_METRICS_PORT = "ALPAJOB_METRICS_PORT"
+ENV_TRANSPORT = "ALPAJOB_TRANSPORT"
 
 
 class JoinTimeoutError(AlpaJobError):

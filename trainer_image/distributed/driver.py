@@ -7,10 +7,13 @@ On the head (a Ray client of the job's cluster), one **attempt**:
 2. start one :class:`~.mesh_host.MeshHost` actor per mesh host, pinned by its
    resource; a mesh of several hosts gets its JAX coordinator's address from its
    host 0, then every actor joins its mesh's process group and builds its stage
-   (:class:`MeshGroup`);
+   (:class:`MeshGroup`). With ``transport="collective"`` there is one process group
+   for the whole job instead, its coordinator on mesh 0 host 0;
 3. gather every stage's layout and hand all of them, with the actor handles, to
-   every actor: from then on stages talk to each other directly (object store),
-   not through the driver;
+   every actor: from then on stages talk to each other directly (the object store,
+   or with ``transport="collective"`` XLA collectives between the meshes' devices:
+   gloo on CPU; on GPU the same collectives run on NCCL, which has not been run on a
+   GPU yet, :mod:`.collective`), not through the driver;
 4. restore every mesh from the newest complete checkpoint, if there is one;
 5. per step, ask every actor to run it and wait for all; the loss is the mean of
    the loss stage's micro-batch losses. Every ``checkpoint_every`` steps (and at
@@ -46,7 +49,7 @@ from alpajob.planner.errors import AlpaJobError
 from alpajob.planner.plan import Plan
 from alpajob.trainer import checkpoint
 from alpajob.trainer.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
-from alpajob.trainer.distributed.mesh_host import MeshHost, stage_times
+from alpajob.trainer.distributed.mesh_host import MeshHost, Transport, stage_times
 from alpajob.trainer.metrics import TrainingMetrics, write_metrics_json
 
 
@@ -74,6 +77,7 @@ class DriverOptions:
     metrics_port: int | None = None
     status_file: str | None = None
     status_configmap: str | None = None  # namespace/name: the operator shows it in the job's status
+    transport: Transport = Transport.OBJECT_STORE  # how values cross between meshes (mesh_host.Transport)
 
 
 @dataclass
@@ -130,7 +134,8 @@ def gather(refs: Sequence[Any], timeout: float, what: str) -> list[Any]:
 class MeshGroup:
     """The actors of one attempt: ``actors[stage][host]``, built and connected."""
 
-    def __init__(self, manifest_yaml: str, plan: Plan, hosts: Sequence[MeshHostSpec], seed: int, timeout: float) -> None:
+    def __init__(self, manifest_yaml: str, plan: Plan, hosts: Sequence[MeshHostSpec], seed: int, timeout: float,
+                 transport: Transport = Transport.OBJECT_STORE) -> None:
         import ray
 
         self.timeout = timeout
@@ -140,12 +145,17 @@ class MeshGroup:
         for host in hosts:
             self.actors[host.mesh].append(
                 remote.options(resources={host.resource: 1}, num_cpus=0, max_concurrency=16)
-                .remote(manifest_yaml, text, host.mesh, host.host, seed)
+                .remote(manifest_yaml, text, host.mesh, host.host, seed, transport=str(transport))
             )
         firsts = [group[0] for group in self.actors]
-        addresses = gather([a.coordinator.remote() for a in firsts], timeout, "coordinator")
-        gather([a.setup.remote(addresses[mesh] if len(group) > 1 else None)
-                for mesh, group in enumerate(self.actors) for a in group], timeout, "setup")
+        if Transport(transport) is Transport.COLLECTIVE:  # one group: every host of every mesh
+            (job,) = gather([firsts[0].coordinator.remote()], timeout, "coordinator")
+            addresses = [job] * len(self.actors)
+        else:  # one group per mesh of several hosts
+            addresses = gather([a.coordinator.remote() for a in firsts], timeout, "coordinator")
+            addresses = [a if len(group) > 1 else None for a, group in zip(addresses, self.actors, strict=True)]
+        gather([a.setup.remote(addresses[mesh]) for mesh, group in enumerate(self.actors) for a in group],
+               timeout, "setup")
         layouts = gather([a.layout.remote() for a in firsts], timeout, "layout")
         gather([a.connect.remote(self.actors, layouts) for a in self.all], timeout, "connect")
 
@@ -260,7 +270,8 @@ def drive(
                 status(result, "Starting")
                 left = options.join_timeout - (time.monotonic() - recovering_since)
                 wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
-                group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout)
+                group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
+                                  options.transport)
                 start = (checkpoint.latest_step(root) or 0) if root else 0
                 if start:
                     say(f"restoring every mesh from the checkpoint of step {start}")

@@ -8,8 +8,11 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
    group (``jax.distributed.initialize``; host 0's actor runs the coordinator at the
    address :meth:`coordinator` picked, every host is process ``host``), so the
    stage's SPMD executables run across the mesh's hosts (gloo collectives on CPU,
-   NCCL on GPU). The mesh is the first ``m`` devices of each host, hosts in order,
-   reshaped to the plan's logical mesh;
+   NCCL on GPU). With the ``collective`` :class:`Transport` it instead joins one
+   group of every mesh host of the job (process ids from
+   :func:`~.collective.process_ids`, the coordinator on mesh 0 host 0). The mesh is
+   the first ``m`` devices of each host, hosts in order, reshaped to the plan's
+   logical mesh;
 2. loads the manifest's model and traces its loss at the plan's micro-batch size,
    cutting it into the plan's stages exactly as the local runtime does (every actor
    makes the same cut, so value ids agree without any exchange), builds its stage on
@@ -23,7 +26,9 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
    and delivered to the receiving hosts' actors; receives wait on the actor's
    mailbox, fed by :meth:`deliver` (the actor runs several calls at once:
    ``max_concurrency``). Every host of a mesh runs the same program in the same
-   order, as SPMD requires;
+   order, as SPMD requires. With the ``collective`` transport the link is a
+   :class:`~.collective.CollectiveLink` instead (collectives between the meshes'
+   devices, in the job's global message order);
 5. writes its shards of the stage's state into a checkpoint (:meth:`save_part`) and
    restores them from one (:meth:`restore`).
 """
@@ -31,6 +36,7 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import socket
 import threading
@@ -47,6 +53,15 @@ from alpajob.planner.manifest import parse_manifest
 from alpajob.planner.plan import plan_from_json
 from alpajob.planner.schedules import Schedule
 from alpajob.trainer import checkpoint
+from alpajob.trainer.distributed.collective import (
+    CollectiveLink,
+    CollectiveMover,
+    OrderError,
+    global_order,
+    own_messages,
+    process_ids,
+    source_layout,
+)
 from alpajob.trainer.distributed.transport import assemble, cut_for_hosts, merge, position_tiles
 from alpajob.trainer.entrypoint import load_model
 from alpajob.trainer.runtime.build import place_stage, split_for_plan
@@ -59,14 +74,9 @@ from alpajob.trainer.runtime.executor import (
     run_stage_program,
     split_micro_batches,
 )
+from alpajob.trainer.runtime.messages import layout_key, stage_messages
 from alpajob.trainer.runtime.split import SplitProgram
 from alpajob.trainer.zoo.model import synthetic_batch
-
-
-def layout_key(key: Key) -> tuple[str, int]:
-    """A message key without its micro-batch and reader: what fixes its tiles."""
-    kind = key[0]
-    return (kind, key[2]) if kind in ("act", "grad") else (kind, key[1])
 
 
 def addresses(split: SplitProgram, index: int) -> Iterator[tuple[Key, tuple[int, ...]]]:
@@ -95,13 +105,24 @@ def sender_stage(split: SplitProgram, receiver: int, key: Key) -> int:
     raise ValueError(f"unknown message kind {kind!r} (to stage {receiver})")
 
 
-def mesh_devices(stage: Any, devices: Sequence[Any]) -> np.ndarray:
+class Transport(enum.StrEnum):
+    """How activations and gradients cross between meshes."""
+
+    OBJECT_STORE = "object-store"  # :class:`RayLink`, through the Ray object store
+    #: :class:`~.collective.CollectiveLink`: XLA collectives, gloo on CPU; on GPU the
+    #: same collectives run on NCCL (not yet run on a GPU).
+    COLLECTIVE = "collective"
+
+
+def mesh_devices(stage: Any, devices: Sequence[Any], processes: Sequence[int] | None = None) -> np.ndarray:
     """The stage's device grid: the first ``m`` devices of each of its ``n`` hosts
-    (JAX process ``j`` is host ``j``), hosts in order, in its logical mesh shape."""
+    (host ``j`` is JAX process ``processes[j]``, default ``j``), hosts in order, in
+    its logical mesh shape."""
     hosts, per_host = stage.submesh_shape
+    processes = list(range(hosts)) if processes is None else list(processes)
     chosen = []
     for host in range(hosts):
-        own = sorted((d for d in devices if d.process_index == host), key=lambda d: d.id)
+        own = sorted((d for d in devices if d.process_index == processes[host]), key=lambda d: d.id)
         if len(own) < per_host:
             raise RuntimeError(
                 f"mesh {stage.index} host {host} has {len(own)} devices but the plan needs "
@@ -141,11 +162,18 @@ class MeshHost:
     """One mesh host's actor (see the module docstring). Plain class: the driver wraps
     it with ``ray.remote``; tests may also drive it in-process."""
 
-    def __init__(self, manifest_yaml: str, plan_json: str, mesh: int, host: int, seed: int, receive_timeout: float = 300.0) -> None:
+    def __init__(self, manifest_yaml: str, plan_json: str, mesh: int, host: int, seed: int,
+                 receive_timeout: float = 300.0, transport: str = Transport.OBJECT_STORE) -> None:
         self.manifest_yaml = manifest_yaml
         self.plan = plan_from_json(plan_json)
         self.index, self.host, self.seed = mesh, host, seed
         self.hosts = self.plan.stages[mesh].submesh_shape[0]
+        self.transport = Transport(transport)
+        #: Per mesh, its hosts' JAX processes: one group per mesh, or one for the job.
+        self.processes = (process_ids(self.plan) if self.transport is Transport.COLLECTIVE
+                          else [list(range(s.submesh_shape[0])) for s in self.plan.stages])
+        self.mover: CollectiveMover | None = None
+        self.mine: list[Any] = []
         self.timeout = receive_timeout
         self._abort = threading.Event()
         self.mailbox = Mailbox(self._abort)
@@ -153,15 +181,21 @@ class MeshHost:
         self.layouts: list[dict] = []
 
     def coordinator(self) -> str:
-        """An address for this mesh's JAX coordinator (called on host 0 only)."""
+        """An address for this mesh's JAX coordinator (called on host 0 only; with the
+        collective transport, on mesh 0 host 0 only, for the job's group)."""
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
     def setup(self, coordinator: str | None, init_timeout: int = 120) -> dict[str, Any]:
-        """Join the mesh's process group (several hosts), build the stage; who we are."""
-        if self.hosts > 1:
+        """Join the mesh's process group (several hosts) or the job's (collective
+        transport), build the stage; who we are."""
+        if self.transport is Transport.COLLECTIVE:
+            jax.distributed.initialize(coordinator, num_processes=sum(map(len, self.processes)),
+                                       process_id=self.processes[self.index][self.host],
+                                       initialization_timeout=init_timeout)
+        elif self.hosts > 1:
             jax.distributed.initialize(coordinator, num_processes=self.hosts, process_id=self.host,
                                        initialization_timeout=init_timeout)
         manifest = parse_manifest(yaml.safe_load(self.manifest_yaml))
@@ -172,7 +206,8 @@ class MeshHost:
         params = self.model.init(jax.random.key(self.seed))
         self.split, names = split_for_plan(self.plan, self.model.loss, params, self.model.batch_shapes)
         plan_stage = self.plan.stages[self.index]
-        mesh_obj = jax.sharding.Mesh(mesh_devices(plan_stage, jax.devices()), tuple(plan_stage.axis_names))
+        grid = mesh_devices(plan_stage, jax.devices(), self.processes[self.index])
+        mesh_obj = jax.sharding.Mesh(grid, tuple(plan_stage.axis_names))
         self.stage = place_stage(self.plan, self.split, names, self.index, mesh_obj, jax.tree.leaves(params), optimizer)
         del params
         self._loss_seed = loss_seed(self.plan.num_micro_batches, mesh_obj)
@@ -182,16 +217,29 @@ class MeshHost:
     def layout(self) -> dict[str, Any]:
         """Per message address, the tiles (by mesh position) this stage receives into,
         and the host that owns each position. The same on every host of the mesh."""
-        owners = {p: int(d.process_index) for p, d in enumerate(self.stage.mesh.devices.flat)}
+        processes = self.processes[self.index]
+        owners = {p: processes.index(d.process_index) for p, d in enumerate(self.stage.mesh.devices.flat)}
         tiles = {
             layout_key(key): position_tiles(destination_sharding(self.split, self.stage, key), shape)
             for key, shape in addresses(self.split, self.index)
         }
+        if self.transport is Transport.COLLECTIVE:
+            return {"tiles": tiles, "owners": owners, "sources": source_layout(self.split, self.stage)}
         return {"tiles": tiles, "owners": owners}
 
     def connect(self, peers: list[list[Any]], layouts: list[dict]) -> None:
-        """Learn every stage's actor handles (by host) and layout (index = stage)."""
+        """Learn every stage's actor handles (by host) and layout (index = stage); with
+        the collective transport, also every stage's devices and the global order."""
         self.peers, self.layouts = peers, layouts
+        if self.transport is Transport.COLLECTIVE:
+            stages = self.plan.stages
+            grids = [list(mesh_devices(stage, jax.devices(), self.processes[i]).flat)
+                     for i, stage in enumerate(stages)]
+            self.mover = CollectiveMover(grids, layouts)
+            schedule, m = Schedule(self.plan.schedule), self.plan.num_micro_batches
+            order = global_order([stage_messages(self.split, i, schedule, len(stages), m)
+                                  for i in range(len(stages))])
+            self.mine = own_messages(order, self.index)
 
     def deliver(self, key: Any, parcel: Any) -> None:
         """A peer's message (Ray has fetched the parcel from the object store)."""
@@ -202,16 +250,28 @@ class MeshHost:
         (the losses from host 0 only: every host of the mesh holds the same)."""
         batch = jax.tree.leaves(synthetic_batch(self.model, self.batch_size, seed=self.seed + step))
         micro = split_micro_batches(batch, self.plan.num_micro_batches)
-        link = RayLink(self.split, self.stage, self.host, self.peers, self.layouts, self.mailbox, self.timeout)
+        link: RayLink | CollectiveLink
+        if self.mover is not None:
+            link = CollectiveLink(self.split, self.stage, self.mine, self.mover)
+            before = self.mover.sent_bytes
+        else:
+            link = RayLink(self.split, self.stage, self.host, self.peers, self.layouts, self.mailbox, self.timeout)
         times, losses = run_stage_program(
             self.split, self.stage, Schedule(self.plan.schedule), len(self.plan.stages), micro, link,
             self._loss_seed,
         )
+        if isinstance(link, CollectiveLink):
+            if link.pending:
+                raise OrderError(f"stage {self.index} ended its step with {link.pending} message(s) of "
+                                 f"the global order not performed")
+            sent = self.mover.sent_bytes - before  # type: ignore[union-attr]
+        else:
+            sent = link.sent_bytes
         own = [float(np.asarray(x.addressable_data(0))) for x in losses if x is not None]
         return {
             "times": dataclasses.asdict(times),
             "losses": own if self.host == 0 else [],
-            "sent_bytes": link.sent_bytes,
+            "sent_bytes": sent,
         }
 
     def arrays(self) -> dict[str, Any]:

@@ -26,9 +26,9 @@ sent straight to the far one); every sending host sends every receiving host one
 parcel, possibly empty, so a receiver knows how many to wait for, and :func:`merge`
 joins them before :func:`assemble`.
 
-The GPU path (NCCL send/receive of the same pieces between the two meshes' devices)
-would replace steps 2 and 3's host hop behind the same two functions; it is not
-built, and nothing here has run on a GPU.
+The alternative without the host hop of steps 2 and 3 is :mod:`.collective`: the same
+plan's pieces moved by XLA collectives between the two meshes' devices (gloo on CPU;
+on GPU the same collectives run on NCCL, which has not been run on a GPU).
 """
 
 from __future__ import annotations

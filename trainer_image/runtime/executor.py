@@ -17,6 +17,8 @@ Around the program: at the start a stage sends its shared parameters (a tied
 embedding) to the stages that read them; at the end the readers send their
 gradient sums home, and every stage applies the optimizer to what it owns.
 
+Which messages each phase sends and receives is listed by :mod:`.messages` (the
+walk below and any transport that must know them ahead of time read the same lists).
 Stages talk through :class:`Mailbox` es, so a stage waits exactly for the values its
 next instruction needs. Every instruction blocks until its result is ready, which
 splits each stage's wall time into **compute** (executables), **communication**
@@ -40,12 +42,20 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from alpajob.planner.schedules import Direction, Schedule, instruction_list
 from alpajob.trainer.runtime.meshes import place
+from alpajob.trainer.runtime.messages import (
+    Key,
+    backward_receives,
+    backward_sends,
+    forward_receives,
+    forward_sends,
+    param_receives,
+    param_sends,
+    shared_receives,
+    shared_sends,
+)
 from alpajob.trainer.runtime.split import SplitProgram
 from alpajob.trainer.runtime.stage import StageRuntime
 from alpajob.trainer.runtime.transport import move
-
-#: A message's address inside a stage (see :func:`destination_sharding`).
-Key = tuple[Any, ...]
 
 
 class Mailbox:
@@ -163,7 +173,6 @@ def run_stage_program(
     s = stage.index
     program = split.stages[s]
     num_micro_batches = len(micro)
-    shared = split.shared_params()
     losses: list[Any] = [None] * num_micro_batches
     begin = time.perf_counter()
     comm = compute = 0.0
@@ -172,17 +181,12 @@ def run_stage_program(
 
     # Shared parameters out; our own and the received ones in.
     t0 = time.perf_counter()
-    for leaf, readers in shared.items():
-        if split.home[leaf] == s:
-            for r in readers:
-                link.send(r, ("param", leaf), stage.params[stage.leaf_names[leaf]])
+    for r, key in param_sends(split, s):
+        link.send(r, key, stage.params[stage.leaf_names[key[1]]])
     comm += time.perf_counter() - t0
-    params = []
-    for leaf in program.params:
-        if split.home[leaf] == s:
-            params.append(stage.params[stage.leaf_names[leaf]])
-        else:
-            params.append(link.receive(("param", leaf)))
+    received = {key[1]: link.receive(key) for key in param_receives(split, s)}
+    params = [received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
+              for leaf in program.params]
     acc = stage.zeros()
     saved: dict[int, Any] = {}
 
@@ -191,7 +195,7 @@ def run_stage_program(
             t0 = time.perf_counter()
             leaves = [place(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
             comm += time.perf_counter() - t0
-            inputs = [link.receive(("act", j, vid)) for vid in program.inputs]
+            inputs = [link.receive(key) for key in forward_receives(split, s, j)]
             t0 = time.perf_counter()
             outs, loss, vjp = stage.forward(params, leaves, inputs)
             jax.block_until_ready((outs, loss, vjp))
@@ -200,16 +204,13 @@ def run_stage_program(
             if loss is not None:
                 losses[j] = loss
             t0 = time.perf_counter()
-            for vid, value in zip(program.outputs, outs, strict=True):
-                for r in split.consumers[vid]:
-                    link.send(r, ("act", j, vid), value)
+            by_vid = dict(zip(program.outputs, outs, strict=True))
+            for r, key in forward_sends(split, s, j):
+                link.send(r, key, by_vid[key[2]])
             comm += time.perf_counter() - t0
         else:
-            cotangents = []
-            for pos in stage.diff_outputs:
-                vid = program.outputs[pos]
-                parts = [link.receive(("grad", j, vid, r)) for r in split.consumers[vid]]
-                cotangents.append(reduce(add, parts))
+            cotangents: list[Any] = [reduce(add, [link.receive(key) for key in keys])
+                                     for keys in backward_receives(split, s, j)]
             if program.returns_loss:
                 cotangents.append(loss_seed)
             t0 = time.perf_counter()
@@ -217,24 +218,20 @@ def run_stage_program(
             jax.block_until_ready((acc, grads))
             bwd_times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for pos, grad in zip(stage.diff_inputs, grads, strict=True):
-                vid = program.inputs[pos]
-                link.send(split.producer[vid], ("grad", j, vid, s), grad)
+            by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
+            for r, key in backward_sends(split, s, j):
+                link.send(r, key, by_vid[key[2]])
             comm += time.perf_counter() - t0
     compute += sum(fwd_times) + sum(bwd_times)
 
     # Shared parameters' gradients home, then the update.
     grads = dict(zip(program.params, acc, strict=True))
     t0 = time.perf_counter()
-    for leaf in program.params:
-        home = split.home[leaf]
-        if home != s:
-            link.send(home, ("shared", leaf, s), grads.pop(leaf))
+    for r, key in shared_sends(split, s):
+        link.send(r, key, grads.pop(key[1]))
     comm += time.perf_counter() - t0
-    for leaf, readers in shared.items():
-        if split.home[leaf] == s:
-            for r in readers:
-                grads[leaf] = grads[leaf] + link.receive(("shared", leaf, r))
+    for key in shared_receives(split, s):
+        grads[key[1]] = grads[key[1]] + link.receive(key)
     t0 = time.perf_counter()
     named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
     stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named_grads)
