@@ -79,8 +79,9 @@ def run_case(family: str, size: str, gpus: int, batch: int, dtype: str, preset: 
         if base[Baseline.DATA.value] else None,
         "vs_zero2": (base[Baseline.ZERO2.value] / plan.predicted_step_seconds)
         if base[Baseline.ZERO2.value] else None,
-        "vs_expert": (base[Baseline.EXPERT_ZERO2.value] / plan.predicted_step_seconds)
-        if base.get(Baseline.EXPERT_ZERO2.value) else None,
+        "vs_expert": "n/a" if Baseline.EXPERT_ZERO2.value not in base
+        else (base[Baseline.EXPERT_ZERO2.value] / plan.predicted_step_seconds)
+        if base[Baseline.EXPERT_ZERO2.value] else None,
         "plan": one_line(plan),
         "ilps": plan.solver.ilp_solves,
         "winner": plan.solver.winner,

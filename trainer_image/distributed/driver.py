@@ -24,7 +24,12 @@ On the head (a Ray client of the job's cluster), one **attempt**:
 (no answer within ``step_timeout``) fails the attempt: the driver stops every actor
 of every mesh and starts a new attempt, which waits for the lost host to come back
 (its pod restarted) and resumes from the last complete checkpoint, so at most
-``checkpoint_every`` steps are lost. While an attempt is being set up, a host
+``checkpoint_every`` steps are lost. With ``transport="collective"`` the survivors'
+collectives fail as soon as a peer's process is gone, usually before Ray declares
+it dead: :func:`gather` tells such a consequence from a training error. A new
+attempt has fresh actor processes, so a fresh ``jax.distributed`` group with its
+coordinator on a newly picked port, and a setup that fails stops the actors it
+started (:class:`MeshGroup`). While an attempt is being set up, a host
 failure (an actor placed on a node Ray has not yet declared dead) only sets it up
 again, until ``join_timeout`` has passed since the failure. After
 ``max_restarts`` restarts the job fails. An error raised by the training code itself is not retried: it would fail
@@ -112,11 +117,25 @@ def _recoverable() -> tuple[type[BaseException], ...]:
             rex.NodeDiedError, rex.WorkerCrashedError)
 
 
-def gather(refs: Sequence[Any], timeout: float, what: str) -> list[Any]:
+#: Seconds :func:`gather` waits, after a host's call raised, for the others to show
+#: whether a host died (what Ray takes to declare a killed node's actor dead).
+DEATH_GRACE = 30.0
+
+
+def gather(refs: Sequence[Any], timeout: float, what: str, grace: float = DEATH_GRACE) -> list[Any]:
     """The results of ``refs`` in order; raises as soon as one fails (a dead actor is
     noticed at once, not after its peers time out waiting for it), or
-    :class:`HostFailure` if they are not all done within ``timeout`` seconds."""
+    :class:`HostFailure` if they are not all done within ``timeout`` seconds.
+
+    A call that raised an error of its own (a :class:`ray.exceptions.RayTaskError`) may
+    be the consequence of another host's death: with the collective transport a
+    surviving host's collective fails ("connection closed by peer") as soon as its
+    peer's process is gone, often before Ray has declared the dead actor dead. So the
+    other calls get up to ``grace`` seconds to fail as a lost host; if one does, the
+    attempt fails with that (recoverable) error, else with the task's own error (not
+    retried)."""
     import ray
+    import ray.exceptions as rex
 
     deadline = time.monotonic() + timeout
     pending = list(refs)
@@ -127,8 +146,31 @@ def gather(refs: Sequence[Any], timeout: float, what: str) -> list[Any]:
                               f"within {timeout:g} s (hung?)")
         done, pending = ray.wait(pending, num_returns=1, timeout=left)
         for ref in done:
-            ray.get(ref)  # raises the host's error, if any
+            try:
+                ray.get(ref)  # raises the host's error, if any
+            except rex.RayTaskError:
+                _raise_lost_host(pending, min(grace, max(deadline - time.monotonic(), 0.0)), what)
+                raise
     return ray.get(list(refs))
+
+
+def _raise_lost_host(pending: Sequence[Any], grace: float, what: str) -> None:
+    """Raise :class:`HostFailure` if one of ``pending`` fails as a lost host within
+    ``grace`` seconds (see :func:`gather`)."""
+    import ray
+
+    deadline = time.monotonic() + grace
+    pending = list(pending)
+    while pending and (left := deadline - time.monotonic()) > 0:
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except _recoverable() as lost:
+                reason = str(lost).splitlines()[0] if str(lost) else ""
+                raise HostFailure(f"{what}: a mesh host was lost ({type(lost).__name__}: {reason})") from lost
+            except Exception:  # another host's own error: look on
+                continue
 
 
 class MeshGroup:
@@ -147,6 +189,18 @@ class MeshGroup:
                 remote.options(resources={host.resource: 1}, num_cpus=0, max_concurrency=16)
                 .remote(manifest_yaml, text, host.mesh, host.host, seed, transport=str(transport))
             )
+        try:
+            self._connect(transport)
+        except BaseException:
+            # No actor of a failed setup may live on: one waiting in
+            # jax.distributed.initialize (collective transport) for a peer that died
+            # would hold its host's resource, and the next attempt could not start.
+            self.stop()
+            raise
+
+    def _connect(self, transport: Transport) -> None:
+        """Join the process groups, build the stages, hand out the layouts."""
+        timeout = self.timeout
         firsts = [group[0] for group in self.actors]
         if Transport(transport) is Transport.COLLECTIVE:  # one group: every host of every mesh
             (job,) = gather([firsts[0].coordinator.remote()], timeout, "coordinator")
