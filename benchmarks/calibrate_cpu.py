@@ -21,10 +21,19 @@ of them, every device running the same kernel on its own data):
   4 MiB; a least-squares fit of the cost model's alpha-beta forms
   (all-reduce ``alpha + 2 beta (n-1)/n B``, all-gather ``alpha + beta (n-1)/n B``)
   gives ``intra_node_latency`` (alpha) and ``intra_node_bandwidth`` (1/beta), with
-  ``comm_bandwidth_efficiency`` 1 and no extra collective overhead.
+  ``comm_bandwidth_efficiency`` 1 and no extra collective overhead;
+- **pipeline instructions** (``--instructions``, measured on its own): a model with
+  almost no arithmetic (MLP-tiny, 4 layers of width 32) trained by the real local
+  runtime under 1, 2 and 4 stages with 1, 4 and 8 micro-batches. Its step time is
+  almost all per-instruction cost (launching a stage's executable, moving its inputs,
+  the hand-off between stage threads), so a least-squares fit of
+  ``measured - predicted = c * S (2B + 1)`` (``S`` stages, ``B`` micro-batches, one
+  forward and one backward per micro-batch and an update per stage) gives
+  ``instruction_overhead_seconds`` c.
 
     python benchmarks/calibrate_cpu.py            # print the fitted values
     python benchmarks/calibrate_cpu.py --write    # and store them in planner/data/
+    python benchmarks/calibrate_cpu.py --instructions [--write]   # c only
 
 Each measurement is the median of several timed runs after a warm-up (compile).
 """
@@ -154,6 +163,52 @@ def measure() -> dict[str, Any]:
     }
 
 
+def measure_instructions(steps: int = 8) -> dict[str, Any]:
+    """Fit ``instruction_overhead_seconds`` (module docstring); the plans' figures too."""
+    from alpajob.cli import plan_options
+    from alpajob.planner.cost_model import load_calibration
+    from alpajob.planner.manifest import parse_manifest
+    from alpajob.trainer.local_run import RunOptions, run
+
+    def manifest(parallelism: dict) -> Any:
+        return parse_manifest({
+            "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "calib"},
+            "spec": {"model": {"zoo": "mlp", "config": "tiny"},
+                     "training": {"globalBatchSize": 32, "dtype": "float32"},
+                     "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
+                     "parallelism": parallelism}})
+
+    class Flags:
+        method = None
+        ilp_time_limit = 5.0
+        baselines = False
+
+    def stages(count: int) -> dict:
+        width = 8 // count
+        return {"method": "manual", "numMicroBatches": 2 * count, "numLayers": 4,
+                "stages": [{"layers": [i * 4 // count, (i + 1) * 4 // count],
+                            "submeshShape": [1, width]} for i in range(count)]}
+
+    current = load_calibration("cpu").instruction_overhead_seconds
+    plans = {"1 stage, B=1": {"method": "data"}, "2 stages, B=4": stages(2),
+             "4 stages, B=8": stages(4)}
+    rows = []
+    for name, parallelism in plans.items():
+        m = manifest(parallelism)
+        result = run(m, RunOptions(steps=steps, plan_options=plan_options(m, Flags())))
+        plan = result.plan
+        count = len(plan.stages) * (2 * plan.num_micro_batches + 1)
+        # The prediction without the overhead term (whatever the stored value is).
+        predicted = plan.predicted_step_seconds - current * count
+        measured = statistics.median(result.step_seconds[1:])
+        rows.append({"plan": name, "instructions": count, "predicted_ms": round(predicted * 1e3, 2),
+                     "measured_ms": round(measured * 1e3, 2)})
+    num = sum(r["instructions"] * (r["measured_ms"] - r["predicted_ms"]) for r in rows)
+    den = sum(r["instructions"] ** 2 for r in rows)
+    c = max(0.0, num / den / 1e3)
+    return {"plans": rows, "calibration": {"instruction_overhead_seconds": float(f"{c:.3g}")}}
+
+
 def _number(value: Any) -> str:
     return format(value, ".4g") if isinstance(value, float) else json.dumps(value)
 
@@ -172,8 +227,10 @@ def _entry(entry: dict[str, Any]) -> str:
 
 def write(result: dict[str, Any]) -> None:
     """Replace the ``cpu`` entries of planner/data/presets.json and calibration.json
-    (the other presets' text is left as it is)."""
+    that ``result`` holds (the other presets' text is left as it is)."""
     for name, key in (("presets.json", "preset"), ("calibration.json", "calibration")):
+        if key not in result:
+            continue
         path = DATA / name
         text = path.read_text()
         entry = json.loads(text)["cpu"]
@@ -187,8 +244,10 @@ def write(result: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help="store the fit in planner/data/")
+    parser.add_argument("--instructions", action="store_true",
+                        help="measure only the per-instruction overhead of the pipeline runtime")
     args = parser.parse_args()
-    result = measure()
+    result = measure_instructions() if args.instructions else measure()
     print(json.dumps(result, indent=1))
     if args.write:
         write(result)

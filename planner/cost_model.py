@@ -76,6 +76,10 @@ class Calibration:
     collective_overhead_seconds: float
     #: Multiplier on the alpha-beta all-to-all cost (fitted, as in Alpa).
     all_to_all_penalty: float
+    #: Host seconds of one pipeline instruction (a stage's forward, backward or update):
+    #: launching its executable, moving its inputs, handing over between stage
+    #: threads. Dominates small models; 0 where it has not been measured.
+    instruction_overhead_seconds: float = 0.0
     #: Layout primitives XLA fuses into their consumer; charged no time.
     free_primitives: frozenset[str] = frozenset()
 
@@ -91,10 +95,11 @@ class Calibration:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"calibration {self.preset!r}: {name} must be in (0, 1], got {value}")
-        if self.collective_overhead_seconds < 0 or self.all_to_all_penalty <= 0:
+        if (self.collective_overhead_seconds < 0 or self.all_to_all_penalty <= 0
+                or self.instruction_overhead_seconds < 0):
             raise ValueError(
-                f"calibration {self.preset!r}: collective_overhead_seconds must be >= 0 and "
-                f"all_to_all_penalty > 0"
+                f"calibration {self.preset!r}: collective_overhead_seconds and "
+                f"instruction_overhead_seconds must be >= 0 and all_to_all_penalty > 0"
             )
 
 

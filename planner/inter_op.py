@@ -235,10 +235,16 @@ def evaluate_stages(
             return None
         stages.append(best)
     return Candidate(name, mode, num_micro_batches, tuple(stages),
-                     pipeline_step_seconds(context.cluster, stages, num_micro_batches))
+                     pipeline_step_seconds(context.cluster, stages, num_micro_batches,
+                                           context.calibration.instruction_overhead_seconds))
 
 
-def pipeline_step_seconds(cluster: ClusterSpec, stages: Sequence[StageEval], num_micro_batches: int) -> float:
+def pipeline_step_seconds(
+    cluster: ClusterSpec,
+    stages: Sequence[StageEval],
+    num_micro_batches: int,
+    instruction_overhead: float = 0.0,
+) -> float:
     """Predicted step time of a pipeline of ``stages`` (each costed per micro-batch).
 
     Alpa's eq. 2, ``sum t_i + (B - 1) max t_i``, plus the slowest stage's update: the
@@ -247,15 +253,24 @@ def pipeline_step_seconds(cluster: ClusterSpec, stages: Sequence[StageEval], num
     device's share of the cores goes to the busy ones, so no time is lost: the step
     is the total work at the whole host's rate, each stage's ``B t_i + update_i``
     weighted by its share of the devices (``t_i`` is costed at a 1/N share).
+
+    ``instruction_overhead`` (the calibration's ``instruction_overhead_seconds``, c)
+    is the host's cost of each instruction: a stage runs ``2B + 1`` of them (a forward
+    and a backward per micro-batch, one update). With independent devices it lengthens
+    each ``t_i`` by ``2c`` and each update by ``c``; on a shared host the one host pays
+    every stage's, ``c S (2B + 1)`` for ``S`` stages.
     """
+    c = instruction_overhead
     if cluster.shared_host:
         total = cluster.num_devices
-        return sum(
+        work = sum(
             (num_micro_batches * s.seconds + s.update) * s.submesh[0] * s.submesh[1] / total
             for s in stages
         )
-    seconds = [s.seconds for s in stages]
-    return sum(seconds) + (num_micro_batches - 1) * max(seconds) + max(s.update for s in stages)
+        return work + c * len(stages) * (2 * num_micro_batches + 1)
+    seconds = [s.seconds + 2 * c for s in stages]
+    return (sum(seconds) + (num_micro_batches - 1) * max(seconds)
+            + max(s.update for s in stages) + c)
 
 
 @dataclass(frozen=True)
