@@ -79,13 +79,17 @@ def run_case(family: str, size: str, gpus: int, batch: int, dtype: str, preset: 
         if base[Baseline.DATA.value] else None,
         "vs_zero2": (base[Baseline.ZERO2.value] / plan.predicted_step_seconds)
         if base[Baseline.ZERO2.value] else None,
-        "vs_expert": "n/a" if Baseline.EXPERT_ZERO2.value not in base
-        else (base[Baseline.EXPERT_ZERO2.value] / plan.predicted_step_seconds)
-        if base[Baseline.EXPERT_ZERO2.value] else None,
+        "vs_expert": _ratio(base.get(Baseline.EXPERT_ZERO2.value, "n/a"),
+                            plan.predicted_step_seconds),
         "plan": one_line(plan),
         "ilps": plan.solver.ilp_solves,
         "winner": plan.solver.winner,
     }
+
+
+def _ratio(baseline: float | str | None, ours: float) -> float | str | None:
+    """Baseline ÷ ours; None (OOM) and "n/a" (does not apply) pass through."""
+    return baseline / ours if isinstance(baseline, float) else baseline
 
 
 def fmt(value: float | str | None, unit: str = "") -> str:

@@ -71,7 +71,7 @@ def _joins(op: Op, graph: OpGraph) -> list[tuple[Dim, Dim]]:
             pairs.append(((lhs, a), (op.outputs[0], position)))
             pairs.append(((rhs, b), (op.outputs[0], position)))
     elif kind is OpKind.ELEMENTWISE:
-        values = [t for t in (*op.inputs, *op.outputs)]
+        values = (*op.inputs, *op.outputs)
         for out in op.outputs:
             rank = len(shape(out).shape)
             for t in values:

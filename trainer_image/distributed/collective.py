@@ -53,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpajob.planner.plan import Plan
 from alpajob.trainer.distributed.crossing import Crossing, Tiles, plan_crossing
-from alpajob.trainer.distributed.transport import mesh_positions, position_tiles
+from alpajob.trainer.distributed.transport import local_slices, mesh_positions, position_tiles
 from alpajob.trainer.runtime.executor import destination_sharding
 from alpajob.trainer.runtime.messages import (
     Event,
@@ -155,10 +155,6 @@ def source_layout(split: SplitProgram, stage: Any) -> dict[tuple[str, int], Sour
     return out
 
 
-def _local(box: Any, origin: Any) -> tuple[slice, ...]:
-    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
-
-
 @dataclass
 class _Compiled:
     """One message layout's crossing and its executable (cached per layout)."""
@@ -238,7 +234,7 @@ class CollectiveMover:
                 shard = shards.get(device)
                 if shard is None:  # another host of the sending mesh holds it
                     continue
-                part = shard.data[_local(route.box, box_of(shard.index, value.shape))].reshape(-1)
+                part = shard.data[local_slices(route.box, box_of(shard.index, value.shape))].reshape(-1)
                 out[r, device] = part if route.size == length else jnp.pad(part, (0, length - route.size))
                 self.sent_bytes += route.size * value.dtype.itemsize
         return out

@@ -74,7 +74,8 @@ class Parcel:
         return sum(int(part.nbytes) for parts in self.pieces.values() for _, part in parts)
 
 
-def _local(box: Box, origin: Box) -> tuple[slice, ...]:
+def local_slices(box: Box, origin: Box) -> tuple[slice, ...]:
+    """The slices of ``box`` inside a tile that starts at ``origin``'s corner."""
     return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
 
 
@@ -95,7 +96,7 @@ def cut(array: jax.Array, dst_tiles: Tiles) -> Parcel:
         if shard is None:  # another host of this mesh holds it and sends it
             continue
         origin = box_of(shard.index, array.shape)
-        data = np.asarray(shard.data)[_local(send.box, origin)]
+        data = np.asarray(shard.data)[local_slices(send.box, origin)]
         pieces.setdefault(send.dst, []).append((send.box, data))
     copies = tuple((c.src, c.dst) for c in plan.copies)
     return Parcel(tuple(array.shape), str(array.dtype), pieces, copies)
@@ -144,7 +145,7 @@ def assemble(parcel: Parcel, sharding: Any) -> jax.Array:
         else:
             data = np.empty([hi - lo for lo, hi in tile], parcel.dtype)
             for box, part in parts:
-                data[_local(box, tile)] = part
+                data[local_slices(box, tile)] = part
         placed[position] = jax.device_put(data, devices[position])
     for src, dst in parcel.copies:
         placed[dst] = jax.device_put(placed[src], devices[dst])
