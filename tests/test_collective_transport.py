@@ -1,13 +1,11 @@
-"""The collective cross-mesh transport: its global message order, its rounds, its moves
-in one process, and training through it on a loopback Ray cluster."""
+"""The collective cross-mesh transport: its global message order, its rounds and its
+moves in one process (training through it on a loopback Ray cluster, and recovery, are
+in test_distributed.py)."""
 
 from __future__ import annotations
 
 import itertools
-import os
 import random
-import signal
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -237,95 +235,5 @@ def test_mover_reshards_across_meshes_in_one_process() -> None:
         np.testing.assert_array_equal(np.asarray(moved), data, err_msg=f"{src} -> {dst}")
 
 
-# ----------------------------------------------------------------------------- Ray
-
-pytest.importorskip("ray")
-
-from test_distributed import (  # noqa: E402
-    MESHES,
-    STEPS,
-    THREE_MESHES_ONE_WIDE,
-    TWO_MESHES,
-    _assert_equal,
-    _manifest,
-    _plan_and_serial,
-)
-
-from alpajob.trainer.distributed.driver import DriverOptions, drive  # noqa: E402
-from alpajob.trainer.distributed.loopback import LoopbackCluster  # noqa: E402
-from alpajob.trainer.distributed.mesh_host import Transport  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    loop = LoopbackCluster(Path(str(tmp_path_factory.mktemp("ray", numbered=True))), MESHES)
-    try:
-        loop.start()
-        yield loop
-    finally:
-        for pid in loop.stop():
-            os.kill(pid, signal.SIGKILL)
-
-
-@pytest.mark.parametrize(
-    ("stages", "layers", "nodes"),
-    [(TWO_MESHES, None, 1), (THREE_MESHES_ONE_WIDE, 4, 4)],
-    ids=["2-meshes", "3-meshes-one-on-2-hosts"],
-)
-def test_collective_transport_equals_single_device(cluster: LoopbackCluster, tmp_path: Path, stages, layers, nodes) -> None:
-    import yaml
-
-    doc = _manifest(stages, layers=layers, nodes=nodes)
-    plan, serial = _plan_and_serial(doc, tmp_path)
-    result = drive(yaml.safe_dump(doc), plan, DriverOptions(address=cluster.address, steps=STEPS, join_timeout=60,
-                                                            step_timeout=180, transport=Transport.COLLECTIVE))
-    _assert_equal(result, serial)
-    assert all(b > 0 for b in result.sent_bytes)  # activations really crossed meshes
-
-
-def test_collective_transport_resumes_after_a_killed_mesh_worker(cluster: LoopbackCluster, tmp_path: Path) -> None:
-    """The object store's recovery test with ``transport="collective"``: mesh 1's worker
-    (its node) is killed after step 3, checkpoints every 2 steps. Mesh 0's actor fails
-    in its collective (its gloo peer is gone) before Ray declares mesh 1's actor dead:
-    still a lost host, so the driver restarts. Every actor of the failed attempt, and of
-    a setup that meets the not-yet-dead node, is stopped (none is left waiting in a
-    collective or in ``jax.distributed.initialize``, holding its host), and the next
-    attempt's group (fresh actor processes, a fresh coordinator port) resumes from step
-    2 and ends where an uninterrupted run ends."""
-    import threading
-    import time
-
-    import yaml
-
-    steps = 5
-    doc = _manifest(TWO_MESHES)
-    plan, serial = _plan_and_serial(doc, tmp_path, steps=steps)
-    restarted: list[threading.Thread] = []
-    events: list[str] = []
-
-    def on_step(step: int, _loss: float, _seconds: float) -> None:
-        if step == 3 and not restarted:
-            cluster.kill_worker(1, 0)
-            back = threading.Thread(target=cluster.start_worker, args=(1, 0, 4))
-            back.start()
-            restarted.append(back)
-
-    options = DriverOptions(address=cluster.address, steps=steps, join_timeout=120, step_timeout=120,
-                            checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
-                            transport=Transport.COLLECTIVE)
-    began = time.monotonic()
-    try:
-        result = drive(yaml.safe_dump(doc), plan, options, on_step=on_step, on_event=events.append)
-    finally:
-        for thread in restarted:
-            thread.join()
-    assert restarted, "mesh 1's worker should have been killed"
-    assert result.restarts == 1, events
-    assert result.resumed_from == [0, 2]  # step 3 was lost, as the interval allows
-    _assert_equal(result, serial)  # the losses of steps 3-5 come from the second attempt
-    assert all(b > 0 for b in result.sent_bytes)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "step_00000002", "step_00000004", "step_00000005"]
-    # About 40 s here; a setup actor left in jax.distributed.initialize would hold mesh
-    # 0's resource for its 120 s initialization timeout.
-    assert time.monotonic() - began < 120, events
+# The Ray-cluster tests of this transport (equality with single-device training, and
+# recovery from a killed worker) are in test_distributed.py, on its loopback cluster.
