@@ -76,6 +76,12 @@ class Calibration:
     collective_overhead_seconds: float
     #: Multiplier on the alpha-beta all-to-all cost (fitted, as in Alpa).
     all_to_all_penalty: float
+    #: The same fraction for the optimizer update's ops; None: ``fused_memory_fraction``.
+    #: XLA fuses a whole update chain into one loop (Adam reads a parameter, its
+    #: gradient and two moments once and writes three arrays once), so far less of
+    #: the unfused traffic remains than in the forward and backward passes, where
+    #: matmuls and reductions cut the chains.
+    update_fused_memory_fraction: float | None = None
     #: Host seconds of one pipeline instruction (a stage's forward, backward or update):
     #: launching its executable, moving its inputs, handing over between stage
     #: threads. Dominates small models; 0 where it has not been measured.
@@ -95,6 +101,12 @@ class Calibration:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"calibration {self.preset!r}: {name} must be in (0, 1], got {value}")
+        update = self.update_fused_memory_fraction
+        if update is not None and not 0.0 < update <= 1.0:
+            raise ValueError(
+                f"calibration {self.preset!r}: update_fused_memory_fraction must be in (0, 1] "
+                f"or null (then fused_memory_fraction applies), got {update}"
+            )
         if (self.collective_overhead_seconds < 0 or self.all_to_all_penalty <= 0
                 or self.instruction_overhead_seconds < 0):
             raise ValueError(
@@ -346,6 +358,7 @@ def op_seconds(
     dtype: str,
     device: DeviceSpec,
     calibration: Calibration,
+    fused_fraction: float | None = None,
 ) -> float:
     """Roofline time of one op on one device, unsharded.
 
@@ -353,7 +366,8 @@ def op_seconds(
     where ``eff`` is the matmul efficiency for ``dot_general``, the conv efficiency for
     ``conv_general_dilated`` and ``vector_flops_fraction`` otherwise; the bytes of the
     other ops are scaled by ``fused_memory_fraction`` (XLA fuses chains of elementwise
-    ops, so most intermediates never reach HBM). Primitives in
+    ops, so most intermediates never reach HBM; ``fused_fraction`` overrides it, as
+    the optimizer update's ops do). Primitives in
     ``calibration.free_primitives`` cost nothing (fused into their consumer).
     """
     if primitive in calibration.free_primitives:
@@ -366,7 +380,7 @@ def op_seconds(
         rate = peak * calibration.conv_efficiency
     else:
         rate = peak * calibration.vector_flops_fraction
-        traffic *= calibration.fused_memory_fraction
+        traffic *= calibration.fused_memory_fraction if fused_fraction is None else fused_fraction
     compute = flops / rate if flops > 0 else 0.0
     memory = traffic / (device.memory_bandwidth * calibration.memory_efficiency)
     return max(compute, memory)

@@ -46,7 +46,7 @@ from alpajob.planner.cost_model import (
     op_seconds,
     reduce_scatter_seconds,
 )
-from alpajob.planner.graph import Op, OpGraph, Tensor
+from alpajob.planner.graph import Op, OpGraph, Phase, Tensor
 from alpajob.planner.sharding import ShardSpec, replicated, shard_factor, tensor_bytes
 
 
@@ -174,9 +174,12 @@ def _op_dtype(op: Op, graph: OpGraph) -> str:
 def op_base_seconds(
     op: Op, graph: OpGraph, device: DeviceSpec, calibration: Calibration
 ) -> float:
-    """Roofline seconds of ``op`` on one device, unsharded."""
+    """Roofline seconds of ``op`` on one device, unsharded (the optimizer update's
+    ops with the calibration's ``update_fused_memory_fraction``)."""
+    fused = calibration.update_fused_memory_fraction if op.phase is Phase.UPDATE else None
     return op_seconds(
-        op.primitive, op.flops, op.bytes_accessed, _op_dtype(op, graph), device, calibration
+        op.primitive, op.flops, op.bytes_accessed, _op_dtype(op, graph), device, calibration,
+        fused,
     )
 
 

@@ -58,6 +58,8 @@ def test_calibration_default_and_preset_merge():
 def test_calibration_rejects_out_of_range():
     with pytest.raises(ValueError, match="matmul_efficiency"):
         Calibration("x", 1.5, 0.5, 0.1, 0.7, 0.35, 0.8, 1e-5, 2.0)
+    with pytest.raises(ValueError, match="update_fused_memory_fraction"):
+        Calibration("x", 0.5, 0.5, 0.1, 0.7, 0.35, 0.8, 1e-5, 2.0, update_fused_memory_fraction=0.0)
 
 
 # ---------------------------------------------------------------- logical meshes
@@ -185,6 +187,31 @@ def test_op_seconds_roofline():
     assert op_seconds("add", 1e6, nbytes, "float32", device, cal) == pytest.approx(expected)
     # Fused layout op.
     assert op_seconds("reshape", 0.0, nbytes, "float32", device, cal) == 0.0
+    # The caller's fraction (the optimizer update's) replaces the calibration's.
+    assert op_seconds("add", 1e6, nbytes, "float32", device, cal, 0.01) == pytest.approx(
+        expected * 0.01 / cal.fused_memory_fraction
+    )
+
+
+def test_update_ops_use_the_update_fraction():
+    """The optimizer update's ops are priced at ``update_fused_memory_fraction``;
+    the forward and backward's at ``fused_memory_fraction``; unset, both the same."""
+    import dataclasses
+
+    from alpajob.planner.graph import Op, OpGraph, Phase, Tensor, TensorRole
+    from alpajob.planner.strategies import op_base_seconds
+
+    device = cluster_from_preset("a100-40gb", 1).device
+    cal = load_calibration("a100-40gb")
+    assert cal.update_fused_memory_fraction is None
+    tensors = (Tensor(0, (1 << 20,), "float32", TensorRole.PARAM), Tensor(1, (1 << 20,), "float32", TensorRole.ACTIVATION))
+    graph = OpGraph("g", (), tensors, (0,), (), (), 1, (), (), 1)
+    ops = {phase: Op(0, "mul", (0,), (1,), 1e6, 8e9, phase, 0) for phase in Phase}
+    base = {phase: op_base_seconds(op, graph, device, cal) for phase, op in ops.items()}
+    assert base[Phase.UPDATE] == base[Phase.FORWARD] == base[Phase.BACKWARD] > 0
+    tuned = dataclasses.replace(cal, update_fused_memory_fraction=cal.fused_memory_fraction / 10)
+    assert op_base_seconds(ops[Phase.FORWARD], graph, device, tuned) == base[Phase.FORWARD]
+    assert op_base_seconds(ops[Phase.UPDATE], graph, device, tuned) == pytest.approx(base[Phase.UPDATE] / 10)
 
 
 # ---------------------------------------------------------------- specs
