@@ -177,23 +177,11 @@ def measure() -> dict[str, Any]:
 
 def measure_instructions(steps: int = 8) -> dict[str, Any]:
     """Fit ``instruction_overhead_seconds`` (module docstring); the plans' figures too."""
-    from alpajob.cli import plan_options
+    from local_jobs import job_document, job_plan_options
+
     from alpajob.planner.cost_model import load_calibration
     from alpajob.planner.manifest import parse_manifest
     from alpajob.trainer.local_run import RunOptions, run
-
-    def manifest(parallelism: dict) -> Any:
-        return parse_manifest({
-            "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "calib"},
-            "spec": {"model": {"zoo": "mlp", "config": "tiny"},
-                     "training": {"globalBatchSize": 32, "dtype": "float32"},
-                     "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
-                     "parallelism": parallelism}})
-
-    class Flags:
-        method = None
-        ilp_time_limit = 5.0
-        baselines = False
 
     def stages(count: int) -> dict:
         width = 8 // count
@@ -206,8 +194,8 @@ def measure_instructions(steps: int = 8) -> dict[str, Any]:
              "4 stages, B=8": stages(4)}
     rows = []
     for name, parallelism in plans.items():
-        m = manifest(parallelism)
-        result = run(m, RunOptions(steps=steps, plan_options=plan_options(m, Flags())))
+        m = parse_manifest(job_document("calib", "mlp", "tiny", parallelism))
+        result = run(m, RunOptions(steps=steps, plan_options=job_plan_options(m)))
         plan = result.plan
         count = len(plan.stages) * (2 * plan.num_micro_batches + 1)
         # The prediction without the overhead term (whatever the stored value is).
@@ -229,7 +217,8 @@ def measure_update(steps: int = 8, warmup: int = 3) -> dict[str, Any]:
     """Fit ``update_fused_memory_fraction`` (module docstring)."""
     import dataclasses
 
-    from alpajob.cli import plan_options
+    from local_jobs import job_document, job_plan_options
+
     from alpajob.planner.cluster import cluster_from_preset
     from alpajob.planner.cost_model import load_calibration
     from alpajob.planner.graph import Phase
@@ -237,20 +226,9 @@ def measure_update(steps: int = 8, warmup: int = 3) -> dict[str, Any]:
     from alpajob.planner.strategies import op_base_seconds
     from alpajob.trainer.local_run import RunOptions, extract_model, load_model, run
 
-    m = parse_manifest({
-        "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "calib"},
-        "spec": {"model": {"zoo": "mlp", "config": {"hidden": 1024, "layers": 4,
-                                                     "inputDim": 1024, "outputDim": 1024}},
-                 "training": {"globalBatchSize": 32, "dtype": "float32", "optimizer": "adam"},
-                 "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
-                 "parallelism": {"method": "data"}}})
-
-    class Flags:
-        method = None
-        ilp_time_limit = 5.0
-        baselines = False
-
-    result = run(m, RunOptions(steps=steps, plan_options=plan_options(m, Flags())))
+    wide = {"hidden": 1024, "layers": 4, "inputDim": 1024, "outputDim": 1024}
+    m = parse_manifest(job_document("calib", "mlp", wide, {"method": "data"}, optimizer="adam"))
+    result = run(m, RunOptions(steps=steps, plan_options=job_plan_options(m)))
     measured = statistics.median(t[0].update for t in result.stage_times[warmup:])
 
     training = m.spec.training

@@ -104,8 +104,9 @@ def main() -> None:
     import numpy as np
     import ray
     import yaml
+    from local_jobs import job_document, job_plan_options
 
-    from alpajob.cli import cluster_for, plan_options
+    from alpajob.cli import cluster_for
     from alpajob.planner.extract import extract_model
     from alpajob.planner.manifest import parse_manifest
     from alpajob.planner.plan import write_plan
@@ -116,11 +117,7 @@ def main() -> None:
     from alpajob.trainer.entrypoint import load_model
     from alpajob.trainer.local_run import RunOptions, run
 
-    class Flags:
-        method = None
-        ilp_time_limit = 5.0
-        baselines = False
-        nodes = gpus_per_node = gpu = None
+    manifest_cluster = argparse.Namespace(nodes=None, gpus_per_node=None, gpu=None)  # as written
 
     root = Path(tempfile.mkdtemp(prefix="alpajob-ray-bench-"))
     cluster = LoopbackCluster(root, HOSTS)
@@ -129,17 +126,14 @@ def main() -> None:
     rows = []
     try:
         for name, (nodes, stages) in PLANS.items():
-            doc = {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "ray-bench"},
-                   "spec": {"model": {"zoo": "gpt", "config": config},
-                            "training": {"globalBatchSize": args.batch, "dtype": "float32", "optimizer": "sgd"},
-                            "cluster": {"gpu": "cpu", "nodes": nodes, "gpusPerNode": 8 // nodes},
-                            "parallelism": {"method": "manual", "numMicroBatches": 4, "numLayers": 4,
-                                            "stages": stages}}}
+            doc = job_document("ray-bench", "gpt", config,
+                               {"method": "manual", "numMicroBatches": 4, "numLayers": 4, "stages": stages},
+                               batch=args.batch, optimizer="sgd", nodes=nodes)
             manifest = parse_manifest(doc)
             training = manifest.spec.training
             graph = extract_model(load_model(manifest.spec.model, training.dtype), training.global_batch_size,
                                   optimizer=training.optimizer, learning_rate=training.learning_rate)
-            plan = make_plan(graph, cluster_for(manifest, Flags()), plan_options(manifest, Flags())).plan
+            plan = make_plan(graph, cluster_for(manifest, manifest_cluster), job_plan_options(manifest)).plan
             write_plan(plan, root / "plan.json")
             local = run(manifest, RunOptions(steps=args.steps, plan_path=str(root / "plan.json")))
             remote = drive(yaml.safe_dump(doc), plan, DriverOptions(address=cluster.address, steps=args.steps))

@@ -42,25 +42,15 @@ def main() -> None:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+    from local_jobs import job_document, job_plan_options
 
-    from alpajob.cli import plan_options
     from alpajob.planner.manifest import parse_manifest
     from alpajob.planner.schedules import Schedule, simulate
     from alpajob.trainer.local_run import RunOptions, run
     from alpajob.trainer.runtime.transport import move
 
     def manifest(parallelism: dict) -> object:
-        return parse_manifest({
-            "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "bench"},
-            "spec": {"model": {"zoo": args.model, "config": config},
-                     "training": {"globalBatchSize": args.batch, "dtype": "float32"},
-                     "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
-                     "parallelism": parallelism}})
-
-    class Flags:
-        method = None
-        ilp_time_limit = 5.0
-        baselines = False
+        return parse_manifest(job_document("bench", args.model, config, parallelism, batch=args.batch))
 
     def stages(*shapes: tuple[int, int]) -> list[dict]:
         return [{"layers": [i, i + 1], "submeshShape": list(s)} for i, s in enumerate(shapes)]
@@ -88,7 +78,7 @@ def main() -> None:
         if wanted and name not in wanted:
             continue
         m = manifest(par)
-        result = run(m, RunOptions(steps=args.steps, plan_options=plan_options(m, Flags())))
+        result = run(m, RunOptions(steps=args.steps, plan_options=job_plan_options(m)))
         plan = result.plan
         measured = statistics.median(result.step_seconds[args.warmup:])
         recent = result.stage_times[args.warmup:]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,12 +129,37 @@ def test_ray_pipeline_equals_single_device(cluster: LoopbackCluster, tmp_path: P
     assert all(b > 0 for b in result.sent_bytes)  # activations really crossed meshes
 
 
+class _KillMesh1AtStep3:
+    """An ``on_step`` callback that kills mesh 1's worker (its node) once step 3 is
+    done, after running ``before``, and starts the worker again in the background, as
+    its pod would come back. Leaving the ``with`` block waits for that restart."""
+
+    def __init__(self, cluster: LoopbackCluster, before: Callable[[], None] | None = None) -> None:
+        self.cluster, self.before = cluster, before
+        self.restarted: list[threading.Thread] = []
+
+    def __call__(self, step: int, _loss: float, _seconds: float) -> None:
+        if step == 3 and not self.restarted:
+            if self.before is not None:
+                self.before()
+            self.cluster.kill_worker(1, 0)
+            back = threading.Thread(target=self.cluster.start_worker, args=(1, 0, 4))
+            back.start()
+            self.restarted.append(back)
+
+    def __enter__(self) -> _KillMesh1AtStep3:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for thread in self.restarted:
+            thread.join()
+
+
 def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Mesh 1's worker (its node) is killed after step 3, checkpoints every 2 steps: the
     driver restarts every mesh once the worker is back (as its pod would be), resumes
     from step 2 and ends where an uninterrupted run ends. Progress is published all
     along: Prometheus metrics of every stage, and the status file."""
-    import threading
     import urllib.request
 
     steps = 5
@@ -140,25 +167,16 @@ def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster:
     plan, serial = _plan_and_serial(doc, tmp_path, steps=steps)
     port = free_port()
     scraped: list[str] = []
-    restarted: list[threading.Thread] = []
 
-    def on_step(step: int, _loss: float, _seconds: float) -> None:
-        if step == 3 and not restarted:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
-                scraped.append(page.read().decode())
-            cluster.kill_worker(1, 0)
-            back = threading.Thread(target=cluster.start_worker, args=(1, 0, 4))
-            back.start()
-            restarted.append(back)
+    def scrape() -> None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+            scraped.append(page.read().decode())
 
     options = DriverOptions(address=cluster.address, steps=steps, join_timeout=120, step_timeout=120,
                             checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
                             metrics_port=port, status_file=str(tmp_path / "status.json"))
-    try:
+    with _KillMesh1AtStep3(cluster, before=scrape) as on_step:
         result = drive(yaml.safe_dump(doc), plan, options, on_step=on_step)
-    finally:
-        for thread in restarted:
-            thread.join()
     assert result.restarts == 1
     assert result.resumed_from == [0, 2]  # step 3 was lost, as the interval allows
     _assert_equal(result, serial)
@@ -184,31 +202,17 @@ def test_collective_transport_resumes_after_a_killed_mesh_worker(cluster: Loopba
     collective or in ``jax.distributed.initialize``, holding its host), and the next
     attempt's group (fresh actor processes, a fresh coordinator port) resumes from step
     2 and ends where an uninterrupted run ends."""
-    import threading
-
     steps = 5
     doc = _manifest(TWO_MESHES)
     plan, serial = _plan_and_serial(doc, tmp_path, steps=steps)
-    restarted: list[threading.Thread] = []
     events: list[str] = []
-
-    def on_step(step: int, _loss: float, _seconds: float) -> None:
-        if step == 3 and not restarted:
-            cluster.kill_worker(1, 0)
-            back = threading.Thread(target=cluster.start_worker, args=(1, 0, 4))
-            back.start()
-            restarted.append(back)
-
     options = DriverOptions(address=cluster.address, steps=steps, join_timeout=120, step_timeout=120,
                             checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
                             transport=Transport.COLLECTIVE)
     began = time.monotonic()
-    try:
+    with _KillMesh1AtStep3(cluster) as on_step:
         result = drive(yaml.safe_dump(doc), plan, options, on_step=on_step, on_event=events.append)
-    finally:
-        for thread in restarted:
-            thread.join()
-    assert restarted, "mesh 1's worker should have been killed"
+    assert on_step.restarted, "mesh 1's worker should have been killed"
     assert result.restarts == 1, events
     assert result.resumed_from == [0, 2]  # step 3 was lost, as the interval allows
     _assert_equal(result, serial)  # the losses of steps 3-5 come from the second attempt
