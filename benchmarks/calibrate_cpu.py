@@ -31,6 +31,18 @@ of them, every device running the same kernel on its own data):
   forward and one backward per micro-batch and an update per stage) gives
   ``instruction_overhead_seconds`` c.
 
+- **matmul operands** (``--matmul``, measured on its own): with all K devices busy,
+  ``rows x inner @ inner x outer`` for rows 64, 256, 1024 and four weight shapes from
+  128 x 512 to 512 x 2048. A matmul's time is not proportional to its FLOPs: small
+  ones run far below the rate of big ones, because the CPU kernel first copies
+  (packs) both operands into cache-sized blocks. Each shape's time is the lowest of
+  three medians. A least-squares fit (relative errors) of
+  ``t = a + K F / R + K x (lhs + rhs bytes) / memory_bandwidth`` gives the rate R and
+  ``matmul_operand_traffic`` x (a, the call's launch, is the instruction overhead's
+  part in training and is not stored). ``matmul_efficiency`` is R over the stored float32
+  peak; where R passes it, R becomes the peak (efficiency 1) and
+  ``vector_flops_fraction`` and ``conv_efficiency`` are rescaled to keep their rates.
+
 - **the optimizer update** (``--update``, measured on its own): a wide MLP (4 layers
   of 1024, 4.2 M parameters, Adam) trained by the real local runtime with a
   data-parallel plan, every device updating every parameter. The runtime times the
@@ -43,9 +55,10 @@ of them, every device running the same kernel on its own data):
     python benchmarks/calibrate_cpu.py --write    # and store them in planner/data/
     python benchmarks/calibrate_cpu.py --instructions [--write]   # c only
     python benchmarks/calibrate_cpu.py --update [--write]         # the update's fraction only
+    python benchmarks/calibrate_cpu.py --matmul [--write]         # the matmul line only
 
-Run ``--update`` before ``--instructions``: c is fitted to what the rest of the model
-leaves unexplained.
+Run them in the order ``--write``, ``--matmul``, ``--update``, ``--instructions``:
+each fits what the ones before it leave unexplained, c last.
 
 Each measurement is the median of several timed runs after a warm-up (compile).
 """
@@ -175,6 +188,62 @@ def measure() -> dict[str, Any]:
     }
 
 
+def measure_matmul() -> dict[str, Any]:
+    """Fit ``matmul_efficiency`` and ``matmul_operand_traffic`` (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = jax.devices()
+    k = len(devices)
+    mesh = Mesh(np.array(devices), ("d",))
+    mapped = jax.jit(jax.shard_map(lambda a, b: a @ b[0], mesh=mesh,
+                                   in_specs=(P("d"), P("d")), out_specs=P("d")))
+    shapes = [(rows, inner, outer)
+              for inner, outer in ((128, 512), (256, 1024), (1024, 256), (512, 2048))
+              for rows in (64, 256, 1024)]
+    best: dict[tuple[int, int, int], float] = {}
+    for _sweep in range(3):  # the lowest of 3 medians: a burst of host noise hits one
+        for rows, inner, outer in shapes:
+            a = jax.device_put(jnp.ones((k * rows, inner), jnp.float32), NamedSharding(mesh, P("d")))
+            b = jax.device_put(jnp.ones((k, inner, outer), jnp.float32), NamedSharding(mesh, P("d")))
+            t = _median_seconds(mapped, a, b, reps=9)
+            best[rows, inner, outer] = min(t, best.get((rows, inner, outer), t))
+    preset = json.loads((DATA / "presets.json").read_text())["cpu"]
+    calibration = json.loads((DATA / "calibration.json").read_text())["cpu"]
+    bandwidth = preset["memory_bandwidth"] * calibration.get("memory_efficiency", 1.0)
+    flops = np.array([2.0 * r * i * o for r, i, o in best])
+    operands = np.array([4.0 * (r * i + i * o) for r, i, o in best])  # f32 lhs + rhs bytes
+    seconds = np.array(list(best.values()))
+    # t = a + K F / R + K x (lhs + rhs) / bandwidth: the last two per device at a 1/K
+    # share; a is the call's own launch (the pipeline's instruction overhead covers it
+    # in training), fitted and left out of the model.
+    design = np.stack([np.ones_like(flops), k * flops, k * operands / bandwidth], axis=1)
+    weights = 1.0 / seconds  # relative errors: the small matmuls matter as much
+    launch, inv_rate, traffic = np.linalg.lstsq(design * weights[:, None], seconds * weights,
+                                                rcond=None)[0]
+    rate, traffic = 1.0 / inv_rate, max(0.0, float(traffic))
+    fitted = design @ np.array([launch, 1.0 / rate, traffic])
+    peak = preset["peak_flops"]["float32"]
+    result: dict[str, Any] = {
+        "matmul": [f"{r}x{i}x{o}: {k * f / t / 1e9:.0f} GFLOP/s (host), fit {100 * (p - t) / t:+.0f}%"
+                   for (r, i, o), f, t, p in zip(best, flops, seconds, fitted, strict=True)],
+        "launch_ms": round(float(launch) * 1e3, 3),
+        "calibration": {"matmul_efficiency": round(min(1.0, rate / peak), 3),
+                        "matmul_operand_traffic": round(traffic, 3)},
+    }
+    if rate > peak:
+        # Big matmuls beat the stored peak (measured at fewer shapes): the fitted rate
+        # becomes the float32 peak, and the fractions of that peak that other ops run
+        # at are rescaled so their rates stay what they were.
+        result["preset"] = {"peak_flops": {**preset["peak_flops"], "float32": round(rate, -6)}}
+        for name in ("vector_flops_fraction", "conv_efficiency"):  # their rates stay
+            result["calibration"][name] = round(calibration[name] * peak / round(rate, -6), 4)
+    return result
+
+
 def measure_instructions(steps: int = 8) -> dict[str, Any]:
     """Fit ``instruction_overhead_seconds`` (module docstring); the plans' figures too."""
     from local_jobs import job_document, job_plan_options
@@ -299,11 +368,14 @@ def main() -> None:
                         help="measure only the per-instruction overhead of the pipeline runtime")
     parser.add_argument("--update", action="store_true",
                         help="measure only the optimizer update's fused memory traffic")
+    parser.add_argument("--matmul", action="store_true",
+                        help="measure only the matmul rate and its operand traffic (small matmuls)")
     args = parser.parse_args()
-    if args.instructions and args.update:
-        parser.error("--instructions and --update are separate runs: pass one of them")
+    if args.instructions + args.update + args.matmul > 1:
+        parser.error("--instructions, --update and --matmul are separate runs: pass one of them")
     result = (measure_instructions() if args.instructions
-              else measure_update() if args.update else measure())
+              else measure_update() if args.update
+              else measure_matmul() if args.matmul else measure())
     print(json.dumps(result, indent=1))
     if args.write:
         write(result)

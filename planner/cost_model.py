@@ -86,6 +86,13 @@ class Calibration:
     #: launching its executable, moving its inputs, handing over between stage
     #: threads. Dominates small models; 0 where it has not been measured.
     instruction_overhead_seconds: float = 0.0
+    #: The operand traffic of a ``dot_general`` that its arithmetic does not hide, as
+    #: a multiple of its input bytes on each device, charged at memory bandwidth on
+    #: top of its compute time. A CPU matmul first packs (copies) its operands into
+    #: cache-sized blocks: for small matmuls (attention's per-head products, the
+    #: layers of a small micro-batch) that copy is a large part of the time. 0 where
+    #: it has not been measured (GPU kernels overlap operand loads with arithmetic).
+    matmul_operand_traffic: float = 0.0
     #: Layout primitives XLA fuses into their consumer; charged no time.
     free_primitives: frozenset[str] = frozenset()
 
@@ -108,10 +115,11 @@ class Calibration:
                 f"or null (then fused_memory_fraction applies), got {update}"
             )
         if (self.collective_overhead_seconds < 0 or self.all_to_all_penalty <= 0
-                or self.instruction_overhead_seconds < 0):
+                or self.instruction_overhead_seconds < 0 or self.matmul_operand_traffic < 0):
             raise ValueError(
-                f"calibration {self.preset!r}: collective_overhead_seconds and "
-                f"instruction_overhead_seconds must be >= 0 and all_to_all_penalty > 0"
+                f"calibration {self.preset!r}: collective_overhead_seconds, "
+                f"instruction_overhead_seconds and matmul_operand_traffic must be >= 0 "
+                f"and all_to_all_penalty > 0"
             )
 
 
@@ -384,3 +392,11 @@ def op_seconds(
     compute = flops / rate if flops > 0 else 0.0
     memory = traffic / (device.memory_bandwidth * calibration.memory_efficiency)
     return max(compute, memory)
+
+
+def matmul_operand_seconds(operand_bytes: float, device: DeviceSpec, calibration: Calibration) -> float:
+    """Seconds a ``dot_general`` spends on its ``operand_bytes`` (its inputs' bytes on
+    one device) besides its arithmetic: ``matmul_operand_traffic`` passes over them
+    at memory bandwidth. Added to the matmul's :func:`op_seconds` share."""
+    traffic = calibration.matmul_operand_traffic * operand_bytes
+    return traffic / (device.memory_bandwidth * calibration.memory_efficiency)

@@ -27,13 +27,14 @@ of one operand and adds no ILP variable.
 
 Compute is the op's roofline time divided by the number of devices that split the
 work (:func:`alpajob.planner.cost_model.op_seconds`); replicated work is charged in
-full on every device.
+full on every device. A ``dot_general`` adds the traffic of its operands' shards on each
+device (:func:`alpajob.planner.cost_model.matmul_operand_seconds`).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -43,6 +44,7 @@ from alpajob.planner.cost_model import (
     Calibration,
     LogicalMesh,
     all_reduce_seconds,
+    matmul_operand_seconds,
     op_seconds,
     reduce_scatter_seconds,
 )
@@ -201,8 +203,13 @@ def _slot_strategies(
     out: Tensor,
     mesh: LogicalMesh,
     base: float,
+    operand_seconds: Callable[[float], float] | None = None,
 ) -> list[Strategy]:
-    """Every assignment of the active mesh axes to slots (or none), as strategies."""
+    """Every assignment of the active mesh axes to slots (or none), as strategies.
+
+    Each device's compute is ``base`` over the devices that split it, plus
+    ``operand_seconds(bytes of its lhs and rhs shards)`` where that is given.
+    """
     active = mesh.active_axes
     strategies = []
     for choice in itertools.product(range(-1, len(slots)), repeat=len(active)):
@@ -234,6 +241,11 @@ def _slot_strategies(
         name = ",".join(names) or "replicated"
         inputs = (tuple(lhs_spec), tuple(rhs_spec))
         compute = base / mesh.size_of(used)
+        if operand_seconds is not None:
+            compute += operand_seconds(
+                tensor_bytes(lhs.shape, lhs.dtype) / shard_factor(inputs[0], mesh)
+                + tensor_bytes(rhs.shape, rhs.dtype) / shard_factor(inputs[1], mesh)
+            )
         out_t = tuple(out_spec)
         if not contract:
             strategies.append(Strategy(name, (out_t,), inputs, 0.0, compute))
@@ -383,7 +395,11 @@ def op_strategies(
         lhs, rhs = graph.tensor(op.inputs[0]), graph.tensor(op.inputs[1])
         out = graph.tensor(op.outputs[0])
         slots = _dot_slots(op, lhs, rhs, mesh)
-        return tuple(_slot_strategies(slots, lhs, rhs, out, mesh, base))
+        def operand_seconds(nbytes: float) -> float:
+            # Once per execution: a dot inside a scan runs (and pays) once per trip.
+            return matmul_operand_seconds(nbytes, device, calibration) * op.multiplier
+
+        return tuple(_slot_strategies(slots, lhs, rhs, out, mesh, base, operand_seconds))
     if kind is OpKind.CONV and len(op.inputs) == 2 and len(op.outputs) == 1:
         lhs, rhs = graph.tensor(op.inputs[0]), graph.tensor(op.inputs[1])
         out = graph.tensor(op.outputs[0])

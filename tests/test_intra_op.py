@@ -506,6 +506,39 @@ def test_dot_strategies_include_megatron_and_data_parallel():
     assert rep.compute_seconds == pytest.approx(4 * by_name["y->l0"].compute_seconds)
 
 
+def test_dot_operand_traffic_is_charged_per_shard_on_every_device():
+    """``matmul_operand_traffic`` adds each device's lhs and rhs shard bytes, at
+    memory bandwidth, to a dot's compute: a split matmul still packs its own shards,
+    so compute no longer divides by the device count. Unset (0), nothing changes."""
+    import dataclasses
+
+    g = GraphBuilder(8)
+    x = g.input((8, 16))
+    w = g.param((16, 32))
+    g.dot(x, w, ((1,), (0,)), batch_dim=0)
+    graph = g.build(2)
+    mesh = toy_mesh((1, 4))
+    assert CAL.matmul_operand_traffic == 0.0
+    plain = {s.name: s for s in op_strategies(graph.ops[0], graph, mesh, DEVICE, CAL)}
+    traffic = dataclasses.replace(CAL, matmul_operand_traffic=0.5)
+    priced = {s.name: s for s in op_strategies(graph.ops[0], graph, mesh, DEVICE, traffic)}
+    assert priced.keys() == plain.keys()
+    per_byte = 0.5 / (DEVICE.memory_bandwidth * CAL.memory_efficiency)
+    lhs, rhs = 8 * 16 * 4, 16 * 32 * 4
+    for name, shards in (("replicated", lhs + rhs), ("y->l0", lhs / 4 + rhs),
+                         ("y->r0", lhs + rhs / 4), ("y->k0", lhs / 4 + rhs / 4)):
+        assert priced[name].compute_seconds == pytest.approx(
+            plain[name].compute_seconds + per_byte * shards)
+        assert priced[name].comm_seconds == plain[name].comm_seconds
+
+
+def test_calibration_refuses_negative_operand_traffic():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="matmul_operand_traffic"):
+        dataclasses.replace(CAL, matmul_operand_traffic=-0.1)
+
+
 def test_follow_reshape_maps_clean_splits_and_replicates_others():
     g = GraphBuilder(4)
     x = g.input((4, 6, 8))
