@@ -8,11 +8,14 @@ the same model. Then cross-mesh transfer throughput against a plain memory copy 
 the same bytes.
 
     python benchmarks/runtime.py [--steps 10] [--warmup 3] [--model gpt] [--config tiny|JSON]
-        [--batch 32] [--cases "data parallel,auto"] [--no-transfer]
+        [--batch 32] [--cases "data parallel,auto"] [--no-transfer] [--repeat 3]
 
 Step times are the median of the steps after the first ``--warmup`` (the first step
 compiles; the next one or two still allocate and run slower: a plan's second step
-measured 1.7 s against 0.95 s from the fourth on).
+measured 1.7 s against 0.95 s from the fourth on). On a 2-core machine a plan's median
+still moves by ~10% from one run to the next: ``--repeat N`` runs every plan (and the
+serial baseline) N times, interleaved, and reports the median run with the range of
+its errors.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--cases", default="", help="comma-separated plan names to run (default all)")
     parser.add_argument("--no-transfer", action="store_true", help="skip the transfer table")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every plan this many times, interleaved; report the median "
+                             "run and the range of the errors")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     config = json.loads(args.config) if args.config.startswith("{") else args.config
 
     import jax
@@ -66,17 +74,13 @@ def main() -> None:
         "4 stages gpipe m=8": {"method": "manual", "numMicroBatches": 8, "numLayers": 4,
                                "schedule": "gpipe", "stages": stages((1, 2), (1, 2), (1, 2), (1, 2))},
     }
-    serial_m = manifest({})
-    serial = run(serial_m, RunOptions(steps=args.steps, serial=True))
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup})")
-    t_serial = statistics.median(serial.step_seconds[args.warmup:])
-    rows = []
-    t_data = None
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
-    for name, par in cases.items():
-        if wanted and name not in wanted:
-            continue
+    chosen = {name: par for name, par in cases.items() if not wanted or name in wanted}
+
+    def measure(name: str, par: dict) -> tuple[int, int, float, float, float]:
+        """(stages, micro-batches, predicted, measured, ideal) of one run of a plan."""
         m = manifest(par)
         result = run(m, RunOptions(steps=args.steps, plan_options=job_plan_options(m)))
         plan = result.plan
@@ -86,19 +90,36 @@ def main() -> None:
         bwd = [statistics.mean(x for t in recent for x in t[i].backward) for i in range(len(plan.stages))]
         upd = max(statistics.mean(t[i].update for t in recent) for i in range(len(plan.stages)))
         ideal = simulate(Schedule(plan.schedule), fwd, bwd, plan.num_micro_batches).makespan + upd
-        if name == "data parallel":
-            t_data = measured
-        rows.append((name, len(plan.stages), plan.num_micro_batches, plan.predicted_step_seconds,
-                     measured, ideal))
+        return len(plan.stages), plan.num_micro_batches, plan.predicted_step_seconds, measured, ideal
+
+    serials: list[float] = []
+    runs: dict[str, list[tuple[int, int, float, float, float]]] = {name: [] for name in chosen}
+    for _ in range(args.repeat):  # interleaved: every plan sees the same spread of machine states
+        serial = run(manifest({}), RunOptions(steps=args.steps, serial=True))
+        serials.append(statistics.median(serial.step_seconds[args.warmup:]))
+        for name, par in chosen.items():
+            runs[name].append(measure(name, par))
+    t_serial = statistics.median(serials)
+    rows = []
+    for name, samples in runs.items():
+        n, mb, pred, _, _ = samples[0]
+        measured = statistics.median(x[3] for x in samples)
+        ideal = statistics.median(x[4] for x in samples)
+        errors = [(pred - x[3]) / x[3] for x in samples]
+        rows.append((name, n, mb, pred, measured, ideal, min(errors), max(errors)))
+    t_data = next((row[4] for row in rows if row[0] == "data parallel"), None)
     print(f"model {args.model}-{args.config}, global batch {args.batch}, 8 CPU devices, "
-          f"{args.steps} steps (median after the first {args.warmup})")
+          f"{args.steps} steps (median after the first {args.warmup})"
+          + (f", median of {args.repeat} interleaved runs" if args.repeat > 1 else ""))
     print(f"serial (1 device): {t_serial * 1e3:.1f} ms/step")
-    print("| plan | stages | m | predicted ms | measured ms | error | ideal ms | overhead vs ideal "
-          "| vs serial | vs data parallel |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, n, mb, pred, meas, ideal in rows:
+    spread = " | error range" if args.repeat > 1 else ""
+    print("| plan | stages | m | predicted ms | measured ms | error" + spread + " | ideal ms | "
+          "overhead vs ideal | vs serial | vs data parallel |")
+    print("| --- " * (10 + (args.repeat > 1)) + "|")
+    for name, n, mb, pred, meas, ideal, low, high in rows:
+        spread = f" | {low:+.0%}..{high:+.0%}" if args.repeat > 1 else ""
         print(f"| {name} | {n} | {mb} | {pred * 1e3:.2f} | {meas * 1e3:.1f} | "
-              f"{(pred - meas) / meas:+.0%} | {ideal * 1e3:.1f} | {meas / ideal - 1:+.0%} | "
+              f"{(pred - meas) / meas:+.0%}{spread} | {ideal * 1e3:.1f} | {meas / ideal - 1:+.0%} | "
               f"{t_serial / meas:.2f}x | " + (f"{t_data / meas:.2f}x |" if t_data else "- |"))
 
     if args.no_transfer:
