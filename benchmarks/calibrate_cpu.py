@@ -90,6 +90,25 @@ def _median_seconds(fn: Any, *args: Any, reps: int = 7) -> float:
     return statistics.median(times)
 
 
+def _per_device_seconds(mesh: Any, fn: Any, *shapes: tuple[tuple[int, ...], Any],
+                        reps: int = 7) -> float:
+    """Seconds for every device of ``mesh`` to run ``fn`` on its own arrays of
+    ``shapes`` (each device's shape; one ``shard_map`` over all of them)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    k = mesh.size
+    specs = tuple(P("d") for _ in shapes)
+    mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("d")))
+    args = [
+        jax.device_put(jnp.ones((k * s[0], *s[1:]), dtype), NamedSharding(mesh, P("d")))
+        for s, dtype in shapes
+    ]
+    return _median_seconds(mapped, *args, reps=reps)
+
+
 def measure() -> dict[str, Any]:
     """Run every micro-benchmark; returns raw rates and the fitted constants."""
     import jax
@@ -103,14 +122,7 @@ def measure() -> dict[str, Any]:
     mesh = Mesh(np.array(devices), ("d",))
 
     def per_device(fn: Any, *shapes: tuple[tuple[int, ...], Any]) -> float:
-        """Seconds for every device to run ``fn`` on its own arrays of ``shapes``."""
-        specs = tuple(P("d") for _ in shapes)
-        mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("d")))
-        args = [
-            jax.device_put(jnp.ones((k * s[0], *s[1:]), dtype), NamedSharding(mesh, P("d")))
-            for s, dtype in shapes
-        ]
-        return _median_seconds(mapped, *args)
+        return _per_device_seconds(mesh, fn, *shapes)
 
     matmul: dict[str, list[float]] = {"float32": [], "bfloat16": []}
     shapes = [(512, 256, 1024), (512, 1024, 256), (1024, 1024, 1024), (2048, 512, 512)]
@@ -193,23 +205,19 @@ def measure_matmul() -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh
 
     devices = jax.devices()
     k = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
-    mapped = jax.jit(jax.shard_map(lambda a, b: a @ b[0], mesh=mesh,
-                                   in_specs=(P("d"), P("d")), out_specs=P("d")))
     shapes = [(rows, inner, outer)
               for inner, outer in ((128, 512), (256, 1024), (1024, 256), (512, 2048))
               for rows in (64, 256, 1024)]
     best: dict[tuple[int, int, int], float] = {}
     for _sweep in range(3):  # the lowest of 3 medians: a burst of host noise hits one
         for rows, inner, outer in shapes:
-            a = jax.device_put(jnp.ones((k * rows, inner), jnp.float32), NamedSharding(mesh, P("d")))
-            b = jax.device_put(jnp.ones((k, inner, outer), jnp.float32), NamedSharding(mesh, P("d")))
-            t = _median_seconds(mapped, a, b, reps=9)
+            t = _per_device_seconds(mesh, lambda a, b: a @ b[0], ((rows, inner), jnp.float32),
+                                    ((1, inner, outer), jnp.float32), reps=9)
             best[rows, inner, outer] = min(t, best.get((rows, inner, outer), t))
     preset = json.loads((DATA / "presets.json").read_text())["cpu"]
     calibration = json.loads((DATA / "calibration.json").read_text())["cpu"]

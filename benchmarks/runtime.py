@@ -79,7 +79,7 @@ def main() -> None:
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
     chosen = {name: par for name, par in cases.items() if not wanted or name in wanted}
 
-    def measure(name: str, par: dict) -> tuple[int, int, float, float, float]:
+    def measure(par: dict) -> tuple[int, int, float, float, float]:
         """(stages, micro-batches, predicted, measured, ideal) of one run of a plan."""
         m = manifest(par)
         result = run(m, RunOptions(steps=args.steps, plan_options=job_plan_options(m)))
@@ -98,7 +98,7 @@ def main() -> None:
         serial = run(manifest({}), RunOptions(steps=args.steps, serial=True))
         serials.append(statistics.median(serial.step_seconds[args.warmup:]))
         for name, par in chosen.items():
-            runs[name].append(measure(name, par))
+            runs[name].append(measure(par))
     t_serial = statistics.median(serials)
     rows = []
     for name, samples in runs.items():

@@ -34,7 +34,7 @@ device (:func:`alpajob.planner.cost_model.matmul_operand_seconds`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -203,12 +203,12 @@ def _slot_strategies(
     out: Tensor,
     mesh: LogicalMesh,
     base: float,
-    operand_seconds: Callable[[float], float] | None = None,
+    operand_byte_seconds: float = 0.0,
 ) -> list[Strategy]:
     """Every assignment of the active mesh axes to slots (or none), as strategies.
 
     Each device's compute is ``base`` over the devices that split it, plus
-    ``operand_seconds(bytes of its lhs and rhs shards)`` where that is given.
+    ``operand_byte_seconds`` per byte of its lhs and rhs shards.
     """
     active = mesh.active_axes
     strategies = []
@@ -241,8 +241,8 @@ def _slot_strategies(
         name = ",".join(names) or "replicated"
         inputs = (tuple(lhs_spec), tuple(rhs_spec))
         compute = base / mesh.size_of(used)
-        if operand_seconds is not None:
-            compute += operand_seconds(
+        if operand_byte_seconds:
+            compute += operand_byte_seconds * (
                 tensor_bytes(lhs.shape, lhs.dtype) / shard_factor(inputs[0], mesh)
                 + tensor_bytes(rhs.shape, rhs.dtype) / shard_factor(inputs[1], mesh)
             )
@@ -395,11 +395,9 @@ def op_strategies(
         lhs, rhs = graph.tensor(op.inputs[0]), graph.tensor(op.inputs[1])
         out = graph.tensor(op.outputs[0])
         slots = _dot_slots(op, lhs, rhs, mesh)
-        def operand_seconds(nbytes: float) -> float:
-            # Once per execution: a dot inside a scan runs (and pays) once per trip.
-            return matmul_operand_seconds(nbytes, device, calibration) * op.multiplier
-
-        return tuple(_slot_strategies(slots, lhs, rhs, out, mesh, base, operand_seconds))
+        # Once per execution: a dot inside a scan runs (and pays) once per trip.
+        per_byte = matmul_operand_seconds(1.0, device, calibration) * op.multiplier
+        return tuple(_slot_strategies(slots, lhs, rhs, out, mesh, base, per_byte))
     if kind is OpKind.CONV and len(op.inputs) == 2 and len(op.outputs) == 1:
         lhs, rhs = graph.tensor(op.inputs[0]), graph.tensor(op.inputs[1])
         out = graph.tensor(op.outputs[0])

@@ -62,6 +62,11 @@ def test_calibration_rejects_out_of_range():
         Calibration("x", 0.5, 0.5, 0.1, 0.7, 0.35, 0.8, 1e-5, 2.0, update_fused_memory_fraction=0.0)
 
 
+def test_calibration_refuses_negative_operand_traffic():
+    with pytest.raises(ValueError, match="matmul_operand_traffic"):
+        Calibration("x", 0.5, 0.5, 0.1, 0.7, 0.35, 0.8, 1e-5, 2.0, matmul_operand_traffic=-0.1)
+
+
 # ---------------------------------------------------------------- logical meshes
 
 

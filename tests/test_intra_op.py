@@ -532,13 +532,6 @@ def test_dot_operand_traffic_is_charged_per_shard_on_every_device():
         assert priced[name].comm_seconds == plain[name].comm_seconds
 
 
-def test_calibration_refuses_negative_operand_traffic():
-    import dataclasses
-
-    with pytest.raises(ValueError, match="matmul_operand_traffic"):
-        dataclasses.replace(CAL, matmul_operand_traffic=-0.1)
-
-
 def test_follow_reshape_maps_clean_splits_and_replicates_others():
     g = GraphBuilder(4)
     x = g.input((4, 6, 8))
