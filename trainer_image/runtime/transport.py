@@ -2,8 +2,9 @@
 
 The mechanism for one process that sees every device (the local runner). Each
 receiver's tile is assembled from the pieces sent to it, put on the receiver, and
-copied device-to-device to the rest of its group; the result is one global
-``jax.Array`` with the destination sharding.
+copied device-to-device to the rest of its group (each of the two rounds is one
+batched ``jax.device_put``); the result is one global ``jax.Array`` with the
+destination sharding.
 
 On CPU devices the pieces are cut from zero-copy numpy views of the source shards,
 so a piece costs one memory copy; elsewhere they are cut by JAX slicing on the
@@ -47,17 +48,20 @@ def move(array: jax.Array, dst_sharding: Any) -> jax.Array:
         shard = shards[send.src]
         view = np.asarray(shard.data) if on_cpu else shard.data
         pieces.setdefault(send.dst, []).append((send.box, view[_local(send.box, origin[send.src])]))
-    placed: dict[int, jax.Array] = {}
+    tiles: dict[int, Any] = {}
     for receiver, parts in pieces.items():
         tile = plan.dst_tiles[receiver]
         if len(parts) == 1 and parts[0][0] == tile:
-            data = parts[0][1]
+            tiles[receiver] = parts[0][1]
         else:
             data = np.empty([hi - lo for lo, hi in tile], array.dtype)
             for box, part in parts:
                 data[_local(box, tile)] = np.asarray(part)
-        placed[receiver] = jax.device_put(data, devices[receiver])
-    for copy in plan.copies:
-        placed[copy.dst] = jax.device_put(placed[copy.src], devices[copy.dst])
+            tiles[receiver] = data
+    # One batched device_put per round: the tiles, then the copies of received tiles.
+    placed = dict(zip(tiles, jax.device_put(list(tiles.values()), [devices[r] for r in tiles]), strict=True))
+    if plan.copies:
+        copied = jax.device_put([placed[c.src] for c in plan.copies], [devices[c.dst] for c in plan.copies])
+        placed.update((c.dst, x) for c, x in zip(plan.copies, copied, strict=True))
     ordered = [placed[d.id] for d in dst_sharding.addressable_devices_indices_map(array.shape)]
     return jax.make_array_from_single_device_arrays(array.shape, dst_sharding, ordered)
