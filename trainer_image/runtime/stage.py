@@ -10,7 +10,11 @@ For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss
   residuals are then just the inputs and the backward recomputes the rest.
 - **backward** ``(vjp, cotangents, accumulators) -> (accumulators, input_grads)``
   applies ``vjp`` and adds the parameter gradients to float32 accumulators (donated,
-  so the sum is in place).
+  so the sum is in place). An accumulator has its parameter's sharding, so on a
+  data-parallel mesh every backward all-reduces its micro-batch's gradients: B
+  all-reduces per step, where the planner (like Alpa) charges one. GSPMD cannot pass
+  a partial sum between executables; JAX 0.10's ``unreduced`` types could, but do
+  not yet trace the zoo models (benchmarks/RESULTS.md, session 9).
 - **update** ``(params, opt_state, grads) -> (params, opt_state)`` is the optax update
   of the parameters this stage owns.
 
