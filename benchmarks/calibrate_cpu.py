@@ -22,14 +22,18 @@ of them, every device running the same kernel on its own data):
   (all-reduce ``alpha + 2 beta (n-1)/n B``, all-gather ``alpha + beta (n-1)/n B``)
   gives ``intra_node_latency`` (alpha) and ``intra_node_bandwidth`` (1/beta), with
   ``comm_bandwidth_efficiency`` 1 and no extra collective overhead;
-- **pipeline instructions** (``--instructions``, measured on its own): a model with
-  almost no arithmetic (MLP-tiny, 4 layers of width 32) trained by the real local
-  runtime under 1, 2 and 4 stages with 1, 4 and 8 micro-batches. Its step time is
-  almost all per-instruction cost (launching a stage's executable, moving its inputs,
-  the hand-off between stage threads), so a least-squares fit of
-  ``measured - predicted = c * S (2B + 1)`` (``S`` stages, ``B`` micro-batches, one
-  forward and one backward per micro-batch and an update per stage) gives
-  ``instruction_overhead_seconds`` c.
+- **pipeline instructions and kernels** (``--instructions``, measured on its own):
+  two models with almost no arithmetic, MLP-tiny (4 layers of width 32) and a small
+  GPT (hidden 48, 4 layers, sequence 16), trained by the real local runtime under
+  1 stage of 8 devices with 1 and 4 micro-batches, 1 stage of 2 devices, 2 stages of
+  4 devices (B=4) and 4 stages of 2 (B=8). Their step time is almost all fixed host
+  cost: per pipeline instruction (launching a stage's executable, moving its
+  inputs, the hand-off between stage threads) and per kernel that each device runs
+  (XLA's CPU runtime dispatching it; elementwise ops fuse into kernels and cost
+  nothing extra). The planner's prediction is linear in both constants, so each
+  plan is planned three times (both at 0, then each alone) for its value and two
+  slopes, and a least-squares fit (relative errors) of the measured times gives
+  ``instruction_overhead_seconds`` c and ``kernel_overhead_seconds`` d.
 
 - **matmul operands** (``--matmul``, measured on its own): with all K devices busy,
   ``rows x inner @ inner x outer`` for rows 64, 256, 1024 and four weight shapes from
@@ -53,12 +57,12 @@ of them, every device running the same kernel on its own data):
 
     python benchmarks/calibrate_cpu.py            # print the fitted values
     python benchmarks/calibrate_cpu.py --write    # and store them in planner/data/
-    python benchmarks/calibrate_cpu.py --instructions [--write]   # c only
+    python benchmarks/calibrate_cpu.py --instructions [--write]   # c and d only
     python benchmarks/calibrate_cpu.py --update [--write]         # the update's fraction only
     python benchmarks/calibrate_cpu.py --matmul [--write]         # the matmul line only
 
 Run them in the order ``--write``, ``--matmul``, ``--update``, ``--instructions``:
-each fits what the ones before it leave unexplained, c last.
+each fits what the ones before it leave unexplained, c and d last.
 
 Each measurement is the median of several timed runs after a warm-up (compile).
 """
@@ -252,38 +256,90 @@ def measure_matmul() -> dict[str, Any]:
     return result
 
 
-def measure_instructions(steps: int = 8) -> dict[str, Any]:
-    """Fit ``instruction_overhead_seconds`` (module docstring); the plans' figures too."""
+#: The models ``--instructions`` trains: MLP-tiny (almost no arithmetic, few kernels
+#: per layer) and a small GPT that is not a benchmark configuration (many kernels per
+#: layer, none of them big).
+INSTRUCTION_MODELS = {
+    "mlp-tiny": ("mlp", "tiny"),
+    "gpt-48x4": ("gpt", {"hidden": 48, "layers": 4, "heads": 3, "seqLen": 16, "vocab": 128}),
+}
+
+
+def _instruction_plans() -> dict[str, dict]:
+    """The plans ``--instructions`` trains each model with: 1 stage of 8 devices with
+    1 and 4 micro-batches, 1 stage of 2 devices, 2 stages of 4 and 4 stages of 2."""
+
+    def stages(count: int, micro: int, layers: int = 4) -> dict:
+        return {"method": "manual", "numMicroBatches": micro, "numLayers": layers,
+                "stages": [{"layers": [i * layers // count, (i + 1) * layers // count],
+                            "submeshShape": [1, 8 // count]} for i in range(count)]}
+
+    def one_stage(devices: int, micro: int) -> dict:
+        return {"method": "manual", "numMicroBatches": micro, "numLayers": 1,
+                "stages": [{"layers": [0, 1], "submeshShape": [1, devices]}]}
+
+    return {"1x8, B=1": one_stage(8, 1), "1x8, B=4": one_stage(8, 4), "1x2, B=1": one_stage(2, 1),
+            "2x4, B=4": stages(2, 4), "4x2, B=8": stages(4, 8)}
+
+
+def measure_instructions(steps: int = 8, warmup: int = 3) -> dict[str, Any]:
+    """Fit ``instruction_overhead_seconds`` c and ``kernel_overhead_seconds`` d
+    (module docstring); the plans' figures too."""
+    import dataclasses
+
+    import numpy as np
     from local_jobs import job_document, job_plan_options
 
     from alpajob.planner.cost_model import load_calibration
     from alpajob.planner.manifest import parse_manifest
-    from alpajob.trainer.local_run import RunOptions, run
+    from alpajob.planner.planning import make_plan
+    from alpajob.trainer.local_run import (
+        RunOptions,
+        extract_model,
+        load_model,
+        local_cluster,
+        local_devices,
+        run,
+    )
 
-    def stages(count: int) -> dict:
-        width = 8 // count
-        return {"method": "manual", "numMicroBatches": 2 * count, "numLayers": 4,
-                "stages": [{"layers": [i * 4 // count, (i + 1) * 4 // count],
-                            "submeshShape": [1, width]} for i in range(count)]}
-
-    current = load_calibration("cpu").instruction_overhead_seconds
-    plans = {"1 stage, B=1": {"method": "data"}, "2 stages, B=4": stages(2),
-             "4 stages, B=8": stages(4)}
+    stored = load_calibration("cpu")
     rows = []
-    for name, parallelism in plans.items():
-        m = parse_manifest(job_document("calib", "mlp", "tiny", parallelism))
-        result = run(m, RunOptions(steps=steps, plan_options=job_plan_options(m)))
-        plan = result.plan
-        count = len(plan.stages) * (2 * plan.num_micro_batches + 1)
-        # The prediction without the overhead term (whatever the stored value is).
-        predicted = plan.predicted_step_seconds - current * count
-        measured = statistics.median(result.step_seconds[1:])
-        rows.append({"plan": name, "instructions": count, "predicted_ms": round(predicted * 1e3, 2),
-                     "measured_ms": round(measured * 1e3, 2)})
-    num = sum(r["instructions"] * (r["measured_ms"] - r["predicted_ms"]) for r in rows)
-    den = sum(r["instructions"] ** 2 for r in rows)
-    c = max(0.0, num / den / 1e3)
-    return {"plans": rows, "calibration": {"instruction_overhead_seconds": float(f"{c:.3g}")}}
+    for label, (zoo, config) in INSTRUCTION_MODELS.items():
+        graph = None
+        for name, parallelism in _instruction_plans().items():
+            m = parse_manifest(job_document("calib", zoo, config, parallelism))
+            if graph is None:
+                training = m.spec.training
+                graph = extract_model(load_model(m.spec.model, training.dtype),
+                                      training.global_batch_size, optimizer=training.optimizer,
+                                      learning_rate=training.learning_rate)
+            cluster = local_cluster(m, local_devices(8))
+
+            def predicted(c: float, d: float, m: Any = m, cluster: Any = cluster) -> float:
+                trial = dataclasses.replace(stored, instruction_overhead_seconds=c,
+                                            kernel_overhead_seconds=d)
+                options = dataclasses.replace(job_plan_options(m), calibration=trial)
+                return make_plan(graph, cluster, options).plan.predicted_step_seconds
+
+            # The prediction is linear in c and d: its value at 0 and its two slopes.
+            base = predicted(0.0, 0.0)
+            per_c = (predicted(1e-3, 0.0) - base) / 1e-3  # instructions
+            per_d = (predicted(0.0, 1e-6) - base) / 1e-6  # kernel launches x devices
+            result = run(m, RunOptions(steps=steps, plan_options=job_plan_options(m)))
+            rows.append({"model": label, "plan": name, "instructions": round(per_c, 2),
+                         "kernel_runs": round(per_d), "base_ms": round(base * 1e3, 2),
+                         "measured_ms": round(statistics.median(result.step_seconds[warmup:]) * 1e3, 2)})
+    design = np.array([[r["instructions"], r["kernel_runs"]] for r in rows], dtype=float)
+    excess = np.array([r["measured_ms"] - r["base_ms"] for r in rows]) / 1e3
+    weights = 1.0 / np.array([r["measured_ms"] for r in rows])  # relative errors
+    c, d = np.linalg.lstsq(design * weights[:, None], excess * weights, rcond=None)[0]
+    c, d = max(0.0, float(c)), max(0.0, float(d))
+    for r in rows:
+        model_ms = r["base_ms"] + 1e3 * (c * r["instructions"] + d * r["kernel_runs"])
+        r["fit_error"] = f"{(model_ms - r['measured_ms']) / r['measured_ms']:+.0%}"
+    return {"plans": rows,
+            "calibration": {"instruction_overhead_seconds": float(f"{c:.3g}"),
+                            "kernel_overhead_seconds": float(f"{d:.3g}")}}
 
 
 #: The smallest ``update_fused_memory_fraction`` the fit returns.
@@ -373,7 +429,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help="store the fit in planner/data/")
     parser.add_argument("--instructions", action="store_true",
-                        help="measure only the per-instruction overhead of the pipeline runtime")
+                        help="measure only the per-instruction and per-kernel host overheads of the runtime")
     parser.add_argument("--update", action="store_true",
                         help="measure only the optimizer update's fused memory traffic")
     parser.add_argument("--matmul", action="store_true",

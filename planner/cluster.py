@@ -33,6 +33,11 @@ class DeviceSpec:
     peak_flops: dict[str, float] = field(hash=False)
     memory_bytes: int
     memory_bandwidth: float
+    #: The fraction of its host's rates this device gets: 1/K for K forced CPU devices
+    #: sharing one host (``shared_host`` presets, whose rates above are already that
+    #: share), 1 for an accelerator. A fixed host cost of c seconds costs such a device
+    #: c / host_share seconds of its own (slowed) time.
+    host_share: float = 1.0
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the dtype is not listed)."""
@@ -133,6 +138,7 @@ def cluster_from_preset(
         peak_flops={k: float(v) * share for k, v in data["peak_flops"].items()},
         memory_bytes=int(data["memory_bytes"]),
         memory_bandwidth=float(data["memory_bandwidth"]) * share,
+        host_share=share,
     )
     return ClusterSpec(
         num_nodes=num_nodes,

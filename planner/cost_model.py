@@ -93,6 +93,13 @@ class Calibration:
     #: layers of a small micro-batch) that copy is a large part of the time. 0 where
     #: it has not been measured (GPU kernels overlap operand loads with arithmetic).
     matmul_operand_traffic: float = 0.0
+    #: Host seconds each kernel an op launches costs every device that runs it, however
+    #: small the op: XLA's CPU runtime dispatching the kernel on each device and
+    #: waiting for the host's threads. Only ops that XLA cannot fuse into a
+    #: neighbour's loop launch a kernel (:func:`launches_kernel`). Dominates models
+    #: whose ops are tiny; measured for ``cpu`` by ``calibrate_cpu.py --instructions``,
+    #: 0 where it has not been measured (GPU presets).
+    kernel_overhead_seconds: float = 0.0
     #: Layout primitives XLA fuses into their consumer; charged no time.
     free_primitives: frozenset[str] = frozenset()
 
@@ -115,11 +122,12 @@ class Calibration:
                 f"or null (then fused_memory_fraction applies), got {update}"
             )
         if (self.collective_overhead_seconds < 0 or self.all_to_all_penalty <= 0
-                or self.instruction_overhead_seconds < 0 or self.matmul_operand_traffic < 0):
+                or self.instruction_overhead_seconds < 0 or self.matmul_operand_traffic < 0
+                or self.kernel_overhead_seconds < 0):
             raise ValueError(
                 f"calibration {self.preset!r}: collective_overhead_seconds, "
-                f"instruction_overhead_seconds and matmul_operand_traffic must be >= 0 "
-                f"and all_to_all_penalty > 0"
+                f"instruction_overhead_seconds, matmul_operand_traffic and "
+                f"kernel_overhead_seconds must be >= 0 and all_to_all_penalty > 0"
             )
 
 
@@ -400,3 +408,39 @@ def matmul_operand_seconds(operand_bytes: float, device: DeviceSpec, calibration
     at memory bandwidth. Added to the matmul's :func:`op_seconds` share."""
     traffic = calibration.matmul_operand_traffic * operand_bytes
     return traffic / (device.memory_bandwidth * calibration.memory_efficiency)
+
+
+#: Primitives that launch a kernel of their own on XLA's CPU runtime: matmuls,
+#: convolutions, reductions, gathers and scatters, sorts, concatenations. Elementwise
+#: ops and layout changes are fused into one of these (or into a loop of their own
+#: chain) and launch nothing extra.
+KERNEL_PRIMITIVES = frozenset(
+    {
+        "dot_general", "conv_general_dilated", "gather", "sort", "concatenate", "pad",
+        "dynamic_update_slice", "argmax", "argmin", "select_and_scatter_add",
+        "select_and_gather_add",
+    }
+)  # fmt: skip
+#: Name prefixes of kernel-launching primitive families (``reduce_sum``,
+#: ``reduce_window_max``, ``scatter-add``, ``cumsum`` ...).
+KERNEL_PREFIXES = ("reduce_", "scatter", "cum")
+
+
+def launches_kernel(primitive: str) -> bool:
+    """Whether ``primitive`` launches a kernel of its own (:data:`KERNEL_PRIMITIVES`)."""
+    return primitive in KERNEL_PRIMITIVES or primitive.startswith(KERNEL_PREFIXES)
+
+
+def op_fixed_seconds(primitive: str, device: DeviceSpec, calibration: Calibration) -> float:
+    """The fixed seconds one op costs each device that runs it, however it is split.
+
+    A kernel-launching op (:func:`launches_kernel`) costs the host
+    ``kernel_overhead_seconds`` per device that runs it. A device with a
+    ``host_share`` s of its host's rates carries that as ``kernel_overhead / s`` of its
+    own time; a shared-host pipeline weighs device time by s
+    (:func:`~alpajob.planner.inter_op.pipeline_step_seconds`), which gives back the
+    host's cost. Other ops cost nothing fixed.
+    """
+    if primitive in calibration.free_primitives or not launches_kernel(primitive):
+        return 0.0
+    return calibration.kernel_overhead_seconds / device.host_share

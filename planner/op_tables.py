@@ -31,6 +31,7 @@ small tables per model), and is dropped with the solve or context that owns it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -38,7 +39,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from alpajob.planner.cluster import DeviceSpec
-from alpajob.planner.cost_model import Calibration, LogicalMesh
+from alpajob.planner.cost_model import Calibration, LogicalMesh, op_fixed_seconds
 from alpajob.planner.experts import expert_dims
 from alpajob.planner.follow import follow_strategy
 from alpajob.planner.graph import Op, OpGraph, Tensor
@@ -332,6 +333,12 @@ class TableCache:
         return structure
 
     def _table(self, op: Op, strategies: tuple[Strategy, ...]) -> OpTable:
+        # Every strategy pays the op's fixed cost (once per scan trip) on each device.
+        fixed = op_fixed_seconds(op.primitive, self.device, self.calibration) * op.multiplier
+        if fixed:
+            strategies = tuple(dataclasses.replace(s, compute_seconds=s.compute_seconds + fixed)
+                               for s in strategies)
+
         def frozen(values: Sequence[float] | Sequence[int], dtype: type) -> np.ndarray:
             array: np.ndarray = np.array(values, dtype=dtype)
             array.setflags(write=False)

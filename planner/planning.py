@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from alpajob.planner.baselines import all_baselines, data_parallel, megatron_grid, whole_cluster
 from alpajob.planner.cluster import ClusterSpec
 from alpajob.planner.clustering import cluster_layers, default_num_layers
-from alpajob.planner.cost_model import load_calibration
+from alpajob.planner.cost_model import Calibration, load_calibration
 from alpajob.planner.errors import InfeasibleError, ManifestError
 from alpajob.planner.graph import OpGraph
 from alpajob.planner.inter_op import (
@@ -75,6 +75,9 @@ class PlanOptions:
     ilp_time_limit_s: time limit of each intra-op ILP solve, in seconds.
     max_micro_batches: largest number of micro-batches tried (powers of two); counts
         above 64 are only tried when no plan fits with fewer.
+    calibration: the cost model's constants; None (the default) takes the cluster
+        preset's stored ones (``data/calibration.json``). ``calibrate_cpu.py`` passes
+        trial values to fit them.
     """
 
     method: Method = Method.AUTO
@@ -86,6 +89,7 @@ class PlanOptions:
     ilp_time_limit_s: float = 10.0
     max_micro_batches: int = 1024
     baselines: bool = False
+    calibration: Calibration | None = None
 
     def __post_init__(self) -> None:
         # Accept the manifest's strings ("shard", "gpipe") as well as the enums.
@@ -336,7 +340,7 @@ def make_plan(
         graph=graph,
         layers=layers,
         cluster=cluster,
-        calibration=load_calibration(cluster.preset),
+        calibration=options.calibration or load_calibration(cluster.preset),
         schedule=options.schedule,
         memory_budget=cluster.device.memory_bytes * options.memory_fraction,
         time_limit_s=options.ilp_time_limit_s,

@@ -212,7 +212,7 @@ class LayerCoster:
         return len(self.representative)
 
     def mesh(self, submesh: Submesh, shape: Shape) -> LogicalMesh:
-        return make_logical_mesh(self.cluster, submesh, shape)
+        return make_logical_mesh(self.cluster, submesh, shape, self.calibration)
 
     def result(self, layer: int, submesh: Submesh, shape: Shape, level: int) -> IntraOpResult:
         """The ILP solution of ``layer`` on a logical mesh, chained to the layers before.

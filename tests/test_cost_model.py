@@ -3,6 +3,8 @@ sharding specs and resharding costs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from alpajob.planner.cluster import cluster_from_preset
@@ -65,6 +67,32 @@ def test_calibration_rejects_out_of_range():
 def test_calibration_refuses_negative_operand_traffic():
     with pytest.raises(ValueError, match="matmul_operand_traffic"):
         Calibration("x", 0.5, 0.5, 0.1, 0.7, 0.35, 0.8, 1e-5, 2.0, matmul_operand_traffic=-0.1)
+
+
+def test_calibration_refuses_negative_kernel_overhead():
+    with pytest.raises(ValueError, match="kernel_overhead_seconds"):
+        Calibration("x", 0.5, 0.5, 0.1, 0.7, 0.35, 0.8, 1e-5, 2.0, kernel_overhead_seconds=-1e-6)
+
+
+def test_only_kernel_launching_ops_pay_the_kernel_overhead():
+    from alpajob.planner.cost_model import launches_kernel, op_fixed_seconds
+
+    for name in ("dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "gather",
+                 "scatter-add", "cumsum", "argmax", "concatenate", "sort"):
+        assert launches_kernel(name), name
+    for name in ("add", "mul", "tanh", "exp", "select_n", "transpose", "reshape", "integer_pow"):
+        assert not launches_kernel(name), name
+    cluster = cluster_from_preset("cpu", 1, 8)  # each device: 1/8 of the host
+    cal = dataclasses.replace(load_calibration("cpu"), kernel_overhead_seconds=1e-5)
+    # 1e-5 s of host time per device is 8e-5 s of a device's own (1/8-share) time.
+    assert op_fixed_seconds("dot_general", cluster.device, cal) == pytest.approx(8e-5)
+    assert op_fixed_seconds("add", cluster.device, cal) == 0.0
+    # A free (fused layout) primitive costs nothing even if it were a kernel.
+    free = dataclasses.replace(cal, free_primitives=frozenset({"concatenate"}))
+    assert op_fixed_seconds("concatenate", cluster.device, free) == 0.0
+    # Unmeasured presets charge nothing.
+    v100 = cluster_from_preset("v100-16gb", 1)
+    assert op_fixed_seconds("dot_general", v100.device, load_calibration("v100-16gb")) == 0.0
 
 
 # ---------------------------------------------------------------- logical meshes

@@ -197,3 +197,31 @@ def test_other_families_plan(family, cpu8):
     for seconds in plan.baselines.values():
         if seconds is not None:
             assert plan.predicted_step_seconds <= seconds * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(("devices", "micro_batches"), [(8, 1), (2, 4)])
+def test_kernel_overhead_is_charged_per_kernel_per_device(gpt_graph, cpu8, devices, micro_batches):
+    """On a shared host every kernel-launching op costs d of host time on each device
+    that runs it, once per micro-batch (forward, backward) or per step (update); the
+    calibration passed in the options replaces the stored one."""
+    from alpajob.planner.cost_model import launches_kernel, load_calibration
+    from alpajob.planner.graph import Phase
+
+    stored = load_calibration("cpu")
+
+    def predicted(d):
+        calibration = dataclasses.replace(stored, instruction_overhead_seconds=0.0,
+                                          kernel_overhead_seconds=d)
+        options = PlanOptions(method=Method.MANUAL, num_layers=1, num_micro_batches=micro_batches,
+                              manual_stages=(ManualStageOption(0, 1, (1, devices)),),
+                              calibration=calibration)
+        return make_plan(gpt_graph, cpu8, options).plan.predicted_step_seconds
+
+    kernels = [op for op in gpt_graph.ops
+               if launches_kernel(op.primitive) and op.primitive not in stored.free_primitives]
+    per_batch = sum(op.multiplier for op in kernels if op.phase is not Phase.UPDATE)
+    per_step = sum(op.multiplier for op in kernels if op.phase is Phase.UPDATE)
+    assert per_batch > 50  # GPT-tiny's matmuls, reductions and gathers
+    d = 1e-5
+    expected = d * devices * (micro_batches * per_batch + per_step)
+    assert predicted(d) - predicted(0.0) == pytest.approx(expected, rel=1e-6)
