@@ -314,17 +314,16 @@ def measure_instructions(steps: int = 8, warmup: int = 3) -> dict[str, Any]:
                                       training.global_batch_size, optimizer=training.optimizer,
                                       learning_rate=training.learning_rate)
             cluster = local_cluster(m, local_devices(8))
-
-            def predicted(c: float, d: float, m: Any = m, cluster: Any = cluster) -> float:
-                trial = dataclasses.replace(stored, instruction_overhead_seconds=c,
-                                            kernel_overhead_seconds=d)
-                options = dataclasses.replace(job_plan_options(m), calibration=trial)
-                return make_plan(graph, cluster, options).plan.predicted_step_seconds
-
+            options = job_plan_options(m)
             # The prediction is linear in c and d: its value at 0 and its two slopes.
-            base = predicted(0.0, 0.0)
-            per_c = (predicted(1e-3, 0.0) - base) / 1e-3  # instructions
-            per_d = (predicted(0.0, 1e-6) - base) / 1e-6  # kernel launches x devices
+            base, with_c, with_d = (
+                make_plan(graph, cluster, dataclasses.replace(options, calibration=dataclasses.replace(
+                    stored, instruction_overhead_seconds=c, kernel_overhead_seconds=d))
+                ).plan.predicted_step_seconds
+                for c, d in ((0.0, 0.0), (1e-3, 0.0), (0.0, 1e-6))
+            )
+            per_c = (with_c - base) / 1e-3  # instructions
+            per_d = (with_d - base) / 1e-6  # kernel launches x devices
             result = run(m, RunOptions(steps=steps, plan_options=job_plan_options(m)))
             rows.append({"model": label, "plan": name, "instructions": round(per_c, 2),
                          "kernel_runs": round(per_d), "base_ms": round(base * 1e3, 2),
