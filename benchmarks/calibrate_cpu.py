@@ -316,15 +316,15 @@ def measure_instructions(steps: int = 8, warmup: int = 3) -> dict[str, Any]:
             cluster = local_cluster(m, local_devices(8))
             options = job_plan_options(m)
             # The prediction is linear in c and d: its value at 0 and its two slopes.
+            trials = [dataclasses.replace(stored, instruction_overhead_seconds=c,
+                                          kernel_overhead_seconds=d)
+                      for c, d in ((0.0, 0.0), (1e-3, 0.0), (0.0, 1e-6))]
             base, with_c, with_d = (
-                make_plan(graph, cluster, dataclasses.replace(options, calibration=dataclasses.replace(
-                    stored, instruction_overhead_seconds=c, kernel_overhead_seconds=d))
-                ).plan.predicted_step_seconds
-                for c, d in ((0.0, 0.0), (1e-3, 0.0), (0.0, 1e-6))
-            )
+                make_plan(graph, cluster, dataclasses.replace(options, calibration=trial))
+                .plan.predicted_step_seconds for trial in trials)
             per_c = (with_c - base) / 1e-3  # instructions
             per_d = (with_d - base) / 1e-6  # kernel launches x devices
-            result = run(m, RunOptions(steps=steps, plan_options=job_plan_options(m)))
+            result = run(m, RunOptions(steps=steps, plan_options=options))
             rows.append({"model": label, "plan": name, "instructions": round(per_c, 2),
                          "kernel_runs": round(per_d), "base_ms": round(base * 1e3, 2),
                          "measured_ms": round(statistics.median(result.step_seconds[warmup:]) * 1e3, 2)})
