@@ -24,7 +24,7 @@ from alpajob.planner.plan import write_plan
 from alpajob.trainer.local_run import RunOptions, run
 from alpajob.trainer.runtime.meshes import DeviceError
 from alpajob.trainer.runtime.transfer import box_size, intersect, plan_transfer, tiles_of
-from alpajob.trainer.runtime.transport import move
+from alpajob.trainer.runtime.transport import move, move_all
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,6 +73,23 @@ def test_move_reshards_across_meshes_exactly() -> None:
         moved = move(array, target)
         assert moved.sharding == target
         np.testing.assert_array_equal(np.asarray(moved), data)
+
+
+def test_move_all_moves_many_arrays_in_two_batched_puts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One instruction's sends share a move: its tiles go in one ``device_put`` and
+    the replicas' copies in a second, and every array arrives exactly."""
+    m1, m2 = _meshes()
+    data = [np.arange(8 * 12, dtype=np.float32).reshape(8, 12) * (k + 1) for k in range(len(SPECS))]
+    arrays = [jax.device_put(d, NamedSharding(m1, src)) for d, src in zip(data, SPECS, strict=True)]
+    targets = [NamedSharding(m2, dst) for dst in reversed(SPECS)]
+    calls = []
+    real_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a) or real_put(*a, **k))
+    moved = move_all(arrays, targets)
+    assert len(calls) == 2  # the tiles; the copies to replicas (P() and P("x") have some)
+    for array, target, want in zip(moved, targets, data, strict=True):
+        assert array.sharding == target
+        np.testing.assert_array_equal(np.asarray(array), want)
 
 
 def test_parcels_carry_each_needed_tile_once_and_assemble_exactly() -> None:

@@ -322,6 +322,10 @@ class CollectiveLink:
         self._todo.popleft()
         self.mover.send(message, value)
 
+    def send_all(self, sends: Sequence[tuple[int, Key, Any]]) -> None:
+        for stage, key, value in sends:
+            self.send(stage, key, value)
+
     def receive(self, key: Key) -> jax.Array:
         if key in self._inbox:
             return self._inbox.pop(key)

@@ -152,6 +152,10 @@ class RayLink:
             self.sent_bytes += parcel.nbytes
             peer.deliver.remote((key, self.host), ray.put(parcel))
 
+    def send_all(self, sends: Sequence[tuple[int, Key, Any]]) -> None:
+        for stage, key, value in sends:
+            self.send(stage, key, value)
+
     def receive(self, key: Key) -> Any:
         senders = len(self.peers[sender_stage(self.split, self.stage.index, key)])
         parcels = [self.mailbox.get((key, h), timeout=self.timeout) for h in range(senders)]

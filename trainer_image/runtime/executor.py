@@ -20,7 +20,8 @@ gradient sums home, and every stage applies the optimizer to what it owns.
 Which messages each phase sends and receives is listed by :mod:`.messages` (the
 walk below and any transport that must know them ahead of time read the same lists).
 Stages talk through :class:`Mailbox` es, so a stage waits exactly for the values its
-next instruction needs. Every instruction blocks until its result is ready, which
+next instruction needs; the values one instruction sends go together
+(:meth:`StageLink.send_all`: locally, one batched move). Every instruction blocks until its result is ready, which
 splits each stage's wall time into **compute** (executables), **communication**
 (transfers and batch loading) and **idle** (waiting: the pipeline bubble).
 """
@@ -55,7 +56,7 @@ from alpajob.trainer.runtime.messages import (
 )
 from alpajob.trainer.runtime.split import SplitProgram
 from alpajob.trainer.runtime.stage import StageRuntime
-from alpajob.trainer.runtime.transport import move
+from alpajob.trainer.runtime.transport import move_all
 
 
 class Mailbox:
@@ -141,6 +142,9 @@ class StageLink(Protocol):
     def send(self, stage: int, key: Key, value: jax.Array) -> None:
         """Deliver ``value`` to ``stage`` under ``key``, resharded for it."""
 
+    def send_all(self, sends: Sequence[tuple[int, Key, jax.Array]]) -> None:
+        """Deliver every ``(stage, key, value)``, in order; a link may batch them."""
+
     def receive(self, key: Key) -> jax.Array:
         """Wait for the value addressed to this stage under ``key``."""
 
@@ -152,8 +156,13 @@ class LocalLink:
         self.split, self.stages, self.boxes, self.index = split, stages, boxes, index
 
     def send(self, stage: int, key: Key, value: jax.Array) -> None:
-        target = destination_sharding(self.split, self.stages[stage], key)
-        self.boxes[stage].put(key, move(value, target))
+        self.send_all([(stage, key, value)])
+
+    def send_all(self, sends: Sequence[tuple[int, Key, jax.Array]]) -> None:
+        targets = [destination_sharding(self.split, self.stages[r], key) for r, key, _ in sends]
+        moved = move_all([value for _, _, value in sends], targets)
+        for (r, key, _), value in zip(sends, moved, strict=True):
+            self.boxes[r].put(key, value)
 
     def receive(self, key: Key) -> jax.Array:
         return self.boxes[self.index].get(key)
@@ -181,8 +190,7 @@ def run_stage_program(
 
     # Shared parameters out; our own and the received ones in.
     t0 = time.perf_counter()
-    for r, key in param_sends(split, s):
-        link.send(r, key, stage.params[stage.leaf_names[key[1]]])
+    link.send_all([(r, key, stage.params[stage.leaf_names[key[1]]]) for r, key in param_sends(split, s)])
     comm += time.perf_counter() - t0
     received = {key[1]: link.receive(key) for key in param_receives(split, s)}
     params = [received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
@@ -205,8 +213,7 @@ def run_stage_program(
                 losses[j] = loss
             t0 = time.perf_counter()
             by_vid = dict(zip(program.outputs, outs, strict=True))
-            for r, key in forward_sends(split, s, j):
-                link.send(r, key, by_vid[key[2]])
+            link.send_all([(r, key, by_vid[key[2]]) for r, key in forward_sends(split, s, j)])
             comm += time.perf_counter() - t0
         else:
             cotangents: list[Any] = [reduce(add, [link.receive(key) for key in keys])
@@ -219,16 +226,14 @@ def run_stage_program(
             bwd_times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
-            for r, key in backward_sends(split, s, j):
-                link.send(r, key, by_vid[key[2]])
+            link.send_all([(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
             comm += time.perf_counter() - t0
     compute += sum(fwd_times) + sum(bwd_times)
 
     # Shared parameters' gradients home, then the update.
     grads = dict(zip(program.params, acc, strict=True))
     t0 = time.perf_counter()
-    for r, key in shared_sends(split, s):
-        link.send(r, key, grads.pop(key[1]))
+    link.send_all([(r, key, grads.pop(key[1])) for r, key in shared_sends(split, s)])
     comm += time.perf_counter() - t0
     for key in shared_receives(split, s):
         grads[key[1]] = grads[key[1]] + link.receive(key)

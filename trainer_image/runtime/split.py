@@ -8,13 +8,20 @@ inside a jitted block), and places every equation on a stage:
    ``param_shardings`` names them (the stage of their first forward consumer).
 2. **Lower bounds**: an equation that reads anything computed from a parameter goes
    no earlier than the latest stage among those inputs, so no value ever flows
-   backwards. An equation that reads a parameter stays exactly there.
+   backwards. An equation that reads a parameter together with a value computed
+   from the batch (a matmul, a lookup, a bias add) stays exactly there.
 3. **Fewest bytes across boundaries**: every other equation (layer-norm statistics,
-   residual adds, batch preprocessing such as label one-hots and masks) is placed
-   by a small min-cut LP (:func:`_min_crossing`) so the activations that cross
-   between stages are as few bytes as possible: a layer norm's statistics run next
-   to the layer owning its scale, the residual add that ends a layer stays with it,
-   a one-hot of the labels runs on the stage of the loss.
+   residual adds, batch preprocessing such as label one-hots and masks, and
+   **parameter preprocessing**: a reshape or broadcast of a scale, which reads
+   parameters only) is placed by a small min-cut LP (:func:`_min_crossing`) so the
+   activations that cross between stages are as few bytes as possible: a layer
+   norm's statistics run next to the layer owning its scale, the residual add that
+   ends a layer stays with it, a one-hot of the labels runs on the stage of the
+   loss, and a broadcast of a scale runs on the stage that applies it. The last
+   matters: a value computed from parameters alone and sent as an activation
+   would cross (and its gradient come back) once per micro-batch, where the
+   parameter itself, read on the later stage, moves to that stage (or is shared
+   with it, once per step).
 
 A value produced on stage ``s`` and read on a later stage crosses the boundary as an
 **activation**: it is one of ``s``'s outputs and one of the reader's inputs. A
@@ -175,6 +182,26 @@ def _place(
     return _min_crossing(flat, placed, params=set(param_ids), loss=loss, num_stages=num_stages)
 
 
+def _fixed(flat: _Flat, params: set[ValueId]) -> list[bool]:
+    """Per equation, whether it must stay on its lower bound: it reads a parameter
+    and a value that depends on the batch.
+
+    A value depends on the batch unless it is a parameter, a constant, or computed
+    from those alone (a broadcast of a layer-norm scale, a causal mask from an
+    ``iota``). Equations over such values only are free to move to a later stage.
+    """
+    batch_free: set[ValueId] = set(params) | set(flat.consts)
+    out = []
+    for eqn in flat.eqns:
+        values = [v for v in eqn.inputs if isinstance(v, int)]
+        if all(v in batch_free for v in values):
+            batch_free.update(eqn.outputs)
+            out.append(False)
+        else:
+            out.append(any(v in params for v in values))
+    return out
+
+
 def _min_crossing(
     flat: _Flat, low: list[int], *, params: set[ValueId], loss: ValueId, num_stages: int
 ) -> list[int]:
@@ -185,7 +212,8 @@ def _min_crossing(
     at least its producer's (``y[r, s] >= y[p, s]``), a value crosses where a reader
     is past its producer (``c[v, s] >= y[r, s] - y[p, s]``), an equation that reads a
     parameter stays at its lower bound, every other equation is at least at it, and
-    the loss must reach the last stage. Minimising ``sum bytes(v) c[v, s]`` is a
+    the loss must reach the last stage. (An equation reading parameters only is not
+    held: see :func:`_fixed`.) Minimising ``sum bytes(v) c[v, s]`` is a
     min-cut: every constraint is a difference of two variables, so the matrix is
     totally unimodular and the LP's optimum is integral (HiGHS, through scipy).
     """
@@ -209,12 +237,12 @@ def _min_crossing(
     def c(v: ValueId, s: int) -> int:
         return (s - 1) * width + col_c[v]
 
+    fixed = _fixed(flat, params)
     bounds = []
     for s in range(1, num_stages):
-        for index, eqn in enumerate(flat.eqns):
+        for index in range(n):
             at_least = 1.0 if low[index] >= s else 0.0
-            fixed = any(isinstance(v, int) and v in params for v in eqn.inputs)
-            bounds.append((at_least, at_least if fixed else 1.0))
+            bounds.append((at_least, at_least if fixed[index] else 1.0))
         bounds.append((1.0, 1.0))  # the virtual reader is on the last stage
         bounds.extend((0.0, 1.0) for _ in crossing)
     rows, cols, vals = [], [], []

@@ -3,8 +3,8 @@
 The mechanism for one process that sees every device (the local runner). Each
 receiver's tile is assembled from the pieces sent to it, put on the receiver, and
 copied device-to-device to the rest of its group (each of the two rounds is one
-batched ``jax.device_put``); the result is one global ``jax.Array`` with the
-destination sharding.
+batched ``jax.device_put``, shared by all the arrays of one :func:`move_all`); the
+result is one global ``jax.Array`` with the destination sharding.
 
 On CPU devices the pieces are cut from zero-copy numpy views of the source shards,
 so a piece costs one memory copy; elsewhere they are cut by JAX slicing on the
@@ -13,6 +13,7 @@ source device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -38,11 +39,43 @@ def _local(box: Box, origin: Box) -> tuple[slice, ...]:
 
 def move(array: jax.Array, dst_sharding: Any) -> jax.Array:
     """``array`` resharded onto ``dst_sharding`` (possibly other devices), per its plan."""
-    plan = transfer_plan(array, dst_sharding)
+    return move_all([array], [dst_sharding])[0]
+
+
+def move_all(arrays: Sequence[jax.Array], dst_shardings: Sequence[Any]) -> list[jax.Array]:
+    """Every array resharded onto its destination sharding, all in the same two rounds.
+
+    A stage sends a micro-batch's activations to the next stage together; on small
+    arrays a ``device_put`` costs far more in dispatch than in bytes, so their tiles
+    share one batched ``device_put`` and their replica copies a second.
+    """
+    tiles: list[Any] = []  # (array index, device id, host or device data), in order
+    copies: list[tuple[int, Any]] = []
+    for index, (array, dst) in enumerate(zip(arrays, dst_shardings, strict=True)):
+        plan = transfer_plan(array, dst)
+        tiles.extend((index, receiver, data) for receiver, data in _tiles(array, plan).items())
+        copies.extend((index, c) for c in plan.copies)
+    devices = {d.id: d for dst in dst_shardings for d in dst.device_set}
+    put = jax.device_put([data for _, _, data in tiles], [devices[r] for _, r, _ in tiles])
+    placed: list[dict[int, Any]] = [{} for _ in arrays]
+    for (index, receiver, _), x in zip(tiles, put, strict=True):
+        placed[index][receiver] = x
+    if copies:
+        copied = jax.device_put([placed[i][c.src] for i, c in copies], [devices[c.dst] for _, c in copies])
+        for (index, c), x in zip(copies, copied, strict=True):
+            placed[index][c.dst] = x
+    return [
+        jax.make_array_from_single_device_arrays(
+            array.shape, dst, [placed[i][d.id] for d in dst.addressable_devices_indices_map(array.shape)])
+        for i, (array, dst) in enumerate(zip(arrays, dst_shardings, strict=True))
+    ]
+
+
+def _tiles(array: jax.Array, plan: TransferPlan) -> dict[int, Any]:
+    """Per receiving device, the tile it needs, assembled from the plan's pieces."""
     shards = {s.device.id: s for s in array.addressable_shards}
     origin = {s.device.id: tuple(sl.indices(n)[:2] for sl, n in zip(s.index, array.shape, strict=True)) for s in array.addressable_shards}
     on_cpu = next(iter(array.sharding.device_set)).platform == "cpu"
-    devices = {d.id: d for d in dst_sharding.device_set}
     pieces: dict[int, list[Any]] = {}
     for send in plan.sends:
         shard = shards[send.src]
@@ -58,10 +91,4 @@ def move(array: jax.Array, dst_sharding: Any) -> jax.Array:
             for box, part in parts:
                 data[_local(box, tile)] = np.asarray(part)
             tiles[receiver] = data
-    # One batched device_put per round: the tiles, then the copies of received tiles.
-    placed = dict(zip(tiles, jax.device_put(list(tiles.values()), [devices[r] for r in tiles]), strict=True))
-    if plan.copies:
-        copied = jax.device_put([placed[c.src] for c in plan.copies], [devices[c.dst] for c in plan.copies])
-        placed.update((c.dst, x) for c, x in zip(plan.copies, copied, strict=True))
-    ordered = [placed[d.id] for d in dst_sharding.addressable_devices_indices_map(array.shape)]
-    return jax.make_array_from_single_device_arrays(array.shape, dst_sharding, ordered)
+    return tiles
