@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="override spec.parallelism.method; serial: the whole step on one device")
     run.add_argument("--metrics-out", help="write per-step losses and step seconds (JSON) here")
     run.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    run.add_argument("--exact-stage-times", action="store_true",
+                     help="wait for every instruction before issuing the next: exact per-stage "
+                          "compute, communication and idle times, but no overlap (slower)")
     run.add_argument("--checkpoint-dir", help="save sharded checkpoints here")
     run.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end)")
     run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
@@ -279,6 +282,7 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        exact_stage_times=args.exact_stage_times,
     )
     batch = training.global_batch_size
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),

@@ -1,11 +1,20 @@
 """Runtime benchmark (BENCHMARKS.md sections 2 and 3) on 8 forced CPU devices.
 
 For several plans of one model: measured step time against the plan's prediction
-(plan fidelity), against the ideal its schedule allows given the measured per-stage
-forward/backward/update times (``simulate`` with free communication: runtime
-overhead), and against single-device (serial) and plain data-parallel training of
-the same model. Then cross-mesh transfer throughput against a plain memory copy of
-the same bytes.
+(plan fidelity), against the ideal its schedule allows, and against single-device
+(serial) and plain data-parallel training of the same model. Then cross-mesh
+transfer throughput against a plain memory copy of the same bytes.
+
+Each plan runs twice: as ``alpajob run`` runs it (the measured step), and with
+``--exact-stage-times``, which waits for every instruction, for each instruction's
+own time. From those times, two ideals with free communication:
+
+- **independent devices**: the schedule replayed with each instruction's time
+  (``replay``: stage compute plus the bubble, as if every stage had devices of its
+  own);
+- **shared host**: at least the sum of every instruction's time as well, since the
+  8 forced devices share this machine's cores and an instruction measured alone had
+  all of them (the planner's ``shared_host`` pricing makes the same argument).
 
     python benchmarks/runtime.py [--steps 10] [--warmup 3] [--model gpt] [--config tiny|JSON]
         [--batch 32] [--cases "data parallel,auto"] [--no-transfer] [--repeat 3]
@@ -21,6 +30,7 @@ its errors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -53,7 +63,7 @@ def main() -> None:
     from local_jobs import job_document, job_plan_options
 
     from alpajob.planner.manifest import parse_manifest
-    from alpajob.planner.schedules import Schedule, simulate
+    from alpajob.planner.schedules import Schedule, replay
     from alpajob.trainer.local_run import RunOptions, run
     from alpajob.trainer.runtime.transport import move
 
@@ -79,21 +89,26 @@ def main() -> None:
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
     chosen = {name: par for name, par in cases.items() if not wanted or name in wanted}
 
-    def measure(par: dict) -> tuple[int, int, float, float, float]:
-        """(stages, micro-batches, predicted, measured, ideal) of one run of a plan."""
+    def measure(par: dict) -> tuple[int, int, float, float, float, float]:
+        """(stages, micro-batches, predicted, measured, ideal on independent devices,
+        ideal on the shared host) of one run of a plan."""
         m = manifest(par)
-        result = run(m, RunOptions(steps=args.steps, plan_options=job_plan_options(m)))
+        options = RunOptions(steps=args.steps, plan_options=job_plan_options(m))
+        result = run(m, options)
+        exact = run(m, dataclasses.replace(options, exact_stage_times=True))
         plan = result.plan
         measured = statistics.median(result.step_seconds[args.warmup:])
-        recent = result.stage_times[args.warmup:]
-        fwd = [statistics.mean(x for t in recent for x in t[i].forward) for i in range(len(plan.stages))]
-        bwd = [statistics.mean(x for t in recent for x in t[i].backward) for i in range(len(plan.stages))]
-        upd = max(statistics.mean(t[i].update for t in recent) for i in range(len(plan.stages)))
-        ideal = simulate(Schedule(plan.schedule), fwd, bwd, plan.num_micro_batches).makespan + upd
-        return len(plan.stages), plan.num_micro_batches, plan.predicted_step_seconds, measured, ideal
+        independent, shared = [], []
+        for t in exact.stage_times[args.warmup:]:
+            ideal = (replay(Schedule(plan.schedule), [x.forward for x in t], [x.backward for x in t]).makespan
+                     + max(x.update for x in t))
+            independent.append(ideal)
+            shared.append(max(ideal, sum(sum(x.forward) + sum(x.backward) + x.update for x in t)))
+        return (len(plan.stages), plan.num_micro_batches, plan.predicted_step_seconds, measured,
+                statistics.median(independent), statistics.median(shared))
 
     serials: list[float] = []
-    runs: dict[str, list[tuple[int, int, float, float, float]]] = {name: [] for name in chosen}
+    runs: dict[str, list[tuple[int, int, float, float, float, float]]] = {name: [] for name in chosen}
     for _ in range(args.repeat):  # interleaved: every plan sees the same spread of machine states
         serial = run(manifest({}), RunOptions(steps=args.steps, serial=True))
         serials.append(statistics.median(serial.step_seconds[args.warmup:]))
@@ -102,24 +117,24 @@ def main() -> None:
     t_serial = statistics.median(serials)
     rows = []
     for name, samples in runs.items():
-        n, mb, pred, _, _ = samples[0]
-        measured = statistics.median(x[3] for x in samples)
-        ideal = statistics.median(x[4] for x in samples)
+        n, mb, pred = samples[0][:3]
+        measured, independent, shared = (statistics.median(x[k] for x in samples) for k in (3, 4, 5))
         errors = [(pred - x[3]) / x[3] for x in samples]
-        rows.append((name, n, mb, pred, measured, ideal, min(errors), max(errors)))
+        rows.append((name, n, mb, pred, measured, independent, shared, min(errors), max(errors)))
     t_data = next((row[4] for row in rows if row[0] == "data parallel"), None)
     print(f"model {args.model}-{args.config}, global batch {args.batch}, 8 CPU devices, "
           f"{args.steps} steps (median after the first {args.warmup})"
           + (f", median of {args.repeat} interleaved runs" if args.repeat > 1 else ""))
     print(f"serial (1 device): {t_serial * 1e3:.1f} ms/step")
     spread = " | error range" if args.repeat > 1 else ""
-    print("| plan | stages | m | predicted ms | measured ms | error" + spread + " | ideal ms | "
-          "overhead vs ideal | vs serial | vs data parallel |")
-    print("| --- " * (10 + (args.repeat > 1)) + "|")
-    for name, n, mb, pred, meas, ideal, low, high in rows:
+    print("| plan | stages | m | predicted ms | measured ms | error" + spread + " | ideal, independent "
+          "devices ms | overhead | ideal, shared host ms | overhead | vs serial | vs data parallel |")
+    print("| --- " * (12 + (args.repeat > 1)) + "|")
+    for name, n, mb, pred, meas, independent, shared, low, high in rows:
         spread = f" | {low:+.0%}..{high:+.0%}" if args.repeat > 1 else ""
         print(f"| {name} | {n} | {mb} | {pred * 1e3:.2f} | {meas * 1e3:.1f} | "
-              f"{(pred - meas) / meas:+.0%}{spread} | {ideal * 1e3:.1f} | {meas / ideal - 1:+.0%} | "
+              f"{(pred - meas) / meas:+.0%}{spread} | {independent * 1e3:.1f} | {meas / independent - 1:+.0%} | "
+              f"{shared * 1e3:.1f} | {meas / shared - 1:+.0%} | "
               f"{t_serial / meas:.2f}x | " + (f"{t_data / meas:.2f}x |" if t_data else "- |"))
 
     if args.no_transfer:

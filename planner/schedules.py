@@ -146,6 +146,7 @@ def simulate(
     A forward of micro-batch ``j`` on stage ``i`` waits for the stage to be free and
     for ``j``'s forward on stage ``i - 1``; a backward waits for ``j``'s backward on
     stage ``i + 1`` (the last stage: for its own forward). Communication is free.
+    Every micro-batch takes its stage's time (:func:`replay` takes one per instruction).
     Example: 2 balanced stages (1 s forward, 2 s backward), 2 micro-batches, either
     schedule: makespan (m + p - 1) * 3 = 9 s, bubble 1/3.
     """
@@ -155,6 +156,35 @@ def simulate(
             f"stage_forward_seconds has {p} stages but stage_backward_seconds has "
             f"{len(stage_backward_seconds)}"
         )
+    _check(p, num_micro_batches)
+    return replay(
+        schedule,
+        [[t] * num_micro_batches for t in stage_forward_seconds],
+        [[t] * num_micro_batches for t in stage_backward_seconds],
+    )
+
+
+def replay(
+    schedule: Schedule,
+    forward_seconds: Sequence[Sequence[float]],
+    backward_seconds: Sequence[Sequence[float]],
+) -> SimulationResult:
+    """:func:`simulate` with each instruction's own time: ``forward_seconds[i][j]`` is
+    micro-batch ``j``'s forward on stage ``i``.
+
+    Fed the times a runtime measured, it gives the step the schedule allows for those
+    very times with free communication: what is left of the measured step is the
+    runtime's own overhead (moves, hand-offs between stages). Constant per-stage
+    times (:func:`simulate`) understate that bound when the times vary: a pipeline's
+    critical path follows the slow instructions.
+    """
+    p = len(forward_seconds)
+    if p != len(backward_seconds) or p == 0:
+        raise ValueError(f"forward_seconds has {p} stages but backward_seconds has {len(backward_seconds)}")
+    num_micro_batches = len(forward_seconds[0])
+    for name, times in (("forward_seconds", forward_seconds), ("backward_seconds", backward_seconds)):
+        if any(len(row) != num_micro_batches for row in times):
+            raise ValueError(f"every stage of {name} needs one time per micro-batch ({num_micro_batches})")
     _check(p, num_micro_batches)
     programs = [instruction_list(schedule, i, p, num_micro_batches) for i in range(p)]
     cursor = [0] * p
@@ -168,10 +198,10 @@ def simulate(
                 direction, j = programs[i][cursor[i]]
                 if direction is Direction.FORWARD:
                     dep = (i - 1, Direction.FORWARD, j) if i > 0 else None
-                    seconds = stage_forward_seconds[i]
+                    seconds = forward_seconds[i][j]
                 else:
                     dep = (i + 1, Direction.BACKWARD, j) if i < p - 1 else (i, Direction.FORWARD, j)
-                    seconds = stage_backward_seconds[i]
+                    seconds = backward_seconds[i][j]
                 if dep is not None and dep not in done:
                     break
                 start = max(stage_free[i], done[dep] if dep is not None else 0.0)
@@ -190,6 +220,6 @@ def simulate(
             peak = max(peak, live)
         peaks.append(peak)
     makespan = max(stage_free)
-    busy = num_micro_batches * (sum(stage_forward_seconds) + sum(stage_backward_seconds))
+    busy = sum(map(sum, forward_seconds)) + sum(map(sum, backward_seconds))
     bubble = 1.0 - busy / (p * makespan) if makespan > 0 else 0.0
     return SimulationResult(makespan=makespan, peak_in_flight=tuple(peaks), bubble_fraction=bubble)

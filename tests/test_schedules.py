@@ -12,6 +12,7 @@ from alpajob.planner.schedules import (
     in_flight_micro_batches,
     instruction_list,
     pipeline_seconds,
+    replay,
     simulate,
 )
 
@@ -71,6 +72,50 @@ def test_unbalanced_stages_are_bounded_by_the_slowest_stage():
             slowest = micro_batches * float(np.max(forward + backward))
             assert result.makespan >= slowest - 1e-9
             assert result.makespan >= float(np.sum(forward + backward)) - 1e-9
+
+
+def _longest_path(schedule: Schedule, fwd: list[list[float]], bwd: list[list[float]]) -> float:
+    """The longest path through the instruction graph, by recursion: an instruction
+    ends its time after the later of its stage's previous instruction and its
+    micro-batch's instruction on the neighbouring stage."""
+    p = len(fwd)
+    programs = [instruction_list(schedule, i, p, len(fwd[0])) for i in range(p)]
+    position = {(i, d, j): k for i, prog in enumerate(programs) for k, (d, j) in enumerate(prog)}
+    finish: dict[tuple[int, Direction, int], float] = {}
+
+    def end(i: int, d: Direction, j: int) -> float:
+        key = (i, d, j)
+        if key not in finish:
+            k = position[key]
+            ready = [end(i, *programs[i][k - 1])] if k else []
+            if d is Direction.FORWARD and i > 0:
+                ready.append(end(i - 1, Direction.FORWARD, j))
+            if d is Direction.BACKWARD:
+                ready.append(end(i + 1, Direction.BACKWARD, j) if i < p - 1 else end(i, Direction.FORWARD, j))
+            finish[key] = max(ready, default=0.0) + (fwd if d is Direction.FORWARD else bwd)[i][j]
+        return finish[key]
+
+    return max(end(i, *programs[i][-1]) for i in range(p))
+
+
+def test_replay_is_the_longest_path_through_the_instruction_graph():
+    """With a time per instruction, the makespan is the longest path through the
+    dependency graph; with every micro-batch at its stage's mean it is :func:`simulate`."""
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        p, m = int(rng.integers(1, 5)), int(rng.integers(1, 7))
+        fwd = rng.uniform(0.1, 3.0, (p, m)).tolist()
+        bwd = rng.uniform(0.1, 3.0, (p, m)).tolist()
+        for schedule in Schedule:
+            assert replay(schedule, fwd, bwd).makespan == pytest.approx(_longest_path(schedule, fwd, bwd))
+            mean_f, mean_b = [float(np.mean(r)) for r in fwd], [float(np.mean(r)) for r in bwd]
+            flat = replay(schedule, [[t] * m for t in mean_f], [[t] * m for t in mean_b])
+            assert flat.makespan == pytest.approx(simulate(schedule, mean_f, mean_b, m).makespan)
+
+
+def test_replay_refuses_ragged_times():
+    with pytest.raises(ValueError, match="one time per micro-batch"):
+        replay(Schedule.GPIPE, [[1.0, 1.0], [1.0]], [[1.0, 1.0], [1.0, 1.0]])
 
 
 def test_formulas_and_errors():

@@ -43,7 +43,8 @@ from alpajob.trainer import checkpoint
 from alpajob.trainer.entrypoint import load_model
 from alpajob.trainer.metrics import TrainingMetrics, write_metrics_json
 from alpajob.trainer.runtime.build import build_pipeline
-from alpajob.trainer.runtime.executor import PipelineExecutor, StageTimes
+from alpajob.trainer.runtime.driver import PipelineExecutor
+from alpajob.trainer.runtime.executor import StageTimes
 from alpajob.trainer.runtime.meshes import DeviceError, devices_needed, local_devices
 from alpajob.trainer.zoo import ModelDef
 from alpajob.trainer.zoo.model import synthetic_batch
@@ -64,6 +65,7 @@ class RunOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     resume: bool = False
+    exact_stage_times: bool = False  # wait for every instruction (runtime.driver.Stopwatch)
 
 
 @dataclass
@@ -203,7 +205,8 @@ def run(
         runner: Any = _Serial(model, optimizer, params, devices[0], training.global_batch_size)
     else:
         say("building stages")
-        runner = _Pipelined(build_pipeline(plan, model.loss, params, model.batch_shapes, optimizer, devices))
+        runner = _Pipelined(build_pipeline(plan, model.loss, params, model.batch_shapes, optimizer, devices,
+                                              wait=options.exact_stage_times))
     del params
 
     start = 0

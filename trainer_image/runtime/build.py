@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from alpajob.planner.extract import path_name
 from alpajob.planner.plan import Plan
 from alpajob.planner.schedules import Schedule
-from alpajob.trainer.runtime.executor import PipelineExecutor
+from alpajob.trainer.runtime.driver import PipelineExecutor
 from alpajob.trainer.runtime.meshes import place, stage_mesh
 from alpajob.trainer.runtime.pinning import stage_pins
 from alpajob.trainer.runtime.split import SplitProgram, split_loss
@@ -80,8 +80,10 @@ def build_pipeline(
     batch_shapes: Any,
     optimizer: optax.GradientTransformation,
     devices: Sequence[Any],
+    wait: bool = False,
 ) -> PipelineExecutor:
-    """The executor for ``plan``, holding ``params`` (a pytree) and fresh optimizer state.
+    """The executor for ``plan``, holding ``params`` (a pytree) and fresh optimizer state
+    (``wait``: exact per-stage times, see :class:`~.driver.Stopwatch`).
 
     ``batch_shapes(b)`` gives the abstract batch at batch size ``b``; the loss is traced
     at the micro-batch size ``global_batch_size / num_micro_batches``.
@@ -92,4 +94,4 @@ def build_pipeline(
         place_stage(plan, split, names, index, stage_mesh(plan_stage, plan, devices), leaves, optimizer)
         for index, plan_stage in enumerate(plan.stages)
     ]
-    return PipelineExecutor(split, stages, Schedule(plan.schedule), plan.num_micro_batches)
+    return PipelineExecutor(split, stages, Schedule(plan.schedule), plan.num_micro_batches, wait)

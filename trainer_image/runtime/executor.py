@@ -1,12 +1,13 @@
-"""Run one training step: every stage's instruction list, one worker thread per stage.
+"""One stage's part of a training step: its instruction list, run in order.
 
-Each stage runs its program from :func:`alpajob.planner.schedules.instruction_list`
-(GPipe or 1F1B) in order, the way a mesh worker of the Ray runtime does:
+A stage of the Ray runtime (:mod:`alpajob.trainer.distributed.mesh_host`, one
+process per mesh) runs its program from
+:func:`alpajob.planner.schedules.instruction_list` (GPipe or 1F1B) in order:
 
 ``FORWARD j``
     take micro-batch ``j``'s batch leaves and the activations earlier stages sent,
     run the forward executable, keep its residuals, send each output to every later
-    stage that reads it (resharded onto the reader's mesh, :func:`.transport.move`).
+    stage that reads it (resharded onto the reader's mesh by the stage's link).
 ``BACKWARD j``
     take the gradients later stages sent for this stage's outputs (summed over
     readers; the last stage seeds its loss with ``1 / m``), run the backward
@@ -18,12 +19,14 @@ embedding) to the stages that read them; at the end the readers send their
 gradient sums home, and every stage applies the optimizer to what it owns.
 
 Which messages each phase sends and receives is listed by :mod:`.messages` (the
-walk below and any transport that must know them ahead of time read the same lists).
-Stages talk through :class:`Mailbox` es, so a stage waits exactly for the values its
-next instruction needs; the values one instruction sends go together
-(:meth:`StageLink.send_all`: locally, one batched move). Every instruction blocks until its result is ready, which
-splits each stage's wall time into **compute** (executables), **communication**
-(transfers and batch loading) and **idle** (waiting: the pipeline bubble).
+walk below, the local driver (:mod:`.driver`, which issues every stage's program
+from one thread) and any transport that must know them ahead of time read the same
+lists). A stage receives through its :class:`StageLink` (a :class:`Mailbox` behind
+it), so it waits exactly for the values its next instruction needs; the values one
+instruction sends go together (:meth:`StageLink.send_all`). Every instruction
+blocks until its result is ready, which splits each stage's wall time into
+**compute** (executables), **communication** (transfers and batch loading) and
+**idle** (waiting: the pipeline bubble).
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import reduce
 from operator import add
@@ -56,7 +58,6 @@ from alpajob.trainer.runtime.messages import (
 )
 from alpajob.trainer.runtime.split import SplitProgram
 from alpajob.trainer.runtime.stage import StageRuntime
-from alpajob.trainer.runtime.transport import move_all
 
 
 class Mailbox:
@@ -149,25 +150,6 @@ class StageLink(Protocol):
         """Wait for the value addressed to this stage under ``key``."""
 
 
-class LocalLink:
-    """Stages of one process: :func:`.transport.move` onto the reader, then its mailbox."""
-
-    def __init__(self, split: SplitProgram, stages: Sequence[StageRuntime], boxes: Sequence[Mailbox], index: int) -> None:
-        self.split, self.stages, self.boxes, self.index = split, stages, boxes, index
-
-    def send(self, stage: int, key: Key, value: jax.Array) -> None:
-        self.send_all([(stage, key, value)])
-
-    def send_all(self, sends: Sequence[tuple[int, Key, jax.Array]]) -> None:
-        targets = [destination_sharding(self.split, self.stages[r], key) for r, key, _ in sends]
-        moved = move_all([value for _, _, value in sends], targets)
-        for (r, key, _), value in zip(sends, moved, strict=True):
-            self.boxes[r].put(key, value)
-
-    def receive(self, key: Key) -> jax.Array:
-        return self.boxes[self.index].get(key)
-
-
 def run_stage_program(
     split: SplitProgram,
     stage: StageRuntime,
@@ -221,7 +203,7 @@ def run_stage_program(
             if program.returns_loss:
                 cotangents.append(loss_seed)
             t0 = time.perf_counter()
-            acc, grads = stage.backward(saved.pop(j), cotangents, acc)
+            acc, grads, _ = stage.backward(saved.pop(j), cotangents, acc)
             jax.block_until_ready((acc, grads))
             bwd_times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
@@ -258,49 +240,3 @@ def run_stage_program(
 def loss_seed(num_micro_batches: int, mesh: Any) -> jax.Array:
     """The cotangent the last stage seeds each micro-batch's loss with: ``1 / m``."""
     return place(np.float32(1.0 / num_micro_batches), NamedSharding(mesh, PartitionSpec()))
-
-
-class PipelineExecutor:
-    """Runs steps of a split program over its stage runtimes, one thread per stage."""
-
-    def __init__(
-        self,
-        split: SplitProgram,
-        stages: Sequence[StageRuntime],
-        schedule: Schedule,
-        num_micro_batches: int,
-    ) -> None:
-        self.split = split
-        self.stages = list(stages)  # stage i is self.stages[i]
-        self.schedule = schedule
-        self.num_micro_batches = num_micro_batches
-        self._loss_seed = loss_seed(num_micro_batches, self.stages[-1].mesh)
-
-    def step(self, batch: Sequence[np.ndarray]) -> StepResult:
-        """One training step on the host ``batch`` (flattened leaves, global batch)."""
-        micro = split_micro_batches(batch, self.num_micro_batches)
-        abort = threading.Event()
-        boxes = [Mailbox(abort) for _ in self.stages]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(len(self.stages), thread_name_prefix="stage") as pool:
-            futures = [
-                pool.submit(self._run_stage, s, micro, boxes, abort)
-                for s in range(len(self.stages))
-            ]
-            try:
-                results = [f.result() for f in futures]
-            except BaseException:
-                abort.set()
-                raise
-        seconds = time.perf_counter() - start
-        losses = [x for _, stage_losses in results for x in stage_losses if x is not None]
-        loss = float(np.mean([float(x) for x in losses]))
-        return StepResult(loss, seconds, tuple(times for times, _ in results))
-
-    def _run_stage(self, s: int, micro: list[list[np.ndarray]], boxes: list[Mailbox], abort: threading.Event) -> tuple[StageTimes, list[Any]]:
-        try:
-            link = LocalLink(self.split, self.stages, boxes, s)
-            return run_stage_program(self.split, self.stages[s], self.schedule, len(self.stages), micro, link, self._loss_seed)
-        except BaseException:
-            abort.set()
-            raise

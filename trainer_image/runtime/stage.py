@@ -8,9 +8,11 @@ For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss
   the micro-batch's backward, so the backward does not recompute the forward. When
   the plan says ``rematerialize``, ``f`` is wrapped in ``jax.checkpoint`` first: the
   residuals are then just the inputs and the backward recomputes the rest.
-- **backward** ``(vjp, cotangents, accumulators) -> (accumulators, input_grads)``
+- **backward** ``(vjp, cotangents, accumulators) -> (accumulators, input_grads, done)``
   applies ``vjp`` and adds the parameter gradients to float32 accumulators (donated,
-  so the sum is in place). An accumulator has its parameter's sharding, so on a
+  so the sum is in place). ``done`` is a scalar that is ready when the backward is:
+  the accumulators are donated to the next backward, so a watcher that stamps the
+  backward's completion (:mod:`.driver`) waits on it instead. An accumulator has its parameter's sharding, so on a
   data-parallel mesh every backward all-reduces its micro-batch's gradients: B
   all-reduces per step, where the planner (like Alpa) charges one. GSPMD cannot pass
   a partial sum between executables; JAX 0.10's ``unreduced`` types could, but do
@@ -165,10 +167,10 @@ def build_stage(
                 outs[pos] = next(rest)
         return outs, (diff[-1] if program.returns_loss else None), vjp
 
-    def backward(vjp: Any, cotangents: list[Any], acc: list[Any]) -> tuple[list[Any], list[Any]]:
+    def backward(vjp: Any, cotangents: list[Any], acc: list[Any]) -> tuple[list[Any], list[Any], Any]:
         param_grads, input_grads = vjp(cotangents)
         new_acc = [a + g.astype(jnp.float32) for a, g in zip(acc, param_grads, strict=True)]
-        return new_acc, input_grads
+        return new_acc, input_grads, jnp.zeros((), jnp.int8)
 
     home_names = tuple(names[k] for k in home)
     param_dtypes = {names[k]: avals[split.param_ids[k]].dtype for k in home}
@@ -204,7 +206,7 @@ def build_stage(
         ),
         backward=jax.jit(
             backward,
-            out_shardings=(acc_list, [input_sharding[i] for i in diff_in]),
+            out_shardings=(acc_list, [input_sharding[i] for i in diff_in], replicated),
             donate_argnums=(2,),
         ),
         update=jax.jit(

@@ -6,9 +6,12 @@ copied device-to-device to the rest of its group (each of the two rounds is one
 batched ``jax.device_put``, shared by all the arrays of one :func:`move_all`); the
 result is one global ``jax.Array`` with the destination sharding.
 
-On CPU devices the pieces are cut from zero-copy numpy views of the source shards,
-so a piece costs one memory copy; elsewhere they are cut by JAX slicing on the
-source device.
+A piece that is a whole source shard goes device to device as it is: the copy is
+queued behind the computation that produces the shard, and the caller does not
+wait (the asynchronous driver, :mod:`.driver`, relies on it). Smaller pieces are cut
+on CPU devices from zero-copy numpy views of the source shards (a piece costs one
+memory copy, and reading the view waits for the shard), elsewhere by JAX slicing
+on the source device.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def move_all(arrays: Sequence[jax.Array], dst_shardings: Sequence[Any]) -> list[
     arrays a ``device_put`` costs far more in dispatch than in bytes, so their tiles
     share one batched ``device_put`` and their replica copies a second.
     """
+    if not arrays:
+        return []
     tiles: list[Any] = []  # (array index, device id, host or device data), in order
     copies: list[tuple[int, Any]] = []
     for index, (array, dst) in enumerate(zip(arrays, dst_shardings, strict=True)):
@@ -79,6 +84,9 @@ def _tiles(array: jax.Array, plan: TransferPlan) -> dict[int, Any]:
     pieces: dict[int, list[Any]] = {}
     for send in plan.sends:
         shard = shards[send.src]
+        if send.box == origin[send.src]:  # the whole shard: device to device, without waiting
+            pieces.setdefault(send.dst, []).append((send.box, shard.data))
+            continue
         view = np.asarray(shard.data) if on_cpu else shard.data
         pieces.setdefault(send.dst, []).append((send.box, view[_local(send.box, origin[send.src])]))
     tiles: dict[int, Any] = {}

@@ -1,0 +1,84 @@
+"""The local driver: the order it issues instructions in, and times from its stamps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from alpajob.cli import plan_options
+from alpajob.planner.manifest import parse_manifest
+from alpajob.planner.schedules import Direction, Schedule, instruction_list
+from alpajob.trainer.local_run import RunOptions, run
+from alpajob.trainer.runtime.driver import Stamp, issue_order, stage_times
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize(("stages", "micro_batches"), [(1, 1), (2, 4), (3, 2), (4, 8), (5, 3)])
+def test_issue_order_follows_every_stage_program_and_its_dependencies(schedule, stages, micro_batches):
+    order = issue_order(schedule, stages, micro_batches)
+    assert len(order) == len(set(order)) == 2 * stages * micro_batches
+    for i in range(stages):
+        assert [(d, j) for s, d, j in order if s == i] == instruction_list(schedule, i, stages, micro_batches)
+    position = {x: k for k, x in enumerate(order)}
+    for (i, d, j), k in position.items():
+        if d is Direction.FORWARD and i > 0:
+            assert position[(i - 1, Direction.FORWARD, j)] < k
+        if d is Direction.BACKWARD:
+            dep = (i + 1, Direction.BACKWARD, j) if i < stages - 1 else (i, Direction.FORWARD, j)
+            assert position[dep] < k
+
+
+def test_stage_times_split_each_wait_into_communication_and_idle():
+    """Two stages, one micro-batch, worked by hand (begin 0, end 7):
+
+    stage 0: F0 computes 0..2; B0 is issued at 1, but its gradient (produced at 4.5)
+    arrives at 5: waiting 2..4.5 is idle, 4.5..5 communication; it computes 5..6.
+    stage 1: F0's input (produced at 2) arrives at 3: idle 0..2, communication 2..3,
+    compute 3..4; B0 computes 4..4.5.
+    """
+    stamps = [
+        [Stamp("forward", 0, 0.0, 0.0, 2.0, ()),
+         Stamp("backward", 0, 1.0, 5.0, 6.0, ((1, "backward", 0),))],
+        [Stamp("forward", 0, 0.5, 3.0, 4.0, ((0, "forward", 0),)),
+         Stamp("backward", 0, 1.0, 4.0, 4.5, ())],
+    ]
+    first, second = stage_times(stamps, 0.0, 7.0)
+    assert (first.compute, first.communication, first.idle) == pytest.approx((3.0, 0.5, 3.5))
+    assert first.forward == pytest.approx((2.0,)) and first.backward == pytest.approx((1.0,))
+    assert (second.compute, second.communication, second.idle) == pytest.approx((1.5, 1.0, 4.5))
+
+
+def _manifest() -> Any:
+    return parse_manifest({
+        "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "driver"},
+        "spec": {"model": {"zoo": "gpt", "config": "tiny"},
+                 "training": {"globalBatchSize": 16, "dtype": "float32", "optimizer": "sgd", "learningRate": 0.05},
+                 "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
+                 "parallelism": {"method": "manual", "numMicroBatches": 4, "schedule": "1f1b",
+                                 "stages": [{"layers": [0, 1], "submeshShape": [1, 4]},
+                                            {"layers": [1, 2], "submeshShape": [1, 4]}]}},
+    })
+
+
+class _Args:
+    method = None
+    ilp_time_limit = 5.0
+
+
+def test_exact_stage_times_train_the_same_numbers_and_account_for_the_step():
+    manifest = _manifest()
+    options = {"steps": 3, "plan_options": plan_options(manifest, _Args())}
+    issued = run(manifest, RunOptions(**options))
+    exact = run(manifest, RunOptions(**options, exact_stage_times=True))
+    np.testing.assert_array_equal(issued.losses, exact.losses)
+    for name, value in issued.params.items():
+        np.testing.assert_array_equal(exact.params[name], value, err_msg=name)
+    for step, stages in zip(exact.step_seconds, exact.stage_times, strict=True):
+        for times in stages:
+            assert len(times.forward) == len(times.backward) == 4
+            assert min(times.forward + times.backward) > 0 and times.update > 0
+            # waiting for every instruction, the parts are exact and add up to the step
+            total = times.compute + times.communication + times.idle
+            assert total == pytest.approx(step, rel=0.02)

@@ -1,0 +1,336 @@
+"""One training step on local devices, issued from one thread without waiting.
+
+The local runner sees every device from one process, so one thread can drive every
+stage. It walks the stages' instruction lists (:func:`~alpajob.planner.schedules.
+instruction_list`, GPipe or 1F1B) in one global order (:func:`issue_order`) and
+issues each instruction the way a stage of :mod:`.executor` would: place the
+micro-batch's batch leaves, call the forward or backward executable, move each
+output to the stages that read it (:func:`.transport.move_all`). Nothing waits: JAX
+queues every executable behind its inputs and returns, and a move of whole shards
+is a device copy queued behind the computation that makes them. No Python thread
+stands between one stage's output and the next stage's input, where a thread per
+stage that waits for every instruction pays a thread hand-off per message (on 2
+shared cores that cost GPT-tiny's 4-stage pipeline 17% of its step:
+benchmarks/RESULTS.md, session 10).
+
+Devices run what they were given in the order their inputs allow. On GPUs, where a
+device runs its queue in order, that is the schedule's order; on CPU devices a
+forward may run early, so a 1F1B stage can hold more micro-batches at once than the
+schedule's bound.
+
+**Timing without waiting.** A watcher thread per stage follows that stage's
+instructions in order: it waits for an instruction's inputs, stamps them ready,
+waits for its outputs, stamps it done (:class:`Stamp`). From the stamps alone
+(:func:`stage_times`), for instruction ``k`` of a stage:
+
+- it starts at ``max(done[k-1], inputs ready, issued)`` and **computes** until done;
+- the wait before it (from ``done[k-1]``) is **communication** for the part after
+  the values it reads had been produced (their producers' done stamps, or its issue
+  for batch leaves) and **idle** before that: the pipeline bubble.
+
+A stamp is late by the watcher's wake-up; consecutive stamps are late alike, so
+the sums hold up, while one short instruction's time is only approximate. On GPUs a
+call returns at once and a watcher wakes within microseconds. On CPU devices an
+executable that spans several devices runs mostly inside the call, holding the
+GIL, so a watcher stamps when the driver next lets go of it: the per-stage split is
+then rough (the step time is not). ``wait`` (``alpajob run --exact-stage-times``)
+makes the driver wait for every instruction and every move itself
+(:class:`Stopwatch`): exact stamps, and no overlap between instructions.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import reduce
+from operator import add
+from typing import Any
+
+import jax
+import numpy as np
+
+from alpajob.planner.schedules import Direction, Schedule, instruction_list
+from alpajob.trainer.runtime.executor import (
+    StageTimes,
+    StepResult,
+    destination_sharding,
+    loss_seed,
+    split_micro_batches,
+)
+from alpajob.trainer.runtime.meshes import place
+from alpajob.trainer.runtime.messages import (
+    Key,
+    backward_receives,
+    backward_sends,
+    forward_receives,
+    forward_sends,
+    param_receives,
+    param_sends,
+    shared_receives,
+    shared_sends,
+)
+from alpajob.trainer.runtime.split import SplitProgram
+from alpajob.trainer.runtime.stage import StageRuntime
+from alpajob.trainer.runtime.transport import move_all
+
+#: An instruction of the step: ``(stage, kind, micro_batch)``; kind is ``"forward"``,
+#: ``"backward"`` or ``"update"`` (micro-batch -1).
+InstructionId = tuple[int, str, int]
+
+_KIND = {Direction.FORWARD: "forward", Direction.BACKWARD: "backward"}
+
+
+def issue_order(schedule: Schedule, num_stages: int, num_micro_batches: int) -> list[tuple[int, Direction, int]]:
+    """Every stage's instructions in one order that respects their dependencies.
+
+    Rounds over the stages: in each round a stage issues its next instruction if the
+    one it depends on (the same micro-batch's forward on the stage before, its
+    backward on the stage after) has been issued. With equal instruction times
+    this is the order the schedule runs them in.
+    """
+    programs = [instruction_list(schedule, i, num_stages, num_micro_batches) for i in range(num_stages)]
+    cursor = [0] * num_stages
+    issued: set[tuple[int, Direction, int]] = set()
+    order: list[tuple[int, Direction, int]] = []
+    while len(order) < sum(map(len, programs)):
+        progressed = False
+        for i in range(num_stages):
+            if cursor[i] == len(programs[i]):
+                continue
+            direction, j = programs[i][cursor[i]]
+            if direction is Direction.FORWARD:
+                dep = (i - 1, Direction.FORWARD, j) if i > 0 else None
+            else:
+                dep = (i + 1, Direction.BACKWARD, j) if i < num_stages - 1 else (i, Direction.FORWARD, j)
+            if dep is None or dep in issued:
+                order.append((i, direction, j))
+                issued.add((i, direction, j))
+                cursor[i] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule.value} deadlocks")  # a bug, not user input
+    return order
+
+
+class Stopwatch:
+    """The :class:`Watcher` of an exact, slower step: waits for every instruction in
+    the caller's thread as soon as it is issued, so the stamps are exact and no
+    instruction overlaps another."""
+
+    def __init__(self) -> None:
+        self.stamps: list[Stamp] = []
+
+    def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
+              sources: Sequence[InstructionId]) -> None:
+        jax.block_until_ready(inputs)
+        ready = time.perf_counter()
+        jax.block_until_ready(outputs)
+        self.stamps.append(Stamp(kind, micro_batch, issued, ready, time.perf_counter(), tuple(sources)))
+
+    def close(self) -> list[Stamp]:
+        return self.stamps
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """When one instruction of a stage was issued, had its inputs, and was done."""
+
+    kind: str
+    micro_batch: int
+    issued: float
+    inputs_ready: float
+    done: float
+    sources: tuple[InstructionId, ...]  # the instructions that produced its inputs
+
+
+class Watcher:
+    """A thread that stamps one stage's instructions as they complete (module docstring)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[Stamp] = []
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="stage-watcher", daemon=True)
+        self._thread.start()
+
+    def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
+              sources: Sequence[InstructionId]) -> None:
+        """Stamp this instruction once its ``inputs`` and then its ``outputs`` are ready."""
+        self._queue.put((kind, micro_batch, issued, inputs, outputs, tuple(sources)))
+
+    def close(self) -> list[Stamp]:
+        """Wait for every watched instruction; the stamps (raises what one raised)."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.stamps
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            kind, micro_batch, issued, inputs, outputs, sources = item
+            try:
+                jax.block_until_ready(inputs)
+                ready = time.perf_counter()
+                jax.block_until_ready(outputs)
+                self.stamps.append(Stamp(kind, micro_batch, issued, ready, time.perf_counter(), sources))
+            except BaseException as error:  # noqa: BLE001 - handed to close()
+                self._error = self._error or error
+
+
+def stage_times(stamps: Sequence[Sequence[Stamp]], begin: float, end: float) -> tuple[StageTimes, ...]:
+    """Per stage, its compute, communication and idle seconds from its stamps (the
+    module docstring gives the rule); idle is the rest of ``end - begin``."""
+    done = {(s, x.kind, x.micro_batch): x.done for s, stage in enumerate(stamps) for x in stage}
+    out = []
+    for stage in stamps:
+        previous = begin
+        compute = communication = update = 0.0
+        forward: list[float] = []
+        backward: list[float] = []
+        for x in stage:
+            start = max(previous, x.inputs_ready, x.issued)
+            produced = max([done[src] for src in x.sources if src in done], default=x.issued)
+            communication += max(0.0, start - max(previous, produced))
+            seconds = max(0.0, x.done - start)
+            compute += seconds
+            {"forward": forward, "backward": backward}.get(x.kind, []).append(seconds)
+            if x.kind == "update":
+                update = seconds
+            previous = max(previous, x.done)
+        idle = max(0.0, (end - begin) - compute - communication)
+        out.append(StageTimes(compute, communication, idle, tuple(forward), tuple(backward), update))
+    return tuple(out)
+
+
+class _Post:
+    """Messages between stages in flight: each value moved onto its reader as it is sent."""
+
+    def __init__(self, split: SplitProgram, stages: Sequence[StageRuntime], wait: bool) -> None:
+        self.split, self.stages, self.wait = split, stages, wait
+        self._values: dict[tuple[int, Key], Any] = {}
+        self._from: dict[tuple[int, Key], InstructionId | None] = {}
+
+    def send(self, source: InstructionId | None, sends: Sequence[tuple[int, Key, Any]]) -> None:
+        targets = [destination_sharding(self.split, self.stages[r], key) for r, key, _ in sends]
+        moved = move_all([v for _, _, v in sends], targets)
+        if self.wait:
+            jax.block_until_ready(moved)
+        for (r, key, _), value in zip(sends, moved, strict=True):
+            self._values[(r, key)] = value
+            self._from[(r, key)] = source
+
+    def take(self, stage: int, keys: Sequence[Key]) -> tuple[list[Any], list[InstructionId]]:
+        values = [self._values.pop((stage, key)) for key in keys]
+        sources = [src for key in keys if (src := self._from.pop((stage, key))) is not None]
+        return values, sources
+
+
+def drive_step(
+    split: SplitProgram,
+    stages: Sequence[StageRuntime],
+    schedule: Schedule,
+    micro: Sequence[Sequence[np.ndarray]],
+    loss_seed: jax.Array,
+    wait: bool = False,
+) -> tuple[list[jax.Array], list[list[Stamp]]]:
+    """Issue one step (module docstring); returns the micro-batches' losses and every
+    stage's stamps, after the last update is done. ``wait`` waits for every
+    instruction and move before issuing the next (:class:`Stopwatch`)."""
+    p, m = len(stages), len(micro)
+    post = _Post(split, stages, wait)
+    watchers: list[Watcher | Stopwatch] = [Stopwatch() if wait else Watcher() for _ in stages]
+    try:
+        for s, stage in enumerate(stages):  # shared parameters out
+            post.send(None, [(r, key, stage.params[stage.leaf_names[key[1]]]) for r, key in param_sends(split, s)])
+        params, acc = [], []
+        for s, stage in enumerate(stages):
+            keys = param_receives(split, s)
+            received = dict(zip([k[1] for k in keys], post.take(s, keys)[0], strict=True))
+            params.append([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
+                           for leaf in split.stages[s].params])
+            acc.append(stage.zeros())
+        saved: dict[tuple[int, int], Any] = {}
+        losses: list[jax.Array] = []
+        last_backward = [instruction_list(schedule, s, p, m)[-1][1] for s in range(p)]
+        for s, direction, j in issue_order(schedule, p, m):
+            stage, program = stages[s], split.stages[s]
+            me = (s, _KIND[direction], j)
+            issued = time.perf_counter()
+            if direction is Direction.FORWARD:
+                leaves = [place(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
+                inputs, sources = post.take(s, forward_receives(split, s, j))
+                outs, loss, vjp = stage.forward(params[s], leaves, inputs)
+                saved[(s, j)] = vjp
+                if loss is not None:
+                    losses.append(loss)
+                watchers[s].watch("forward", j, issued, (leaves, inputs), (outs, loss, vjp), sources)
+                by_vid = dict(zip(program.outputs, outs, strict=True))
+                post.send(me, [(r, key, by_vid[key[2]]) for r, key in forward_sends(split, s, j)])
+            else:
+                cotangents, sources = [], []
+                for keys in backward_receives(split, s, j):
+                    values, froms = post.take(s, keys)
+                    cotangents.append(reduce(add, values))
+                    sources += froms
+                if program.returns_loss:
+                    cotangents.append(loss_seed)
+                acc[s], grads, done = stage.backward(saved.pop((s, j)), cotangents, acc[s])
+                watchers[s].watch("backward", j, issued, cotangents, done, sources)  # acc: donated next
+                by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
+                post.send(me, [(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
+        grads = [dict(zip(split.stages[s].params, acc[s], strict=True)) for s in range(p)]
+        for s in range(p):  # shared parameters' gradients home
+            post.send((s, "backward", last_backward[s]),
+                      [(r, key, grads[s].pop(key[1])) for r, key in shared_sends(split, s)])
+        for s, stage in enumerate(stages):
+            issued = time.perf_counter()
+            keys = shared_receives(split, s)
+            values, sources = post.take(s, keys)
+            for key, value in zip(keys, values, strict=True):
+                grads[s][key[1]] = grads[s][key[1]] + value
+            named = {stage.leaf_names[leaf]: g for leaf, g in grads[s].items()}
+            stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named)
+            watchers[s].watch("update", -1, issued, values, (stage.params, stage.opt_state), sources)
+    finally:
+        stamps = []
+        errors = []
+        for watcher in watchers:
+            try:
+                stamps.append(watcher.close())
+            except BaseException as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+    if errors:
+        raise errors[0]
+    return losses, stamps
+
+
+class PipelineExecutor:
+    """Runs steps of a split program over its stage runtimes (:func:`drive_step`)."""
+
+    def __init__(
+        self,
+        split: SplitProgram,
+        stages: Sequence[StageRuntime],
+        schedule: Schedule,
+        num_micro_batches: int,
+        wait: bool = False,
+    ) -> None:
+        self.split = split
+        self.wait = wait  # exact per-stage times, no overlap (drive_step)
+        self.stages = list(stages)  # stage i is self.stages[i]
+        self.schedule = schedule
+        self.num_micro_batches = num_micro_batches
+        self._loss_seed = loss_seed(num_micro_batches, self.stages[-1].mesh)
+
+    def step(self, batch: Sequence[np.ndarray]) -> StepResult:
+        """One training step on the host ``batch`` (flattened leaves, global batch)."""
+        micro = split_micro_batches(batch, self.num_micro_batches)
+        begin = time.perf_counter()
+        losses, stamps = drive_step(self.split, self.stages, self.schedule, micro, self._loss_seed, self.wait)
+        end = time.perf_counter()
+        loss = float(np.mean([float(x) for x in losses]))
+        return StepResult(loss, end - begin, stage_times(stamps, begin, end))
