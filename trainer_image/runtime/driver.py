@@ -122,13 +122,18 @@ class Stopwatch:
 
     def __init__(self) -> None:
         self.stamps: list[Stamp] = []
+        self._ready = 0.0
+
+    def before(self, inputs: Any) -> None:
+        """Wait for an instruction's inputs before it is called (a call on CPU devices
+        runs much of the executable before it returns)."""
+        jax.block_until_ready(inputs)
+        self._ready = time.perf_counter()
 
     def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
               sources: Sequence[InstructionId]) -> None:
-        jax.block_until_ready(inputs)
-        ready = time.perf_counter()
         jax.block_until_ready(outputs)
-        self.stamps.append(Stamp(kind, micro_batch, issued, ready, time.perf_counter(), tuple(sources)))
+        self.stamps.append(Stamp(kind, micro_batch, issued, self._ready, time.perf_counter(), tuple(sources)))
 
     def close(self) -> list[Stamp]:
         return self.stamps
@@ -155,6 +160,9 @@ class Watcher:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="stage-watcher", daemon=True)
         self._thread.start()
+
+    def before(self, inputs: Any) -> None:
+        """Nothing: the watcher's thread waits for the inputs (:meth:`watch`)."""
 
     def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
               sources: Sequence[InstructionId]) -> None:
@@ -263,6 +271,7 @@ def drive_step(
             if direction is Direction.FORWARD:
                 leaves = [place(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
                 inputs, sources = post.take(s, forward_receives(split, s, j))
+                watchers[s].before((leaves, inputs))
                 outs, loss, vjp = stage.forward(params[s], leaves, inputs)
                 saved[(s, j)] = vjp
                 if loss is not None:
@@ -278,6 +287,7 @@ def drive_step(
                     sources += froms
                 if program.returns_loss:
                     cotangents.append(loss_seed)
+                watchers[s].before(cotangents)
                 acc[s], grads, done = stage.backward(saved.pop((s, j)), cotangents, acc[s])
                 watchers[s].watch("backward", j, issued, cotangents, done, sources)  # acc: donated next
                 by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
@@ -293,6 +303,7 @@ def drive_step(
             for key, value in zip(keys, values, strict=True):
                 grads[s][key[1]] = grads[s][key[1]] + value
             named = {stage.leaf_names[leaf]: g for leaf, g in grads[s].items()}
+            watchers[s].before(values)
             stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named)
             watchers[s].watch("update", -1, issued, values, (stage.params, stage.opt_state), sources)
     finally:
