@@ -121,6 +121,20 @@ def instruction_list(
     return program + backward[m - warmup :]
 
 
+def predecessor(
+    stage_index: int, direction: Direction, micro_batch: int, num_stages: int
+) -> tuple[int, Direction, int] | None:
+    """The instruction of another stage that ``(stage_index, direction, micro_batch)``
+    waits for: a forward waits for the same micro-batch's forward on the stage before
+    (the first stage for nothing), a backward for its backward on the stage after
+    (the last stage: for its own forward)."""
+    if direction is Direction.FORWARD:
+        return (stage_index - 1, Direction.FORWARD, micro_batch) if stage_index > 0 else None
+    if stage_index < num_stages - 1:
+        return (stage_index + 1, Direction.BACKWARD, micro_batch)
+    return (stage_index, Direction.FORWARD, micro_batch)
+
+
 @dataclass(frozen=True)
 class SimulationResult:
     """What :func:`simulate` measured.
@@ -143,9 +157,9 @@ def simulate(
 ) -> SimulationResult:
     """Run every stage's :func:`instruction_list` on an event clock.
 
-    A forward of micro-batch ``j`` on stage ``i`` waits for the stage to be free and
-    for ``j``'s forward on stage ``i - 1``; a backward waits for ``j``'s backward on
-    stage ``i + 1`` (the last stage: for its own forward). Communication is free.
+    An instruction waits for its stage to be free and for its :func:`predecessor`
+    (``j``'s forward on stage ``i - 1``; ``j``'s backward on stage ``i + 1``, or on
+    the last stage its own forward). Communication is free.
     Every micro-batch takes its stage's time (:func:`replay` takes one per instruction).
     Example: 2 balanced stages (1 s forward, 2 s backward), 2 micro-batches, either
     schedule: makespan (m + p - 1) * 3 = 9 s, bubble 1/3.
@@ -196,12 +210,8 @@ def replay(
         for i in range(p):
             while cursor[i] < len(programs[i]):
                 direction, j = programs[i][cursor[i]]
-                if direction is Direction.FORWARD:
-                    dep = (i - 1, Direction.FORWARD, j) if i > 0 else None
-                    seconds = forward_seconds[i][j]
-                else:
-                    dep = (i + 1, Direction.BACKWARD, j) if i < p - 1 else (i, Direction.FORWARD, j)
-                    seconds = backward_seconds[i][j]
+                dep = predecessor(i, direction, j, p)
+                seconds = (forward_seconds if direction is Direction.FORWARD else backward_seconds)[i][j]
                 if dep is not None and dep not in done:
                     break
                 start = max(stage_free[i], done[dep] if dep is not None else 0.0)

@@ -52,7 +52,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpajob.planner.schedules import Direction, Schedule, instruction_list
+from alpajob.planner.schedules import Direction, Schedule, instruction_list, predecessor
 from alpajob.trainer.runtime.executor import (
     StageTimes,
     StepResult,
@@ -86,9 +86,8 @@ _KIND = {Direction.FORWARD: "forward", Direction.BACKWARD: "backward"}
 def issue_order(schedule: Schedule, num_stages: int, num_micro_batches: int) -> list[tuple[int, Direction, int]]:
     """Every stage's instructions in one order that respects their dependencies.
 
-    Rounds over the stages: in each round a stage issues its next instruction if the
-    one it depends on (the same micro-batch's forward on the stage before, its
-    backward on the stage after) has been issued. With equal instruction times
+    Rounds over the stages: in each round a stage issues its next instruction if its
+    :func:`~alpajob.planner.schedules.predecessor` has been issued. With equal instruction times
     this is the order the schedule runs them in.
     """
     programs = [instruction_list(schedule, i, num_stages, num_micro_batches) for i in range(num_stages)]
@@ -101,10 +100,7 @@ def issue_order(schedule: Schedule, num_stages: int, num_micro_batches: int) -> 
             if cursor[i] == len(programs[i]):
                 continue
             direction, j = programs[i][cursor[i]]
-            if direction is Direction.FORWARD:
-                dep = (i - 1, Direction.FORWARD, j) if i > 0 else None
-            else:
-                dep = (i + 1, Direction.BACKWARD, j) if i < num_stages - 1 else (i, Direction.FORWARD, j)
+            dep = predecessor(i, direction, j, num_stages)
             if dep is None or dep in issued:
                 order.append((i, direction, j))
                 issued.add((i, direction, j))
