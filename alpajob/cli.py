@@ -300,12 +300,13 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
         result = run(manifest, options, on_step=on_step, on_phase=on_phase)
     if result.plan is not None:
         out.print(plan_table(result.plan))
-    out.print(run_summary(result, batch))
+    out.print(run_summary(result, batch, exact=args.exact_stage_times))
     return 0
 
 
-def run_summary(result: Any, batch: int) -> Table:
-    """Steps, loss, measured against predicted step time, and per-stage time split."""
+def run_summary(result: Any, batch: int, exact: bool = False) -> Table:
+    """Steps, loss, measured against predicted step time, and per-stage time split
+    (``exact``: the run waited for every instruction, so the split is exact)."""
     table = Table(title="training summary", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -328,6 +329,9 @@ def run_summary(result: Any, batch: int) -> Table:
                         for k in ("compute", "idle", "communication")]
                 table.add_row(f"stage {index} compute / idle / comm",
                               " / ".join(f"{v * 1e3:.1f} ms" for v in mean))
+            if not exact:
+                table.caption = ("stage times from completion stamps: rough on CPU devices, "
+                                 "exact with --exact-stage-times")
     return table
 
 
