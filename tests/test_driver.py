@@ -50,6 +50,17 @@ def test_stage_times_split_each_wait_into_communication_and_idle():
     assert (second.compute, second.communication, second.idle) == pytest.approx((1.5, 1.0, 4.5))
 
 
+def test_a_wait_after_the_inputs_arrived_is_idle_not_communication():
+    """Stage 0 is done at 2; its next input, produced at 2.5, arrives at 3, but the
+    instruction is issued at 6 (the driver was busy): 2.5..3 communication, the rest
+    of 2..6 idle, 6..7 compute."""
+    stamps = [[Stamp("forward", 0, 0.0, 0.0, 2.0, ()),
+               Stamp("backward", 0, 6.0, 3.0, 7.0, ((1, "forward", 0),))],
+              [Stamp("forward", 0, 0.0, 0.0, 2.5, ())]]
+    first, _ = stage_times(stamps, 0.0, 7.0)
+    assert (first.compute, first.communication, first.idle) == pytest.approx((3.0, 0.5, 3.5))
+
+
 def _manifest() -> Any:
     return parse_manifest({
         "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "driver"},

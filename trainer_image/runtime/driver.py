@@ -24,9 +24,10 @@ waits for its outputs, stamps it done (:class:`Stamp`). From the stamps alone
 (:func:`stage_times`), for instruction ``k`` of a stage:
 
 - it starts at ``max(done[k-1], inputs ready, issued)`` and **computes** until done;
-- the wait before it (from ``done[k-1]``) is **communication** for the part after
-  the values it reads had been produced (their producers' done stamps, or its issue
-  for batch leaves) and **idle** before that: the pipeline bubble.
+- the wait before it (from ``done[k-1]``) is **communication** from when the values
+  it reads had been produced (their producers' done stamps, or its issue for batch
+  leaves) until they had arrived, and **idle** otherwise: the pipeline bubble, or
+  (in a waiting step) the driver busy with other stages.
 
 A stamp is late by the watcher's wake-up; consecutive stamps are late alike, so
 the sums hold up, while one short instruction's time is only approximate. On GPUs a
@@ -120,11 +121,12 @@ class Stopwatch:
         self.stamps: list[Stamp] = []
         self._ready = 0.0
 
-    def before(self, inputs: Any) -> None:
-        """Wait for an instruction's inputs before it is called (a call on CPU devices
-        runs much of the executable before it returns)."""
+    def before(self, inputs: Any, arrived: float | None) -> None:
+        """Stamp an instruction's inputs ready before it is called (a call on CPU
+        devices runs much of the executable before it returns): when its last message
+        ``arrived`` (the driver waited for each move), else once its batch is placed."""
         jax.block_until_ready(inputs)
-        self._ready = time.perf_counter()
+        self._ready = arrived if arrived is not None else time.perf_counter()
 
     def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
               sources: Sequence[InstructionId]) -> None:
@@ -157,7 +159,7 @@ class Watcher:
         self._thread = threading.Thread(target=self._run, name="stage-watcher", daemon=True)
         self._thread.start()
 
-    def before(self, inputs: Any) -> None:
+    def before(self, inputs: Any, arrived: float | None) -> None:
         """Nothing: the watcher's thread waits for the inputs (:meth:`watch`)."""
 
     def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
@@ -198,7 +200,7 @@ def stage_times(stamps: Sequence[Sequence[Stamp]], begin: float, end: float) -> 
         for x in stage:
             start = max(previous, x.inputs_ready, x.issued)
             produced = max([done[src] for src in x.sources if src in done], default=x.issued)
-            communication += max(0.0, start - max(previous, produced))
+            communication += max(0.0, min(start, x.inputs_ready) - max(previous, produced))
             seconds = max(0.0, x.done - start)
             compute += seconds
             {"forward": forward, "backward": backward}.get(x.kind, []).append(seconds)
@@ -217,12 +219,15 @@ class _Post:
         self.split, self.stages, self.wait = split, stages, wait
         self._values: dict[tuple[int, Key], Any] = {}
         self._from: dict[tuple[int, Key], InstructionId | None] = {}
+        self._arrived: dict[tuple[int, Key], float] = {}
 
     def send(self, source: InstructionId | None, sends: Sequence[tuple[int, Key, Any]]) -> None:
         targets = [destination_sharding(self.split, self.stages[r], key) for r, key, _ in sends]
         moved = move_all([v for _, _, v in sends], targets)
         if self.wait:
             jax.block_until_ready(moved)
+            arrived = time.perf_counter()
+            self._arrived.update(((r, key), arrived) for r, key, _ in sends)
         for (r, key, _), value in zip(sends, moved, strict=True):
             self._values[(r, key)] = value
             self._from[(r, key)] = source
@@ -231,6 +236,11 @@ class _Post:
         values = [self._values.pop((stage, key)) for key in keys]
         sources = [src for key in keys if (src := self._from.pop((stage, key))) is not None]
         return values, sources
+
+    def arrived(self, stage: int, keys: Sequence[Key]) -> float | None:
+        """When the last of these messages had arrived (waiting steps only), or None."""
+        times = [self._arrived.pop((stage, key)) for key in keys if (stage, key) in self._arrived]
+        return max(times, default=None)
 
 
 def drive_step(
@@ -266,8 +276,9 @@ def drive_step(
             issued = time.perf_counter()
             if direction is Direction.FORWARD:
                 leaves = [place(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
-                inputs, sources = post.take(s, forward_receives(split, s, j))
-                watchers[s].before((leaves, inputs))
+                keys = forward_receives(split, s, j)
+                inputs, sources = post.take(s, keys)
+                watchers[s].before((leaves, inputs), post.arrived(s, keys))
                 outs, loss, vjp = stage.forward(params[s], leaves, inputs)
                 saved[(s, j)] = vjp
                 if loss is not None:
@@ -276,14 +287,15 @@ def drive_step(
                 by_vid = dict(zip(program.outputs, outs, strict=True))
                 post.send(me, [(r, key, by_vid[key[2]]) for r, key in forward_sends(split, s, j)])
             else:
-                cotangents, sources = [], []
+                cotangents, sources, arrivals = [], [], []
                 for keys in backward_receives(split, s, j):
                     values, froms = post.take(s, keys)
                     cotangents.append(reduce(add, values))
                     sources += froms
+                    arrivals.append(post.arrived(s, keys))
                 if program.returns_loss:
                     cotangents.append(loss_seed)
-                watchers[s].before(cotangents)
+                watchers[s].before(cotangents, max([a for a in arrivals if a is not None], default=None))
                 acc[s], grads, done = stage.backward(saved.pop((s, j)), cotangents, acc[s])
                 watchers[s].watch("backward", j, issued, cotangents, done, sources)  # acc: donated next
                 by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
@@ -299,7 +311,7 @@ def drive_step(
             for key, value in zip(keys, values, strict=True):
                 grads[s][key[1]] = grads[s][key[1]] + value
             named = {stage.leaf_names[leaf]: g for leaf, g in grads[s].items()}
-            watchers[s].before(values)
+            watchers[s].before(values, post.arrived(s, keys))
             stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named)
             watchers[s].watch("update", -1, issued, values, (stage.params, stage.opt_state), sources)
     finally:
