@@ -64,15 +64,19 @@ def test_transfer_plan_sends_every_needed_tile_exactly_once(src: int, dst: int) 
     assert plan.cross_mesh_bytes == 4 * sum(box_size(t) for t in distinct)
 
 
-def test_move_reshards_across_meshes_exactly() -> None:
+@pytest.mark.parametrize("on_host", [True, False])
+def test_move_reshards_across_meshes_exactly(on_host: bool) -> None:
+    """Both ways of cutting and assembling pieces: on the host (CPU devices) and on
+    the devices (accelerators; forced here on CPU devices)."""
     m1, m2 = _meshes()
     data = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
     for src, dst in itertools.product(SPECS, SPECS):
         array = jax.device_put(data, NamedSharding(m1, src))
         target = NamedSharding(m2, dst)
-        moved = move(array, target)
+        (moved,) = move_all([array], [target], on_host=on_host)
         assert moved.sharding == target
         np.testing.assert_array_equal(np.asarray(moved), data)
+    assert move(array, target).sharding == target
 
 
 def test_move_all_moves_many_arrays_in_two_batched_puts(monkeypatch: pytest.MonkeyPatch) -> None:
