@@ -10,7 +10,7 @@ queues every executable behind its inputs and returns, and a move of whole shard
 is a device copy queued behind the computation that makes them. No Python thread
 stands between one stage's output and the next stage's input, where a thread per
 stage that waits for every instruction pays a thread hand-off per message (on 2
-shared cores that cost GPT-tiny's 4-stage pipeline 17% of its step:
+shared cores that cost GPT-tiny's 4-stage pipeline 15-17% of its step:
 benchmarks/RESULTS.md, session 10).
 
 Devices run what they were given in the order their inputs allow. On GPUs, where a
@@ -112,31 +112,6 @@ def issue_order(schedule: Schedule, num_stages: int, num_micro_batches: int) -> 
     return order
 
 
-class Stopwatch:
-    """The :class:`Watcher` of an exact, slower step: waits for every instruction in
-    the caller's thread as soon as it is issued, so the stamps are exact and no
-    instruction overlaps another."""
-
-    def __init__(self) -> None:
-        self.stamps: list[Stamp] = []
-        self._ready = 0.0
-
-    def before(self, inputs: Any, arrived: float | None) -> None:
-        """Stamp an instruction's inputs ready before it is called (a call on CPU
-        devices runs much of the executable before it returns): when its last message
-        ``arrived`` (the driver waited for each move), else once its batch is placed."""
-        jax.block_until_ready(inputs)
-        self._ready = arrived if arrived is not None else time.perf_counter()
-
-    def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
-              sources: Sequence[InstructionId]) -> None:
-        jax.block_until_ready(outputs)
-        self.stamps.append(Stamp(kind, micro_batch, issued, self._ready, time.perf_counter(), tuple(sources)))
-
-    def close(self) -> list[Stamp]:
-        return self.stamps
-
-
 @dataclass(frozen=True)
 class Stamp:
     """When one instruction of a stage was issued, had its inputs, and was done."""
@@ -185,6 +160,31 @@ class Watcher:
                 self.stamps.append(Stamp(kind, micro_batch, issued, ready, time.perf_counter(), sources))
             except BaseException as error:  # noqa: BLE001 - handed to close()
                 self._error = self._error or error
+
+
+class Stopwatch:
+    """The :class:`Watcher` of an exact, slower step: waits for every instruction in
+    the caller's thread as soon as it is issued, so the stamps are exact and no
+    instruction overlaps another."""
+
+    def __init__(self) -> None:
+        self.stamps: list[Stamp] = []
+        self._ready = 0.0
+
+    def before(self, inputs: Any, arrived: float | None) -> None:
+        """Stamp an instruction's inputs ready before it is called (a call on CPU
+        devices can run most of the executable before it returns): when its last message
+        ``arrived`` (the driver waited for each move), else once its batch is placed."""
+        jax.block_until_ready(inputs)
+        self._ready = arrived if arrived is not None else time.perf_counter()
+
+    def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
+              sources: Sequence[InstructionId]) -> None:
+        jax.block_until_ready(outputs)
+        self.stamps.append(Stamp(kind, micro_batch, issued, self._ready, time.perf_counter(), tuple(sources)))
+
+    def close(self) -> list[Stamp]:
+        return self.stamps
 
 
 def stage_times(stamps: Sequence[Sequence[Stamp]], begin: float, end: float) -> tuple[StageTimes, ...]:
