@@ -203,8 +203,11 @@ def stage_times(stamps: Sequence[Sequence[Stamp]], begin: float, end: float) -> 
             communication += max(0.0, min(start, x.inputs_ready) - max(previous, produced))
             seconds = max(0.0, x.done - start)
             compute += seconds
-            {"forward": forward, "backward": backward}.get(x.kind, []).append(seconds)
-            if x.kind == "update":
+            if x.kind == "forward":
+                forward.append(seconds)
+            elif x.kind == "backward":
+                backward.append(seconds)
+            else:
                 update = seconds
             previous = max(previous, x.done)
         idle = max(0.0, (end - begin) - compute - communication)

@@ -138,10 +138,7 @@ def destination_sharding(split: SplitProgram, stage: StageRuntime, key: Key) -> 
 
 
 class StageLink(Protocol):
-    """How a stage exchanges values with the others (local threads, Ray actors)."""
-
-    def send(self, stage: int, key: Key, value: jax.Array) -> None:
-        """Deliver ``value`` to ``stage`` under ``key``, resharded for it."""
+    """How a stage exchanges values with the others (Ray's object store, collectives)."""
 
     def send_all(self, sends: Sequence[tuple[int, Key, jax.Array]]) -> None:
         """Deliver every ``(stage, key, value)``, in order; a link may batch them."""

@@ -12,9 +12,10 @@ For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss
   applies ``vjp`` and adds the parameter gradients to float32 accumulators (donated,
   so the sum is in place). ``done`` is a scalar that is ready when the backward is:
   the accumulators are donated to the next backward, so a watcher that stamps the
-  backward's completion (:mod:`.driver`) waits on it instead. An accumulator has its parameter's sharding, so on a
-  data-parallel mesh every backward all-reduces its micro-batch's gradients: B
-  all-reduces per step, where the planner (like Alpa) charges one. GSPMD cannot pass
+  backward's completion (:mod:`.driver`) waits on it instead. An accumulator has
+  its parameter's sharding, so on a data-parallel mesh every backward all-reduces
+  its micro-batch's gradients: B all-reduces per step, where the planner (like
+  Alpa) charges one. GSPMD cannot pass
   a partial sum between executables; JAX 0.10's ``unreduced`` types could, but do
   not yet trace the zoo models (benchmarks/RESULTS.md, session 9).
 - **update** ``(params, opt_state, grads) -> (params, opt_state)`` is the optax update
