@@ -360,7 +360,8 @@ def measure_update(steps: int = 8, warmup: int = 3) -> dict[str, Any]:
 
     wide = {"hidden": 1024, "layers": 4, "inputDim": 1024, "outputDim": 1024}
     m = parse_manifest(job_document("calib", "mlp", wide, {"method": "data"}, optimizer="adam"))
-    result = run(m, RunOptions(steps=steps, plan_options=job_plan_options(m), exact_stage_times=True))
+    result = run(m, RunOptions(steps=steps, plan_options=job_plan_options(m), exact_stage_times=True,
+                                   stage_times_every=1))
     measured = statistics.median(t[0].update for t in result.stage_times[warmup:])
 
     training = m.spec.training

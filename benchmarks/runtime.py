@@ -95,7 +95,7 @@ def main() -> None:
         m = manifest(par)
         options = RunOptions(steps=args.steps, plan_options=job_plan_options(m))
         result = run(m, options)
-        exact = run(m, dataclasses.replace(options, exact_stage_times=True))
+        exact = run(m, dataclasses.replace(options, exact_stage_times=True, stage_times_every=1))
         plan = result.plan
         measured = statistics.median(result.step_seconds[args.warmup:])
         independent, shared = [], []

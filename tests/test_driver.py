@@ -81,9 +81,11 @@ class _Args:
 def test_exact_stage_times_train_the_same_numbers_and_account_for_the_step():
     manifest = _manifest()
     options = {"steps": 3, "plan_options": plan_options(manifest, _Args())}
-    issued = run(manifest, RunOptions(**options))
-    exact = run(manifest, RunOptions(**options, exact_stage_times=True))
+    issued = run(manifest, RunOptions(**options, stage_times_every=2))  # steps 1 and 3 untimed
+    exact = run(manifest, RunOptions(**options, exact_stage_times=True, stage_times_every=1))
     np.testing.assert_array_equal(issued.losses, exact.losses)
+    assert exact.stage_time_steps == [1, 2, 3] and issued.stage_time_steps == [2]
+    assert all(len(t.forward) == len(t.backward) == 4 for t in issued.stage_times[0])
     for name, value in issued.params.items():
         np.testing.assert_array_equal(exact.params[name], value, err_msg=name)
     for step, stages in zip(exact.step_seconds, exact.stage_times, strict=True):

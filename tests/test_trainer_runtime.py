@@ -223,11 +223,13 @@ def test_metrics_json_and_prometheus(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
             seen.append(reply.read().decode())
 
-    options = _options(manifest, 2, metrics_out=str(out), metrics_port=port)
+    options = _options(manifest, 2, metrics_out=str(out), metrics_port=port, stage_times_every=2)
     result = run(manifest, options, on_step=scrape)
     doc = json.loads(out.read_text())
     assert doc["losses"] == result.losses and len(doc["step_seconds"]) == 2
     assert doc["plan_hash"] == result.plan.content_hash()
+    assert doc["stage_time_steps"] == [2] and len(doc["stages"][0]["compute_seconds"]) == 1
+    assert "alpajob_stage_step_compute_seconds{" not in seen[0]  # step 1 was not timed
     text = seen[-1]
     assert 'alpajob_step{job="rt"} 2.0' in text
     for metric in ("alpajob_stage_step_compute_seconds", "alpajob_stage_step_idle_seconds",
@@ -266,9 +268,11 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_cli_run_trains_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     done = _cli("run", str(ROOT / "manifests/examples/local-gpt.yaml"), "--steps", "2",
-                "--devices", "4", "--method", "data", "--metrics-out", str(out), cwd=tmp_path)
+                "--devices", "4", "--method", "data", "--metrics-out", str(out),
+                "--stage-times-every", "1", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "measured / predicted" in done.stdout and "1x4" in done.stdout
+    assert "stage 0 compute / idle / comm" in done.stdout and "1 timed step" in done.stdout
     assert len(json.loads(out.read_text())["losses"]) == 2
 
 
@@ -290,6 +294,10 @@ def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
                 "--metrics-out", str(out), cwd=tmp_path)
     assert done.returncode == 2 and "not valid JSON" in done.stderr
     assert not out.exists()
+    done = _cli("run", str(ROOT / "manifests/examples/local-gpt.yaml"), "--stage-times-every", "0",
+                "--metrics-out", str(out), cwd=tmp_path)
+    assert done.returncode == 2 and "--stage-times-every must be at least 1" in done.stderr
+    assert not out.exists()
 
 
 def test_alpajob_error_is_the_base_of_runtime_errors() -> None:
@@ -301,10 +309,10 @@ def test_custom_entrypoint_example_trains_as_a_pipeline(tmp_path: Path) -> None:
     env_path = ROOT / "manifests" / "examples"
     done = subprocess.run(
         [sys.executable, "-m", "alpajob", "run", str(env_path / "custom-model.yaml"),
-         "--steps", "3", "--metrics-out", str(out)],
+         "--steps", "3", "--metrics-out", str(out), "--stage-times-every", "3"],
         capture_output=True, text=True, cwd=tmp_path, timeout=600,
         env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(env_path)},
     )
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
-    assert len(doc["losses"]) == 3 and len(doc["stages"]) > 1
+    assert len(doc["losses"]) == 3 and len(doc["stages"]) > 1 and doc["stage_time_steps"] == [3]

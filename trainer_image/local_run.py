@@ -13,7 +13,8 @@ One pass, top to bottom:
 4. restore the newest checkpoint with ``--resume``;
 5. train ``steps`` steps on synthetic batches (batch ``i`` is drawn from seed
    ``seed + i``, so a resumed run sees the batches the interrupted one would have),
-   recording per-stage times to Prometheus and checkpointing every
+   timing every ``stage_times_every``-th step per stage (timing costs a step:
+   :mod:`.runtime.driver`), recording to Prometheus and checkpointing every
    ``checkpoint_every`` steps and at the end.
 """
 
@@ -65,7 +66,8 @@ class RunOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     resume: bool = False
-    exact_stage_times: bool = False  # wait for every instruction (runtime.driver.Stopwatch)
+    exact_stage_times: bool = False  # timed steps wait for every instruction (runtime.driver.Stopwatch)
+    stage_times_every: int = 10  # time every N-th step per stage (timing costs a step: runtime.driver)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     stage_times: list[tuple[StageTimes, ...]] = field(default_factory=list)
+    stage_time_steps: list[int] = field(default_factory=list)  # the step of each stage_times entry
     params: dict[str, np.ndarray] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -91,6 +94,7 @@ class RunResult:
             doc["predicted_step_seconds"] = self.plan.predicted_step_seconds
             doc["num_micro_batches"] = self.plan.num_micro_batches
         if self.stage_times:
+            doc["stage_time_steps"] = self.stage_time_steps
             doc["stages"] = [
                 {
                     "compute_seconds": [t[i].compute for t in self.stage_times],
@@ -138,7 +142,7 @@ class _Serial:
         self._step = jax.jit(make_train_step(model.loss, optimizer), donate_argnums=(0, 1))
         self.device = device
 
-    def step(self, batch: list[np.ndarray]) -> tuple[float, tuple[StageTimes, ...]]:
+    def step(self, batch: list[np.ndarray], timed: bool) -> tuple[float, tuple[StageTimes, ...]]:
         tree = jax.tree.unflatten(self._batch_def, batch)
         loss, _, self.params, self.opt_state = self._step(self.params, self.opt_state, tree)
         return float(loss), ()
@@ -160,8 +164,8 @@ class _Pipelined:
     def __init__(self, executor: PipelineExecutor) -> None:
         self.executor = executor
 
-    def step(self, batch: list[np.ndarray]) -> tuple[float, tuple[StageTimes, ...]]:
-        result = self.executor.step(batch)
+    def step(self, batch: list[np.ndarray], timed: bool) -> tuple[float, tuple[StageTimes, ...]]:
+        result = self.executor.step(batch, timed)
         return result.loss, result.stages
 
     def named_arrays(self) -> dict[str, jax.Array]:
@@ -183,6 +187,9 @@ def run(
 ) -> RunResult:
     """Plan (or read the plan) and train; see the module docstring."""
     say = on_phase or (lambda _what: None)
+    if options.stage_times_every < 1:
+        raise AlpaJobError(f"--stage-times-every must be at least 1 (1 times every step), "
+                           f"got {options.stage_times_every}")
     training = manifest.spec.training
     devices = local_devices(options.devices)
     model = load_model(manifest.spec.model, training.dtype)
@@ -226,18 +233,19 @@ def run(
     try:
         for step in range(start, options.steps):
             batch = jax.tree.leaves(synthetic_batch(model, training.global_batch_size, seed=options.seed + step))
+            done = step + 1
             began = time.perf_counter()
-            loss, stages = runner.step(batch)
+            loss, stages = runner.step(batch, done % options.stage_times_every == 0)
             seconds = time.perf_counter() - began
             result.losses.append(loss)
             result.step_seconds.append(seconds)
             if stages:
                 result.stage_times.append(stages)
-            metrics.record(step + 1, loss, seconds, training.global_batch_size, stages)
+                result.stage_time_steps.append(done)
+            metrics.record(done, loss, seconds, training.global_batch_size, stages)
             if on_step:
-                on_step(step + 1, loss, seconds)
+                on_step(done, loss, seconds)
             every = options.checkpoint_every
-            done = step + 1
             if options.checkpoint_dir and ((every and done % every == 0) or done == options.steps):
                 checkpoint.save(options.checkpoint_dir, done, runner.named_arrays(), meta)
                 metrics.checkpoint.labels(metrics.job).set(done)

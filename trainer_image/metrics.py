@@ -2,7 +2,10 @@
 
 One :class:`TrainingMetrics` per run, on its own ``CollectorRegistry`` (no global
 state), served on ``/metrics`` by :meth:`TrainingMetrics.serve`. Gauges hold the last
-step's values; counters add up over the run::
+step's values; counters add up over the run. Per-stage times come from the steps the
+runtime timed (``alpajob run --stage-times-every``): their gauges hold the last timed
+step and their counters add up the timed steps, so a ratio of their rates is the
+timed steps' utilization::
 
     alpajob_step                                  last completed step
     alpajob_loss                                  its loss

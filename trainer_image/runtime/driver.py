@@ -37,6 +37,13 @@ GIL, so a watcher stamps when the driver next lets go of it: the per-stage split
 then rough (the step time is not). ``wait`` (``alpajob run --exact-stage-times``)
 makes the driver wait for every instruction and every move itself
 (:class:`Stopwatch`): exact stamps, and no overlap between instructions.
+
+**Timing costs a step.** Every stamp wakes a thread, and on a host whose cores are
+busy running the devices those wake-ups add up: watching every instruction made
+GPT-tiny's 4-stage step 15-20% slower on 2 cores (benchmarks/RESULTS.md, session
+11). So a step is timed only when the caller asks (``timed``; ``alpajob run`` times
+one step in ``--stage-times-every``); an untimed step has no watchers
+(:class:`Untimed`) and only waits, at its end, for the updates.
 """
 
 from __future__ import annotations
@@ -187,6 +194,26 @@ class Stopwatch:
         return self.stamps
 
 
+class Untimed:
+    """The :class:`Watcher` of an untimed step: stamps nothing, and on :meth:`close`
+    waits only for the stage's update (the end of its step)."""
+
+    def __init__(self) -> None:
+        self._last: Any = None
+
+    def before(self, inputs: Any, arrived: float | None) -> None:
+        """Nothing."""
+
+    def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
+              sources: Sequence[InstructionId]) -> None:
+        if kind == "update":
+            self._last = outputs
+
+    def close(self) -> list[Stamp]:
+        jax.block_until_ready(self._last)
+        return []
+
+
 def stage_times(stamps: Sequence[Sequence[Stamp]], begin: float, end: float) -> tuple[StageTimes, ...]:
     """Per stage, its compute, communication and idle seconds from its stamps (the
     module docstring gives the rule); idle is the rest of ``end - begin``."""
@@ -253,13 +280,17 @@ def drive_step(
     micro: Sequence[Sequence[np.ndarray]],
     loss_seed: jax.Array,
     wait: bool = False,
+    timed: bool = True,
 ) -> tuple[list[jax.Array], list[list[Stamp]]]:
     """Issue one step (module docstring); returns the micro-batches' losses and every
-    stage's stamps, after the last update is done. ``wait`` waits for every
-    instruction and move before issuing the next (:class:`Stopwatch`)."""
+    stage's stamps (none if not ``timed``), after the last update is done. ``wait``
+    waits, in a timed step, for every instruction and move before issuing the next
+    (:class:`Stopwatch`)."""
     p, m = len(stages), len(micro)
+    wait = wait and timed
     post = _Post(split, stages, wait)
-    watchers: list[Watcher | Stopwatch] = [Stopwatch() if wait else Watcher() for _ in stages]
+    watcher = (Stopwatch if wait else Watcher) if timed else Untimed
+    watchers: list[Watcher | Stopwatch | Untimed] = [watcher() for _ in stages]
     try:
         for s, stage in enumerate(stages):  # shared parameters out
             post.send(None, [(r, key, stage.params[stage.leaf_names[key[1]]]) for r, key in param_sends(split, s)])
@@ -348,11 +379,13 @@ class PipelineExecutor:
         self.num_micro_batches = num_micro_batches
         self._loss_seed = loss_seed(num_micro_batches, self.stages[-1].mesh)
 
-    def step(self, batch: Sequence[np.ndarray]) -> StepResult:
-        """One training step on the host ``batch`` (flattened leaves, global batch)."""
+    def step(self, batch: Sequence[np.ndarray], timed: bool = True) -> StepResult:
+        """One training step on the host ``batch`` (flattened leaves, global batch);
+        per-stage times only if ``timed`` (module docstring: timing costs a step)."""
         micro = split_micro_batches(batch, self.num_micro_batches)
         begin = time.perf_counter()
-        losses, stamps = drive_step(self.split, self.stages, self.schedule, micro, self._loss_seed, self.wait)
+        losses, stamps = drive_step(self.split, self.stages, self.schedule, micro, self._loss_seed,
+                                    self.wait, timed)
         end = time.perf_counter()
         loss = float(np.mean([float(x) for x in losses]))
-        return StepResult(loss, end - begin, stage_times(stamps, begin, end))
+        return StepResult(loss, end - begin, stage_times(stamps, begin, end) if timed else ())
