@@ -300,7 +300,7 @@ def drive_step(
             received = dict(zip([k[1] for k in keys], post.take(s, keys)[0], strict=True))
             params.append([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
                            for leaf in split.stages[s].params])
-            acc.append(stage.zeros())
+            acc.append(stage.fresh_accumulators())
         saved: dict[tuple[int, int], Any] = {}
         losses: list[jax.Array] = []
         last_backward = [instruction_list(schedule, s, p, m)[-1][1] for s in range(p)]
@@ -346,8 +346,9 @@ def drive_step(
                 grads[s][key[1]] = grads[s][key[1]] + value
             named = {stage.leaf_names[leaf]: g for leaf, g in grads[s].items()}
             watchers[s].before(values, post.arrived(s, keys))
-            stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named)
-            watchers[s].watch("update", -1, issued, values, (stage.params, stage.opt_state), sources)
+            stage.apply_update(named)
+            watchers[s].watch("update", -1, issued, values,
+                              (stage.params, stage.opt_state, stage.next_accumulators), sources)
     finally:
         stamps = []
         errors = []

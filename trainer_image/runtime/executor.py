@@ -174,7 +174,7 @@ def run_stage_program(
     received = {key[1]: link.receive(key) for key in param_receives(split, s)}
     params = [received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
               for leaf in program.params]
-    acc = stage.zeros()
+    acc = stage.fresh_accumulators()
     saved: dict[int, Any] = {}
 
     for direction, j in instruction_list(schedule, s, num_stages, num_micro_batches):
@@ -218,8 +218,8 @@ def run_stage_program(
         grads[key[1]] = grads[key[1]] + link.receive(key)
     t0 = time.perf_counter()
     named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
-    stage.params, stage.opt_state = stage.update(stage.params, stage.opt_state, named_grads)
-    jax.block_until_ready((stage.params, stage.opt_state))
+    stage.apply_update(named_grads)
+    jax.block_until_ready((stage.params, stage.opt_state, stage.next_accumulators))
     update = time.perf_counter() - t0
     compute += update
     wall = time.perf_counter() - begin
