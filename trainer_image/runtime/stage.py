@@ -15,9 +15,9 @@ For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss
   backward's completion (:mod:`.driver`) waits on it instead. An accumulator has
   its parameter's sharding, so on a data-parallel mesh every backward all-reduces
   its micro-batch's gradients: B all-reduces per step, where the planner (like
-  Alpa) charges one. GSPMD cannot pass
-  a partial sum between executables; JAX 0.10's ``unreduced`` types could, but do
-  not yet trace the zoo models (benchmarks/RESULTS.md, session 9).
+  Alpa) charges one. GSPMD cannot pass a partial sum between executables. JAX
+  0.10's ``unreduced`` types could, but they need Explicit mesh axes (these meshes
+  are Auto) and do not yet trace the zoo models (benchmarks/RESULTS.md, session 9).
 - **update** ``(params, opt_state, grads) -> (params, opt_state, zeros)`` is the optax
   update of the parameters this stage owns; it also returns the next step's zeroed
   accumulators (:meth:`StageRuntime.fresh_accumulators`), which saves launching an
