@@ -279,6 +279,18 @@ def _min_crossing(
     return [int(sum(x[y(i, s)] for s in range(1, num_stages))) for i in range(n)]
 
 
+def flatten(loss_fn: Callable[[Any, Any], jax.Array], params: Any, micro_batch: Any) -> tuple[_Flat, list[ValueId], Any]:
+    """``loss_fn`` traced on abstract ``params`` and ``micro_batch`` and inlined into one
+    equation list: the program, the value ids of its arguments (parameter leaves, then
+    batch leaves) and the loss's value id. Values are numbered in trace order, so two
+    traces of the same code at different batch sizes number them alike."""
+    closed = jax.make_jaxpr(loss_fn)(params, micro_batch)
+    flat = _Flat()
+    invars = [flat.new(v.aval) for v in closed.jaxpr.invars]
+    (loss,) = flat.inline(closed.jaxpr, closed.consts, invars)
+    return flat, invars, loss
+
+
 def split_loss(
     loss_fn: Callable[[Any, Any], jax.Array],
     params: Any,
@@ -292,13 +304,10 @@ def split_loss(
     ``jax.tree.leaves(params)`` order). Raises ``ValueError`` if a stage receives no
     work (the plan and the model disagree).
     """
-    closed = jax.make_jaxpr(loss_fn)(params, micro_batch)
-    flat = _Flat()
-    n_params = len(jax.tree.leaves(params))
-    invars = [flat.new(v.aval) for v in closed.jaxpr.invars]
-    (loss,) = flat.inline(closed.jaxpr, closed.consts, invars)
+    flat, invars, loss = flatten(loss_fn, params, micro_batch)
     if not isinstance(loss, int):
         raise ValueError("the loss is a constant: it does not depend on the parameters")
+    n_params = len(jax.tree.leaves(params))
     param_ids, batch_ids = invars[:n_params], invars[n_params:]
     placed = _place(flat, param_ids, param_stage, loss, num_stages)
 
