@@ -11,6 +11,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from alpajob.cli import plan_options
+from alpajob.planner.extract import make_optimizer
+from alpajob.planner.manifest import parse_manifest
+from alpajob.trainer.entrypoint import load_model
+from alpajob.trainer.local_run import RunOptions, run
+from alpajob.trainer.runtime.build import build_pipeline
+from alpajob.trainer.runtime.executor import split_micro_batches
 from alpajob.trainer.runtime.grouped import (
     NotGroupable,
     batch_dims,
@@ -18,6 +25,7 @@ from alpajob.trainer.runtime.grouped import (
     grouped_stage_function,
     ungroup_batch,
 )
+from alpajob.trainer.runtime.meshes import place
 from alpajob.trainer.runtime.split import split_loss, stage_function
 from alpajob.trainer.zoo.model import synthetic_batch
 from alpajob.trainer.zoo.registry import resolve_model
@@ -105,3 +113,45 @@ def test_a_convolution_reading_a_parameter_is_not_grouped() -> None:
              for k in stage.batch]
     with pytest.raises(NotGroupable, match="conv_general_dilated"):
         jax.eval_shape(lambda p, b: grouped(p, b, []), copies, batch)
+
+
+class _Args:
+    method = None
+    ilp_time_limit = 5.0
+    baselines = False
+
+
+def test_a_grouped_pipeline_trains_like_one_device_and_reduces_gradients_once_per_step() -> None:
+    """A 2-stage GPT plan with 4 micro-batches: both stages are grouped (their
+    parameters are replicated; the tied embedding is shared between them), training
+    equals the serial run, and a backward all-reduces no parameter gradient."""
+    stages = [{"layers": [0, 1], "submeshShape": [1, 4]}, {"layers": [1, 2], "submeshShape": [1, 4]}]
+    manifest = parse_manifest({
+        "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "grouped"},
+        "spec": {"model": {"zoo": "gpt", "config": "tiny"},
+                 "training": {"globalBatchSize": 16, "dtype": "float32", "optimizer": "sgd", "learningRate": 0.05},
+                 "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
+                 "parallelism": {"method": "manual", "numLayers": 2, "numMicroBatches": 4, "stages": stages}}})
+    parallel = run(manifest, RunOptions(steps=3, plan_options=plan_options(manifest, _Args())))
+    serial = run(manifest, RunOptions(steps=3, serial=True))
+    np.testing.assert_allclose(parallel.losses, serial.losses, rtol=1e-5)
+    for name, value in serial.params.items():
+        np.testing.assert_allclose(parallel.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+    model = load_model(manifest.spec.model, "float32")
+    params = model.init(jax.random.key(0))
+    executor = build_pipeline(parallel.plan, model.loss, params, model.batch_shapes, make_optimizer("sgd", 0.05),
+                              jax.devices())
+    assert [s.groups for s in executor.stages] == [4, 4]
+    assert executor.split.shared_params(), "the tied embedding is read by both stages"
+    first = executor.stages[0]
+    program = executor.split.stages[0]
+    batch = jax.tree.leaves(synthetic_batch(model, 16, seed=0))
+    micro = split_micro_batches(batch, 4)[0]
+    leaves = [place(micro[k], sh) for k, sh in zip(program.batch, first.batch_sharding, strict=True)]
+    copies = first.prepare([first.params[first.leaf_names[k]] for k in program.params])
+    outs, _, vjp = first.forward(copies, leaves, [])
+    cotangents = [jnp.ones(o.shape, o.dtype) for o in outs]
+    hlo = first.backward.lower(vjp, cotangents, first.fresh_accumulators()).compile().as_text()
+    param_elements = sum(int(np.prod(c.shape[1:])) for c in copies)
+    assert _all_reduced_elements(hlo) < param_elements / 10

@@ -9,6 +9,8 @@ optimizer state on the stage that owns them.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +23,7 @@ from alpajob.planner.extract import path_name
 from alpajob.planner.plan import Plan
 from alpajob.planner.schedules import Schedule
 from alpajob.trainer.runtime.driver import PipelineExecutor
+from alpajob.trainer.runtime.grouped import NotGroupable, batch_dims
 from alpajob.trainer.runtime.meshes import place, stage_mesh
 from alpajob.trainer.runtime.pinning import stage_pins
 from alpajob.trainer.runtime.split import SplitProgram, split_loss
@@ -43,12 +46,15 @@ def param_stages(plan: Plan, names: Sequence[str]) -> list[int]:
 
 
 def split_for_plan(plan: Plan, loss: Any, params: Any, batch_shapes: Any) -> tuple[SplitProgram, list[str]]:
-    """The loss traced at the plan's micro-batch size and cut into its stages, and the
-    parameter leaves' names."""
+    """The loss traced at the plan's micro-batch size and cut into its stages (with
+    every value's batch dimension, for grouped data-parallel stages: :mod:`.grouped`),
+    and the parameter leaves' names."""
     names = param_names(params)
     micro = plan.global_batch_size // plan.num_micro_batches
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     split = split_loss(loss, abstract, batch_shapes(micro), param_stages(plan, names), len(plan.stages))
+    with contextlib.suppress(NotGroupable):  # else no stage runs grouped (grouped.py)
+        split = dataclasses.replace(split, batch_dims=batch_dims(loss, abstract, batch_shapes, micro))
     return split, names
 
 

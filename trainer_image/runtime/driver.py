@@ -298,8 +298,8 @@ def drive_step(
         for s, stage in enumerate(stages):
             keys = param_receives(split, s)
             received = dict(zip([k[1] for k in keys], post.take(s, keys)[0], strict=True))
-            params.append([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
-                           for leaf in split.stages[s].params])
+            params.append(stage.prepare([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
+                                         for leaf in split.stages[s].params]))
             acc.append(stage.fresh_accumulators())
         saved: dict[tuple[int, int], Any] = {}
         losses: list[jax.Array] = []
@@ -335,18 +335,21 @@ def drive_step(
                 by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
                 post.send(me, [(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
         grads = [dict(zip(split.stages[s].params, acc[s], strict=True)) for s in range(p)]
-        for s in range(p):  # shared parameters' gradients home
+        for s, stage in enumerate(stages):  # shared parameters' gradients home
+            sends = shared_sends(split, s)
+            summed = stage.outgoing([grads[s].pop(key[1]) for _, key in sends])
             post.send((s, "backward", last_backward[s]),
-                      [(r, key, grads[s].pop(key[1])) for r, key in shared_sends(split, s)])
+                      [(r, key, value) for (r, key), value in zip(sends, summed, strict=True)])
         for s, stage in enumerate(stages):
             issued = time.perf_counter()
             keys = shared_receives(split, s)
             values, sources = post.take(s, keys)
+            received: dict[str, list[Any]] = {}
             for key, value in zip(keys, values, strict=True):
-                grads[s][key[1]] = grads[s][key[1]] + value
+                received.setdefault(stage.leaf_names[key[1]], []).append(value)
             named = {stage.leaf_names[leaf]: g for leaf, g in grads[s].items()}
             watchers[s].before(values, post.arrived(s, keys))
-            stage.apply_update(named)
+            stage.apply_update(named, received)
             watchers[s].watch("update", -1, issued, values,
                               (stage.params, stage.opt_state, stage.next_accumulators), sources)
     finally:

@@ -172,8 +172,8 @@ def run_stage_program(
     link.send_all([(r, key, stage.params[stage.leaf_names[key[1]]]) for r, key in param_sends(split, s)])
     comm += time.perf_counter() - t0
     received = {key[1]: link.receive(key) for key in param_receives(split, s)}
-    params = [received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
-              for leaf in program.params]
+    params = stage.prepare([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
+                            for leaf in program.params])
     acc = stage.fresh_accumulators()
     saved: dict[int, Any] = {}
 
@@ -212,13 +212,16 @@ def run_stage_program(
     # Shared parameters' gradients home, then the update.
     grads = dict(zip(program.params, acc, strict=True))
     t0 = time.perf_counter()
-    link.send_all([(r, key, grads.pop(key[1])) for r, key in shared_sends(split, s)])
+    sends = shared_sends(split, s)
+    summed = stage.outgoing([grads.pop(key[1]) for _, key in sends])
+    link.send_all([(r, key, value) for (r, key), value in zip(sends, summed, strict=True)])
     comm += time.perf_counter() - t0
+    received: dict[str, list[Any]] = {}
     for key in shared_receives(split, s):
-        grads[key[1]] = grads[key[1]] + link.receive(key)
+        received.setdefault(stage.leaf_names[key[1]], []).append(link.receive(key))
     t0 = time.perf_counter()
     named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
-    stage.apply_update(named_grads)
+    stage.apply_update(named_grads, received)
     jax.block_until_ready((stage.params, stage.opt_state, stage.next_accumulators))
     update = time.perf_counter() - t0
     compute += update

@@ -97,6 +97,7 @@ class SplitProgram:
     home: tuple[int, ...]  # per parameter leaf, the stage that owns and updates it
     consumers: Mapping[ValueId, tuple[int, ...]]  # crossing activation -> reader stages
     producer: Mapping[ValueId, int]  # crossing activation -> producing stage
+    batch_dims: tuple[int | None, ...] | None = None  # per value (grouped.batch_dims), if known
 
     def shared_params(self) -> dict[int, tuple[int, ...]]:
         """Parameter leaf -> stages (other than its home) that read it."""

@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpajob.planner.extract import init_optimizer_state
 from alpajob.planner.plan import SpecEntry, StagePlan
+from alpajob.trainer.runtime.grouped import NotGroupable, grouped_stage_function
 from alpajob.trainer.runtime.meshes import (
     batch_spec,
     fits,
@@ -53,7 +54,13 @@ from alpajob.trainer.runtime.meshes import (
     partition_spec,
     weight_update_spec,
 )
-from alpajob.trainer.runtime.split import SplitProgram, ValueId, is_differentiable, stage_function
+from alpajob.trainer.runtime.split import (
+    SplitProgram,
+    StageProgram,
+    ValueId,
+    is_differentiable,
+    stage_function,
+)
 
 
 def _by_shape(specs: dict[str, list[SpecEntry]], avals: Sequence[Any], plan_shapes: dict[str, tuple]) -> list[PartitionSpec | None]:
@@ -87,6 +94,9 @@ class StageRuntime:
     zeros: Callable[[], list[jax.Array]]  # zeroed accumulators, one per parameter leaf it reads
     diff_outputs: tuple[int, ...]  # positions in program.outputs that carry gradients
     diff_inputs: tuple[int, ...]  # positions in program.inputs that receive gradients
+    groups: int = 0  # > 0: a grouped data-parallel stage (grouped.py) over this many devices
+    prepare: Callable[[list[Any]], list[Any]] = list  # its parameters, as the forward takes them
+    outgoing: Callable[[list[Any]], list[Any]] = list  # shared leaves' accumulators, summed to send
     params: dict[str, jax.Array] = field(default_factory=dict)
     opt_state: Any = None
     next_accumulators: list[jax.Array] | None = None  # the last update's zeros, not yet used
@@ -96,10 +106,13 @@ class StageRuntime:
         acc, self.next_accumulators = self.next_accumulators, None
         return acc if acc is not None else self.zeros()
 
-    def apply_update(self, grads: dict[str, jax.Array]) -> None:
-        """Update the parameters and optimizer state this stage owns with ``grads``
-        (by name), keeping the update's zeroed accumulators for the next step."""
-        self.params, self.opt_state, self.next_accumulators = self.update(self.params, self.opt_state, grads)
+    def apply_update(self, grads: dict[str, jax.Array], received: dict[str, list[jax.Array]]) -> None:
+        """Update the parameters and optimizer state this stage owns with its
+        accumulated ``grads`` plus the gradient sums other stages sent it for shared
+        parameters (``received``; both by name), keeping the update's zeroed
+        accumulators for the next step."""
+        self.params, self.opt_state, self.next_accumulators = self.update(
+            self.params, self.opt_state, grads, received)
 
 
 def build_stage(
@@ -158,8 +171,12 @@ def build_stage(
         spec = partition_spec(entries)
         if fits(spec, avals[vid].shape, mesh):
             constraints[vid] = NamedSharding(mesh, spec)
-    run = stage_function(split, program, constraints)
     replicated = NamedSharding(mesh, PartitionSpec())
+    group = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))  # a leading axis over every device
+    run = _grouped_run(split, program, mesh, param_sharding, group, constraints)
+    groups = mesh.size if run is not None else 0
+    if run is None:
+        run = stage_function(split, program, constraints)
 
     def forward(params: list[Any], batch: list[Any], inputs: list[Any]) -> tuple[Any, Any, Any]:
         def f(p: list[Any], diff_inputs: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -189,22 +206,35 @@ def build_stage(
 
     home_names = tuple(names[k] for k in home)
     param_dtypes = {names[k]: avals[split.param_ids[k]].dtype for k in home}
+    home_acc = {names[k]: acc_sharding[k] for k in home}
 
-    def update(params: dict[str, Any], opt_state: Any, grads: dict[str, Any]) -> tuple[Any, Any, list[Any]]:
-        grads = {n: g.astype(param_dtypes[n]) for n, g in grads.items()}
-        updates, new_state = optimizer.update(grads, opt_state, params)
+    def update(params: dict[str, Any], opt_state: Any, grads: dict[str, Any],
+               received: dict[str, list[Any]]) -> tuple[Any, Any, list[Any]]:
+        total = {}
+        for n, g in grads.items():
+            if groups:  # the one reduction of a grouped stage's gradients per step
+                g = jax.lax.with_sharding_constraint(g.sum(0), home_acc[n])
+            for other in received.get(n, []):
+                g = g + other
+            total[n] = g.astype(param_dtypes[n])
+        updates, new_state = optimizer.update(total, opt_state, params)
         return optax.apply_updates(params, updates), new_state, zeros()
 
     def zeros() -> list[Any]:
-        return [jnp.zeros(a.shape, jnp.float32) for a in param_avals]
+        lead = (groups,) if groups else ()
+        return [jnp.zeros(lead + tuple(a.shape), jnp.float32) for a in param_avals]
 
     home_param = {names[k]: param_sharding[k] for k in home}
-    home_acc = {names[k]: acc_sharding[k] for k in home}
     abstract = {names[k]: avals[split.param_ids[k]] for k in home}
     opt_abstract = jax.eval_shape(lambda p: init_optimizer_state(optimizer, p), abstract)
     opt_sharding = _opt_shardings(opt_abstract, home_acc, abstract, replicated)
-    acc_list = [acc_sharding[k] for k in program.params]
+    acc_list = [group if groups else acc_sharding[k] for k in program.params]
+    grads_in = {names[k]: group if groups else acc_sharding[k] for k in home}
+    readers = split.shared_params()
+    received_in = {names[k]: [acc_sharding[k]] * len(readers[k]) for k in home if k in readers}
+    forward_params = [group if groups else param_sharding[k] for k in program.params]
     loss_sharding = replicated if program.returns_loss else None
+    away = [k for k in program.params if k not in home]
 
     return StageRuntime(
         index=index,
@@ -219,7 +249,7 @@ def build_stage(
         output_sharding=output_sharding,
         forward=jax.jit(
             forward,
-            in_shardings=([param_sharding[k] for k in program.params], batch_sharding, input_sharding),
+            in_shardings=(forward_params, batch_sharding, input_sharding),
             out_shardings=(output_sharding, loss_sharding, None),
         ),
         backward=jax.jit(
@@ -229,7 +259,7 @@ def build_stage(
         ),
         update=jax.jit(
             update,
-            in_shardings=(home_param, opt_sharding, home_acc),
+            in_shardings=(home_param, opt_sharding, grads_in, received_in),
             out_shardings=(home_param, opt_sharding, acc_list),
             donate_argnums=(0, 1),
         ),
@@ -241,7 +271,49 @@ def build_stage(
         zeros=jax.jit(zeros, out_shardings=acc_list),
         diff_outputs=diff_out,
         diff_inputs=diff_in,
+        groups=groups,
+        prepare=jax.jit(
+            lambda ps: [jnp.broadcast_to(p, (groups, *p.shape)) for p in ps],
+            in_shardings=([param_sharding[k] for k in program.params],),
+            out_shardings=forward_params,
+        ) if groups else list,
+        outgoing=jax.jit(
+            lambda xs: [x.sum(0) for x in xs],
+            out_shardings=[acc_sharding[k] for k in away],
+        ) if groups and away else list,
     )
+
+
+def _grouped_run(
+    split: SplitProgram,
+    program: StageProgram,
+    mesh: Mesh,
+    param_sharding: Mapping[int, NamedSharding],
+    group: NamedSharding,
+    constraints: Mapping[ValueId, NamedSharding],
+) -> Callable[..., Any] | None:
+    """The stage's grouped function (:mod:`.grouped`) if every parameter is
+    replicated over its mesh (the batch is then split over every device, grouped)
+    and the stage is groupable; else None."""
+    dims = split.batch_dims
+    if dims is None or mesh.size == 1:
+        return None
+    if any(any(e is not None for e in param_sharding[k].spec) for k in program.params):
+        return None
+    if any(dims[split.batch_ids[leaf]] != 0 for leaf in program.batch):
+        return None
+    run = grouped_stage_function(split, program, dims, mesh.size, group, constraints)
+    def abstract(vid: ValueId, lead: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(lead + tuple(split.avals[vid].shape), split.avals[vid].dtype)
+
+    params = [abstract(split.param_ids[k], (mesh.size,)) for k in program.params]
+    batch = [abstract(split.batch_ids[k]) for k in program.batch]
+    inputs = [abstract(v) for v in program.inputs]
+    try:
+        jax.eval_shape(run, params, batch, inputs)
+    except NotGroupable:
+        return None
+    return run
 
 
 def _opt_shardings(opt_abstract: Any, acc: dict[str, NamedSharding], params: dict[str, Any], replicated: NamedSharding) -> Any:
