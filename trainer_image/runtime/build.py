@@ -71,7 +71,8 @@ def place_stage(
     full list of initial ``leaves``) and fresh optimizer state."""
     plan_shapes = {str(task.tensor): tuple(task.shape) for task in plan.resharding}
     pins = stage_pins(split, plan.stages)[index]
-    stage = build_stage(split, index, plan.stages[index], mesh, names, optimizer, plan_shapes, pins)
+    stage = build_stage(split, index, plan.stages[index], mesh, names, optimizer, plan_shapes, pins,
+                        grouping=plan.num_micro_batches > 1)
     for leaf in split.stages[index].params:
         if split.home[leaf] == index:
             stage.params[names[leaf]] = place(np.array(leaves[leaf]), stage.param_sharding[leaf])
