@@ -13,13 +13,18 @@ For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss
   so the sum is in place). ``done`` is a scalar that is ready when the backward is:
   the accumulators are donated to the next backward, so a watcher that stamps the
   backward's completion (:mod:`.driver`) waits on it instead. An accumulator has
-  its parameter's sharding, so on a data-parallel mesh every backward all-reduces
-  its micro-batch's gradients: B all-reduces per step, where the planner (like
-  Alpa) charges one. GSPMD cannot pass a partial sum between executables. JAX
-  0.10's ``unreduced`` types could, but they need Explicit mesh axes (these meshes
-  are Auto) and do not yet trace the zoo models (benchmarks/RESULTS.md, session 9).
-- **update** ``(params, opt_state, grads) -> (params, opt_state, zeros)`` is the optax
-  update of the parameters this stage owns; it also returns the next step's zeroed
+  its parameter's sharding, so on a data-parallel mesh every backward would
+  all-reduce its micro-batch's gradients: B all-reduces per step, where the planner
+  (like Alpa) charges one. GSPMD cannot pass a partial sum between executables
+  (JAX 0.10's ``unreduced`` types need Explicit mesh axes; these meshes are Auto).
+  So a stage whose parameters are all replicated, with more than one micro-batch,
+  runs **grouped** (:mod:`.grouped`): its forward takes a copy of every parameter per
+  device (``prepare``, once per step), its accumulators are per device
+  (``[devices, ...]``), and the update sums them: one reduction per step. A shared
+  parameter's per-device sums are added up (``outgoing``) before they go home.
+- **update** ``(params, opt_state, grads, received) -> (params, opt_state, zeros)`` is
+  the optax update of the parameters this stage owns, with ``received`` the other
+  stages' gradient sums of the shared ones; it also returns the next step's zeroed
   accumulators (:meth:`StageRuntime.fresh_accumulators`), which saves launching an
   executable of zeros per stage per step (2 ms of GPT-tiny's 47 ms data-parallel
   step on CPU).
