@@ -43,7 +43,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpajob.trainer.runtime.split import FlatEqn, SplitProgram, StageProgram, ValueId, flatten
+from alpajob.trainer.runtime.split import (
+    FlatEqn,
+    SplitProgram,
+    StageProgram,
+    ValueId,
+    flatten,
+    read_atom,
+    stage_env,
+)
 
 #: Primitives never run grouped (module docstring).
 _REFUSED = frozenset({"conv_general_dilated"})
@@ -105,23 +113,10 @@ def grouped_stage_function(
     pins = dict(pins or {})
 
     def run(params: Sequence[Any], batch: Sequence[Any], inputs: Sequence[Any]) -> tuple[list[Any], Any]:
-        env: dict[ValueId, Any] = {}
-        grouped: set[ValueId] = set()
-        for leaf, value in zip(stage.params, params, strict=True):
-            env[split.param_ids[leaf]] = value
-            grouped.add(split.param_ids[leaf])
-        for leaf, value in zip(stage.batch, batch, strict=True):
-            env[split.batch_ids[leaf]] = value
-        for vid, value in zip(stage.inputs, inputs, strict=True):
-            env[vid] = value
-
-        def read(atom: Any) -> Any:
-            if isinstance(atom, tuple):
-                return atom[1]
-            return env[atom] if atom in env else split.consts[atom]
-
+        env = stage_env(split, stage, params, batch, inputs)
+        grouped = {split.param_ids[leaf] for leaf in stage.params}
         for eqn in stage.eqns:
-            values = [read(v) for v in eqn.inputs]
+            values = [read_atom(split, env, v) for v in eqn.inputs]
             if any(isinstance(v, int) and v in grouped for v in eqn.inputs):
                 results = _grouped_eqn(eqn, values, grouped, dims, groups, group_sharding)
             else:

@@ -380,6 +380,27 @@ def readers_of_stage(eqns: Sequence[FlatEqn]) -> set[ValueId]:
 # ----------------------------------------------------------------------------- evaluate
 
 
+def stage_env(
+    split: SplitProgram, stage: StageProgram, params: Sequence[Any], batch: Sequence[Any], inputs: Sequence[Any]
+) -> dict[ValueId, Any]:
+    """A stage's arguments by value id (``stage.params``, ``batch``, ``inputs`` order)."""
+    env: dict[ValueId, Any] = {}
+    for leaf, value in zip(stage.params, params, strict=True):
+        env[split.param_ids[leaf]] = value
+    for leaf, value in zip(stage.batch, batch, strict=True):
+        env[split.batch_ids[leaf]] = value
+    for vid, value in zip(stage.inputs, inputs, strict=True):
+        env[vid] = value
+    return env
+
+
+def read_atom(split: SplitProgram, env: Mapping[ValueId, Any], atom: Any) -> Any:
+    """An equation input's value: a literal's, a computed value's, or a constant's."""
+    if isinstance(atom, tuple):
+        return atom[1]
+    return env[atom] if atom in env else split.consts[atom]
+
+
 def stage_function(
     split: SplitProgram, stage: StageProgram, pins: Mapping[ValueId, Any] | None = None
 ) -> Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[list[Any], Any]]:
@@ -392,24 +413,10 @@ def stage_function(
     pins = dict(pins or {})
 
     def run(params: Sequence[Any], batch: Sequence[Any], inputs: Sequence[Any]) -> tuple[list[Any], Any]:
-        env: dict[ValueId, Any] = {}
-        for leaf, value in zip(stage.params, params, strict=True):
-            env[split.param_ids[leaf]] = value
-        for leaf, value in zip(stage.batch, batch, strict=True):
-            env[split.batch_ids[leaf]] = value
-        for vid, value in zip(stage.inputs, inputs, strict=True):
-            env[vid] = value
-
-        def read(atom: Any) -> Any:
-            if isinstance(atom, tuple):
-                return atom[1]
-            if atom in env:
-                return env[atom]
-            return split.consts[atom]
-
+        env = stage_env(split, stage, params, batch, inputs)
         for eqn in stage.eqns:
             bind_params = eqn.primitive.get_bind_params(eqn.params)
-            result = eqn.primitive.bind(*[read(v) for v in eqn.inputs], **bind_params)
+            result = eqn.primitive.bind(*[read_atom(split, env, v) for v in eqn.inputs], **bind_params)
             results = result if eqn.primitive.multiple_results else [result]
             for vid, value in zip(eqn.outputs, results, strict=True):
                 env[vid] = jax.lax.with_sharding_constraint(value, pins[vid]) if vid in pins else value
