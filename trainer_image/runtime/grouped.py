@@ -118,7 +118,7 @@ def grouped_stage_function(
         for eqn in stage.eqns:
             values = [read_atom(split, env, v) for v in eqn.inputs]
             if any(isinstance(v, int) and v in grouped for v in eqn.inputs):
-                results = _grouped_eqn(eqn, values, grouped, dims, groups, group_sharding)
+                results = _grouped_eqn(eqn, values, grouped, dims, groups, group_sharding, split.avals)
             else:
                 result = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
                 results = result if eqn.primitive.multiple_results else [result]
@@ -138,10 +138,11 @@ def grouped_stage_function(
 
 def _grouped_eqn(
     eqn: FlatEqn, values: list[Any], grouped: set[ValueId], dims: Sequence[int | None], groups: int,
-    group_sharding: Any,
+    group_sharding: Any, avals: Sequence[Any],
 ) -> list[Any]:
     """One equation that reads a grouped value, vmapped over the group axis; marks its
-    batch-free outputs grouped (module docstring, step 3)."""
+    batch-free outputs grouped (module docstring, step 3). Every output must come out
+    in its traced shape (with the group axis in front if grouped)."""
     name = eqn.primitive.name
     if name in _REFUSED:
         raise NotGroupable(f"{name} reads a parameter (GSPMD partitions a vmapped {name} wrongly)")
@@ -178,7 +179,10 @@ def _grouped_eqn(
     for vid, value, dim in zip(eqn.outputs, results, out_dims, strict=True):
         if dim is None:
             grouped.add(vid)
-            out.append(value)
         else:
-            out.append(ungroup_batch(value, dim))
+            value = ungroup_batch(value, dim)
+        expected = ((groups,) if dim is None else ()) + tuple(avals[vid].shape)
+        if tuple(value.shape) != expected:
+            raise NotGroupable(f"{name} gives shape {tuple(value.shape)} grouped, not {expected}")
+        out.append(value)
     return out
