@@ -46,15 +46,17 @@ def param_stages(plan: Plan, names: Sequence[str]) -> list[int]:
 
 
 def split_for_plan(plan: Plan, loss: Any, params: Any, batch_shapes: Any) -> tuple[SplitProgram, list[str]]:
-    """The loss traced at the plan's micro-batch size and cut into its stages (with
-    every value's batch dimension, for grouped data-parallel stages: :mod:`.grouped`),
-    and the parameter leaves' names."""
+    """The loss traced at the plan's micro-batch size and cut into its stages, and the
+    parameter leaves' names. With more than one micro-batch the split also carries
+    every value's batch dimension, which lets data-parallel stages run grouped
+    (:mod:`.grouped`); with one, a backward all-reduces once per step either way."""
     names = param_names(params)
     micro = plan.global_batch_size // plan.num_micro_batches
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     split = split_loss(loss, abstract, batch_shapes(micro), param_stages(plan, names), len(plan.stages))
-    with contextlib.suppress(NotGroupable):  # else no stage runs grouped (grouped.py)
-        split = dataclasses.replace(split, batch_dims=batch_dims(loss, abstract, batch_shapes, micro))
+    if plan.num_micro_batches > 1:
+        with contextlib.suppress(NotGroupable):  # else no stage runs grouped
+            split = dataclasses.replace(split, batch_dims=batch_dims(loss, abstract, batch_shapes, micro))
     return split, names
 
 
@@ -71,8 +73,7 @@ def place_stage(
     full list of initial ``leaves``) and fresh optimizer state."""
     plan_shapes = {str(task.tensor): tuple(task.shape) for task in plan.resharding}
     pins = stage_pins(split, plan.stages)[index]
-    stage = build_stage(split, index, plan.stages[index], mesh, names, optimizer, plan_shapes, pins,
-                        grouping=plan.num_micro_batches > 1)
+    stage = build_stage(split, index, plan.stages[index], mesh, names, optimizer, plan_shapes, pins)
     for leaf in split.stages[index].params:
         if split.home[leaf] == index:
             stage.params[names[leaf]] = place(np.array(leaves[leaf]), stage.param_sharding[leaf])

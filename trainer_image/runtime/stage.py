@@ -129,12 +129,11 @@ def build_stage(
     optimizer: optax.GradientTransformation,
     plan_shapes: dict[str, tuple],
     pins: Mapping[ValueId, list[SpecEntry]] | None = None,
-    grouping: bool = True,
 ) -> StageRuntime:
     """Compile-ready executables of stage ``index`` (jitted lazily, on first call).
 
-    ``grouping``: run the stage grouped if it can (:mod:`.grouped`); worth it only
-    with more than one micro-batch, since one backward all-reduces once either way.
+    The stage runs grouped (:mod:`.grouped`) when it can and ``split.batch_dims`` is
+    known (:func:`~.build.split_for_plan` finds it only with several micro-batches).
 
     ``pins`` (value id -> sharding, from :func:`~.pinning.stage_pins`) are the op
     outputs the forward constrains to the ILP's choice; a sharding that does not fit
@@ -182,7 +181,7 @@ def build_stage(
             constraints[vid] = NamedSharding(mesh, spec)
     replicated = NamedSharding(mesh, PartitionSpec())
     group = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))  # a leading axis over every device
-    run = _grouped_run(split, program, mesh, param_sharding, group, constraints) if grouping else None
+    run = _grouped_run(split, program, mesh, param_sharding, group, constraints)
     groups = mesh.size if run is not None else 0
     if run is None:
         run = stage_function(split, program, constraints)
