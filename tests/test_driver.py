@@ -11,7 +11,7 @@ from alpajob.cli import plan_options
 from alpajob.planner.manifest import parse_manifest
 from alpajob.planner.schedules import Direction, Schedule, instruction_list
 from alpajob.trainer.local_run import RunOptions, run
-from alpajob.trainer.runtime.driver import Stamp, issue_order, stage_times
+from alpajob.trainer.runtime.driver import Stamp, issue_order, issue_rounds, stage_times
 
 
 @pytest.mark.parametrize("schedule", list(Schedule))
@@ -28,6 +28,28 @@ def test_issue_order_follows_every_stage_program_and_its_dependencies(schedule, 
         if d is Direction.BACKWARD:
             dep = (i + 1, Direction.BACKWARD, j) if i < stages - 1 else (i, Direction.FORWARD, j)
             assert position[dep] < k
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize(("stages", "micro_batches"), [(1, 1), (2, 4), (3, 2), (4, 8), (5, 3)])
+def test_issue_rounds_are_the_schedule_clock_ticks(schedule, stages, micro_batches):
+    """A round's messages move together after it, so nothing in a round may read what
+    the same round sends: every dependency lies in an earlier round. Each stage
+    issues at most once per round, and with equal instruction times both schedules
+    take 2 (m + p - 1) ticks."""
+    rounds = issue_rounds(schedule, stages, micro_batches)
+    assert len(rounds) == 2 * (micro_batches + stages - 1)
+    when = {x: r for r, this_round in enumerate(rounds) for x in this_round}
+    for this_round in rounds:
+        assert len({s for s, _, _ in this_round}) == len(this_round)
+    for (i, d, j), r in when.items():
+        if d is Direction.FORWARD and i > 0:
+            assert when[(i - 1, Direction.FORWARD, j)] < r
+        if d is Direction.BACKWARD:
+            dep = (i + 1, Direction.BACKWARD, j) if i < stages - 1 else (i, Direction.FORWARD, j)
+            assert when[dep] < r
+    if schedule is Schedule.ONE_F_ONE_B:  # stage i starts micro-batch 0 in tick i
+        assert all(when[(i, Direction.FORWARD, 0)] == i for i in range(stages))
 
 
 def test_stage_times_split_each_wait_into_communication_and_idle():

@@ -23,8 +23,8 @@ from alpajob.planner.manifest import parse_manifest
 from alpajob.planner.plan import write_plan
 from alpajob.trainer.local_run import RunOptions, run
 from alpajob.trainer.runtime.meshes import DeviceError
-from alpajob.trainer.runtime.transfer import box_size, intersect, plan_transfer, tiles_of
-from alpajob.trainer.runtime.transport import move, move_all
+from alpajob.trainer.runtime.transfer import Send, box_size, intersect, plan_transfer, tiles_of
+from alpajob.trainer.runtime.transport import move, move_all, same_layout, transfer_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,6 +94,43 @@ def test_move_all_moves_many_arrays_in_two_batched_puts(monkeypatch: pytest.Monk
     for array, target, want in zip(moved, targets, data, strict=True):
         assert array.sharding == target
         np.testing.assert_array_equal(np.asarray(array), want)
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(range(len(SPECS)), repeat=2)))
+def test_same_layout_is_exactly_the_plan_of_whole_shards_device_for_device(src: int, dst: int) -> None:
+    """The shortcut through ``jax.device_put`` is taken exactly when the transfer plan
+    is one whole shard from the i-th source device to the i-th destination device."""
+    shape = (8, 12)
+    m1, m2 = _meshes()
+    source, target = NamedSharding(m1, SPECS[src]), NamedSharding(m2, SPECS[dst])
+    array = jax.device_put(np.zeros(shape, np.float32), source)
+    plan = transfer_plan(array, target)
+    src_tiles = tiles_of(source, shape)
+    device_for_device = {Send(a.id, b.id, src_tiles[a.id]) for a, b in zip(m1.devices.flat, m2.devices.flat, strict=True)}
+    assert same_layout(array, target) == (not plan.copies and set(plan.sends) == device_for_device)
+    # On these meshes: four row blocks in device order on both sides.
+    assert same_layout(array, target) == ((SPECS[src], SPECS[dst]) in {(P(("x", "y")), P(("x", "y"))),
+                                                                      (P(("x", "y")), P("y", "x"))})
+
+
+def test_move_all_puts_same_layout_arrays_in_one_call_with_the_rest_tile_by_tile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    m1, m2 = _meshes()
+    data = [np.arange(8 * 12, dtype=np.float32).reshape(8, 12) * (k + 1) for k in range(3)]
+    sources = [P(("x", "y")), P("x"), P(("x", "y"))]
+    destinations = [P("y"), P(None, "y"), P(("x", "y"))]  # the first and last move shard for shard
+    arrays = [jax.device_put(d, NamedSharding(m1, s)) for d, s in zip(data, sources, strict=True)]
+    targets = [NamedSharding(m2, d) for d in destinations]
+    calls = []
+    real_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a) or real_put(*a, **k))
+    moved = move_all(arrays, targets)
+    assert len(calls) == 2  # the two same-layout arrays together; the other's tiles (no replicas)
+    assert calls[0][0] == [arrays[0], arrays[2]]
+    for array, target, want in zip(moved, targets, data, strict=True):
+        assert array.sharding == target
+        np.testing.assert_array_equal(np.asarray(array), want)
+        assert {s.device for s in array.addressable_shards} == set(m2.devices.flat)
 
 
 def test_parcels_carry_each_needed_tile_once_and_assemble_exactly() -> None:

@@ -1,11 +1,13 @@
 """One training step on local devices, issued from one thread without waiting.
 
 The local runner sees every device from one process, so one thread can drive every
-stage. It walks the stages' instruction lists (:func:`~alpajob.planner.schedules.
+stage. It places every micro-batch's batch leaves on their stages at the start, in
+one batched put (the host's work per put matters more than its bytes here), then
+walks the stages' instruction lists (:func:`~alpajob.planner.schedules.
 instruction_list`, GPipe or 1F1B) in one global order (:func:`issue_order`) and
-issues each instruction the way a stage of :mod:`.executor` would: place the
-micro-batch's batch leaves, call the forward or backward executable, move each
-output to the stages that read it (:func:`.transport.move_all`). Nothing waits: JAX
+issues each instruction the way a stage of :mod:`.executor` would: call the forward
+or backward executable, move each output to the stages that read it
+(:func:`.transport.move_all`). Nothing waits: JAX
 queues every executable behind its inputs and returns, and a move of whole shards
 is a device copy queued behind the computation that makes them. No Python thread
 stands between one stage's output and the next stage's input, where a thread per
@@ -51,7 +53,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from operator import add
@@ -68,7 +70,7 @@ from alpajob.trainer.runtime.executor import (
     loss_seed,
     split_micro_batches,
 )
-from alpajob.trainer.runtime.meshes import place
+from alpajob.trainer.runtime.meshes import place_all
 from alpajob.trainer.runtime.messages import (
     Key,
     backward_receives,
@@ -91,32 +93,40 @@ InstructionId = tuple[int, str, int]
 _KIND = {Direction.FORWARD: "forward", Direction.BACKWARD: "backward"}
 
 
-def issue_order(schedule: Schedule, num_stages: int, num_micro_batches: int) -> list[tuple[int, Direction, int]]:
-    """Every stage's instructions in one order that respects their dependencies.
+def issue_rounds(schedule: Schedule, num_stages: int,
+                 num_micro_batches: int) -> list[list[tuple[int, Direction, int]]]:
+    """Every stage's instructions in rounds that respect their dependencies.
 
-    Rounds over the stages: in each round a stage issues its next instruction if its
-    :func:`~alpajob.planner.schedules.predecessor` has been issued. With equal instruction times
-    this is the order the schedule runs them in.
+    In each round every stage issues its next instruction if its
+    :func:`~alpajob.planner.schedules.predecessor` was issued in an *earlier* round:
+    a round is one tick of the schedule's clock with equal instruction times (for
+    1F1B, stage ``i`` starts micro-batch 0 in round ``i``). So no instruction reads
+    what its own round sends, and a round's messages can move together, after it.
     """
     programs = [instruction_list(schedule, i, num_stages, num_micro_batches) for i in range(num_stages)]
     cursor = [0] * num_stages
     issued: set[tuple[int, Direction, int]] = set()
-    order: list[tuple[int, Direction, int]] = []
-    while len(order) < sum(map(len, programs)):
-        progressed = False
+    rounds: list[list[tuple[int, Direction, int]]] = []
+    while sum(map(len, rounds)) < sum(map(len, programs)):
+        this_round = []
         for i in range(num_stages):
             if cursor[i] == len(programs[i]):
                 continue
             direction, j = programs[i][cursor[i]]
             dep = predecessor(i, direction, j, num_stages)
             if dep is None or dep in issued:
-                order.append((i, direction, j))
-                issued.add((i, direction, j))
+                this_round.append((i, direction, j))
                 cursor[i] += 1
-                progressed = True
-        if not progressed:
+        if not this_round:
             raise RuntimeError(f"schedule {schedule.value} deadlocks")  # a bug, not user input
-    return order
+        issued.update(this_round)
+        rounds.append(this_round)
+    return rounds
+
+
+def issue_order(schedule: Schedule, num_stages: int, num_micro_batches: int) -> list[tuple[int, Direction, int]]:
+    """The instructions of :func:`issue_rounds`, round after round."""
+    return [x for this_round in issue_rounds(schedule, num_stages, num_micro_batches) for x in this_round]
 
 
 @dataclass(frozen=True)
@@ -243,26 +253,37 @@ def stage_times(stamps: Sequence[Sequence[Stamp]], begin: float, end: float) -> 
 
 
 class _Post:
-    """Messages between stages in flight: each value moved onto its reader as it is sent."""
+    """Messages between stages: queued as they are sent, moved onto their readers
+    together on :meth:`flush` (one batched move per round of the step), or at once in
+    a waiting step (its stamps need each message's own arrival)."""
 
     def __init__(self, split: SplitProgram, stages: Sequence[StageRuntime], wait: bool) -> None:
         self.split, self.stages, self.wait = split, stages, wait
+        self._pending: list[tuple[InstructionId | None, int, Key, Any]] = []
         self._values: dict[tuple[int, Key], Any] = {}
         self._from: dict[tuple[int, Key], InstructionId | None] = {}
         self._arrived: dict[tuple[int, Key], float] = {}
 
     def send(self, source: InstructionId | None, sends: Sequence[tuple[int, Key, Any]]) -> None:
-        targets = [destination_sharding(self.split, self.stages[r], key) for r, key, _ in sends]
-        moved = move_all([v for _, _, v in sends], targets)
+        self._pending += [(source, r, key, value) for r, key, value in sends]
+        if self.wait:
+            self.flush()
+
+    def flush(self) -> None:
+        """Move every queued message onto its reader, in one :func:`move_all`."""
+        pending, self._pending = self._pending, []
+        targets = [destination_sharding(self.split, self.stages[r], key) for _, r, key, _ in pending]
+        moved = move_all([value for *_, value in pending], targets)
         if self.wait:
             jax.block_until_ready(moved)
             arrived = time.perf_counter()
-            self._arrived.update(((r, key), arrived) for r, key, _ in sends)
-        for (r, key, _), value in zip(sends, moved, strict=True):
+            self._arrived.update(((r, key), arrived) for _, r, key, _ in pending)
+        for (source, r, key, _), value in zip(pending, moved, strict=True):
             self._values[(r, key)] = value
             self._from[(r, key)] = source
 
     def take(self, stage: int, keys: Sequence[Key]) -> tuple[list[Any], list[InstructionId]]:
+        """The moved values of ``keys`` for ``stage`` (sent and flushed before)."""
         values = [self._values.pop((stage, key)) for key in keys]
         sources = [src for key in keys if (src := self._from.pop((stage, key))) is not None]
         return values, sources
@@ -271,6 +292,27 @@ class _Post:
         """When the last of these messages had arrived (waiting steps only), or None."""
         times = [self._arrived.pop((stage, key)) for key in keys if (stage, key) in self._arrived]
         return max(times, default=None)
+
+
+def _place_batch(split: SplitProgram, stages: Sequence[StageRuntime],
+                 micro: Sequence[Sequence[np.ndarray]]) -> dict[tuple[int, int], list[Any]]:
+    """Every stage's batch leaves of every micro-batch, ``(stage, micro-batch) ->
+    leaves``, placed at the start of the step in one batched put."""
+    wanted = [(s, j, k, sh) for s, stage in enumerate(stages) for j in range(len(micro))
+              for k, sh in zip(split.stages[s].batch, stage.batch_sharding, strict=True)]
+    placed = place_all([micro[j][k] for _, j, k, _ in wanted], [sh for *_, sh in wanted])
+    out: dict[tuple[int, int], list[Any]] = {(s, j): [] for s in range(len(stages)) for j in range(len(micro))}
+    for (s, j, _, _), x in zip(wanted, placed, strict=True):
+        out[(s, j)].append(x)
+    return out
+
+
+def _with_flushes(rounds: Sequence[Sequence[tuple[int, Direction, int]]],
+                  post: _Post) -> Iterator[tuple[int, Direction, int]]:
+    """The rounds' instructions in order, flushing ``post`` after each round."""
+    for this_round in rounds:
+        yield from this_round
+        post.flush()
 
 
 def drive_step(
@@ -294,6 +336,7 @@ def drive_step(
     try:
         for s, stage in enumerate(stages):  # shared parameters out
             post.send(None, [(r, key, stage.params[stage.leaf_names[key[1]]]) for r, key in param_sends(split, s)])
+        post.flush()
         params, acc = [], []
         for s, stage in enumerate(stages):
             keys = param_receives(split, s)
@@ -301,15 +344,16 @@ def drive_step(
             params.append(stage.prepare([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
                                          for leaf in split.stages[s].params]))
             acc.append(stage.fresh_accumulators())
+        batch = _place_batch(split, stages, micro)
         saved: dict[tuple[int, int], Any] = {}
         losses: list[jax.Array] = []
         last_backward = [instruction_list(schedule, s, p, m)[-1][1] for s in range(p)]
-        for s, direction, j in issue_order(schedule, p, m):
+        for s, direction, j in _with_flushes(issue_rounds(schedule, p, m), post):
             stage, program = stages[s], split.stages[s]
             me = (s, _KIND[direction], j)
             issued = time.perf_counter()
             if direction is Direction.FORWARD:
-                leaves = [place(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
+                leaves = batch.pop((s, j))
                 keys = forward_receives(split, s, j)
                 inputs, sources = post.take(s, keys)
                 watchers[s].before((leaves, inputs), post.arrived(s, keys))
@@ -340,6 +384,7 @@ def drive_step(
             summed = stage.outgoing([grads[s].pop(key[1]) for _, key in sends])
             post.send((s, "backward", last_backward[s]),
                       [(r, key, value) for (r, key), value in zip(sends, summed, strict=True)])
+        post.flush()
         for s, stage in enumerate(stages):
             issued = time.perf_counter()
             keys = shared_receives(split, s)
