@@ -2,18 +2,26 @@
 
 The local runner sees every device from one process, so one thread can drive every
 stage. It places every micro-batch's batch leaves on their stages at the start, in
-one batched put (the host's work per put matters more than its bytes here), then
-walks the stages' instruction lists (:func:`~alpajob.planner.schedules.
-instruction_list`, GPipe or 1F1B) in one global order (:func:`issue_order`) and
-issues each instruction the way a stage of :mod:`.executor` would: call the forward
-or backward executable, move each output to the stages that read it
-(:func:`.transport.move_all`). Nothing waits: JAX
-queues every executable behind its inputs and returns, and a move of whole shards
-is a device copy queued behind the computation that makes them. No Python thread
-stands between one stage's output and the next stage's input, where a thread per
-stage that waits for every instruction pays a thread hand-off per message (on 2
-shared cores that cost GPT-tiny's 4-stage pipeline 15-17% of its step:
-benchmarks/RESULTS.md, session 10).
+one batched put, then walks the stages' instruction lists (:func:`~alpajob.planner.
+schedules.instruction_list`, GPipe or 1F1B) in rounds, the ticks of the schedule's
+clock (:func:`issue_rounds`). In a round, each stage that can issues its next
+instruction the way a stage of :mod:`.executor` would: call the forward or backward
+executable and send each output to the stages that read it. After the round, all
+its messages move together (one :func:`.transport.move_all`): nothing in a round
+reads what the same round sends. Nothing waits: JAX queues every executable behind
+its inputs and returns, and a move of whole shards is a device copy queued behind
+the computation that makes them. No Python thread stands between one stage's
+output and the next stage's input, where a thread per stage that waits for every
+instruction pays a thread hand-off per message (on 2 shared cores that cost
+GPT-tiny's 4-stage pipeline 15-17% of its step: benchmarks/RESULTS.md, session 10).
+
+**Host work per step.** A small model's instructions take 0.3-3 ms, and on a host
+whose cores also run the devices every ``jax.device_put`` costs 0.1-0.3 ms of
+Python. So the step batches its puts: one for the batch, one per round for the
+messages (GPT-tiny, 4 stages, 8 micro-batches: 24 moves in place of 68), and moves
+of the same layout on both sides go through ``jax.device_put`` whole
+(:mod:`.transport`). Together these made that step 12-16% faster
+(benchmarks/RESULTS.md, session 12).
 
 Devices run what they were given in the order their inputs allow. On GPUs, where a
 device runs its queue in order, that is the schedule's order; on CPU devices a
