@@ -11,7 +11,7 @@ source's tiles in the source's order, and no two destination devices share a til
 the plan is one whole shard from the i-th source device to the i-th destination
 device, and nothing else. Those arrays move in one ``jax.device_put`` onto their
 destination shardings (JAX copies shard for shard, device to device) rather than
-tile by tile: it does the same copies with a third less host work per array, which
+tile by tile: it does the same copies with about 40% less host work per array, which
 matters when a small model's step makes dozens of moves (benchmarks/RESULTS.md,
 session 12). Between pipeline stages this is the common case: a batch-sharded
 activation going to a submesh of the same shape.
@@ -73,11 +73,11 @@ def move(array: jax.Array, dst_sharding: Any) -> jax.Array:
 
 
 def move_all(arrays: Sequence[jax.Array], dst_shardings: Sequence[Any], on_host: bool | None = None) -> list[jax.Array]:
-    """Every array resharded onto its destination sharding, all in the same two rounds.
+    """Every array resharded onto its destination sharding, in at most three puts.
 
-    A stage sends a micro-batch's activations to the next stage together; on small
-    arrays a ``device_put`` costs far more in dispatch than in bytes, so their tiles
-    share one batched ``device_put`` and their replica copies a second. ``on_host``:
+    The driver moves a round's messages together; on small arrays a ``device_put``
+    costs far more in dispatch than in bytes, so the same-layout arrays share one
+    ``device_put``, the others' tiles a second and their replica copies a third. ``on_host``:
     cut and assemble partial pieces on the host (default: on CPU devices only).
     """
     moved: list[Any] = [None] * len(arrays)
