@@ -60,6 +60,8 @@ def _stages(*specs: tuple[tuple[int, int], tuple[int, int]]) -> list[dict[str, A
 CASES = {
     "mlp-data": ("mlp", {"method": "data"}),
     "gpt-shard": ("gpt", {"method": "shard"}),
+    "moe-shard": ("moe", {"method": "shard"}),
+    "wresnet-data": ("wresnet", {"method": "data"}),
     "gpt-2stage-1f1b-uneven": (
         "gpt",
         {"method": "manual", "numMicroBatches": 4, "schedule": "1f1b",
