@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--output", "-o", help="write the Plan document (JSON) here")
     plan.add_argument("--output-configmap", metavar="NAMESPACE/NAME",
                       help="also write the Plan into this ConfigMap as plan.json (the planning pod of a job)")
+    plan.add_argument("--schedule", action="store_true",
+                      help="also print every stage's instruction list (F3: forward of micro-batch 3, "
+                           "B: backward, U: the update)")
     plan.add_argument("--baselines", action="store_true",
                       help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
     plan.add_argument("--ilp-time-limit", type=float, default=10.0,
@@ -174,6 +177,22 @@ def plan_table(plan: Plan) -> Table:
     return table
 
 
+def schedule_table(plan: Plan) -> Table:
+    """Each stage's instruction list, in the order the stage runs it."""
+    from alpajob.planner.schedules import Direction, Schedule, instruction_list
+
+    p, m = len(plan.stages), plan.num_micro_batches
+    table = Table(title=f"{plan.schedule} schedule, {m} micro-batches",
+                  caption="Fj / Bj: forward / backward of micro-batch j; U: the optimizer update")
+    table.add_column("stage", justify="right")
+    table.add_column("instructions")
+    for i in range(p):
+        program = instruction_list(Schedule(plan.schedule), i, p, m)
+        names = [f"{'F' if d is Direction.FORWARD else 'B'}{j}" for d, j in program]
+        table.add_row(str(i), " ".join([*names, "U"]))
+    return table
+
+
 def _flops(pflops: float) -> str:
     """PFLOP/s, or TFLOP/s / GFLOP/s for small (CPU) figures."""
     if pflops >= 0.1:
@@ -237,6 +256,8 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     plan = result.plan
     out.print(plan_table(plan))
     out.print(_summary(plan))
+    if args.schedule:
+        out.print(schedule_table(plan))
     if plan.baselines is not None:
         out.print(baseline_table(plan))
     if args.output:

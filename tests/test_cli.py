@@ -32,6 +32,15 @@ def test_manual_manifest(tmp_path):
     assert [s["layers"] for s in data["stages"]] == [[0, 2], [2, 4]]
 
 
+def test_plan_prints_each_stage_instruction_list(capsys):
+    """manual-gpt.yaml: 2 stages, 4 micro-batches, 1F1B (the default schedule)."""
+    assert main(["plan", str(EXAMPLES / "manual-gpt.yaml"), "--schedule"]) == 0
+    printed = capsys.readouterr().out
+    assert "1f1b schedule, 4 micro-batches" in printed
+    assert "F0 F1 B0 F2 B1 F3 B2 B3 U" in printed  # stage 0: one warm-up forward
+    assert "F0 B0 F1 B1 F2 B2 F3 B3 U" in printed  # the last stage alternates
+
+
 def test_cluster_overrides(tmp_path):
     out = tmp_path / "plan.json"
     code = main(["plan", str(EXAMPLES / "local-gpt.yaml"), "--gpus-per-node", "4",
