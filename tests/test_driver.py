@@ -14,6 +14,18 @@ from alpajob.trainer.local_run import RunOptions, run
 from alpajob.trainer.runtime.driver import Stamp, issue_order, issue_rounds, stage_times
 
 
+def _assert_dependencies_first(when: dict[Any, int], stages: int) -> None:
+    """Every instruction comes strictly after what it reads: a forward after the previous
+    stage's forward of its micro-batch, a backward after the next stage's backward
+    (the last stage: after its own forward)."""
+    for (i, d, j), k in when.items():
+        if d is Direction.FORWARD and i > 0:
+            assert when[(i - 1, Direction.FORWARD, j)] < k
+        if d is Direction.BACKWARD:
+            dep = (i + 1, Direction.BACKWARD, j) if i < stages - 1 else (i, Direction.FORWARD, j)
+            assert when[dep] < k
+
+
 @pytest.mark.parametrize("schedule", list(Schedule))
 @pytest.mark.parametrize(("stages", "micro_batches"), [(1, 1), (2, 4), (3, 2), (4, 8), (5, 3)])
 def test_issue_order_follows_every_stage_program_and_its_dependencies(schedule, stages, micro_batches):
@@ -21,13 +33,7 @@ def test_issue_order_follows_every_stage_program_and_its_dependencies(schedule, 
     assert len(order) == len(set(order)) == 2 * stages * micro_batches
     for i in range(stages):
         assert [(d, j) for s, d, j in order if s == i] == instruction_list(schedule, i, stages, micro_batches)
-    position = {x: k for k, x in enumerate(order)}
-    for (i, d, j), k in position.items():
-        if d is Direction.FORWARD and i > 0:
-            assert position[(i - 1, Direction.FORWARD, j)] < k
-        if d is Direction.BACKWARD:
-            dep = (i + 1, Direction.BACKWARD, j) if i < stages - 1 else (i, Direction.FORWARD, j)
-            assert position[dep] < k
+    _assert_dependencies_first({x: k for k, x in enumerate(order)}, stages)
 
 
 @pytest.mark.parametrize("schedule", list(Schedule))
@@ -42,12 +48,7 @@ def test_issue_rounds_are_the_schedule_clock_ticks(schedule, stages, micro_batch
     when = {x: r for r, this_round in enumerate(rounds) for x in this_round}
     for this_round in rounds:
         assert len({s for s, _, _ in this_round}) == len(this_round)
-    for (i, d, j), r in when.items():
-        if d is Direction.FORWARD and i > 0:
-            assert when[(i - 1, Direction.FORWARD, j)] < r
-        if d is Direction.BACKWARD:
-            dep = (i + 1, Direction.BACKWARD, j) if i < stages - 1 else (i, Direction.FORWARD, j)
-            assert when[dep] < r
+    _assert_dependencies_first(when, stages)
     if schedule is Schedule.ONE_F_ONE_B:  # stage i starts micro-batch 0 in tick i
         assert all(when[(i, Direction.FORWARD, 0)] == i for i in range(stages))
 
