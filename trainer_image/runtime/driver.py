@@ -115,7 +115,7 @@ def issue_rounds(schedule: Schedule, num_stages: int,
     cursor = [0] * num_stages
     issued: set[tuple[int, Direction, int]] = set()
     rounds: list[list[tuple[int, Direction, int]]] = []
-    while sum(map(len, rounds)) < sum(map(len, programs)):
+    while len(issued) < sum(map(len, programs)):
         this_round = []
         for i in range(num_stages):
             if cursor[i] == len(programs[i]):

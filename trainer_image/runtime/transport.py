@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpajob.trainer.runtime.transfer import Box, TransferPlan, box_of, plan_transfer, tiles_of
+from alpajob.trainer.runtime.transfer import Box, TransferPlan, plan_transfer, tiles_of
 
 
 @cache
@@ -52,8 +52,8 @@ def transfer_plan(array: jax.Array, dst_sharding: Any) -> TransferPlan:
 def _cached_same_layout(shape: tuple[int, ...], src: Any, dst: Any) -> bool:
     if not (src.is_fully_addressable and dst.is_fully_addressable):
         return False
-    src_tiles = [box_of(index, shape) for index in src.devices_indices_map(shape).values()]
-    dst_tiles = [box_of(index, shape) for index in dst.devices_indices_map(shape).values()]
+    src_tiles = list(tiles_of(src, shape).values())  # in each sharding's device order
+    dst_tiles = list(tiles_of(dst, shape).values())
     return src_tiles == dst_tiles and len(set(dst_tiles)) == len(dst_tiles)
 
 
