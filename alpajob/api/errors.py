@@ -1,0 +1,54 @@
+"""The planner's error hierarchy.
+
+Every error a user can cause derives from :class:`AlpaJobError` and carries a message
+that names the offending value and the fix. The CLI prints the message (no traceback)
+and exits with :attr:`AlpaJobError.exit_code`.
+"""
+
+from __future__ import annotations
+
+
+class AlpaJobError(Exception):
+    """Base class for errors caused by user input; ``exit_code`` is the CLI's exit status."""
+
+    exit_code: int = 2
+
+
+class ManifestError(AlpaJobError):
+    """The AlpaJob manifest (or a CLI flag overriding it) is malformed.
+
+    ``field`` is the dotted path of the offending field, e.g. ``spec.model.config.hidden``.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class ClusterError(AlpaJobError):
+    """The cluster description is impossible (zero nodes, unknown GPU preset, ...)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class InfeasibleError(AlpaJobError):
+    """The model cannot fit the cluster's device memory, even fully sharded.
+
+    ``required_bytes`` is the smallest per-device memory any plan needs,
+    ``available_bytes`` the device memory.
+    """
+
+    def __init__(self, message: str, required_bytes: float, available_bytes: float) -> None:
+        self.required_bytes = required_bytes
+        self.available_bytes = available_bytes
+        super().__init__(message)
+
+
+class PlanFormatError(AlpaJobError):
+    """A Plan document could not be read (bad JSON, wrong version, missing field)."""
+
+
+class SolverError(AlpaJobError):
+    """The ILP solver failed for a reason other than infeasibility (e.g. its time limit)."""

@@ -1,0 +1,81 @@
+"""What a caller asks of planning and training, beside the manifest: one typed object each.
+
+The manifest says what to train; these say how this one invocation should go (cluster
+overrides, a plan file, where to write metrics, how many steps). ``alpajob plan`` and
+``alpajob run`` turn their flags into them (:func:`from_flags`, whose errors name the
+flag); the Python API (``alpajob.plan(job, PlanOptions(...))``) and the benchmarks
+build them directly. The planner and the trainer take them as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic.alias_generators import to_snake
+
+from alpajob.api.catalog import DevicePreset
+from alpajob.api.errors import ManifestError
+from alpajob.api.schema import Contract
+from alpajob.api.spec import Method
+
+
+class PlanOptions(Contract):
+    """How to plan: overrides of ``spec.cluster`` and ``spec.parallelism``, solver knobs."""
+
+    nodes: int | None = Field(None, ge=1, description="override spec.cluster.nodes")
+    gpus_per_node: int | None = Field(None, ge=1, description="override spec.cluster.gpusPerNode")
+    gpu: DevicePreset | None = Field(None, description="override the device preset")
+    method: Method | None = Field(None, description="override spec.parallelism.method")
+    ilp_time_limit: float = Field(10.0, gt=0, description="seconds allowed to each ILP solve")
+    baselines: bool = Field(False, description="also cost the baselines (never changes the plan)")
+
+
+class TrainOptions(Contract):
+    """How to train on this machine (``alpajob run``)."""
+
+    steps: int | None = Field(None, ge=1, description="steps to train (default spec.training.steps)")
+    seed: int | None = Field(None, description="parameter and data seed (default spec.training.seed)")
+    devices: int | None = Field(None, ge=1, description="local devices to use (CPU: forced count)")
+    serial: bool = Field(False, description="the whole step on one device: the reference run")
+    plan_file: str | None = Field(None, description="run this Plan document instead of planning")
+    planning: PlanOptions = Field(default_factory=PlanOptions, description="how to plan, if planning")
+    metrics_out: str | None = Field(None, description="write per-step metrics (JSON) here")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus /metrics here")
+    checkpoint_dir: str | None = Field(None, description="save sharded checkpoints here")
+    checkpoint_every: int | None = Field(None, ge=1, description="checkpoint every N steps and at the end")
+    resume: bool = Field(False, description="continue from the newest checkpoint in checkpoint_dir")
+    exact_stage_times: bool = Field(False, description="timed steps wait for every instruction")
+    stage_times_every: int = Field(10, ge=1, description="time every N-th step per stage")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainOptions:
+        if self.plan_file and (self.serial or self.planning.method is not None):
+            raise ValueError("method: a plan file already fixes the method; pass one of the two")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume: needs checkpoint_dir (where the checkpoints are)")
+        return self
+
+
+Options = TypeVar("Options", PlanOptions, TrainOptions)
+
+
+def flag_name(field: str) -> str:
+    """``gpus_per_node`` (or ``gpusPerNode``) -> ``--gpus-per-node``."""
+    return "--" + to_snake(field).replace("_", "-")
+
+
+def from_flags(model: type[Options], values: Mapping[str, Any]) -> Options:
+    """Options from command-line ``values`` (None: not given); an invalid one is a
+    :class:`ManifestError` naming its flag."""
+    try:
+        return model.model_validate({k: v for k, v in values.items() if v is not None})
+    except ValidationError as error:
+        first = error.errors()[0]
+        message = str(first["msg"]).removeprefix("Value error, ")
+        field, _, rest = message.partition(": ")
+        if not first["loc"] and rest:  # a cross-field rule names its field itself
+            raise ManifestError(flag_name(field), rest) from None
+        name = str(first["loc"][-1]) if first["loc"] else "options"
+        raise ManifestError(flag_name(name), message) from None

@@ -1,0 +1,134 @@
+"""What the operator gives a trainer pod, and how the trainer reads it back.
+
+Every pod of a job (the planner, the head with the Ray head and the driver, one pod
+per mesh host) runs the trainer image with an environment built from one
+:class:`TrainerRuntime`: the operator calls :meth:`TrainerRuntime.to_env`, the
+``alpajob`` commands in the pod call :meth:`TrainerRuntime.from_env`, and a test
+builds each kind of pod with the operator's own builders and reads it back whole.
+Every flag of ``alpajob plan``, ``driver``, ``mesh-worker`` and ``ray-head`` defaults
+to the field here, so a command line in a pod can stay short.
+
+=========================  ===========  ===========================================
+variable                   pods         meaning
+=========================  ===========  ===========================================
+``ALPAJOB_ROLE``           all          planner, head or mesh
+``ALPAJOB_JOB``            all          the AlpaJob's name
+``ALPAJOB_NAMESPACE``      all          its namespace
+``ALPAJOB_ATTEMPT``        head, mesh   0, then one more per restart of the whole job
+``ALPAJOB_MANIFEST``       all          path of the job's manifest (``<job>-config``)
+``ALPAJOB_PLAN``           head, mesh   path of the Plan document (``<job>-plan``)
+``ALPAJOB_PLAN_CONFIGMAP`` planner      ``namespace/name`` the planner writes the plan to
+``ALPAJOB_PROGRESS_CONFIGMAP`` head     ``namespace/name`` the driver keeps progress in
+``ALPAJOB_GPU``            planner      the device preset of the node pool
+``ALPAJOB_NODES``          planner      nodes of the pool the plan may use
+``ALPAJOB_GPUS_PER_NODE``  planner      devices of each of them
+``ALPAJOB_RAY_ADDRESS``    mesh         the Ray head's ``host:port``
+``ALPAJOB_RAY_PORT``       head         the Ray head's GCS port
+``ALPAJOB_METRICS_PORT``   head         the driver's Prometheus port
+``ALPAJOB_MESH``           mesh         this pod's mesh (the plan's stage)
+``ALPAJOB_HOST``           mesh         this pod's host index inside the mesh
+``ALPAJOB_PROCESS_ID``     mesh         its process index in the mesh's JAX group
+``ALPAJOB_PROCESS_COUNT``  mesh         processes (hosts) in the mesh's JAX group
+``ALPAJOB_COORDINATOR``    mesh         ``host:port`` of the mesh's JAX coordinator
+``ALPAJOB_DEVICES``        mesh         CPU pools only: host devices to force
+``ALPAJOB_CHECKPOINT_DIR`` head         the shared checkpoint directory
+``ALPAJOB_CHECKPOINT_EVERY`` head       steps between two checkpoints
+``ALPAJOB_JOIN_TIMEOUT``   head         seconds the driver waits for every mesh host
+``ALPAJOB_TRANSPORT``      head         ``object-store`` or ``collective``
+=========================  ===========  ===========================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+
+from pydantic import Field, ValidationError
+
+from alpajob.api.catalog import DevicePreset
+from alpajob.api.errors import ManifestError
+from alpajob.api.names import Role
+from alpajob.api.schema import Contract
+
+#: Every variable of the contract starts with this.
+ENV_PREFIX = "ALPAJOB_"
+
+#: The Ray head's GCS port (the head pod and its Service).
+RAY_PORT = 6379
+#: The driver's and the trainers' Prometheus port.
+METRICS_PORT = 9090
+#: The JAX coordinator port of a mesh's host 0.
+COORDINATOR_PORT = 8476
+#: Where the pods mount the job's ConfigMaps and checkpoint volume.
+CONFIG_DIR = "/etc/alpajob"
+PLAN_DIR = "/etc/alpajob/plan"
+CHECKPOINT_DIR = "/checkpoints"
+MANIFEST_PATH = f"{CONFIG_DIR}/manifest.yaml"
+PLAN_PATH = f"{PLAN_DIR}/plan.json"
+
+
+class Transport(StrEnum):
+    """How activations and gradients cross between meshes in the Ray runtime."""
+
+    OBJECT_STORE = "object-store"
+    COLLECTIVE = "collective"
+
+
+class TrainerRuntime(Contract):
+    """What one trainer pod is told (module docstring); unset fields are not sent."""
+
+    role: Role | None = None
+    job: str | None = None
+    namespace: str | None = None
+    attempt: int = Field(0, ge=0)
+    manifest: str | None = None
+    plan: str | None = None
+    plan_configmap: str | None = None
+    progress_configmap: str | None = None
+    gpu: DevicePreset | None = None
+    nodes: int | None = Field(None, ge=1)
+    gpus_per_node: int | None = Field(None, ge=1)
+    ray_address: str | None = None
+    ray_port: int | None = Field(None, ge=1, le=65535)
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    mesh: int | None = Field(None, ge=0)
+    host: int | None = Field(None, ge=0)
+    process_id: int | None = Field(None, ge=0)
+    process_count: int | None = Field(None, ge=1)
+    coordinator: str | None = None
+    devices: int | None = Field(None, ge=1)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = Field(None, ge=1)
+    join_timeout: float | None = Field(None, gt=0)
+    transport: Transport | None = None
+
+    @staticmethod
+    def env_name(field: str) -> str:
+        """``process_id`` -> ``ALPAJOB_PROCESS_ID``."""
+        return ENV_PREFIX + field.upper()
+
+    def to_env(self) -> dict[str, str]:
+        """The pod's environment: one variable per set field (the operator's side)."""
+        values = self.model_dump(mode="json", exclude_defaults=True)
+        values["attempt"] = self.attempt
+        return {self.env_name(k): str(v) for k, v in values.items() if v is not None}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> TrainerRuntime:
+        """Read the contract back from ``env`` (the trainer's side); a malformed variable
+        is a :class:`ManifestError` naming it. Variables of other programs are ignored."""
+        names = {cls.env_name(field): field for field in cls.model_fields}
+        values = {names[k]: v for k, v in env.items() if k in names and v != ""}
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = str(first["loc"][0]) if first["loc"] else "role"
+            raise ManifestError(cls.env_name(field),
+                                f"{first['msg']}, got {env.get(cls.env_name(field))!r}") from None
+
+    @classmethod
+    def unknown_variables(cls, env: Mapping[str, str]) -> list[str]:
+        """``ALPAJOB_*`` variables in ``env`` that are not part of the contract."""
+        names = {cls.env_name(field) for field in cls.model_fields}
+        return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in names)

@@ -1,0 +1,344 @@
+"""The AlpaJob's ``spec`` (contract 1): what to train, on which node pool, and how.
+
+One typed model per section, read by the CLI, the planner, the trainer and the
+operator's webhook alike; the CRD's schema is generated from these models
+(:mod:`alpajob.api.crd`), CEL rules included, so the API server, the webhook and
+``alpajob run`` refuse the same specs. A user writes camelCase keys::
+
+    spec:
+      model: {zoo: gpt, config: 2.6b}
+      training: {globalBatchSize: 1024, dtype: float16, optimizer: adam}
+      cluster: {gpu: v100-16gb, nodes: 1, gpusPerNode: 8}
+      parallelism: {method: auto, numMicroBatches: auto, schedule: 1f1b}
+
+What a schema cannot say (a known zoo size, manual stages that cover the layers and fit
+the cluster, micro-batches dividing the batch) is checked by
+:func:`alpajob.api.validation.spec_problems` on a parsed spec.
+
+Mutable once a job exists: ``runPolicy.suspend``, ``runPolicy.activeDeadlineSeconds``,
+``runPolicy.ttlSecondsAfterFinished`` and ``scheduling.queue`` (:data:`MUTABLE`);
+everything else is fixed (transition rules in the CRD, and
+:func:`~alpajob.api.validation.immutable_problems` in the webhook).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StringConstraints, field_validator
+
+from alpajob.api.catalog import GPU_PRODUCT_PRESETS, DevicePreset
+from alpajob.api.names import GPU_PRODUCT_LABEL
+from alpajob.api.schema import Contract, cel, k8s, unchanged
+
+#: A DNS-1123 subdomain (a Kubernetes object name).
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ObjectName = Annotated[str, StringConstraints(max_length=253, pattern=DNS_SUBDOMAIN)]
+#: ``package.module:function``.
+ENTRYPOINT = r"[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+INT64 = k8s(format="int64")
+INT32 = k8s(format="int32")
+
+
+class Method(StrEnum):
+    """``spec.parallelism.method``: how much of the plan the planner decides."""
+
+    AUTO = "auto"  # inter-op DP over intra-op ILPs, single-stage plans included
+    DATA = "data"  # plain data parallelism, one stage on every device
+    ZERO2 = "zero2"  # data parallelism with sharded gradients and optimizer state
+    SHARD = "shard"  # one stage on every device, sharding chosen by the ILP
+    PIPESHARD = "pipeshard"  # the DP, at least two pipeline stages
+    MANUAL = "manual"  # stages given in spec.parallelism.stages
+
+
+class Schedule(StrEnum):
+    """``spec.parallelism.schedule``: the order of micro-batches in the pipeline."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+
+
+class DType(StrEnum):
+    """``spec.training.dtype``: parameter and compute dtype."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Optimizer(StrEnum):
+    """``spec.training.optimizer``."""
+
+    ADAM = "adam"
+    ADAMW = "adamw"
+    SGD = "sgd"
+
+
+class Gang(StrEnum):
+    """``spec.scheduling.gang``: which gang scheduler holds the job's pods together."""
+
+    AUTO = "auto"  # Volcano or coscheduling, whichever is installed
+    VOLCANO = "volcano"
+    COSCHEDULING = "coscheduling"
+    NONE = "none"
+
+
+class ModelSpec(Contract):
+    """``spec.model``: exactly one of ``zoo`` and ``entrypoint``."""
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        cel("has(self.zoo) != has(self.entrypoint)",
+            "set exactly one of spec.model.zoo (a zoo family: gpt, moe, wresnet, mlp) and "
+            "spec.model.entrypoint ('package.module:function'); remove the other"),
+        cel("self == oldSelf", "spec.model is immutable once the AlpaJob exists; create a new "
+            "AlpaJob to train another model"))}
+
+    zoo: str | None = Field(
+        None, min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9.-]*$",
+        description="A zoo family (gpt, moe, wresnet, mlp), or a family and size in one name "
+                    "(gpt-2.6b); `alpajob models` lists them.")
+    config: str | dict[str, Any] | None = Field(
+        None, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
+        description="A named size of the zoo family (e.g. 2.6b), or a mapping of overrides on "
+                    "the family's default (e.g. {hidden: 512, layers: 4}). Free-form to the API "
+                    "server (a string or an object); the admission webhook checks it.")
+    entrypoint: str | None = Field(
+        None, max_length=253, json_schema_extra=k8s(cel(
+            f"self.matches('^{ENTRYPOINT}$')",
+            "spec.model.entrypoint must look like 'package.module:function' (an importable "
+            "module, a colon, a function name)")),
+        description="A function in the trainer image that returns the model: "
+                    "'package.module:function'.")
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(ENTRYPOINT, value):
+            raise ValueError(f"{value!r} must look like 'package.module:function' (an "
+                             "importable module, a colon, a function name)")
+        return value
+
+
+class TrainingSpec(Contract):
+    """``spec.training``: the training run."""
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        cel("self == oldSelf", "spec.training is immutable once the AlpaJob exists; create a new "
+            "AlpaJob to change it"))}
+
+    global_batch_size: int = Field(1024, ge=1, json_schema_extra=INT64,
+                                   description="Samples per step, over all devices.")
+    steps: int = Field(1000, ge=1, json_schema_extra=INT64, description="Training steps.")
+    dtype: DType = Field(DType.FLOAT32, description="Parameter and compute dtype.")
+    optimizer: Optimizer = Optimizer.ADAM
+    learning_rate: float = Field(1e-4, gt=0)
+    seed: int = Field(0, json_schema_extra=INT64,
+                      description="Seed of the parameters' and the data's random numbers.")
+
+
+class ClusterSpec(Contract):
+    """``spec.cluster``: the node pool the planner cuts into submeshes.
+
+    ``gpu`` names a device preset; when absent it is derived from the
+    ``nvidia.com/gpu.product`` value of ``nodeSelector``.
+    """
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        cel("self == oldSelf", "spec.cluster is immutable once the AlpaJob exists; create a new "
+            "AlpaJob for another node pool"))}
+
+    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] = Field(
+        default_factory=dict, max_length=32,
+        description="Labels of the pool's nodes; nvidia.com/gpu.product also names the device "
+                    "preset when gpu is not set.")
+    nodes: int = Field(1, ge=1, json_schema_extra=INT32,
+                       description="Nodes of the pool the job may use.")
+    gpus_per_node: int = Field(8, ge=1, json_schema_extra=INT32,
+                               description="GPUs of each node the job may use.")
+    gpu: DevicePreset | None = Field(
+        None, description="A device preset; default: the preset of the nodeSelector's "
+                          "nvidia.com/gpu.product.")
+
+    def preset(self) -> DevicePreset | None:
+        """The device preset: ``gpu``, else the one the node selector's product maps to."""
+        if self.gpu is not None:
+            return self.gpu
+        product = self.node_selector.get(GPU_PRODUCT_LABEL)
+        return GPU_PRODUCT_PRESETS.get(product) if product else None
+
+
+class ManualStage(Contract):
+    """One stage of a manual plan: layers [first, end) on an ``n x m`` submesh."""
+
+    layers: tuple[int, int]
+    submesh_shape: tuple[int, int]
+    logical_mesh_shape: tuple[int, int] | None = None
+
+    @field_validator("layers")
+    @classmethod
+    def _range(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if not 0 <= value[0] < value[1]:
+            raise ValueError(f"layers must be [first, end) with first < end, got {list(value)}")
+        return value
+
+    @property
+    def first(self) -> int:
+        return self.layers[0]
+
+    @property
+    def end(self) -> int:
+        return self.layers[1]
+
+
+#: ``'auto'`` or a positive integer, as CEL checks it.
+_AUTO_OR_COUNT = "type(self) == int ? self >= 1 : self == 'auto'"
+
+
+class ParallelismSpec(Contract):
+    """``spec.parallelism``: the planner's options; the defaults are fully automatic."""
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        cel("self == oldSelf", "spec.parallelism is immutable once the AlpaJob exists; create a "
+            "new AlpaJob to plan it differently"))}
+
+    method: Method = Field(Method.AUTO, description=(
+        "auto (Alpa's search), data, zero2, shard, pipeshard (at least two stages) or manual "
+        "(spec.parallelism.stages)."))
+    num_micro_batches: int | Literal["auto"] = Field(
+        "auto", json_schema_extra=k8s(
+            cel(_AUTO_OR_COUNT,
+                "spec.parallelism.numMicroBatches must be 'auto' or a positive integer"),
+            x_kubernetes_int_or_string=True),
+        description="Micro-batches per step: 'auto' (the planner chooses) or a positive "
+                    "integer that divides the global batch.")
+    schedule: Schedule = Field(Schedule.ONE_F_ONE_B, description="Pipeline schedule.")
+    stages: Literal["auto", "uniform"] | list[ManualStage] = Field(
+        "auto", json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
+        description="'auto' or 'uniform', or with method manual a list of stages {layers: "
+                    "[first, end], submeshShape: [n, m], logicalMeshShape: [a, b]} covering "
+                    "layers 0..numLayers-1 in order. Free-form to the API server (a string or a "
+                    "list); the admission webhook checks it.")
+    num_layers: int | Literal["auto"] = Field(
+        "auto", json_schema_extra=k8s(
+            cel(_AUTO_OR_COUNT, "spec.parallelism.numLayers must be 'auto' or a positive integer"),
+            x_kubernetes_int_or_string=True),
+        description="Layers the planner clusters the model into: 'auto' or a positive integer.")
+
+    @field_validator("num_micro_batches", "num_layers")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be 'auto' or a positive integer")
+        return value
+
+    @property
+    def manual_stages(self) -> tuple[ManualStage, ...]:
+        """The manual stages (empty unless ``stages`` is a list)."""
+        return tuple(self.stages) if isinstance(self.stages, list) else ()
+
+
+class CheckpointSpec(Contract):
+    """``spec.checkpoint``: periodic checkpoints on a volume every pod mounts."""
+
+    volume: ObjectName = Field(description="Name of the PersistentVolumeClaim (ReadWriteMany) "
+                                           "in the job's namespace.")
+    interval_steps: int = Field(500, ge=1, json_schema_extra=INT64,
+                                description="Steps between two checkpoints.")
+    path: str | None = Field(
+        None, max_length=1024, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$",
+        description="Directory inside the volume, relative (default: the job's name).")
+
+
+class RunPolicy(Contract):
+    """``spec.runPolicy``: restarts, deadlines, clean-up and suspension."""
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(unchanged(
+        "backoffLimit", "spec.runPolicy.backoffLimit is immutable once the AlpaJob exists; only "
+        "suspend, activeDeadlineSeconds and ttlSecondsAfterFinished may change"))}
+
+    backoff_limit: int = Field(3, ge=0, json_schema_extra=INT32, description=(
+        "Restarts of the whole job (every mesh, from the last checkpoint) before it fails."))
+    active_deadline_seconds: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
+        "Seconds from the start after which the job fails and its pods are deleted."))
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, json_schema_extra=INT32, description=(
+        "Seconds after the job succeeded or failed when the AlpaJob (and with it every child) "
+        "is deleted."))
+    suspend: bool = Field(False, description=(
+        "true deletes the job's pods and holds it (Kueue sets it); false resumes it from the "
+        "last checkpoint."))
+
+
+def _scheduling_immutable(key: str) -> dict[str, Any]:
+    return unchanged(key, f"spec.scheduling.{key} is immutable once the AlpaJob exists; only "
+                          "spec.scheduling.queue may change")
+
+
+class SchedulingSpec(Contract):
+    """``spec.scheduling``: gang scheduling, queues and priority of the job's pods."""
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        _scheduling_immutable("gang"), _scheduling_immutable("schedulerName"),
+        _scheduling_immutable("priorityClassName"))}
+
+    gang: Gang = Field(Gang.AUTO, description=(
+        "auto (Volcano or coscheduling when installed), volcano, coscheduling or none: a "
+        "PodGroup holding every pod of the job."))
+    scheduler_name: ObjectName | None = Field(None, description=(
+        "The pods' scheduler (default: the gang scheduler's, else the cluster's default)."))
+    queue: ObjectName | None = Field(None, description="The Volcano queue of the PodGroup.")
+    priority_class_name: ObjectName | None = Field(
+        None, description="The PriorityClass of the job's pods.")
+
+
+def _spec_immutable(key: str, why: str) -> dict[str, Any]:
+    return unchanged(key, f"spec.{key} is immutable once the AlpaJob exists{why}")
+
+
+class Spec(Contract):
+    """``spec`` of an AlpaJob."""
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        cel("!has(self.training) || !has(self.parallelism) || "
+            "!has(self.training.globalBatchSize) || !has(self.parallelism.numMicroBatches) || "
+            "type(self.parallelism.numMicroBatches) != int || "
+            "self.parallelism.numMicroBatches < 1 || "
+            "self.training.globalBatchSize % self.parallelism.numMicroBatches == 0",
+            "spec.parallelism.numMicroBatches must divide spec.training.globalBatchSize into "
+            "equal micro-batches; choose a divisor of the global batch, or 'auto'",
+            ".parallelism.numMicroBatches"),
+        _spec_immutable("image", "; create a new AlpaJob to use another image"),
+        _spec_immutable("checkpoint", " (restarts resume from it); create a new "
+                                      "AlpaJob to change it"),
+        _spec_immutable("serviceAccountName", "; create a new AlpaJob to change it"))}
+
+    model: ModelSpec = Field(description=(
+        "The model: exactly one of zoo (a built-in family of the Alpa paper) and entrypoint (a "
+        "function in the user's image)."))
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="The training run.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec,
+                                 description="The GPU node pool the planner cuts into submeshes.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
+                                         description="The planner's options; the defaults are "
+                                                     "fully automatic.")
+    image: str | None = Field(None, min_length=1, max_length=512, description=(
+        "The trainer image of the planner, head and mesh pods (default: the operator's)."))
+    service_account_name: ObjectName | None = Field(None, description=(
+        "The service account of the job's pods (default: alpajob-trainer); the planner pod "
+        "needs get and patch on ConfigMaps."))
+    checkpoint: CheckpointSpec | None = Field(None, description=(
+        "Periodic checkpoints on a PersistentVolumeClaim every pod mounts; restarts resume "
+        "from the last complete one."))
+    run_policy: RunPolicy = Field(default_factory=RunPolicy,
+                                  description="Restarts, deadlines, clean-up and suspension.")
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description=(
+        "Gang scheduling, queues and priority of the job's pods."))
+
+
+#: Fields of ``spec`` that may change after creation, by section; every other field is
+#: immutable (a running job's plan, pods and checkpoints all follow from it).
+MUTABLE: dict[str, frozenset[str]] = {
+    "runPolicy": frozenset({"suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished"}),
+    "scheduling": frozenset({"queue"}),
+}

@@ -1,0 +1,153 @@
+"""The AlpaJob's ``status``: written by the operator only, read by users and GitOps tools.
+
+The operator keeps one :class:`Status` per job (its reconciliation works on this
+model, not on a dict) and writes it only when it changed. The CRD declares exactly
+these fields (generated from them, :mod:`alpajob.api.crd`): a field the operator
+wrote but the CRD did not declare would be pruned by the API server, and a
+controller comparing what it wrote with what it reads back would write it again
+forever.
+
+Phases (:class:`Phase`) and condition types (:class:`ConditionType`)::
+
+    Pending -> Planning -> Starting -> Running -> Succeeded
+                  |           ^  |        |
+                  v           |  v        v
+                Failed    Restarting -> Failed        (any) <-> Suspended
+
+=============  =======================================================
+Planned        the plan ConfigMap holds a plan
+MeshesReady    every pod of the current attempt is running
+Running        training is under way
+Succeeded      the driver finished every step
+Failed         the job stopped for good (the reason says why)
+Suspended      ``spec.runPolicy.suspend`` is true
+Ready          True while Running and once Succeeded (for kstatus and Argo CD)
+=============  =======================================================
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import ConfigDict, Field
+
+from alpajob.api.progress import Progress
+from alpajob.api.schema import Contract, k8s
+
+DATE_TIME = k8s(format="date-time")
+
+
+class Phase(StrEnum):
+    """``status.phase``."""
+
+    PENDING = "Pending"
+    PLANNING = "Planning"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+    @property
+    def finished(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED)
+
+
+class ConditionType(StrEnum):
+    """``status.conditions[].type``, in the order the operator lists them."""
+
+    PLANNED = "Planned"
+    MESHES_READY = "MeshesReady"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+    READY = "Ready"
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class _Status(Contract):
+    """Status models are built up during a reconciliation: mutable, validated on assignment."""
+
+    model_config = Contract.model_config | ConfigDict(frozen=False, validate_assignment=True)
+
+
+class Condition(_Status):
+    """One condition, as ``metav1.Condition`` has it."""
+
+    type: ConditionType
+    status: ConditionStatus
+    reason: str = Field("", max_length=1024)
+    message: str = Field("", max_length=32768)
+    last_transition_time: str | None = Field(None, json_schema_extra=DATE_TIME)
+    observed_generation: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"))
+
+
+class PlanSummary(_Status):
+    """``status.plan``: the plan in a few numbers; the whole plan is in ``configMap``."""
+
+    config_map: str
+    hash: str | None = None
+    stages: int = Field(0, ge=0)
+    meshes: int = Field(0, ge=0)
+    predicted_step_seconds: float | None = Field(None, ge=0)
+    num_micro_batches: int | None = Field(None, ge=1)
+
+
+class MeshStatus(_Status):
+    """One mesh (a pipeline stage's submesh): its pods."""
+
+    name: str
+    nodes: int = Field(0, ge=0)
+    ready_pods: int = Field(0, ge=0)
+    total_pods: int = Field(0, ge=0)
+
+
+class Children(_Status):
+    """The names of the children of the current attempt, saved before they are created
+    (a restarted operator finds them instead of creating them twice)."""
+
+    attempt: int = Field(0, ge=0)
+    config: str | None = None
+    plan: str | None = None
+    progress: str | None = None
+    planner: str | None = None
+    service: str | None = None
+    hosts_service: str | None = None
+    head: str | None = None
+    pod_group: str | None = None
+    mesh_pods: list[str] = Field(default_factory=list, max_length=4096)
+    created: int | None = Field(None, ge=0, description=(
+        "The attempt whose pods have all been seen: from then on a vanished pod is a failure."))
+
+
+class Status(_Status):
+    """``status`` of an AlpaJob."""
+
+    phase: Phase = Phase.PENDING
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=32,
+        description="Planned, MeshesReady, Running, Succeeded, Failed, Suspended and Ready.",
+        json_schema_extra=k8s(x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["type"]))
+    plan: PlanSummary | None = Field(
+        None, description="Summary of the plan; the whole plan is in the ConfigMap configMap.")
+    meshes: list[MeshStatus] = Field(
+        default_factory=list, max_length=1024,
+        json_schema_extra=k8s(x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"]))
+    progress: Progress | None = Field(None, description="The trainer's last report.")
+    restarts: int = Field(0, ge=0, json_schema_extra=k8s(format="int32"))
+    start_time: str | None = Field(None, json_schema_extra=DATE_TIME)
+    completion_time: str | None = Field(None, json_schema_extra=DATE_TIME)
+    observed_generation: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"))
+    children: Children = Field(default_factory=Children, description=(
+        "Names of the children the operator made, saved before it creates them."))
+
+    def to_dict(self) -> dict[str, object]:
+        """The status as the API stores it: camelCase, unset fields left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
