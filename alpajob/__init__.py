@@ -1,13 +1,82 @@
-"""AlpaJob: Alpa's two-level automatic parallelization on stock JAX, as a Kubernetes job.
+"""AlpaJob: Alpa's automatic inter- and intra-operator parallelism on stock JAX, as a
+Kubernetes-native job.
 
-Subpackages (each a top-level folder of the repository):
+The Python API, for notebooks, scripts and benchmarks (the CLI runs the same code)::
 
-- ``alpajob.planner``  (planner/): pure planning, from a traced training step and a
-  cluster spec to a Plan document.
-- ``alpajob.trainer``  (trainer_image/): the model zoo and, later, the runtime that
-  executes a Plan.
-- ``alpajob.operator`` (operator/): the Kubernetes operator.
-- ``alpajob.cli``: the ``alpajob`` console script.
+    import alpajob
+
+    job = alpajob.load("manifests/examples/local-gpt.yaml")
+    plan = alpajob.plan(job, gpus_per_node=4)            # a Plan document
+    result = alpajob.train(job, steps=20, devices=8)     # losses, step times, the plan
+
+Options are the typed :class:`~alpajob.api.options.PlanOptions` and
+:class:`~alpajob.api.options.TrainOptions`, given whole or as keyword arguments. A job
+is an :class:`~alpajob.api.resource.AlpaJob`, a path to its manifest, or the manifest
+as a dict. Importing this package imports neither JAX nor the planner: each function
+loads what it needs when called.
+
+The packages, one per folder of the repository (``alpajob/`` links to them):
+
+=========================  =================  ===========================================
+``alpajob.api``            ``alpajob/api``    the typed, JAX-free contracts between parts
+``alpajob.planner``        ``planner/``       the planner: graph, cost, intra_op, inter_op, plan
+``alpajob.trainer_image``  ``trainer_image/`` the trainer: zoo, step, runtime, Ray runtime
+``alpajob.operator``       ``operator/``      the Kubernetes operator (kopf)
+``alpajob.cli``            ``alpajob/cli``    the ``alpajob`` command line
+=========================  =================  ===========================================
 """
 
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from alpajob.api.options import PlanOptions, TrainOptions
+    from alpajob.api.plan import Plan
+    from alpajob.api.resource import AlpaJob
+    from alpajob.trainer_image.local_run import RunResult
+
 __version__ = "0.1.0"
+
+
+def load(manifest: str | Path) -> AlpaJob:
+    """The AlpaJob in the YAML file ``manifest``, validated as the API server would."""
+    from alpajob.api.resource import load_job
+
+    return load_job(manifest)
+
+
+def _job(job: AlpaJob | str | Path | dict[str, Any]) -> AlpaJob:
+    from alpajob.api.resource import AlpaJob, parse_job
+
+    if isinstance(job, AlpaJob):
+        return job
+    if isinstance(job, dict):
+        return parse_job(job)
+    return load(job)
+
+
+def plan(job: AlpaJob | str | Path | dict[str, Any], options: PlanOptions | None = None,
+         **overrides: Any) -> Plan:
+    """Plan ``job`` on ``spec.cluster`` (or the overrides': ``nodes``, ``gpus_per_node``,
+    ``gpu``, ``method``, ``ilp_time_limit``, ``baselines``)."""
+    from alpajob.api.options import PlanOptions
+    from alpajob.trainer_image.planning import plan_job
+
+    chosen = PlanOptions.model_validate({**(options or PlanOptions()).model_dump(), **overrides})
+    return plan_job(_job(job), chosen).plan
+
+
+def train(job: AlpaJob | str | Path | dict[str, Any], options: TrainOptions | None = None,
+          **overrides: Any) -> RunResult:
+    """Plan ``job`` for this machine's devices (or run ``plan_file``) and train it; the
+    keyword arguments are :class:`~alpajob.api.options.TrainOptions` fields."""
+    from alpajob.api.options import TrainOptions
+    from alpajob.trainer_image.devices import force_host_devices
+
+    chosen = TrainOptions.model_validate({**(options or TrainOptions()).model_dump(), **overrides})
+    force_host_devices(chosen.devices)  # before JAX is imported
+    from alpajob.trainer_image.local_run import run
+
+    return run(_job(job), chosen)

@@ -1,5 +1,5 @@
 """``python -m alpajob`` runs the console script."""
 
-from alpajob.cli import main
+from alpajob.cli.main import main
 
 raise SystemExit(main())

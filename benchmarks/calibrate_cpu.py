@@ -2,7 +2,7 @@
 
 The ``cpu`` preset describes XLA's forced host devices: K devices that share one
 host's cores and memory. So the preset stores the *host's* rates and is marked
-``shared_host``; :func:`alpajob.planner.cluster.cluster_from_preset` gives each of a
+``shared_host``; :func:`alpajob.planner.cost.cluster.cluster_from_preset` gives each of a
 node's devices its 1/K share (every device of a plan is busy at once in steady
 state, so that share is what each gets).
 
@@ -56,7 +56,7 @@ of them, every device running the same kernel on its own data):
   fusion guess; XLA fuses each parameter's whole Adam chain into one loop.
 
     python benchmarks/calibrate_cpu.py            # print the fitted values
-    python benchmarks/calibrate_cpu.py --write    # and store them in planner/data/
+    python benchmarks/calibrate_cpu.py --write    # and store them in planner/cost/data/
     python benchmarks/calibrate_cpu.py --instructions [--write]   # c and d only
     python benchmarks/calibrate_cpu.py --update [--write]         # the update's fraction only
     python benchmarks/calibrate_cpu.py --matmul [--write]         # the matmul line only
@@ -79,7 +79,7 @@ from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-DATA = Path(__file__).resolve().parent.parent / "planner" / "data"
+DATA = Path(__file__).resolve().parent.parent / "planner" / "cost" / "data"
 
 
 def _median_seconds(fn: Any, *args: Any, reps: int = 7) -> float:
@@ -288,31 +288,23 @@ def measure_instructions(steps: int = 8, warmup: int = 3) -> dict[str, Any]:
     import dataclasses
 
     import numpy as np
-    from local_jobs import job_document, job_plan_options
+    from local_jobs import FAST_PLANNING, job_document, job_plan_options
 
-    from alpajob.planner.cost_model import load_calibration
-    from alpajob.planner.manifest import parse_manifest
-    from alpajob.planner.planning import make_plan
-    from alpajob.trainer.local_run import (
-        RunOptions,
-        extract_model,
-        load_model,
-        local_cluster,
-        local_devices,
-        run,
-    )
+    from alpajob.api.options import TrainOptions
+    from alpajob.api.resource import parse_job
+    from alpajob.planner.cost.model import load_calibration
+    from alpajob.planner.plan.make import make_plan
+    from alpajob.trainer_image.local_run import local_cluster, local_devices, run
+    from alpajob.trainer_image.planning import job_graph
 
     stored = load_calibration("cpu")
     rows = []
     for label, (zoo, config) in INSTRUCTION_MODELS.items():
         graph = None
         for name, parallelism in _instruction_plans().items():
-            m = parse_manifest(job_document("calib", zoo, config, parallelism))
+            m = parse_job(job_document("calib", zoo, config, parallelism))
             if graph is None:
-                training = m.spec.training
-                graph = extract_model(load_model(m.spec.model, training.dtype),
-                                      training.global_batch_size, optimizer=training.optimizer,
-                                      learning_rate=training.learning_rate)
+                graph = job_graph(m)
             cluster = local_cluster(m, local_devices(8))
             options = job_plan_options(m)
             # The prediction is linear in c and d: its value at 0 and its two slopes.
@@ -324,7 +316,7 @@ def measure_instructions(steps: int = 8, warmup: int = 3) -> dict[str, Any]:
                 .plan.predicted_step_seconds for trial in trials)
             per_c = (with_c - base) / 1e-3  # instructions
             per_d = (with_d - base) / 1e-6  # kernel launches x devices
-            result = run(m, RunOptions(steps=steps, plan_options=options))
+            result = run(m, TrainOptions(steps=steps, planning=FAST_PLANNING))
             rows.append({"model": label, "plan": name, "instructions": round(per_c, 2),
                          "kernel_runs": round(per_d), "base_ms": round(base * 1e3, 2),
                          "measured_ms": round(statistics.median(result.step_seconds[warmup:]) * 1e3, 2)})
@@ -349,24 +341,24 @@ def measure_update(steps: int = 8, warmup: int = 3) -> dict[str, Any]:
     """Fit ``update_fused_memory_fraction`` (module docstring)."""
     import dataclasses
 
-    from local_jobs import job_document, job_plan_options
+    from local_jobs import FAST_PLANNING, job_document
 
-    from alpajob.planner.cluster import cluster_from_preset
-    from alpajob.planner.cost_model import load_calibration
-    from alpajob.planner.graph import Phase
-    from alpajob.planner.manifest import parse_manifest
-    from alpajob.planner.strategies import op_base_seconds
-    from alpajob.trainer.local_run import RunOptions, extract_model, load_model, run
+    from alpajob.api.options import TrainOptions
+    from alpajob.api.resource import parse_job
+    from alpajob.planner.cost.cluster import cluster_from_preset
+    from alpajob.planner.cost.model import load_calibration
+    from alpajob.planner.graph.opgraph import Phase
+    from alpajob.planner.intra_op.strategies import op_base_seconds
+    from alpajob.trainer_image.local_run import run
+    from alpajob.trainer_image.planning import job_graph
 
     wide = {"hidden": 1024, "layers": 4, "inputDim": 1024, "outputDim": 1024}
-    m = parse_manifest(job_document("calib", "mlp", wide, {"method": "data"}, optimizer="adam"))
-    result = run(m, RunOptions(steps=steps, plan_options=job_plan_options(m), exact_stage_times=True,
-                                   stage_times_every=1))
+    m = parse_job(job_document("calib", "mlp", wide, {"method": "data"}, optimizer="adam"))
+    result = run(m, TrainOptions(steps=steps, planning=FAST_PLANNING, exact_stage_times=True,
+                                 stage_times_every=1))
     measured = statistics.median(t[0].update for t in result.stage_times[warmup:])
 
-    training = m.spec.training
-    graph = extract_model(load_model(m.spec.model, training.dtype), training.global_batch_size,
-                          optimizer=training.optimizer, learning_rate=training.learning_rate)
+    graph = job_graph(m)
     device = cluster_from_preset("cpu", 1, 8).device  # a 1/8 share: all 8 devices update
     calibration = load_calibration("cpu")
     update_ops = [op for op in graph.ops if op.phase is Phase.UPDATE]
@@ -410,7 +402,7 @@ def _entry(entry: dict[str, Any]) -> str:
 
 
 def write(result: dict[str, Any]) -> None:
-    """Replace the ``cpu`` entries of planner/data/presets.json and calibration.json
+    """Replace the ``cpu`` entries of planner/cost/data/presets.json and calibration.json
     that ``result`` holds (the other presets' text is left as it is)."""
     for name, key in (("presets.json", "preset"), ("calibration.json", "calibration")):
         if key not in result:
@@ -427,7 +419,7 @@ def write(result: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help="store the fit in planner/data/")
+    parser.add_argument("--write", action="store_true", help="store the fit in planner/cost/data/")
     parser.add_argument("--instructions", action="store_true",
                         help="measure only the per-instruction and per-kernel host overheads of the runtime")
     parser.add_argument("--update", action="store_true",

@@ -32,15 +32,15 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from alpajob.planner import intra_op  # noqa: E402
-from alpajob.planner.cluster import cluster_from_preset  # noqa: E402
-from alpajob.planner.clustering import cluster_layers, default_num_layers  # noqa: E402
-from alpajob.planner.cost_model import load_calibration, make_logical_mesh  # noqa: E402
-from alpajob.planner.extract import extract_model  # noqa: E402
-from alpajob.planner.graph import OpGraph, subgraph_signature  # noqa: E402
-from alpajob.planner.intra_op_model import data_spec  # noqa: E402
-from alpajob.planner.subset import analyse_subset  # noqa: E402
-from alpajob.trainer.zoo import resolve_model  # noqa: E402
+from alpajob.planner.cost.cluster import cluster_from_preset  # noqa: E402
+from alpajob.planner.cost.model import load_calibration, make_logical_mesh  # noqa: E402
+from alpajob.planner.graph.opgraph import OpGraph, subgraph_signature  # noqa: E402
+from alpajob.planner.graph.subset import analyse_subset  # noqa: E402
+from alpajob.planner.inter_op.clustering import cluster_layers, default_num_layers  # noqa: E402
+from alpajob.planner.intra_op import solve as intra_op  # noqa: E402
+from alpajob.planner.intra_op.model import data_spec  # noqa: E402
+from alpajob.trainer_image.step import graph_of  # noqa: E402
+from alpajob.trainer_image.zoo import resolve_model  # noqa: E402
 
 #: (family, size, global batch, dtype); the micro-batch is the global batch / 16.
 MODELS = {
@@ -57,7 +57,7 @@ NUM_MICRO_BATCHES = 16
 def trace(name: str) -> tuple[OpGraph, list[tuple[int, ...]]]:
     """The step of model ``name`` at its micro-batch, and one layer per structure."""
     family, size, batch, dtype = MODELS[name]
-    graph = extract_model(resolve_model(family, size, dtype=dtype), batch // NUM_MICRO_BATCHES)
+    graph = graph_of(resolve_model(family, size, dtype=dtype), batch // NUM_MICRO_BATCHES)
     layers = cluster_layers(graph, default_num_layers(graph))
     distinct: dict[str, tuple[int, ...]] = {}
     for layer in layers:

@@ -1,5 +1,6 @@
-"""What the runtime benchmarks share: an AlpaJob for local CPU devices, and the
-plan options its ``spec.parallelism`` asks for (as ``alpajob run`` would build them).
+"""What the runtime benchmarks share: an AlpaJob for local CPU devices, the planning
+options they run with (a 5 s ILP time limit), and the search its ``spec.parallelism``
+asks for (as ``alpajob run`` builds it).
 
 The scripts run as ``python benchmarks/NAME.py``, so this module is imported by its
 bare name.
@@ -7,8 +8,12 @@ bare name.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
+
+from alpajob.api.options import PlanOptions
+
+#: How the benchmarks plan: the manifest's own options, a 5 s ILP time limit, no baselines.
+FAST_PLANNING = PlanOptions(ilp_time_limit=5.0)
 
 
 def job_document(
@@ -33,8 +38,8 @@ def job_document(
                      "parallelism": parallelism}}
 
 
-def job_plan_options(manifest: Any) -> Any:
-    """The manifest's own plan options, with a 5 s ILP time limit and no baselines."""
-    from alpajob.cli import plan_options
+def job_plan_options(job: Any) -> Any:
+    """The planner's search for ``job`` under :data:`FAST_PLANNING`."""
+    from alpajob.planner.plan.make import search_options
 
-    return plan_options(manifest, argparse.Namespace(ilp_time_limit=5.0))
+    return search_options(job.spec.parallelism, FAST_PLANNING)

@@ -43,9 +43,11 @@ def main() -> None:
     from kube_emulator import Emulator  # tests/kube_emulator.py
     from kubernetes import client
 
+    from alpajob.api.names import GPU_RESOURCE, GROUP, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
+
     root = Path(tempfile.mkdtemp(prefix="alpajob-operator-bench-"))
     plan_path = root / "plan.json"
-    subprocess.run([sys.executable, "-m", "alpajob.cli", "plan", str(ROOT / "manifests/examples/manual-gpt.yaml"),
+    subprocess.run([sys.executable, "-m", "alpajob.cli.main", "plan", str(ROOT / "manifests/examples/manual-gpt.yaml"),
                     "--output", str(plan_path)], check=True, capture_output=True)
     plan_json = plan_path.read_text()
     emu = Emulator(root, keep_history=False).start()
@@ -53,11 +55,11 @@ def main() -> None:
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     for i in range(2):
         core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"node-{i}"},
-                          "status": {"allocatable": {"nvidia.com/gpu": "8"},
+                          "status": {"allocatable": {GPU_RESOURCE: "8"},
                                      "conditions": [{"type": "Ready", "status": "True"}]}})
     log = open(root / "operator.log", "w")  # noqa: SIM115
     operator = subprocess.Popen(
-        [sys.executable, "-m", "alpajob.cli", "operator", "--namespace", "ml", "--no-scanning",
+        [sys.executable, "-m", "alpajob.cli.main", "operator", "--namespace", "ml", "--no-scanning",
          "--interval", str(args.interval)],
         env={**os.environ, "KUBECONFIG": str(emu.kubeconfig)}, stdout=log, stderr=subprocess.STDOUT)
     doc = yaml.safe_load((ROOT / "manifests/examples/manual-gpt.yaml").read_text())
@@ -79,7 +81,7 @@ def main() -> None:
     def create(name: str) -> None:
         body = {**doc, "metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}", "generation": 1,
                                     "resourceVersion": "1"}}
-        custom.create_namespaced_custom_object("alpajob.io", "v1alpha1", "ml", "alpajobs", body)
+        custom.create_namespaced_custom_object(GROUP, VERSION, "ml", PLURAL, body)
 
     def pods() -> dict[str, object]:
         return {p.metadata.name: p for p in core.list_namespaced_pod("ml").items}
@@ -89,9 +91,9 @@ def main() -> None:
         for name, pod in pods().items():
             if name in done:
                 continue
-            job = (pod.metadata.labels or {}).get("alpajob.io/job")
+            job = (pod.metadata.labels or {}).get(LABEL_JOB)
             if name.endswith("-planner"):
-                core.patch_namespaced_config_map(f"{job}-plan", "ml", {"data": {"plan.json": plan_json}})
+                core.patch_namespaced_config_map(f"{job}-plan", "ml", {"data": {PLAN_KEY: plan_json}})
                 core.patch_namespaced_pod_status(name, "ml", {"status": {"phase": "Succeeded"}})
                 done.add(name)
             elif running:
@@ -111,7 +113,7 @@ def main() -> None:
             while f"{name}-planner" not in pods():
                 time.sleep(0.1)
             to_planner = time.perf_counter() - began
-            core.patch_namespaced_config_map(f"{name}-plan", "ml", {"data": {"plan.json": plan_json}})
+            core.patch_namespaced_config_map(f"{name}-plan", "ml", {"data": {PLAN_KEY: plan_json}})
             core.patch_namespaced_pod_status(f"{name}-planner", "ml", {"status": {"phase": "Succeeded"}})
             planned = time.perf_counter()
             while not children_of(name, pods()):
@@ -133,7 +135,7 @@ def main() -> None:
                 all_children = time.perf_counter() - began
                 print(f"{args.jobs} jobs: every child created after {all_children:.1f} s", flush=True)
             if all_children is not None:
-                phases = [(custom.get_namespaced_custom_object("alpajob.io", "v1alpha1", "ml", "alpajobs", n)
+                phases = [(custom.get_namespaced_custom_object(GROUP, VERSION, "ml", PLURAL, n)
                            .get("status") or {}).get("phase") for n in names]
                 if all(p == "Running" for p in phases):
                     all_running = time.perf_counter() - began

@@ -18,11 +18,11 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from alpajob.planner.baselines import Baseline  # noqa: E402
-from alpajob.planner.cluster import cluster_from_preset  # noqa: E402
-from alpajob.planner.extract import extract_model  # noqa: E402
-from alpajob.planner.planning import PlanOptions, make_plan  # noqa: E402
-from alpajob.trainer.zoo import resolve_model  # noqa: E402
+from alpajob.planner.cost.cluster import cluster_from_preset  # noqa: E402
+from alpajob.planner.plan.baselines import Baseline  # noqa: E402
+from alpajob.planner.plan.make import SearchOptions, make_plan  # noqa: E402
+from alpajob.trainer_image.step import graph_of  # noqa: E402
+from alpajob.trainer_image.zoo import resolve_model  # noqa: E402
 
 #: (family, size, GPUs, global batch, dtype): BENCHMARKS.md section 1.
 SUITES = {
@@ -54,11 +54,11 @@ def one_line(plan) -> str:
 def run_case(family: str, size: str, gpus: int, batch: int, dtype: str, preset: str) -> dict:
     model = resolve_model(family, size, dtype=dtype)
     start = time.perf_counter()
-    graph = extract_model(model, batch, optimizer="adam")
+    graph = graph_of(model, batch, optimizer="adam")
     extract = time.perf_counter() - start
     nodes, per_node = cluster_shape(gpus)
     cluster = cluster_from_preset(preset, nodes, per_node)
-    result = make_plan(graph, cluster, PlanOptions(baselines=True), extract_seconds=extract)
+    result = make_plan(graph, cluster, SearchOptions(baselines=True), extract_seconds=extract)
     plan = result.plan
     # Planning time is the planner's own search plus tracing; costing the baselines
     # (which reuses the planner's ILP cache) is not counted.

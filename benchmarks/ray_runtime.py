@@ -1,7 +1,7 @@
 """Ray runtime benchmark (issue 4): the same plan on the Ray runtime and on the local one,
 and cross-mesh transfers through the Ray object store against a memory copy.
 
-A loopback Ray cluster (:mod:`alpajob.trainer.distributed.loopback`) runs on this
+A loopback Ray cluster (:mod:`alpajob.trainer_image.distributed.loopback`) runs on this
 machine: mesh 0 host 0 and mesh 1 host 0 with 4 forced CPU devices each, mesh 1 host 1
 and mesh 2 host 0 with 2. Two plans of one GPT:
 
@@ -58,7 +58,7 @@ class Probe:
     def tiles(self, shape: tuple[int, ...], spec: tuple) -> dict:
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from alpajob.trainer.distributed.transport import position_tiles
+        from alpajob.trainer_image.distributed.transport import position_tiles
 
         return position_tiles(NamedSharding(self.mesh, PartitionSpec(*spec)), shape)
 
@@ -68,7 +68,7 @@ class Probe:
         import ray
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from alpajob.trainer.distributed.transport import cut
+        from alpajob.trainer_image.distributed.transport import cut
 
         data = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
         array = jax.device_put(data, NamedSharding(self.mesh, PartitionSpec(*spec)))
@@ -83,7 +83,7 @@ class Probe:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from alpajob.trainer.distributed.transport import assemble
+        from alpajob.trainer_image.distributed.transport import assemble
 
         moved = assemble(parcel, NamedSharding(self.mesh, PartitionSpec(*spec)))
         jax.block_until_ready(moved)
@@ -104,20 +104,16 @@ def main() -> None:
     import numpy as np
     import ray
     import yaml
-    from local_jobs import job_document, job_plan_options
+    from local_jobs import FAST_PLANNING, job_document
 
-    from alpajob.cli import cluster_for
-    from alpajob.planner.extract import extract_model
-    from alpajob.planner.manifest import parse_manifest
-    from alpajob.planner.plan import write_plan
-    from alpajob.planner.planning import make_plan
-    from alpajob.trainer.distributed.driver import DriverOptions, drive
-    from alpajob.trainer.distributed.loopback import LoopbackCluster
-    from alpajob.trainer.distributed.mesh_host import Transport
-    from alpajob.trainer.entrypoint import load_model
-    from alpajob.trainer.local_run import RunOptions, run
-
-    manifest_cluster = argparse.Namespace(nodes=None, gpus_per_node=None, gpu=None)  # as written
+    from alpajob.api.options import TrainOptions
+    from alpajob.api.plan import write_plan
+    from alpajob.api.resource import parse_job
+    from alpajob.api.runtime import Transport
+    from alpajob.trainer_image.distributed.driver import DriverOptions, drive
+    from alpajob.trainer_image.distributed.loopback import LoopbackCluster
+    from alpajob.trainer_image.local_run import run
+    from alpajob.trainer_image.planning import plan_job
 
     root = Path(tempfile.mkdtemp(prefix="alpajob-ray-bench-"))
     cluster = LoopbackCluster(root, HOSTS)
@@ -129,13 +125,10 @@ def main() -> None:
             doc = job_document("ray-bench", "gpt", config,
                                {"method": "manual", "numMicroBatches": 4, "numLayers": 4, "stages": stages},
                                batch=args.batch, optimizer="sgd", nodes=nodes)
-            manifest = parse_manifest(doc)
-            training = manifest.spec.training
-            graph = extract_model(load_model(manifest.spec.model, training.dtype), training.global_batch_size,
-                                  optimizer=training.optimizer, learning_rate=training.learning_rate)
-            plan = make_plan(graph, cluster_for(manifest, manifest_cluster), job_plan_options(manifest)).plan
+            manifest = parse_job(doc)
+            plan = plan_job(manifest, FAST_PLANNING).plan  # for the manifest's cluster, as written
             write_plan(plan, root / "plan.json")
-            local = run(manifest, RunOptions(steps=args.steps, plan_path=str(root / "plan.json")))
+            local = run(manifest, TrainOptions(steps=args.steps, plan_file=str(root / "plan.json")))
             remote = drive(yaml.safe_dump(doc), plan, DriverOptions(address=cluster.address, steps=args.steps))
             np.testing.assert_allclose(remote.losses, local.losses, rtol=1e-4)
             lo = statistics.median(local.step_seconds[1:])

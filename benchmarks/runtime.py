@@ -30,7 +30,6 @@ its errors.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -60,15 +59,17 @@ def main() -> None:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-    from local_jobs import job_document, job_plan_options
+    from local_jobs import FAST_PLANNING, job_document
 
-    from alpajob.planner.manifest import parse_manifest
-    from alpajob.planner.schedules import Schedule, replay
-    from alpajob.trainer.local_run import RunOptions, run
-    from alpajob.trainer.runtime.transport import move
+    from alpajob.api.options import TrainOptions
+    from alpajob.api.resource import parse_job
+    from alpajob.api.spec import Schedule
+    from alpajob.planner.inter_op.schedules import replay
+    from alpajob.trainer_image.local_run import run
+    from alpajob.trainer_image.runtime.transport import move
 
     def manifest(parallelism: dict) -> object:
-        return parse_manifest(job_document("bench", args.model, config, parallelism, batch=args.batch))
+        return parse_job(job_document("bench", args.model, config, parallelism, batch=args.batch))
 
     def stages(*shapes: tuple[int, int]) -> list[dict]:
         return [{"layers": [i, i + 1], "submeshShape": list(s)} for i, s in enumerate(shapes)]
@@ -93,9 +94,9 @@ def main() -> None:
         """(stages, micro-batches, predicted, measured, ideal on independent devices,
         ideal on the shared host) of one run of a plan."""
         m = manifest(par)
-        options = RunOptions(steps=args.steps, plan_options=job_plan_options(m))
+        options = TrainOptions(steps=args.steps, planning=FAST_PLANNING)
         result = run(m, options)
-        exact = run(m, dataclasses.replace(options, exact_stage_times=True, stage_times_every=1))
+        exact = run(m, options.model_copy(update={"exact_stage_times": True, "stage_times_every": 1}))
         plan = result.plan
         measured = statistics.median(result.step_seconds[args.warmup:])
         independent, shared = [], []
@@ -110,7 +111,7 @@ def main() -> None:
     serials: list[float] = []
     runs: dict[str, list[tuple[int, int, float, float, float, float]]] = {name: [] for name in chosen}
     for _ in range(args.repeat):  # interleaved: every plan sees the same spread of machine states
-        serial = run(manifest({}), RunOptions(steps=args.steps, serial=True))
+        serial = run(manifest({}), TrainOptions(steps=args.steps, serial=True))
         serials.append(statistics.median(serial.step_seconds[args.warmup:]))
         for name, par in chosen.items():
             runs[name].append(measure(par))

@@ -7,8 +7,10 @@ the job deletes them) and the labels of :mod:`.names`.
 The pods run the trainer image's entry points: the planner pod ``alpajob plan``
 (writing the Plan into the ``<job>-plan`` ConfigMap), the head pod ``alpajob driver
 --head-port`` (the job's Ray head and the driver that trains), and one pod per mesh
-host ``alpajob mesh-worker``, each pinned to the node the plan's slot maps to, with
-the environment the trainer reads (:mod:`alpajob.trainer.distributed.cluster`).
+host ``alpajob mesh-worker``, each pinned to the node the plan's slot maps to. What a
+pod is told (paths, ports, its mesh and host, the head's address) is one
+:class:`~alpajob.api.runtime.TrainerRuntime`, put into its environment with
+``to_env()``; the commands read it back with ``from_env()``.
 """
 
 from __future__ import annotations
@@ -16,43 +18,56 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from alpajob.operator.names import (
-    GROUP,
+from alpajob.api.names import (
+    API_VERSION,
+    COSCHEDULING_GROUP_LABEL,
+    GPU_RESOURCE,
+    HOSTNAME_LABEL,
     KIND,
+    KUEUE_QUEUE_LABEL,
     LABEL_ATTEMPT,
     LABEL_HOST,
     LABEL_JOB,
     LABEL_MESH,
     LABEL_ROLE,
-    VERSION,
-    ChildNames,
+    MANIFEST_KEY,
+    VOLCANO_GROUP_ANNOTATION,
+    Role,
 )
-from alpajob.operator.pool import GPU_RESOURCE, PoolCluster
+from alpajob.api.runtime import (
+    CHECKPOINT_DIR,
+    CONFIG_DIR,
+    COORDINATOR_PORT,
+    MANIFEST_PATH,
+    METRICS_PORT,
+    PLAN_DIR,
+    PLAN_PATH,
+    RAY_PORT,
+    TrainerRuntime,
+)
+from alpajob.operator.names import ChildNames
+from alpajob.operator.pool import PoolCluster
 
 DEFAULT_IMAGE = "ghcr.io/alpajob/alpajob:0.1.0"
-RAY_PORT = 6379
-METRICS_PORT = 9090
-COORDINATOR_PORT = 8476
-CONFIG_DIR = "/etc/alpajob"
-PLAN_DIR = "/etc/alpajob/plan"
-CHECKPOINT_DIR = "/checkpoints"
+#: The ServiceAccount of a job's pods when ``spec.serviceAccountName`` is not set.
+DEFAULT_SERVICE_ACCOUNT = "alpajob-trainer"
 
-#: Gang schedulers: the PodGroup's API and the pod's labels/annotations for it.
+#: Gang schedulers: the PodGroup's API and the scheduler that honours it.
 GANG = {
     "volcano": {"apiVersion": "scheduling.volcano.sh/v1beta1", "scheduler": "volcano"},
     "coscheduling": {"apiVersion": "scheduling.x-k8s.io/v1alpha1", "scheduler": "scheduler-plugins-scheduler"},
 }
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
 def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
     meta = job["metadata"]
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
             "controller": True, "blockOwnerDeletion": True}
 
 
-def _meta(job: Mapping[str, Any], name: str, role: str, attempt: int | None = None, **labels: str) -> dict[str, Any]:
-    out = {LABEL_JOB: job["metadata"]["name"], LABEL_ROLE: role, **labels}
+def _meta(job: Mapping[str, Any], name: str, role: Role, attempt: int | None = None,
+          **labels: str) -> dict[str, Any]:
+    out = {LABEL_JOB: job["metadata"]["name"], LABEL_ROLE: role.value, **labels}
     if attempt is not None:
         out[LABEL_ATTEMPT] = str(attempt)
     queue = (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL)
@@ -68,18 +83,19 @@ def _image(job: Mapping[str, Any]) -> str:
 
 def config_map(job: Mapping[str, Any], names: ChildNames, manifest_yaml: str) -> dict[str, Any]:
     """``<job>-config``: the AlpaJob as the pods read it."""
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, names.config, "config"),
-            "data": {"manifest.yaml": manifest_yaml}}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, names.config, Role.CONFIG),
+            "data": {MANIFEST_KEY: manifest_yaml}}
 
 
 def plan_config_map(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
-    """``<job>-plan``: empty until the planner pod writes ``plan.json`` into it."""
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, names.plan, "plan"), "data": {}}
+    """``<job>-plan``: empty until the planner pod writes the plan into it."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, names.plan, Role.PLAN), "data": {}}
 
 
 def progress_config_map(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
-    """``<job>-progress``: the driver keeps its progress here (``progress.json``)."""
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, names.progress, "progress"), "data": {}}
+    """``<job>-progress``: the driver keeps its progress here."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, names.progress, Role.PROGRESS),
+            "data": {}}
 
 
 def _security() -> dict[str, Any]:
@@ -100,21 +116,30 @@ def _volumes(names: ChildNames, with_plan: bool, job: Mapping[str, Any]) -> tupl
     return volumes, mounts
 
 
+def _runtime(job: Mapping[str, Any], names: ChildNames, role: Role, **fields: Any) -> TrainerRuntime:
+    """The runtime contract every pod of the job shares, and its own ``fields``."""
+    return TrainerRuntime(role=role, job=names.job, namespace=job["metadata"]["namespace"],
+                          attempt=names.attempt, manifest=MANIFEST_PATH, **fields)
+
+
+def _env(runtime: TrainerRuntime) -> list[dict[str, str]]:
+    return [{"name": k, "value": v} for k, v in runtime.to_env().items()]
+
+
 def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster) -> dict[str, Any]:
     """The pod that plans the job for the pool (``alpajob plan``), once."""
     namespace = job["metadata"]["namespace"]
     volumes, mounts = _volumes(names, False, job)
-    command = ["alpajob", "plan", f"{CONFIG_DIR}/manifest.yaml", "--gpu", cluster.preset,
-               "--nodes", str(cluster.nodes), "--gpus-per-node", str(cluster.gpus_per_node),
-               "--output-configmap", f"{namespace}/{names.plan}"]
+    runtime = _runtime(job, names, Role.PLANNER, plan_configmap=f"{namespace}/{names.plan}",
+                       gpu=cluster.preset, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node)
     return {
-        "apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, names.planner, "planner"),
+        "apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, names.planner, Role.PLANNER),
         "spec": {
             "restartPolicy": "Never",
-            "serviceAccountName": job["spec"].get("serviceAccountName") or "alpajob-trainer",
+            "serviceAccountName": job["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT,
             "containers": [{
-                "name": "planner", "image": _image(job), "command": command,
-                "volumeMounts": mounts, "securityContext": _security(),
+                "name": "planner", "image": _image(job), "command": ["alpajob", "plan"],
+                "env": _env(runtime), "volumeMounts": mounts, "securityContext": _security(),
                 "terminationMessagePolicy": "FallbackToLogsOnError",
                 "resources": {"requests": {"cpu": "2", "memory": "8Gi"}},
             }],
@@ -126,8 +151,8 @@ def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster)
 def head_service(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
     """``<job>-head``: the Ray head's GCS port and the driver's metrics."""
     return {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(job, names.service, "head"),
-        "spec": {"selector": {LABEL_JOB: names.job, LABEL_ROLE: "head"},
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(job, names.service, Role.HEAD),
+        "spec": {"selector": {LABEL_JOB: names.job, LABEL_ROLE: Role.HEAD.value},
                  "ports": [{"name": "gcs", "port": RAY_PORT}, {"name": "metrics", "port": METRICS_PORT}]},
     }
 
@@ -135,9 +160,9 @@ def head_service(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
 def hosts_service(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
     """``<job>-hosts``: headless, so every mesh pod has a DNS name (its hostname)."""
     return {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(job, names.hosts_service, "mesh"),
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(job, names.hosts_service, Role.MESH),
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                 "selector": {LABEL_JOB: names.job, LABEL_ROLE: "mesh"},
+                 "selector": {LABEL_JOB: names.job, LABEL_ROLE: Role.MESH.value},
                  "ports": [{"name": "coordinator", "port": COORDINATOR_PORT}]},
     }
 
@@ -147,14 +172,14 @@ def _gang_fields(job: Mapping[str, Any], names: ChildNames, gang: str | None) ->
     scheduling = job["spec"].get("scheduling") or {}
     scheduler = scheduling.get("schedulerName")
     if gang == "volcano":
-        return {}, {"scheduling.k8s.io/group-name": names.pod_group}, scheduler or GANG["volcano"]["scheduler"]
+        return {}, {VOLCANO_GROUP_ANNOTATION: names.pod_group}, scheduler or GANG["volcano"]["scheduler"]
     if gang == "coscheduling":
-        return ({"scheduling.x-k8s.io/pod-group": names.pod_group}, {},
+        return ({COSCHEDULING_GROUP_LABEL: names.pod_group}, {},
                 scheduler or GANG["coscheduling"]["scheduler"])
     return {}, {}, scheduler
 
 
-def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: str, gang: str | None,
+def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: Role, gang: str | None,
          container: dict[str, Any], labels: dict[str, str], node: str | None, hostname: str | None) -> dict[str, Any]:
     gang_labels, annotations, scheduler = _gang_fields(job, names, gang)
     meta = _meta(job, name, role, names.attempt, **labels, **gang_labels)
@@ -164,7 +189,7 @@ def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: str, gang: 
     container = {**container, "volumeMounts": mounts, "securityContext": _security(),
                  "terminationMessagePolicy": "FallbackToLogsOnError"}
     spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], "volumes": volumes,
-                            "serviceAccountName": job["spec"].get("serviceAccountName") or "alpajob-trainer"}
+                            "serviceAccountName": job["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT}
     if scheduler:
         spec["schedulerName"] = scheduler
     priority = (job["spec"].get("scheduling") or {}).get("priorityClassName")
@@ -173,36 +198,31 @@ def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: str, gang: 
     if node:
         spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchExpressions": [
-                {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}}}
+                {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}]}]}}}
     if hostname:
         spec["hostname"] = hostname
         spec["subdomain"] = names.hosts_service
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
-def _env(pairs: Mapping[str, object]) -> list[dict[str, str]]:
-    return [{"name": k, "value": str(v)} for k, v in pairs.items()]
-
-
 def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None) -> dict[str, Any]:
     """Attempt ``a``'s head: the Ray head and the driver, which resumes from the last
     complete checkpoint; the pod succeeds when training is done."""
-    spec = job["spec"]
-    training = spec.get("training") or {}
-    checkpoint = spec.get("checkpoint") or {}
-    command = ["alpajob", "driver", f"{CONFIG_DIR}/manifest.yaml", "--plan", f"{PLAN_DIR}/plan.json",
-               "--head-port", str(RAY_PORT), "--steps", str(training.get("steps", 1000)),
-               "--metrics-port", str(METRICS_PORT), "--max-restarts", "0",
-               "--status-configmap", f"{job['metadata']['namespace']}/{names.progress}"]
+    checkpoint = job["spec"].get("checkpoint") or {}
+    saves: dict[str, Any] = {}
     if checkpoint.get("volume"):
-        command += ["--checkpoint-dir", f"{CHECKPOINT_DIR}/{checkpoint.get('path') or names.job}",
-                    "--checkpoint-every", str(checkpoint.get("intervalSteps", 500))]
-    container = {"name": "driver", "image": _image(job), "command": command,
+        saves = {"checkpoint_dir": f"{CHECKPOINT_DIR}/{checkpoint.get('path') or names.job}",
+                 "checkpoint_every": checkpoint.get("intervalSteps", 500)}
+    runtime = _runtime(job, names, Role.HEAD, plan=PLAN_PATH, ray_port=RAY_PORT,
+                       metrics_port=METRICS_PORT,
+                       progress_configmap=f"{job['metadata']['namespace']}/{names.progress}", **saves)
+    container = {"name": "driver", "image": _image(job),
+                 "command": ["alpajob", "driver", "--max-restarts", "0"],
                  "ports": [{"name": "gcs", "containerPort": RAY_PORT},
                            {"name": "metrics", "containerPort": METRICS_PORT}],
-                 "env": _env({"ALPAJOB_ATTEMPT": names.attempt}),
+                 "env": _env(runtime),
                  "resources": {"requests": {"cpu": "2", "memory": "8Gi"}}}
-    return _pod(job, names, names.head, "head", gang, container, {}, None, None)
+    return _pod(job, names, names.head, Role.HEAD, gang, container, {}, None, None)
 
 
 def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, hosts: int,
@@ -210,32 +230,26 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
     """Host ``host`` of mesh ``mesh``: a Ray worker offering that host's resource, on
     ``node``, with the mesh's JAX process-group coordinates."""
     namespace = job["metadata"]["namespace"]
-    hostname = f"m{mesh}-h{host}"
-    env = {
-        "ALPAJOB_RAY_ADDRESS": f"{names.service}.{namespace}.svc:{RAY_PORT}",
-        "ALPAJOB_MESH": mesh,
-        "ALPAJOB_HOST": host,
-        "ALPAJOB_PROCESS_ID": host,
-        "ALPAJOB_PROCESS_COUNT": hosts,
-        "ALPAJOB_COORDINATOR": f"m{mesh}-h0.{names.hosts_service}.{namespace}.svc:{COORDINATOR_PORT}",
-        "ALPAJOB_PLAN": f"{PLAN_DIR}/plan.json",
-        "ALPAJOB_ATTEMPT": names.attempt,
-    }
-    if cpu:
-        env["ALPAJOB_DEVICES"] = gpus
+    hostname = names.mesh_hostname(mesh, host)
+    coordinator = f"{names.mesh_hostname(mesh, 0)}.{names.hosts_service}.{namespace}.svc"
+    runtime = _runtime(job, names, Role.MESH, plan=PLAN_PATH,
+                       ray_address=f"{names.service}.{namespace}.svc:{RAY_PORT}", mesh=mesh,
+                       host=host, process_id=host, process_count=hosts,
+                       coordinator=f"{coordinator}:{COORDINATOR_PORT}",
+                       devices=gpus if cpu else None)
     resources: dict[str, Any] = {"requests": {"cpu": "4", "memory": "16Gi"}}
     if not cpu:
         resources["limits"] = {GPU_RESOURCE: str(gpus)}
     container = {"name": "worker", "image": _image(job), "command": ["alpajob", "mesh-worker"],
-                 "env": _env(env), "resources": resources,
+                 "env": _env(runtime), "resources": resources,
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}]}
     labels = {LABEL_MESH: str(mesh), LABEL_HOST: str(host)}
-    return _pod(job, names, names.mesh_pod(mesh, host), "mesh", gang, container, labels, node, hostname)
+    return _pod(job, names, names.mesh_pod(mesh, host), Role.MESH, gang, container, labels, node, hostname)
 
 
 def pod_group(job: Mapping[str, Any], names: ChildNames, gang: str, members: int, gpus: int) -> dict[str, Any]:
     """The attempt's PodGroup: admitted only when every pod of it can be placed."""
-    meta = _meta(job, names.pod_group, "gang", names.attempt)
+    meta = _meta(job, names.pod_group, Role.GANG, names.attempt)
     resources = {GPU_RESOURCE: str(gpus)} if gpus else {}
     if gang == "volcano":
         spec: dict[str, Any] = {"minMember": members, "minResources": resources}

@@ -28,9 +28,10 @@ from typing import Any
 
 import kopf
 
+from alpajob.api.names import ANNOTATION_PREFIX, CRD_NAME, FINALIZER, GROUP, PLURAL, VERSION
+from alpajob.api.status import Phase
 from alpajob.operator.kube import Kube
 from alpajob.operator.metrics import OperatorMetrics
-from alpajob.operator.names import GROUP, PLURAL, VERSION
 from alpajob.operator.reconcile import reconcile
 
 
@@ -48,7 +49,7 @@ class OperatorOptions:
     webhook_managed: bool = False  # kopf keeps a ValidatingWebhookConfiguration up to date
 
 
-def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str) -> str | None:
+def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str) -> Phase | None:
     """One pass over job ``namespace/name``; its phase afterwards (None if it is gone)."""
     began = time.perf_counter()
     job = kube.job(namespace, name)
@@ -59,11 +60,11 @@ def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: s
     before = (job.get("status") or {}).get("phase")
     decision = reconcile(kube.observe(job, datetime.now(UTC)))
     kube.apply(job, decision)
-    phase = decision.status.get("phase")
-    if phase == "Restarting" and before != "Restarting":
+    phase = decision.status.phase
+    if phase is Phase.RESTARTING and before != Phase.RESTARTING:
         metrics.restarts.inc()
-    if before == "Planning" and phase not in ("Planning", "Failed"):
-        started = decision.status.get("startTime")
+    if before == Phase.PLANNING and phase not in (Phase.PLANNING, Phase.FAILED):
+        started = decision.status.start_time
         if started:
             then = datetime.strptime(started, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
             metrics.planning.observe((datetime.now(UTC) - then).total_seconds())
@@ -83,8 +84,9 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
         settings.posting.enabled = False
         settings.watching.server_timeout = 60
         settings.scanning.disabled = not options.scanning
@@ -98,7 +100,7 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
                 options.webhook_port, options.webhook_host, options.webhook_cert, options.webhook_key,
                 options.webhook_insecure, Path(tempfile.mkdtemp(prefix="alpajob-webhook-")))
             if options.webhook_managed:
-                settings.admission.managed = f"{PLURAL}.{GROUP}"
+                settings.admission.managed = CRD_NAME
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
     async def run_job(**kwargs: Any) -> None:
@@ -111,9 +113,9 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
             except Exception as error:  # noqa: BLE001 (one bad pass must not end the loop)
                 metrics.errors.inc()
                 logger.warning(f"reconcile of {namespace}/{name} failed: {error}")
-                phase = "?"
-            if phase is None:
-                return
+            else:
+                if phase is None:  # the job is gone
+                    return
             await stopped.wait(options.interval)
 
     if options.webhook_port is not None:

@@ -26,13 +26,40 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from alpajob.operator.names import GROUP, KIND, LABEL_JOB, PLURAL, VERSION, ChildNames
+from alpajob.api.names import API_VERSION, GROUP, KIND, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
+from alpajob.api.status import Status
+from alpajob.operator.names import ChildNames
 from alpajob.operator.pool import pool_nodes
 from alpajob.operator.reconcile import Decision, Observed
 
 #: CRDs whose presence means a gang scheduler is installed.
 GANG_CRDS = {"volcano": "podgroups.scheduling.volcano.sh", "coscheduling": "podgroups.scheduling.x-k8s.io"}
 _POD_GROUP_API = {"volcano": ("scheduling.volcano.sh", "v1beta1"), "coscheduling": ("scheduling.x-k8s.io", "v1alpha1")}
+
+
+def client_from_environment() -> client.ApiClient:
+    """An API client for the pod's service account in a cluster, else ``$KUBECONFIG``."""
+    from kubernetes import config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``: what changed,
+    and ``None`` for every key ``new`` no longer has."""
+    if not (isinstance(old, Mapping) and isinstance(new, Mapping)):
+        return new
+    patch = {k: None for k in old if k not in new}
+    for key, value in new.items():
+        if key not in old:
+            patch[key] = value
+        elif old[key] != value:
+            patch[key] = merge_patch(old[key], value)
+    return patch
 
 
 class Cached:
@@ -124,7 +151,7 @@ class Kube:
         """Everything :func:`~.reconcile.reconcile` needs about ``job``."""
         meta = job["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        attempt = int(((job.get("status") or {}).get("children") or {}).get("attempt", 0))
+        attempt = Status.model_validate(job.get("status") or {}).children.attempt
         names = ChildNames(name, attempt)
         pods = {pod["metadata"]["name"]: pod for pod in self._owned("pods", namespace).get(name, [])}
         configmaps = {cm["metadata"]["name"]: cm for cm in self._owned("configmaps", namespace).get(name, [])}
@@ -145,7 +172,7 @@ class Kube:
         cluster = spec.get("cluster") or {}
         pool = pool_nodes(nodes, cluster.get("nodeSelector") or {}, cpu=cluster.get("gpu") == "cpu")
         ready = frozenset(n.name for n in pool_nodes(nodes, {}, cpu=True))
-        manifest = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+        manifest = {"apiVersion": API_VERSION, "kind": KIND,
                     "metadata": {"name": name, "namespace": namespace}, "spec": spec}
         return Observed(job=job, now=now, manifest_yaml=yaml.safe_dump(manifest, sort_keys=False),
                         pool=pool, configmaps=configmaps, pods=pods, services=services,
@@ -157,12 +184,14 @@ class Kube:
         """Status first (children's names are in it), then creations, deletions, events."""
         meta = job["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        if decision.status != (job.get("status") or {}):
+        stored = job.get("status") or {}
+        status = decision.status.to_dict()
+        if status != Status.model_validate(stored).to_dict():  # as the API server keeps it
             self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, {"status": decision.status})
+                GROUP, VERSION, namespace, PLURAL, name, {"status": merge_patch(stored, status)})
         if decision.clear_plan:  # a merge patch's null removes the key
             self.core.patch_namespaced_config_map(
-                ChildNames(name, 0).plan, namespace, {"data": {"plan.json": None}})
+                ChildNames(name, 0).plan, namespace, {"data": {PLAN_KEY: None}})
         for obj in decision.create:
             self.create(obj)
         for kind, child, grace in decision.delete:
@@ -215,7 +244,7 @@ class Kube:
         body = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"],
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
                                "namespace": meta["namespace"], "uid": meta.get("uid")},
             "type": kind, "reason": reason, "message": message[:1024],
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,

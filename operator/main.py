@@ -1,7 +1,4 @@
-"""``alpajob operator``: run the kopf operator for AlpaJobs.
-
-    alpajob operator --all-namespaces --liveness http://0.0.0.0:8080/healthz --metrics-port 9090
-    alpajob operator --namespace ml --interval 1
+"""Run the kopf operator for AlpaJobs (``alpajob operator``'s body).
 
 It talks to the API server of the pod's service account (in a cluster) or of
 ``$KUBECONFIG``. One replica runs at a time (the Deployment's strategy is Recreate;
@@ -11,62 +8,22 @@ be restarted at any moment.
 
 from __future__ import annotations
 
-import argparse
-from typing import Any
+import kopf
+
+from alpajob.operator.handlers import OperatorOptions, build_registry
+from alpajob.operator.kube import Kube, client_from_environment
+from alpajob.operator.metrics import OperatorMetrics
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``alpajob operator`` on the subparsers ``sub``."""
-    parser = sub.add_parser("operator", help="run the AlpaJob Kubernetes operator (kopf)")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--namespace", "-n", action="append", help="watch this namespace (repeatable)")
-    where.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
-    parser.add_argument("--interval", type=float, default=1.0,
-                        help="seconds between two reconciliations of a job (default 1)")
-    parser.add_argument("--liveness", help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
-    parser.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
-    parser.add_argument("--default-image",
-                        help="the trainer image of jobs without spec.image (default: this release's)")
-    parser.add_argument("--no-scanning", action="store_true",
-                        help="do not list namespaces and CRDs (least privilege: watch only the "
-                             "--namespace names given, discover resources once at start)")
-    parser.add_argument("--verbose", "-v", action="store_true", help="log every API call and handler")
-    parser.add_argument("--webhook-port", type=int,
-                        help="serve the validating admission webhook on this port (HTTPS)")
-    parser.add_argument("--webhook-host",
-                        help="how the API server reaches the webhook: NAME.NAMESPACE.svc registers that "
-                             "Service (the API server cannot resolve cluster DNS in a URL), any other host a URL")
-    parser.add_argument("--webhook-cert", help="TLS certificate file (default: a self-signed one, made at start)")
-    parser.add_argument("--webhook-key", help="TLS private key file")
-    parser.add_argument("--webhook-managed", action="store_true",
-                        help="create and update the ValidatingWebhookConfiguration")
-    parser.add_argument("--webhook-insecure", action="store_true",
-                        help="plain HTTP (tests only: an API server requires HTTPS)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run until interrupted."""
-    import kopf
-
-    from alpajob.operator.handlers import OperatorOptions, build_registry
-    from alpajob.operator.kube import Kube
-    from alpajob.operator.metrics import OperatorMetrics
-    from alpajob.trainer.publish import kube_client
-
-    if args.interval <= 0:
-        from alpajob.planner.errors import ManifestError
-
-        raise ManifestError("--interval", f"must be positive, got {args.interval}")
-    kopf.configure(verbose=args.verbose)
+def run_operator(options: OperatorOptions, *, namespaces: tuple[str, ...] = (), clusterwide: bool = False,
+                 liveness: str | None = None, metrics_port: int | None = None,
+                 default_image: str | None = None, verbose: bool = False) -> int:
+    """Run until interrupted; the exit status."""
+    kopf.configure(verbose=verbose)
     metrics = OperatorMetrics()
-    if args.metrics_port is not None:
-        metrics.serve(args.metrics_port)
-    registry = build_registry(Kube(kube_client(), default_image=args.default_image), metrics,
-                              OperatorOptions(interval=args.interval, scanning=not args.no_scanning,
-                                              webhook_port=args.webhook_port, webhook_host=args.webhook_host,
-                                              webhook_cert=args.webhook_cert, webhook_key=args.webhook_key,
-                                              webhook_insecure=args.webhook_insecure,
-                                              webhook_managed=args.webhook_managed))
-    kopf.run(registry=registry, standalone=True, clusterwide=bool(args.all_namespaces),
-             namespaces=args.namespace or (), liveness_endpoint=args.liveness)
+    if metrics_port is not None:
+        metrics.serve(metrics_port)
+    registry = build_registry(Kube(client_from_environment(), default_image=default_image), metrics, options)
+    kopf.run(registry=registry, standalone=True, clusterwide=clusterwide, namespaces=namespaces,
+             liveness_endpoint=liveness)
     return 0

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from alpajob.operator.status import PHASES
+from alpajob.api.status import Phase
 
 
 class OperatorMetrics:
@@ -29,8 +29,8 @@ class OperatorMetrics:
         self.restarts = Counter("alpajob_operator_restarts", "whole-job restarts ordered", registry=r)
         self.errors = Counter("alpajob_operator_reconcile_errors", "reconciliation passes that raised", registry=r)
         self._phases: dict[str, str] = {}  # job key -> its phase
-        for phase in PHASES:
-            self.jobs.labels(phase).set(0)
+        for phase in Phase:
+            self.jobs.labels(phase.value).set(0)
         self._server: Any = None
 
     def phase(self, key: str, phase: str | None) -> None:
@@ -39,8 +39,8 @@ class OperatorMetrics:
             self._phases.pop(key, None)
         else:
             self._phases[key] = phase
-        for name in PHASES:
-            self.jobs.labels(name).set(sum(1 for p in self._phases.values() if p == name))
+        for name in Phase:
+            self.jobs.labels(name.value).set(sum(1 for p in self._phases.values() if p == name))
 
     def serve(self, port: int) -> None:
         self._server, _ = start_http_server(port, registry=self.registry)

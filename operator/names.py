@@ -1,4 +1,4 @@
-"""Deterministic names and labels of an AlpaJob's children.
+"""Deterministic names of an AlpaJob's children (their labels: :mod:`alpajob.api.names`).
 
 Every child's name follows from the job's name and the **attempt** (0 for the first
 run, one more after every restart of the whole job), so a restarted operator finds
@@ -22,16 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GROUP = "alpajob.io"
-VERSION = "v1alpha1"
-PLURAL = "alpajobs"
-KIND = "AlpaJob"
-
-LABEL_JOB = "alpajob.io/job"
-LABEL_ROLE = "alpajob.io/role"  # planner, head or mesh
-LABEL_ATTEMPT = "alpajob.io/attempt"
-LABEL_MESH = "alpajob.io/mesh"
-LABEL_HOST = "alpajob.io/host"
+from alpajob.api.status import Children
 
 
 @dataclass(frozen=True)
@@ -76,17 +67,14 @@ class ChildNames:
     def mesh_pod(self, mesh: int, host: int) -> str:
         return f"{self.job}-{self.attempt}-m{mesh}-h{host}"
 
-    def to_status(self, hosts: list[tuple[int, int]]) -> dict[str, object]:
+    def mesh_hostname(self, mesh: int, host: int) -> str:
+        """The pod's hostname: ``m<mesh>-h<host>``, a DNS name under the hosts Service."""
+        return f"m{mesh}-h{host}"
+
+    def to_status(self, hosts: list[tuple[int, int]]) -> Children:
         """What ``status.children`` records for this attempt."""
-        return {
-            "attempt": self.attempt,
-            "config": self.config,
-            "plan": self.plan,
-            "progress": self.progress,
-            "planner": self.planner,
-            "service": self.service,
-            "hostsService": self.hosts_service,
-            "head": self.head,
-            "podGroup": self.pod_group,
-            "meshPods": [self.mesh_pod(m, h) for m, h in hosts],
-        }
+        return Children(
+            attempt=self.attempt, config=self.config, plan=self.plan, progress=self.progress,
+            planner=self.planner, service=self.service, hosts_service=self.hosts_service,
+            head=self.head, pod_group=self.pod_group,
+            mesh_pods=[self.mesh_pod(m, h) for m, h in hosts])

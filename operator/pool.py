@@ -19,11 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from alpajob.planner.errors import AlpaJobError
-from alpajob.planner.manifest import GPU_PRODUCT_PRESETS
-
-GPU_RESOURCE = "nvidia.com/gpu"
-PRODUCT_LABEL = "nvidia.com/gpu.product"
+from alpajob.api.catalog import GPU_PRODUCT_PRESETS
+from alpajob.api.errors import AlpaJobError
+from alpajob.api.names import GPU_PRODUCT_LABEL, GPU_RESOURCE
+from alpajob.api.plan import StagePlan
 
 
 class PoolError(AlpaJobError):
@@ -72,7 +71,7 @@ def pool_nodes(nodes: Sequence[Mapping[str, Any]], selector: Mapping[str, str], 
         gpus = int(((node.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE, 0) or 0)
         if gpus < 1 and not cpu:
             continue
-        out.append(PoolNode(meta["name"], gpus, labels.get(PRODUCT_LABEL)))
+        out.append(PoolNode(meta["name"], gpus, labels.get(GPU_PRODUCT_LABEL)))
     return sorted(out, key=lambda n: n.name)
 
 
@@ -90,13 +89,13 @@ def pool_cluster(cluster: Mapping[str, Any], pool: Sequence[PoolNode]) -> PoolCl
         )
     if preset is None:
         products = {n.product for n in pool}
-        known = {GPU_PRODUCT_PRESETS.get(p or "") for p in products}
+        known: set[str | None] = {GPU_PRODUCT_PRESETS.get(p or "") for p in products}
         if len(known) != 1 or None in known:
             raise PoolError(
                 "spec.cluster.gpu",
-                f"not set, and the pool's {PRODUCT_LABEL} labels {sorted(str(p) for p in products)} "
+                f"not set, and the pool's {GPU_PRODUCT_LABEL} labels {sorted(str(p) for p in products)} "
                 f"do not name one known preset; set spec.cluster.gpu to one of "
-                f"{sorted(set(GPU_PRODUCT_PRESETS.values()))}",
+                f"{sorted(p.value for p in set(GPU_PRODUCT_PRESETS.values()))}",
             )
         preset = known.pop()
     chosen = pool[: min(wanted_nodes, len(pool))]
@@ -104,11 +103,11 @@ def pool_cluster(cluster: Mapping[str, Any], pool: Sequence[PoolNode]) -> PoolCl
     return PoolCluster(str(preset), len(chosen), gpus)
 
 
-def assign_nodes(stages: Sequence[Mapping[str, Any]], pool: Sequence[PoolNode]) -> dict[tuple[int, int], str]:
+def assign_nodes(stages: Sequence[StagePlan], pool: Sequence[PoolNode]) -> dict[tuple[int, int], str]:
     """``(mesh, host) -> node name`` for a plan's stages (their ``device_slots``)."""
     out = {}
     for stage in stages:
-        node_indices = sorted({int(slot[0]) for slot in stage["device_slots"]})
+        node_indices = sorted({int(slot[0]) for slot in stage.device_slots})
         for host, index in enumerate(node_indices):
             if index >= len(pool):
                 raise PoolError(
@@ -116,5 +115,5 @@ def assign_nodes(stages: Sequence[Mapping[str, Any]], pool: Sequence[PoolNode]) 
                     f"the plan uses node {index + 1} but the pool has {len(pool)} nodes now; "
                     "the job will be planned again for the smaller pool",
                 )
-            out[int(stage["index"]), host] = pool[index].name
+            out[stage.index, host] = pool[index].name
     return out

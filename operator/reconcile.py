@@ -30,16 +30,20 @@ in order (the first that has something to wait for ends the pass):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from alpajob.api.errors import AlpaJobError, PlanFormatError
+from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, PLAN_KEY, PROGRESS_KEY, Role
+from alpajob.api.plan import Plan, plan_from_json
+from alpajob.api.progress import progress_from_json
+from alpajob.api.status import MeshStatus, Phase, PlanSummary, Status
 from alpajob.operator import children
-from alpajob.operator.names import LABEL_ATTEMPT, LABEL_ROLE, ChildNames
+from alpajob.operator.names import ChildNames
 from alpajob.operator.pool import PoolError, PoolNode, assign_nodes, pool_cluster
-from alpajob.operator.status import FINISHED, with_phase
+from alpajob.operator.status import set_phase
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class Observed:
 class Decision:
     """What to do: status first (children's names included), then creations, deletions."""
 
-    status: dict[str, Any]
+    status: Status
     create: list[dict[str, Any]] = field(default_factory=list)
     delete: list[tuple[str, str, int | None]] = field(default_factory=list)  # kind, name, grace seconds
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
@@ -101,6 +105,10 @@ def _pod_message(pod: Mapping[str, Any]) -> str:
     return str(status.get("message") or status.get("reason") or "the pod failed")
 
 
+def _data(configmap: Mapping[str, Any] | None, key: str) -> str | None:
+    return ((configmap or {}).get("data") or {}).get(key)
+
+
 class _Pass:
     """One reconciliation pass's state (see the module docstring)."""
 
@@ -113,37 +121,30 @@ class _Pass:
         self.meta = seen.job["metadata"]
         self.generation = int(self.meta.get("generation") or 1)
         self.now = _time(seen.now)
-        status = dict(seen.job.get("status") or {})
-        status.setdefault("restarts", 0)
-        status.setdefault("phase", "Pending")
-        self.decision = Decision(status=status)
-        self.attempt = int((status.get("children") or {}).get("attempt", 0))
+        self.status = Status.model_validate(seen.job.get("status") or {})
+        self.decision = Decision(status=self.status)
+        self.attempt = self.status.children.attempt
         self.names = ChildNames(self.meta["name"], self.attempt)
         self.run_policy = self.spec.get("runPolicy") or {}
+        self.plan_doc: Plan | None = None
 
     # ------------------------------------------------------------ helpers
-    @property
-    def status(self) -> dict[str, Any]:
-        return self.decision.status
-
-    def phase(self, phase: str, reason: str, message: str = "", meshes_ready: bool = False) -> None:
-        before = self.status.get("phase")
-        planned = bool(self.status.get("plan"))
-        self.decision.status = with_phase(self.status, phase, reason, message, self.generation, self.now,
-                                          planned, meshes_ready)
-        if phase != before:
-            kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
+    def phase(self, phase: Phase, reason: str, message: str = "", meshes_ready: bool = False) -> None:
+        before = self.status.phase
+        set_phase(self.status, phase, reason, message, self.generation, self.now, meshes_ready)
+        if phase is not before:
+            kind = "Warning" if phase in (Phase.FAILED, Phase.RESTARTING) else "Normal"
             self.decision.events.append((kind, reason, message or f"phase {before} -> {phase}"))
-            if phase in FINISHED:
-                self.status["completionTime"] = self.now
+            if phase.finished:
+                self.status.completion_time = self.now
 
-    def pods_of(self, attempt: int | None = None, role: str | None = None) -> dict[str, Mapping[str, Any]]:
+    def pods_of(self, attempt: int | None = None, role: Role | None = None) -> dict[str, Mapping[str, Any]]:
         out = {}
         for name, pod in self.seen.pods.items():
             labels = (pod.get("metadata") or {}).get("labels") or {}
             if attempt is not None and labels.get(LABEL_ATTEMPT) != str(attempt):
                 continue
-            if role is not None and labels.get(LABEL_ROLE) != role:
+            if role is not None and labels.get(LABEL_ROLE) != role.value:
                 continue
             out[name] = pod
         return out
@@ -158,6 +159,11 @@ class _Pass:
                 continue
             self.decision.delete.append(("Pod", name, None))
 
+    @property
+    def plan(self) -> Plan:
+        assert self.plan_doc is not None, "the plan step found no plan"
+        return self.plan_doc
+
     def hosts(self) -> list[tuple[int, int, int]]:
         """(mesh, host, hosts of the mesh) of the plan."""
         return [(m, h, n) for m, h, n, _ in self.host_devices()]
@@ -165,69 +171,80 @@ class _Pass:
     def host_devices(self) -> list[tuple[int, int, int, int]]:
         """(mesh, host, hosts of the mesh, devices per host) of the plan."""
         out: list[tuple[int, int, int, int]] = []
-        for stage in self.plan_doc["stages"]:
-            n, m = (int(x) for x in stage["submesh_shape"])
-            out.extend((int(stage["index"]), j, n, m) for j in range(n))
+        for stage in self.plan.stages:
+            n, m = stage.submesh_shape
+            out.extend((stage.index, j, n, m) for j in range(n))
         return out
 
     # ------------------------------------------------------------ steps
     def finished(self) -> bool:
-        if self.status.get("phase") not in FINISHED:
+        if not self.status.phase.finished:
             return False
-        self.delete_pods({n: p for n, p in self.seen.pods.items()})
+        self.delete_pods(dict(self.seen.pods))
         ttl = self.run_policy.get("ttlSecondsAfterFinished")
-        done = _parse_time(self.status.get("completionTime"))
+        done = _parse_time(self.status.completion_time)
         if ttl is not None and done is not None and (self.seen.now.replace(tzinfo=None) - done).total_seconds() >= ttl:
             self.decision.delete_job = True
         return True
 
     def deadline(self) -> bool:
         limit = self.run_policy.get("activeDeadlineSeconds")
-        started = _parse_time(self.status.get("startTime"))
+        started = _parse_time(self.status.start_time)
         if limit is None or started is None:
             return False
         if (self.seen.now.replace(tzinfo=None) - started).total_seconds() < limit:
             return False
         self.delete_pods(self.seen.pods)
-        self.phase("Failed", "DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds ({limit} s)")
+        self.phase(Phase.FAILED, "DeadlineExceeded",
+                   f"the job ran longer than activeDeadlineSeconds ({limit} s)")
         return True
 
     def suspend(self) -> bool:
         if self.run_policy.get("suspend"):
             self.delete_pods(self.seen.pods)
-            if self.status.get("phase") != "Suspended":
-                self.phase("Suspended", "Suspended", "spec.runPolicy.suspend is true; pods deleted")
+            if self.status.phase is not Phase.SUSPENDED:
+                self.phase(Phase.SUSPENDED, "Suspended", "spec.runPolicy.suspend is true; pods deleted")
             return True
-        if self.status.get("phase") == "Suspended":
+        if self.status.phase is Phase.SUSPENDED:
             # Resume: a fresh attempt, from the last complete checkpoint.
             self.next_attempt()
-            self.phase("Starting", "Resumed", "resumed; restarting every mesh from the last checkpoint")
+            self.phase(Phase.STARTING, "Resumed", "resumed; restarting every mesh from the last checkpoint")
         return False
 
     def next_attempt(self) -> None:
         self.attempt += 1
         self.names = ChildNames(self.meta["name"], self.attempt)
-        self.status["children"] = {**(self.status.get("children") or {}), "attempt": self.attempt}
+        self.status.children.attempt = self.attempt
 
-    def plan(self) -> bool:
+    def read_plan(self) -> bool:
+        """The plan from ``<job>-plan`` into ``plan_doc``; False (and Failed) if it is not
+        a valid Plan document."""
+        text = _data(self.seen.configmaps.get(self.names.plan), PLAN_KEY)
+        if not text:
+            return True
+        try:
+            self.plan_doc = plan_from_json(text, f"ConfigMap {self.names.plan}")
+        except PlanFormatError as error:
+            self.phase(Phase.FAILED, "InvalidPlan", str(error))
+            return False
+        return True
+
+    def ensure_plan(self) -> bool:
         """Ensure the plan; True while it is not there yet (or failed)."""
         names, configmaps = self.names, self.seen.configmaps
-        self.status.setdefault("startTime", self.now)
+        if self.status.start_time is None:
+            self.status.start_time = self.now
         if names.config not in configmaps:
             self.decision.create.append(children.config_map(self.job, names, self.seen.manifest_yaml))
         if names.plan not in configmaps:
             self.decision.create.append(children.plan_config_map(self.job, names))
         if names.progress not in configmaps:
             self.decision.create.append(children.progress_config_map(self.job, names))
-        text = ((configmaps.get(names.plan) or {}).get("data") or {}).get("plan.json")
-        if text:
-            try:
-                self.plan_doc = json.loads(text)
-            except json.JSONDecodeError as error:
-                self.phase("Failed", "InvalidPlan", f"ConfigMap {names.plan}: plan.json is not JSON ({error})")
-                return True
-            if self.status.get("plan", {}).get("hash") != self.plan_doc.get("hash"):
-                self.status["plan"] = self.summary()
+        if not self.read_plan():
+            return True
+        if self.plan_doc is not None:
+            if self.status.plan is None or self.status.plan.hash != self.plan_doc.content_hash():
+                self.status.plan = self.summary()
             planner = self.seen.pods.get(names.planner)
             if planner is not None and _phase(planner) in ("Succeeded", "Failed"):
                 self.delete_pods({names.planner: planner})
@@ -237,35 +254,30 @@ class _Pass:
             try:
                 cluster = pool_cluster(self.spec.get("cluster") or {}, self.seen.pool)
             except PoolError as error:
-                self.phase("Failed", "NoNodePool", str(error))
+                self.phase(Phase.FAILED, "NoNodePool", str(error))
                 return True
-            self.status["children"] = {**(self.status.get("children") or {}), "attempt": self.attempt,
-                                       "planner": names.planner}
+            self.status.children.attempt = self.attempt
+            self.status.children.planner = names.planner
             self.decision.create.append(children.planner_pod(self.job, names, cluster))
-            self.phase("Planning", "Planning",
+            self.phase(Phase.PLANNING, "Planning",
                        f"planning for {cluster.nodes} x {cluster.gpus_per_node} {cluster.preset}")
         elif _phase(planner) == "Failed":
-            self.phase("Failed", "PlanningFailed", _pod_message(planner))
-        elif self.status.get("phase") != "Planning":
-            self.phase("Planning", "Planning", "the planner pod is running")
+            self.phase(Phase.FAILED, "PlanningFailed", _pod_message(planner))
+        elif self.status.phase is not Phase.PLANNING:
+            self.phase(Phase.PLANNING, "Planning", "the planner pod is running")
         return True
 
-    def summary(self) -> dict[str, Any]:
-        doc = self.plan_doc
-        stages = doc.get("stages") or []
-        return {
-            "configMap": self.names.plan,
-            "hash": doc.get("hash"),
-            "stages": len(stages),
-            "meshes": len(stages),
-            "predictedStepSeconds": doc.get("predicted_step_seconds"),
-            "numMicroBatches": doc.get("num_micro_batches"),
-        }
+    def summary(self) -> PlanSummary:
+        plan = self.plan
+        return PlanSummary(config_map=self.names.plan, hash=plan.content_hash(),
+                           stages=len(plan.stages), meshes=len(plan.stages),
+                           predicted_step_seconds=plan.predicted_step_seconds,
+                           num_micro_batches=plan.num_micro_batches)
 
     def restart(self) -> bool:
         """Restart the whole job after a failure of the current attempt; True if it did."""
         current = self.pods_of(self.attempt)
-        created = (self.status.get("children") or {}).get("created") == self.attempt
+        created = self.status.children.created == self.attempt
         expected = [self.names.head] + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts()]
         failed = [n for n, p in current.items() if _phase(p) == "Failed"]
         missing = [n for n in expected if created and n not in self.seen.pods]
@@ -279,15 +291,15 @@ class _Pass:
                          + [f"{n} is gone" for n in missing])
         limit = int(self.run_policy.get("backoffLimit", 3))
         self.delete_pods(current)
-        if self.status["restarts"] >= limit:
-            self.phase("Failed", "BackoffLimitExceeded",
-                       f"{what}; the job restarted {self.status['restarts']} times (backoffLimit {limit})")
+        if self.status.restarts >= limit:
+            self.phase(Phase.FAILED, "BackoffLimitExceeded",
+                       f"{what}; the job restarted {self.status.restarts} times (backoffLimit {limit})")
             return True
-        self.status["restarts"] += 1
+        self.status.restarts += 1
         self.next_attempt()
-        self.phase("Restarting", "PodFailed",
+        self.phase(Phase.RESTARTING, "PodFailed",
                    f"{what}; restarting every mesh from the last checkpoint "
-                   f"(restart {self.status['restarts']} of {limit})")
+                   f"(restart {self.status.restarts} of {limit})")
         if self.pool_changed():
             self.replan("the node pool changed since the plan was made")
         return True
@@ -298,13 +310,13 @@ class _Pass:
             now = pool_cluster(self.spec.get("cluster") or {}, self.seen.pool)
         except PoolError:
             return False  # no pool at all: keep the plan, the pods wait for nodes
-        cluster = self.plan_doc.get("cluster") or {}
+        cluster = self.plan.cluster
         return (now.nodes, now.gpus_per_node) != (cluster.get("num_nodes"), cluster.get("devices_per_node"))
 
     def replan(self, why: str) -> None:
         """Plan the job again (for the pool as it is now) before the next attempt."""
         self.decision.clear_plan = True
-        self.status["plan"] = None
+        self.status.plan = None
         planner = self.seen.pods.get(self.names.planner)
         if planner is not None:
             self.delete_pods({self.names.planner: planner})
@@ -314,17 +326,18 @@ class _Pass:
         """Create what is missing; True if the pool cannot hold the plan any more."""
         names, job, gang = self.names, self.job, self.seen.gang
         try:
-            nodes = assign_nodes(self.plan_doc["stages"], self.seen.pool)
+            nodes = assign_nodes(self.plan.stages, self.seen.pool)
         except PoolError as error:
             self.delete_pods(self.pods_of(self.attempt))
             self.replan(f"the plan no longer fits the node pool ({error})")
-            self.phase("Planning", "Replanning", "planning again for the node pool as it is now")
+            self.phase(Phase.PLANNING, "Replanning", "planning again for the node pool as it is now")
             return True
         hosts = self.hosts()
-        cluster = self.plan_doc.get("cluster") or {}
+        cluster = self.plan.cluster
         cpu = (cluster.get("device") or {}).get("name") == "cpu" or cluster.get("preset") == "cpu"
-        record = names.to_status([(m, h) for m, h, _ in hosts])
-        self.status["children"] = {**(self.status.get("children") or {}), **record}
+        created = self.status.children.created
+        self.status.children = names.to_status([(m, h) for m, h, _ in hosts])
+        self.status.children.created = created
         if names.service not in self.seen.services:
             self.decision.create.append(children.head_service(job, names))
         if names.hosts_service not in self.seen.services:
@@ -342,50 +355,46 @@ class _Pass:
         return False
 
     def progress(self) -> None:
-        """The driver's progress (``<job>-progress``) into ``status.progress``."""
-        text = ((self.seen.configmaps.get(self.names.progress) or {}).get("data") or {}).get("progress.json")
+        """The trainer's progress (``<job>-progress``) into ``status.progress``."""
+        text = _data(self.seen.configmaps.get(self.names.progress), PROGRESS_KEY)
         if not text:
             return
         try:
-            doc = json.loads(text)
-        except json.JSONDecodeError:
-            return
-        self.status["progress"] = {
-            "step": doc.get("step"), "steps": doc.get("steps"), "loss": doc.get("loss"),
-            "samplesPerSecond": doc.get("samples_per_second"),
-            "lastCheckpointStep": doc.get("checkpoint_step"),
-        }
+            self.status.progress = progress_from_json(text, f"ConfigMap {self.names.progress}")
+        except AlpaJobError:
+            return  # advisory: a malformed report leaves the last good one
 
     def observe(self) -> None:
         self.progress()
         current = self.pods_of(self.attempt)
         head = current.get(self.names.head)
-        meshes: dict[int, dict[str, Any]] = {}
+        meshes: dict[int, MeshStatus] = {}
         for mesh, host, count in self.hosts():
-            entry = meshes.setdefault(mesh, {"name": f"mesh-{mesh}", "nodes": count, "readyPods": 0, "totalPods": count})
+            entry = meshes.setdefault(mesh, MeshStatus(name=f"mesh-{mesh}", nodes=count,
+                                                       ready_pods=0, total_pods=count))
             if _phase(current.get(self.names.mesh_pod(mesh, host))) == "Running":
-                entry["readyPods"] += 1
-        self.status["meshes"] = [meshes[k] for k in sorted(meshes)]
+                entry.ready_pods += 1
+        self.status.meshes = [meshes[k] for k in sorted(meshes)]
         expected = [self.names.head] + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts()]
         if all(name in current for name in expected):
             # Every pod of the attempt has been seen: from now on one that vanishes
             # (its node lost, evicted) counts as a failure.
-            self.status["children"]["created"] = self.attempt
+            self.status.children.created = self.attempt
         if _phase(head) == "Succeeded":
             self.delete_pods({n: p for n, p in current.items() if n != self.names.head})
-            self.phase("Succeeded", "TrainingFinished", "the driver finished every step")
+            self.phase(Phase.SUCCEEDED, "TrainingFinished", "the driver finished every step")
             return
         running = head is not None and _phase(head) == "Running" and all(
-            m["readyPods"] == m["totalPods"] for m in meshes.values())
+            m.ready_pods == m.total_pods for m in meshes.values())
         if running:
-            self.phase("Running", "Training", "every mesh is running", meshes_ready=True)
+            self.phase(Phase.RUNNING, "Training", "every mesh is running", meshes_ready=True)
         else:
-            ready = sum(m["readyPods"] for m in meshes.values())
-            total = sum(m["totalPods"] for m in meshes.values())
-            self.phase("Starting", "PodsStarting", f"{ready} of {total} mesh pods running")
+            ready = sum(m.ready_pods for m in meshes.values())
+            total = sum(m.total_pods for m in meshes.values())
+            self.phase(Phase.STARTING, "PodsStarting", f"{ready} of {total} mesh pods running")
 
     def run(self) -> Decision:
-        if self.finished() or self.deadline() or self.suspend() or self.plan():
+        if self.finished() or self.deadline() or self.suspend() or self.ensure_plan():
             return self.decision
         if self.restart():
             return self.decision

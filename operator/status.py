@@ -1,79 +1,45 @@
-"""The AlpaJob's status: phases, conditions, and what each phase says to GitOps tools.
+"""Setting a job's phase, and every condition with it, on its typed status.
 
-Phases: Pending, Planning, Starting, Running, Restarting, Succeeded, Failed,
-Suspended. Every phase sets the conditions below, so Flux's kstatus and Argo CD
-read the job from the standard ``Ready`` condition and ``observedGeneration``:
-
-=============  =======================================================
-Planned        the plan ConfigMap holds a plan
-MeshesReady    every pod of the current attempt is running
-Running        training is under way
-Succeeded      the driver finished every step
-Failed         the job stopped for good (the reason says why)
-Suspended      ``spec.runPolicy.suspend`` is true
-Ready          True while Running and once Succeeded
-=============  =======================================================
-
-A condition's ``lastTransitionTime`` changes only when its status flips.
+The phases and condition types are :mod:`alpajob.api.status`'s; here is the one rule
+that ties them together: every phase sets every condition, so Flux's kstatus and
+Argo CD read the job from the standard ``Ready`` condition and ``observedGeneration``,
+and a condition's ``lastTransitionTime`` changes only when its status flips.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-PHASES = ("Pending", "Planning", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
-FINISHED = ("Succeeded", "Failed")
-CONDITION_TYPES = ("Planned", "MeshesReady", "Running", "Succeeded", "Failed", "Suspended", "Ready")
+from alpajob.api.status import Condition, ConditionStatus, ConditionType, Phase, Status
 
 
-def set_condition(
-    conditions: Sequence[Mapping[str, Any]],
-    kind: str,
-    status: bool,
-    reason: str,
-    message: str,
-    generation: int,
-    now: str,
-) -> list[dict[str, Any]]:
-    """``conditions`` with ``kind`` set; the transition time is kept unless it flipped."""
-    value = "True" if status else "False"
-    out = []
-    found = False
-    for condition in conditions:
-        if condition.get("type") != kind:
-            out.append(dict(condition))
-            continue
-        found = True
-        since = condition.get("lastTransitionTime") if condition.get("status") == value else now
-        out.append({"type": kind, "status": value, "reason": reason, "message": message,
-                    "lastTransitionTime": since or now, "observedGeneration": generation})
-    if not found:
-        out.append({"type": kind, "status": value, "reason": reason, "message": message,
-                    "lastTransitionTime": now, "observedGeneration": generation})
-    order = {name: i for i, name in enumerate(CONDITION_TYPES)}
-    return sorted(out, key=lambda c: order.get(str(c.get("type")), len(order)))
+def set_condition(status: Status, kind: ConditionType, value: bool, reason: str, message: str,
+                  generation: int, now: str) -> None:
+    """Set condition ``kind`` of ``status``; its transition time is kept unless it flipped."""
+    flag = ConditionStatus.TRUE if value else ConditionStatus.FALSE
+    before = next((c for c in status.conditions if c.type is kind), None)
+    since = before.last_transition_time if before is not None and before.status is flag else now
+    condition = Condition(type=kind, status=flag, reason=reason, message=message,
+                          last_transition_time=since or now, observed_generation=generation)
+    order = list(ConditionType)
+    others = [c for c in status.conditions if c.type is not kind]
+    status.conditions = sorted([*others, condition], key=lambda c: order.index(c.type))
 
 
-def with_phase(status: Mapping[str, Any], phase: str, reason: str, message: str, generation: int,
-               now: str, planned: bool, meshes_ready: bool) -> dict[str, Any]:
-    """``status`` in ``phase``, every condition set to agree with it."""
-    out = dict(status)
-    out["phase"] = phase
-    out["observedGeneration"] = generation
-    conditions = list(status.get("conditions") or [])
+def set_phase(status: Status, phase: Phase, reason: str, message: str, generation: int, now: str,
+              meshes_ready: bool) -> None:
+    """Put ``status`` in ``phase`` and set every condition to agree with it."""
+    status.phase = phase
+    status.observed_generation = generation
 
-    def put(kind: str, value: bool, why: str, text: str = "") -> None:
-        nonlocal conditions
-        conditions = set_condition(conditions, kind, value, why, text, generation, now)
+    def put(kind: ConditionType, value: bool, why: str, text: str = "") -> None:
+        set_condition(status, kind, value, why, text, generation, now)
 
-    put("Planned", planned, "PlanReady" if planned else reason)
-    put("MeshesReady", meshes_ready and phase == "Running", "PodsRunning" if meshes_ready else reason)
-    put("Running", phase == "Running", reason, message if phase == "Running" else "")
-    put("Succeeded", phase == "Succeeded", reason, message if phase == "Succeeded" else "")
-    put("Failed", phase == "Failed", reason, message if phase == "Failed" else "")
-    put("Suspended", phase == "Suspended", reason, message if phase == "Suspended" else "")
-    ready = phase in ("Running", "Succeeded")
-    put("Ready", ready, reason, message)
-    out["conditions"] = conditions
-    return out
+    planned = status.plan is not None
+    put(ConditionType.PLANNED, planned, "PlanReady" if planned else reason)
+    put(ConditionType.MESHES_READY, meshes_ready and phase is Phase.RUNNING,
+        "PodsRunning" if meshes_ready else reason)
+    for kind, own in ((ConditionType.RUNNING, Phase.RUNNING),
+                      (ConditionType.SUCCEEDED, Phase.SUCCEEDED),
+                      (ConditionType.FAILED, Phase.FAILED),
+                      (ConditionType.SUSPENDED, Phase.SUSPENDED)):
+        put(kind, phase is own, reason, message if phase is own else "")
+    put(ConditionType.READY, phase in (Phase.RUNNING, Phase.SUCCEEDED), reason, message)

@@ -1,13 +1,15 @@
 """The planner (``alpajob.planner``): Alpa's two-level automatic parallelization.
 
-Plain data in, plain data out. Only :mod:`alpajob.planner.extract` imports JAX.
+Plain data in, plain data out; it imports the contracts (:mod:`alpajob.api`) and
+nothing else of ours. One subpackage per phase of Alpa's search::
 
-Pipeline of passes (one module each)::
+    graph/     a traced training step -> OpGraph          (the only JAX: reading jaxprs)
+    cost/      cluster presets and the calibrated analytic cost model
+    intra_op/  one layer or stage on a logical mesh -> the sharding ILP (Alpa eq. 1)
+    inter_op/  layer clustering (eq. 6), the stage/submesh DP (eq. 3/4), pipeline
+               schedules, the search over micro-batch counts
+    plan/      make_plan (the one entry), the baselines, assembling the Plan document
 
-    extract      JAX training step  -> OpGraph            (graph.py holds the types)
-    clustering   OpGraph forward ops -> L layers           (Alpa eq. 6)
-    intra_op     layers x logical mesh -> sharding ILP     (Alpa eq. 1, pulp)
-    stage_dp     per-stage costs -> stages and submeshes   (Alpa eq. 3/4)
-    inter_op     drives the above, picks micro-batches     -> Plan (plan.py)
-    baselines    data parallel, ZeRO-2, Megatron grid, equal-layer/operator slicing
+:func:`alpajob.planner.plan.make.make_plan` drives them; the trainer hands it the
+traced step (:func:`alpajob.trainer_image.planning.plan_job`).
 """

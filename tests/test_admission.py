@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from alpajob.operator.admission import ZOO, validate_alpajob
+from alpajob.api.catalog import ZOO
+from alpajob.operator.admission import validate_alpajob
 
 BASE: dict[str, Any] = {
     "apiVersion": "alpajob.io/v1alpha1",
@@ -32,7 +33,7 @@ def test_importing_admission_imports_neither_jax_nor_kopf() -> None:
 
 
 def test_zoo_catalogue_equals_the_zoo() -> None:
-    from alpajob.trainer.zoo.registry import families
+    from alpajob.trainer_image.zoo.registry import families
 
     zoo = families()
     assert set(ZOO) == set(zoo)

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from alpajob.planner.baselines import even_ranges, operator_ranges
+from alpajob.planner.plan.baselines import even_ranges, operator_ranges
 
 
 def _check_cover(ranges, n):

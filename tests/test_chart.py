@@ -115,7 +115,7 @@ def container(deployment: dict[str, Any]) -> dict[str, Any]:
 
 def operator_args(command: list[str]) -> argparse.Namespace:
     """``command`` (alpajob operator ...) parsed by the real ``alpajob operator`` parser."""
-    from alpajob.operator import main as operator_main
+    from alpajob.cli import operator as operator_main
 
     parser = argparse.ArgumentParser(prog="alpajob")
     operator_main.add_parser(parser.add_subparsers(dest="command", required=True))
@@ -374,6 +374,7 @@ def test_service_monitor_scrapes_the_operator_metrics(full: list[dict[str, Any]]
 
 
 def test_pod_monitor_scrapes_every_head_pod(full: list[dict[str, Any]]) -> None:
+    from alpajob.api.runtime import TrainerRuntime
     from alpajob.operator.children import head_pod
     from alpajob.operator.names import ChildNames
 
@@ -387,7 +388,8 @@ def test_pod_monitor_scrapes_every_head_pod(full: list[dict[str, Any]]) -> None:
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     (driver,) = head["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in driver["ports"]}
-    assert ports[endpoint["port"]] == int(driver["command"][driver["command"].index("--metrics-port") + 1])
+    runtime = TrainerRuntime.from_env({e["name"]: e["value"] for e in driver["env"]})
+    assert ports[endpoint["port"]] == runtime.metrics_port  # where the driver serves /metrics
     # The trainer labels its series with job=<AlpaJob>; keep it rather than exported_job.
     assert endpoint["honorLabels"] is True and endpoint["path"] == "/metrics"
 
@@ -422,12 +424,13 @@ def exposed_metric_names() -> set[str]:
     """The sample names the trainer's and the operator's registries expose."""
     from prometheus_client import generate_latest
 
+    from alpajob.api.progress import Progress
     from alpajob.operator.metrics import OperatorMetrics
-    from alpajob.trainer.metrics import TrainingMetrics
+    from alpajob.trainer_image.metrics import TrainingMetrics
 
     trainer = TrainingMetrics("demo", predicted_step_seconds=0.5)
-    trainer.checkpoint.labels("demo").set(10)
-    trainer.record(10, 2.5, 0.4, 32, [SimpleNamespace(compute=0.3, idle=0.08, communication=0.02)])
+    report = Progress(step=10, loss=2.5, samples_per_second=80.0, last_checkpoint_step=10)
+    trainer.record(report, 0.4, [SimpleNamespace(compute=0.3, idle=0.08, communication=0.02)])
     operator = OperatorMetrics()
     operator.phase("ml/demo", "Running")
     operator.reconcile.observe(0.01)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from alpajob.cli import main
+from alpajob.cli.main import main
 
 EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
 
@@ -53,7 +53,7 @@ def test_cluster_overrides(tmp_path):
     ("edit", "args", "message"),
     [
         ("config: huge", [], "spec.model.config"),
-        ("globalBatchSize: 32", ["--gpu", "tpu-v9"], "spec.cluster.gpu"),
+        ("globalBatchSize: 32", ["--gpu", "tpu-v9"], "--gpu"),
         ("globalBatchSize: 32", ["--nodes", "0"], "--nodes"),
         ("globalBatchSize: 32", ["--gpus-per-node", "3"], "gpusPerNode"),
         ("globalBatchSize: -4", [], "spec.training.globalBatchSize"),

@@ -7,8 +7,13 @@ import itertools
 import numpy as np
 import pytest
 
-from alpajob.planner.clustering import _coarsen, cluster_kernel, cluster_layers, default_num_layers
-from alpajob.planner.graph import Op, OpGraph, Phase, Tensor, TensorRole
+from alpajob.planner.graph.opgraph import Op, OpGraph, Phase, Tensor, TensorRole
+from alpajob.planner.inter_op.clustering import (
+    _coarsen,
+    cluster_kernel,
+    cluster_layers,
+    default_num_layers,
+)
 
 
 def _objective(flops, cross, bounds):
@@ -269,7 +274,7 @@ def test_cluster_layers_scales_to_thousands_of_forward_ops():
 
 @pytest.mark.parametrize("num_layers", [1, 3, 40])
 def test_crossing_bytes_of_every_unit_range_match_a_direct_count(num_layers):
-    from alpajob.planner.clustering import _coarsen
+    from alpajob.planner.inter_op.clustering import _coarsen
 
     graph = transformer_graph(2, chain=2)
     units = _coarsen(graph, num_layers)
@@ -312,7 +317,7 @@ def test_identical_blocks_become_identical_layers():
     # A head heavier than a block pulls eq. 6's balance tie-break off the block
     # boundaries; the periodic cuts keep every middle layer one identical block, so one
     # ILP solution serves them all.
-    from alpajob.planner.graph import subgraph_signature
+    from alpajob.planner.graph.opgraph import subgraph_signature
 
     graph = transformer_graph(8, chain=2)
     head_heavy = _with_heavy_head(graph, flops=graph.total_flops / 5)

@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from alpajob.planner.schedules import Schedule
-from alpajob.trainer.distributed.collective import (
+from alpajob.planner.inter_op.schedules import Schedule
+from alpajob.trainer_image.distributed.collective import (
     CollectiveLink,
     CollectiveMover,
     OrderError,
@@ -24,10 +24,10 @@ from alpajob.trainer.distributed.collective import (
     own_messages,
     process_ids,
 )
-from alpajob.trainer.distributed.crossing import permutation_rounds, plan_crossing
-from alpajob.trainer.distributed.transport import position_tiles
-from alpajob.trainer.runtime.messages import Receive, Send, stage_messages
-from alpajob.trainer.runtime.split import SplitProgram, StageProgram
+from alpajob.trainer_image.distributed.crossing import permutation_rounds, plan_crossing
+from alpajob.trainer_image.distributed.transport import position_tiles
+from alpajob.trainer_image.runtime.messages import Receive, Send, stage_messages
+from alpajob.trainer_image.runtime.split import SplitProgram, StageProgram
 
 # ----------------------------------------------------------------------------- order
 
@@ -160,13 +160,17 @@ def test_process_ids_number_every_mesh_host_of_the_job() -> None:
     assert process_ids(plan) == [[0], [1, 2], [3]]  # type: ignore[arg-type]
 
 
-def test_an_unknown_transport_is_refused_naming_the_flag() -> None:
-    from alpajob.cli_ray import _transport
-    from alpajob.planner.errors import ManifestError
+def test_an_unknown_transport_is_refused_naming_the_flag_or_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    from alpajob.api.errors import ManifestError
+    from alpajob.api.runtime import TrainerRuntime, Transport
+    from alpajob.cli.main import main
 
-    assert _transport("collective") == "collective"
-    with pytest.raises(ManifestError, match=r"--transport.*'nccl'.*object-store, collective"):
-        _transport("nccl")
+    assert TrainerRuntime.from_env({"ALPAJOB_TRANSPORT": "collective"}).transport is Transport.COLLECTIVE
+    with pytest.raises(ManifestError, match=r"ALPAJOB_TRANSPORT.*'object-store'.*'collective'.*'nccl'"):
+        TrainerRuntime.from_env({"ALPAJOB_TRANSPORT": "nccl"})
+    with pytest.raises(SystemExit) as exited:
+        main(["driver", "job.yaml", "--transport", "nccl"])
+    assert exited.value.code == 2 and "--transport" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- rounds

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from alpajob.planner.cluster import cluster_from_preset
-from alpajob.planner.cost_model import (
+from alpajob.planner.cost.cluster import cluster_from_preset
+from alpajob.planner.cost.model import (
     Calibration,
     LogicalMesh,
     MeshAxis,
@@ -22,7 +22,7 @@ from alpajob.planner.cost_model import (
     p2p_seconds,
     reduce_scatter_seconds,
 )
-from alpajob.planner.sharding import (
+from alpajob.planner.intra_op.sharding import (
     is_valid_spec,
     resharding_seconds,
     shard_factor,
@@ -75,7 +75,7 @@ def test_calibration_refuses_negative_kernel_overhead():
 
 
 def test_only_kernel_launching_ops_pay_the_kernel_overhead():
-    from alpajob.planner.cost_model import launches_kernel, op_fixed_seconds
+    from alpajob.planner.cost.model import launches_kernel, op_fixed_seconds
 
     for name in ("dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "gather",
                  "scatter-add", "cumsum", "argmax", "concatenate", "sort"):
@@ -231,8 +231,8 @@ def test_update_ops_use_the_update_fraction():
     the forward and backward's at ``fused_memory_fraction``; unset, both the same."""
     import dataclasses
 
-    from alpajob.planner.graph import Op, OpGraph, Phase, Tensor, TensorRole
-    from alpajob.planner.strategies import op_base_seconds
+    from alpajob.planner.graph.opgraph import Op, OpGraph, Phase, Tensor, TensorRole
+    from alpajob.planner.intra_op.strategies import op_base_seconds
 
     device = cluster_from_preset("a100-40gb", 1).device
     cal = load_calibration("a100-40gb")

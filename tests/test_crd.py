@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import typing
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -30,16 +29,22 @@ from kube_schema import (
     walk,
 )
 
-from alpajob.operator import main as operator_main
-from alpajob.operator.admission import validate_alpajob
-from alpajob.operator.status import PHASES
-from alpajob.planner.manifest import (
-    ClusterSpecModel,
+from alpajob.api.crd import crd_yaml
+from alpajob.api.progress import Progress, TrainerPhase
+from alpajob.api.resource import parse_job
+from alpajob.api.spec import (
+    DType,
     Method,
+    NodePoolSpec,
+    Optimizer,
     ParallelismSpec,
+    Schedule,
     TrainingSpec,
-    parse_manifest,
 )
+from alpajob.api.status import Children, MeshStatus, Phase, PlanSummary, Status
+from alpajob.cli import operator as operator_main
+from alpajob.operator.admission import validate_alpajob
+from alpajob.operator.status import set_phase
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 EXAMPLES = sorted((MANIFESTS / "examples").glob("*.yaml"))
@@ -118,6 +123,48 @@ H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 
 
 # ------------------------------------------------------------------ (a) structure
+CHART_CRD = MANIFESTS.parent / "charts" / "alpajob" / "crds" / "alpajob.io_alpajobs.yaml"
+
+
+@pytest.mark.parametrize("path", [MANIFESTS / "crd.yaml", CHART_CRD], ids=["manifests", "chart"])
+def test_every_committed_crd_is_the_generated_one(path: Path) -> None:
+    """Both copies are `alpajob crd`'s output, byte for byte: regenerate them with
+    ``alpajob crd -o manifests/crd.yaml -o charts/alpajob/crds/alpajob.io_alpajobs.yaml``."""
+    assert path.read_text() == crd_yaml(), f"{path} is stale: regenerate it with `alpajob crd -o {path}`"
+
+
+def test_the_crd_declares_every_status_field_the_operator_writes() -> None:
+    """The API server prunes undeclared fields: a status written whole (every optional
+    field set) survives pruning unchanged."""
+    status = Status(
+        phase=Phase.RUNNING, restarts=2, start_time="2026-11-24T10:00:00Z",
+        completion_time="2026-11-24T11:00:00Z", observed_generation=3,
+        plan=PlanSummary(config_map="j-plan", hash="abc", stages=2, meshes=2,
+                         predicted_step_seconds=0.5, num_micro_batches=4),
+        meshes=[MeshStatus(name="mesh-0", nodes=1, ready_pods=1, total_pods=1)],
+        progress=Progress(phase=TrainerPhase.RUNNING, step=5, steps=10, loss=2.5,
+                          samples_per_second=100.0, last_checkpoint_step=4, restarts=1,
+                          message="x", updated=1.0),
+        children=Children(attempt=1, config="c", plan="p", progress="q", planner="pl",
+                          service="s", hosts_service="h", head="hd", pod_group="g",
+                          mesh_pods=["m"], created=1),
+    )
+    set_phase(status, Phase.RUNNING, "Training", "running", 3, "2026-11-24T10:00:00Z", True)
+    written = status.to_dict()
+    assert prune(copy.deepcopy(written), schema()["properties"]["status"]) == written
+
+
+def prune(value: Any, node: dict[str, Any]) -> Any:
+    """What a structural schema keeps of ``value`` (the API server's pruning)."""
+    if node.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict) and "properties" in node:
+        return {k: prune(v, node["properties"][k]) for k, v in value.items() if k in node["properties"]}
+    if isinstance(value, list) and "items" in node:
+        return [prune(v, node["items"]) for v in value]
+    return value
+
+
 def test_crd_names_scope_version_and_subresources() -> None:
     doc = crd()
     assert (doc["apiVersion"], doc["kind"]) == ("apiextensions.k8s.io/v1", "CustomResourceDefinition")
@@ -211,15 +258,12 @@ def test_sizes_bound_every_string_list_and_map_of_spec() -> None:
 
 
 def test_enums_agree_with_the_pydantic_model() -> None:
-    def literal(model: Any, name: str) -> list[str]:
-        return list(typing.get_args(model.model_fields[name].annotation))
-
     training, parallelism = spec_schema("training")["properties"], spec_schema("parallelism")["properties"]
-    assert training["dtype"]["enum"] == literal(TrainingSpec, "dtype")
-    assert training["optimizer"]["enum"] == literal(TrainingSpec, "optimizer")
-    assert parallelism["schedule"]["enum"] == literal(ParallelismSpec, "schedule")
+    assert training["dtype"]["enum"] == [d.value for d in DType]
+    assert training["optimizer"]["enum"] == [o.value for o in Optimizer]
+    assert parallelism["schedule"]["enum"] == [s.value for s in Schedule]
     assert parallelism["method"]["enum"] == [m.value for m in Method]
-    assert schema()["properties"]["status"]["properties"]["phase"]["enum"] == list(PHASES)
+    assert schema()["properties"]["status"]["properties"]["phase"]["enum"] == [p.value for p in Phase]
 
 
 def test_printer_columns_point_into_the_schema() -> None:
@@ -249,7 +293,7 @@ def test_examples_pass_the_schema_cel_and_webhook(path: Path) -> None:
 def test_defaulting_an_example_does_not_change_what_it_means(path: Path) -> None:
     document = yaml.safe_load(path.read_text())
     defaulted = apply_defaults(copy.deepcopy(document), schema())
-    before, after = parse_manifest(document).spec, parse_manifest(defaulted).spec
+    before, after = parse_job(document).spec, parse_job(defaulted).spec
     for section in ("model", "training", "cluster", "parallelism", "image"):
         assert getattr(before, section) == getattr(after, section), section
 
@@ -259,15 +303,14 @@ def test_defaults_equal_the_pydantic_defaults() -> None:
     minimal = {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob",
                "metadata": {"name": "minimal"}, "spec": {"model": {"zoo": "gpt"}}}
     defaulted = apply_defaults(copy.deepcopy(minimal), schema())
-    ours = parse_manifest(minimal).spec
+    ours = parse_job(minimal).spec
     dumped = ours.model_dump(by_alias=True, exclude_none=True, mode="json")
-    for section in ("training", "parallelism", "cluster"):
+    for section in ("training", "parallelism", "cluster", "runPolicy", "scheduling"):
         expected = {k: v for k, v in dumped[section].items() if v != {}}  # no nodeSelector: {}
         assert defaulted["spec"][section] == expected, section
-    assert parse_manifest(defaulted).spec == ours.model_copy(update={
-        "run_policy": {"backoffLimit": 3, "suspend": False}, "scheduling": {"gang": "auto"}})
+    assert parse_job(defaulted).spec == ours
     # Every pydantic default is in the schema, with the same value.
-    for section, model in (("training", TrainingSpec), ("cluster", ClusterSpecModel),
+    for section, model in (("training", TrainingSpec), ("cluster", NodePoolSpec),
                            ("parallelism", ParallelismSpec)):
         props = spec_schema(section)["properties"]
         for name, info in model.model_fields.items():
@@ -298,6 +341,7 @@ CRD_REFUSES = [
     ("spec.cluster.nodeSelector.pool", "spec.cluster.nodeSelector", {"pool": 1}, True),
     ("spec.cluster.nodeSelector", "spec.cluster.nodeSelector", {f"k{i}": "v" for i in range(33)}, False),
     ("spec.cluster.gpu", "spec.cluster.gpu", "H100 80GB", True),
+    ("spec.cluster.gpu", "spec.cluster.gpu", "h200", True),
     ("spec.parallelism.method", "spec.parallelism.method", "magic", True),
     ("spec.parallelism.schedule", "spec.parallelism.schedule", "zero-bubble", True),
     ("spec.parallelism.numMicroBatches", "spec.parallelism.numMicroBatches", 0, True),
@@ -353,7 +397,6 @@ WEBHOOK_REFUSES = [
     ("spec.model.config.depth", "spec.model", {"zoo": "gpt", "config": {"hidden": 64, "depth": 3}}),
     ("spec.model.config.hidden", "spec.model", {"zoo": "gpt", "config": {"hidden": -1}}),
     ("spec.model.config.capacityFactor", "spec.model", {"zoo": "moe", "config": {"capacityFactor": "x"}}),
-    ("spec.cluster.gpu", "spec.cluster.gpu", "h200"),
     ("spec.cluster.nodeSelector", "spec.cluster",
      {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-B200"}, "nodes": 1}),
     ("spec.cluster.gpu", "spec.cluster", {"gpu": "v100-16gb", "nodeSelector": H100}),
@@ -522,9 +565,9 @@ def test_the_service_account_is_bound_to_the_cluster_role() -> None:
 
 
 def test_the_managed_webhook_configuration_is_the_one_rbac_names() -> None:
-    from alpajob.operator.names import GROUP, PLURAL
+    from alpajob.api.names import CRD_NAME
 
-    assert f"{PLURAL}.{GROUP}" == WEBHOOK_CONFIGURATION  # settings.admission.managed
+    assert CRD_NAME == WEBHOOK_CONFIGURATION  # settings.admission.managed
 
 
 def test_operator_deployment_is_single_non_root_and_probed() -> None:

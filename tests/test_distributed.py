@@ -23,11 +23,16 @@ import yaml
 
 pytest.importorskip("ray")
 
-from alpajob.planner.plan import write_plan  # noqa: E402
-from alpajob.trainer.distributed.cluster import JoinTimeoutError  # noqa: E402
-from alpajob.trainer.distributed.driver import DriverOptions, drive  # noqa: E402
-from alpajob.trainer.distributed.loopback import LoopbackCluster, alive, descendants, free_port  # noqa: E402
-from alpajob.trainer.distributed.mesh_host import Transport  # noqa: E402
+from alpajob.api.plan import write_plan  # noqa: E402
+from alpajob.api.runtime import Transport  # noqa: E402
+from alpajob.trainer_image.distributed.cluster import JoinTimeoutError  # noqa: E402
+from alpajob.trainer_image.distributed.driver import DriverOptions, drive  # noqa: E402
+from alpajob.trainer_image.distributed.loopback import (  # noqa: E402
+    LoopbackCluster,
+    alive,
+    descendants,
+    free_port,
+)
 
 STEPS = 3
 #: The mesh hosts the cluster offers: (mesh, host, devices). Mesh 1 has two hosts: a
@@ -71,27 +76,15 @@ def _manifest(stages: list[dict[str, Any]], micro_batches: int = 4, schedule: st
 def _plan_and_serial(doc: dict[str, Any], tmp_path: Path, steps: int = STEPS) -> tuple[Any, Any]:
     """The plan for the manifest's cluster (as `alpajob plan` makes it) and the
     single-device run of the same job."""
-    from alpajob.cli import cluster_for, plan_options
-    from alpajob.planner.extract import extract_model
-    from alpajob.planner.manifest import parse_manifest
-    from alpajob.planner.planning import make_plan
-    from alpajob.trainer.entrypoint import load_model
-    from alpajob.trainer.local_run import RunOptions, run
+    from alpajob.api.options import PlanOptions, TrainOptions
+    from alpajob.api.resource import parse_job
+    from alpajob.trainer_image.local_run import run
+    from alpajob.trainer_image.planning import plan_job
 
-    class _Args:
-        method = None
-        ilp_time_limit = 5.0
-        baselines = False
-        nodes = gpus_per_node = gpu = None
-
-    manifest = parse_manifest(doc)
-    training = manifest.spec.training
-    model = load_model(manifest.spec.model, training.dtype)
-    graph = extract_model(model, training.global_batch_size, optimizer=training.optimizer,
-                          learning_rate=training.learning_rate)
-    plan = make_plan(graph, cluster_for(manifest, _Args()), plan_options(manifest, _Args())).plan
+    job = parse_job(doc)
+    plan = plan_job(job, PlanOptions(ilp_time_limit=5.0)).plan
     write_plan(plan, tmp_path / "plan.json")
-    serial = run(manifest, RunOptions(steps=steps, serial=True))
+    serial = run(job, TrainOptions(steps=steps, serial=True))
     return plan, serial
 
 
@@ -189,8 +182,8 @@ def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster:
     assert 'alpajob_checkpoint_step{job="ray-gpt"} 2.0' in metrics
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["phase"] == "Succeeded" and status["step"] == steps
-    assert status["restarts"] == 1 and status["checkpoint_step"] == steps
-    assert status["samples_per_second"] > 0
+    assert status["restarts"] == 1 and status["lastCheckpointStep"] == steps
+    assert status["samplesPerSecond"] > 0
 
 
 def test_collective_transport_resumes_after_a_killed_mesh_worker(cluster: LoopbackCluster, tmp_path: Path) -> None:

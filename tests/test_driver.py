@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from alpajob.cli import plan_options
-from alpajob.planner.manifest import parse_manifest
-from alpajob.planner.schedules import Direction, Schedule, instruction_list
-from alpajob.trainer.local_run import RunOptions, run
-from alpajob.trainer.runtime.driver import Stamp, issue_order, issue_rounds, stage_times
+from alpajob.api.options import PlanOptions, TrainOptions
+from alpajob.api.resource import parse_job
+from alpajob.planner.inter_op.schedules import Direction, Schedule, instruction_list
+from alpajob.trainer_image.local_run import run
+from alpajob.trainer_image.runtime.driver import Stamp, issue_order, issue_rounds, stage_times
 
 
 def _assert_dependencies_first(when: dict[Any, int], stages: int) -> None:
@@ -85,7 +85,7 @@ def test_a_wait_after_the_inputs_arrived_is_idle_not_communication():
 
 
 def _manifest() -> Any:
-    return parse_manifest({
+    return parse_job({
         "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "driver"},
         "spec": {"model": {"zoo": "gpt", "config": "tiny"},
                  "training": {"globalBatchSize": 16, "dtype": "float32", "optimizer": "sgd", "learningRate": 0.05},
@@ -96,16 +96,11 @@ def _manifest() -> Any:
     })
 
 
-class _Args:
-    method = None
-    ilp_time_limit = 5.0
-
-
 def test_exact_stage_times_train_the_same_numbers_and_account_for_the_step():
     manifest = _manifest()
-    options = {"steps": 3, "plan_options": plan_options(manifest, _Args())}
-    issued = run(manifest, RunOptions(**options, stage_times_every=2))  # steps 1 and 3 untimed
-    exact = run(manifest, RunOptions(**options, exact_stage_times=True, stage_times_every=1))
+    options = {"steps": 3, "planning": PlanOptions(ilp_time_limit=5.0)}
+    issued = run(manifest, TrainOptions(**options, stage_times_every=2))  # steps 1 and 3 untimed
+    exact = run(manifest, TrainOptions(**options, exact_stage_times=True, stage_times_every=1))
     np.testing.assert_array_equal(issued.losses, exact.losses)
     assert exact.stage_time_steps == [1, 2, 3] and issued.stage_time_steps == [2]
     assert all(len(t.forward) == len(t.backward) == 4 for t in issued.stage_times[0])

@@ -2,15 +2,15 @@
 
 import pytest
 
-from alpajob.planner.baselines import Baseline, has_experts
-from alpajob.planner.cluster import cluster_from_preset
-from alpajob.planner.cost_model import load_calibration, make_logical_mesh
-from alpajob.planner.experts import expert_count, expert_dims
-from alpajob.planner.extract import extract_model
-from alpajob.planner.graph import TensorRole
-from alpajob.planner.intra_op import ShardingMode, solve_intra_op
-from alpajob.planner.planning import PlanOptions, make_plan
-from alpajob.trainer.zoo import resolve_model
+from alpajob.planner.cost.cluster import cluster_from_preset
+from alpajob.planner.cost.model import load_calibration, make_logical_mesh
+from alpajob.planner.graph.experts import expert_count, expert_dims
+from alpajob.planner.graph.opgraph import TensorRole
+from alpajob.planner.intra_op.solve import ShardingMode, solve_intra_op
+from alpajob.planner.plan.baselines import Baseline, has_experts
+from alpajob.planner.plan.make import SearchOptions, make_plan
+from alpajob.trainer_image.step import graph_of
+from alpajob.trainer_image.zoo import resolve_model
 
 CLUSTER = cluster_from_preset("a100-40gb", 1, 8)
 CAL = load_calibration("a100-40gb")
@@ -19,12 +19,12 @@ CAL = load_calibration("a100-40gb")
 @pytest.fixture(scope="module")
 def moe_graph():
     # 4 experts: a (2, 4) logical mesh splits them over its second axis.
-    return extract_model(resolve_model("moe", "tiny"), 32)
+    return graph_of(resolve_model("moe", "tiny"), 32)
 
 
 @pytest.fixture(scope="module")
 def gpt_graph():
-    return extract_model(resolve_model("gpt", "tiny"), 32)
+    return graph_of(resolve_model("gpt", "tiny"), 32)
 
 
 def _param_names(graph, dims):
@@ -103,10 +103,10 @@ def test_data_parallel_does_not_gather_the_logits(gpt_graph):
 
 def test_baseline_in_the_plan_document(moe_graph, gpt_graph):
     cluster = cluster_from_preset("cpu", 2, 4)
-    moe = make_plan(moe_graph, cluster, PlanOptions(baselines=True)).plan
+    moe = make_plan(moe_graph, cluster, SearchOptions(baselines=True)).plan
     assert Baseline.EXPERT_ZERO2.value in moe.baselines
     ep = moe.baselines[Baseline.EXPERT_ZERO2.value]
     assert ep is None or ep >= moe.predicted_step_seconds * (1 - 1e-9)
     dense = make_plan(gpt_graph, cluster_from_preset("cpu", 1, 8),
-                      PlanOptions(baselines=True)).plan
+                      SearchOptions(baselines=True)).plan
     assert Baseline.EXPERT_ZERO2.value not in dense.baselines

@@ -10,23 +10,23 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from alpajob.planner.errors import ManifestError
-from alpajob.planner.extract import extract_graph, extract_model
-from alpajob.planner.graph import OpGraph, Phase, TensorRole, with_batch_size
-from alpajob.trainer.zoo import resolve_model
-from alpajob.trainer.zoo.mlp import layer_dims
+from alpajob.api.errors import ManifestError
+from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole, with_batch_size
+from alpajob.trainer_image.step import graph_of
+from alpajob.trainer_image.zoo import resolve_model
+from alpajob.trainer_image.zoo.mlp import layer_dims
 
 BATCH = 8
 
 
 @pytest.fixture(scope="module")
 def mlp_graph() -> OpGraph:
-    return extract_model(resolve_model("mlp"), BATCH)
+    return graph_of(resolve_model("mlp"), BATCH)
 
 
 @pytest.fixture(scope="module")
 def gpt_graph() -> OpGraph:
-    return extract_model(resolve_model("gpt"), 4)
+    return graph_of(resolve_model("gpt"), 4)
 
 
 def _dot_flops(graph: OpGraph, phase: Phase) -> float:
@@ -190,16 +190,16 @@ def test_gpt_pipeline_cuts_carry_one_activation_each_way():
     """Between two transformer layers only the residual stream crosses (forward) and
     its gradient (backward), plus the tied embedding's gradient: nothing proportional
     to the attention scores."""
-    from alpajob.planner.cluster import cluster_from_preset
-    from alpajob.planner.clustering import cluster_layers
-    from alpajob.planner.cost_model import load_calibration
-    from alpajob.planner.inter_op import CostContext
-    from alpajob.planner.intra_op import ShardingMode
-    from alpajob.planner.schedules import Schedule
+    from alpajob.planner.cost.cluster import cluster_from_preset
+    from alpajob.planner.cost.model import load_calibration
+    from alpajob.planner.inter_op.clustering import cluster_layers
+    from alpajob.planner.inter_op.schedules import Schedule
+    from alpajob.planner.inter_op.search import CostContext
+    from alpajob.planner.intra_op.solve import ShardingMode
 
     model = resolve_model("gpt", {"hidden": 64, "layers": 4, "heads": 4, "seqLen": 128,
                                   "vocab": 256})
-    graph = extract_model(model, 8)
+    graph = graph_of(model, 8)
     layers = cluster_layers(graph, 4)
     cluster = cluster_from_preset("cpu", 1, 8)
     context = CostContext(graph=graph, layers=layers, cluster=cluster,
@@ -239,7 +239,7 @@ def test_with_batch_size_halves_forward_flops_and_batch_dims(gpt_graph):
 
 def test_moe_group_dimension_scales_with_the_batch():
     model = resolve_model("moe")
-    graph = extract_model(model, 2)
+    graph = graph_of(model, 2)
     experts, group = model.config["experts"], model.config["expertGroupSize"]
     groups = 2 * model.config["seqLen"] // group
     gates = [t for t in graph.tensors if t.shape == (groups, group, experts)]
@@ -251,7 +251,7 @@ def test_moe_group_dimension_scales_with_the_batch():
 
 
 def test_wresnet_conv_params_and_flops():
-    graph = extract_model(resolve_model("wresnet"), 2)
+    graph = graph_of(resolve_model("wresnet"), 2)
     convs = [op for op in graph.ops if op.primitive == "conv_general_dilated"]
     assert convs
     stem = convs[0]
@@ -274,7 +274,12 @@ def test_dot_general_params_are_plain(mlp_graph):
 
 def test_extraction_is_deterministic():
     model = resolve_model("gpt")
-    assert extract_model(model, 4).fingerprint() == extract_model(model, 4).fingerprint()
+    assert graph_of(model, 4).fingerprint() == graph_of(model, 4).fingerprint()
+
+
+def _graph(init, loss, batch_shapes, batch):
+    """The op graph of a model given as its three functions."""
+    return graph_of(SimpleNamespace(name="model", init=init, loss=loss, batch_shapes=batch_shapes), batch)
 
 
 def _scan_model(length: int, width: int):
@@ -296,7 +301,7 @@ def _scan_model(length: int, width: int):
 
 def test_scan_body_is_inlined_once_with_a_multiplier():
     length, width = 5, 16
-    graph = extract_graph(*_scan_model(length, width), BATCH, name="scan")
+    graph = _graph(*_scan_model(length, width), BATCH)
     dots = [op for op in graph.ops if op.primitive == "dot_general"]
     assert not any(op.primitive == "scan" for op in graph.ops)
     forward = [op for op in dots if op.phase is Phase.FORWARD]
@@ -325,7 +330,7 @@ def test_calls_cond_and_custom_rules_are_inlined():
         h = lax.cond(steps > 1, lambda a: a @ params["w"], jnp.sin, h)
         return jnp.sum(h**2)
 
-    graph = extract_graph(init, loss, lambda n: {"x": jax.ShapeDtypeStruct((n, 4), jnp.float32)}, 2)
+    graph = _graph(init, loss, lambda n: {"x": jax.ShapeDtypeStruct((n, 4), jnp.float32)}, 2)
     primitives = {op.primitive for op in graph.ops}
     assert not primitives & {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "cond", "while"}
     # The costlier cond branch (the matmul) is the one kept.
@@ -344,7 +349,7 @@ def test_rematerialized_forward_is_recomputed_in_the_backward():
         return {"x": jax.ShapeDtypeStruct((n, 16), jnp.float32)}
 
     model = SimpleNamespace(name="remat", init=init, loss=loss, batch_shapes=batch_shapes)
-    graph = extract_model(model, 4)
+    graph = graph_of(model, 4)
     assert graph.name == "remat"
     dots = [op for op in graph.ops if op.primitive == "dot_general"]
     assert sum(op.phase is Phase.FORWARD for op in dots) == 3
@@ -353,7 +358,7 @@ def test_rematerialized_forward_is_recomputed_in_the_backward():
 
 
 def test_adam_moments_are_float32_for_bfloat16_params():
-    graph = extract_model(resolve_model("mlp", None, dtype="bfloat16"), BATCH)
+    graph = graph_of(resolve_model("mlp", None, dtype="bfloat16"), BATCH)
     assert {graph.tensor(t).dtype for t in graph.params} == {"bfloat16"}
     moments = [graph.tensor(t) for t in graph.opt_state if graph.tensor(t).shape]
     assert moments and {t.dtype for t in moments} == {"float32"}
@@ -362,7 +367,7 @@ def test_adam_moments_are_float32_for_bfloat16_params():
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw", "Adam"])
 def test_other_optimizers(optimizer):
-    graph = extract_model(resolve_model("mlp"), BATCH, optimizer=optimizer)
+    graph = graph_of(resolve_model("mlp"), BATCH, optimizer=optimizer)
     assert len(graph.new_params) == len(graph.params)
     if optimizer == "sgd":
         assert graph.opt_state == ()
@@ -370,7 +375,7 @@ def test_other_optimizers(optimizer):
 
 def test_unknown_optimizer_names_the_field():
     with pytest.raises(ManifestError) as info:
-        extract_model(resolve_model("mlp"), BATCH, optimizer="lamb")
+        graph_of(resolve_model("mlp"), BATCH, optimizer="lamb")
     assert info.value.field == "spec.training.optimizer"
     assert "adam" in str(info.value)
 
@@ -386,12 +391,12 @@ def test_a_step_whose_structure_depends_on_the_batch_is_refused():
         return jnp.sum(x)
 
     with pytest.raises(ValueError, match="different programs"):
-        extract_graph(init, loss, lambda n: {"x": jax.ShapeDtypeStruct((n, 4), jnp.float32)}, 4)
+        _graph(init, loss, lambda n: {"x": jax.ShapeDtypeStruct((n, 4), jnp.float32)}, 4)
 
 
 def test_bad_batch_size():
     with pytest.raises(ValueError, match="positive"):
-        extract_model(resolve_model("mlp"), 0)
+        graph_of(resolve_model("mlp"), 0)
 
 
 @pytest.mark.slow
@@ -400,7 +405,7 @@ def test_largest_configs_extract_quickly(name):
     model = resolve_model(name)
     batch = 1536 if name.startswith("wresnet") else 1024
     start = time.perf_counter()
-    graph = extract_model(model, batch)
+    graph = graph_of(model, batch)
     elapsed = time.perf_counter() - start
     assert graph.num_parameters == model.num_parameters()
     assert elapsed < 30, f"{name} took {elapsed:.1f} s"
@@ -415,6 +420,6 @@ def test_largest_configs_extract_quickly(name):
 )
 def test_named_configs_extract(name):
     model = resolve_model(name)
-    graph = extract_model(model, 16)
+    graph = graph_of(model, 16)
     assert graph.num_parameters == model.num_parameters()
     assert all(graph.tensor(t).batch_dim == 0 for t in graph.batch)

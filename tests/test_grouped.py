@@ -11,24 +11,24 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from alpajob.cli import plan_options
-from alpajob.planner.extract import make_optimizer
-from alpajob.planner.manifest import parse_manifest
-from alpajob.trainer.entrypoint import load_model
-from alpajob.trainer.local_run import RunOptions, run
-from alpajob.trainer.runtime.build import build_pipeline
-from alpajob.trainer.runtime.executor import split_micro_batches
-from alpajob.trainer.runtime.grouped import (
+from alpajob.api.options import PlanOptions, TrainOptions
+from alpajob.api.resource import parse_job
+from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.local_run import run
+from alpajob.trainer_image.runtime.build import build_pipeline
+from alpajob.trainer_image.runtime.executor import split_micro_batches
+from alpajob.trainer_image.runtime.grouped import (
     NotGroupable,
     batch_dims,
     group_batch,
     grouped_stage_function,
     ungroup_batch,
 )
-from alpajob.trainer.runtime.meshes import place
-from alpajob.trainer.runtime.split import split_loss, stage_function
-from alpajob.trainer.zoo.model import synthetic_batch
-from alpajob.trainer.zoo.registry import resolve_model
+from alpajob.trainer_image.runtime.meshes import place
+from alpajob.trainer_image.runtime.split import split_loss, stage_function
+from alpajob.trainer_image.step import make_optimizer
+from alpajob.trainer_image.zoo.model import synthetic_batch
+from alpajob.trainer_image.zoo.registry import resolve_model
 
 GROUPS = 4
 MICRO = 8
@@ -115,25 +115,20 @@ def test_a_convolution_reading_a_parameter_is_not_grouped() -> None:
         jax.eval_shape(lambda p, b: grouped(p, b, []), copies, batch)
 
 
-class _Args:
-    method = None
-    ilp_time_limit = 5.0
-    baselines = False
-
 
 def test_a_grouped_pipeline_trains_like_one_device_and_reduces_gradients_once_per_step() -> None:
     """A 2-stage GPT plan with 4 micro-batches: both stages are grouped (their
     parameters are replicated; the tied embedding is shared between them), training
     equals the serial run, and a backward all-reduces no parameter gradient."""
     stages = [{"layers": [0, 1], "submeshShape": [1, 4]}, {"layers": [1, 2], "submeshShape": [1, 4]}]
-    manifest = parse_manifest({
+    manifest = parse_job({
         "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "grouped"},
         "spec": {"model": {"zoo": "gpt", "config": "tiny"},
                  "training": {"globalBatchSize": 16, "dtype": "float32", "optimizer": "sgd", "learningRate": 0.05},
                  "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
                  "parallelism": {"method": "manual", "numLayers": 2, "numMicroBatches": 4, "stages": stages}}})
-    parallel = run(manifest, RunOptions(steps=3, plan_options=plan_options(manifest, _Args())))
-    serial = run(manifest, RunOptions(steps=3, serial=True))
+    parallel = run(manifest, TrainOptions(steps=3, planning=PlanOptions(ilp_time_limit=5.0)))
+    serial = run(manifest, TrainOptions(steps=3, serial=True))
     np.testing.assert_allclose(parallel.losses, serial.losses, rtol=1e-5)
     for name, value in serial.params.items():
         np.testing.assert_allclose(parallel.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from alpajob.planner import ilp
-from alpajob.planner.cluster import cluster_from_preset
-from alpajob.planner.cost_model import (
+from alpajob.api.errors import InfeasibleError
+from alpajob.planner.cost.cluster import cluster_from_preset
+from alpajob.planner.cost.model import (
     LogicalMesh,
     MeshAxis,
     all_reduce_seconds,
@@ -21,20 +21,20 @@ from alpajob.planner.cost_model import (
     make_logical_mesh,
     op_seconds,
 )
-from alpajob.planner.errors import InfeasibleError
-from alpajob.planner.follow import follow_strategy
-from alpajob.planner.graph import DTYPE_BYTES, Op, OpGraph, Phase, Tensor, TensorRole
-from alpajob.planner.intra_op import (
+from alpajob.planner.graph.opgraph import DTYPE_BYTES, Op, OpGraph, Phase, Tensor, TensorRole
+from alpajob.planner.graph.subset import GraphIndex, analyse_subset
+from alpajob.planner.intra_op import ilp
+from alpajob.planner.intra_op.follow import follow_strategy
+from alpajob.planner.intra_op.op_tables import TableCache, data_spec
+from alpajob.planner.intra_op.sharding import resharding_seconds, tiling_specs
+from alpajob.planner.intra_op.solve import (
     ShardingMode,
     SolveContext,
     SolveStatus,
     brute_force_intra_op,
     solve_intra_op,
 )
-from alpajob.planner.op_tables import TableCache, data_spec
-from alpajob.planner.sharding import resharding_seconds, tiling_specs
-from alpajob.planner.strategies import op_kind, op_strategies
-from alpajob.planner.subset import GraphIndex, analyse_subset
+from alpajob.planner.intra_op.strategies import op_kind, op_strategies
 
 CLUSTER = cluster_from_preset("v100-16gb", 1)
 DEVICE = CLUSTER.device
@@ -590,10 +590,10 @@ def test_bad_arguments_are_refused():
 
 def test_traced_gpt_layer_in_every_mode():
     pytest.importorskip("jax")
-    extract = pytest.importorskip("alpajob.planner.extract")
-    clustering = pytest.importorskip("alpajob.planner.clustering")
-    registry = pytest.importorskip("alpajob.trainer.zoo.registry")
-    graph = extract.extract_model(registry.resolve_model("gpt", "tiny"), 8)
+    step = pytest.importorskip("alpajob.trainer_image.step")
+    clustering = pytest.importorskip("alpajob.planner.inter_op.clustering")
+    registry = pytest.importorskip("alpajob.trainer_image.zoo.registry")
+    graph = step.graph_of(registry.resolve_model("gpt", "tiny"), 8)
     layer = sorted(clustering.cluster_layers(graph, 2)[0])
     for shape in ((2, 2), (1, 4)):
         mesh = make_logical_mesh(CLUSTER, (1, 4), shape, CAL)
@@ -655,10 +655,10 @@ def test_a_shared_context_gives_the_results_of_fresh_solves():
 
 def test_a_shared_context_on_traced_gpt_layers():
     pytest.importorskip("jax")
-    extract = pytest.importorskip("alpajob.planner.extract")
-    clustering = pytest.importorskip("alpajob.planner.clustering")
-    registry = pytest.importorskip("alpajob.trainer.zoo.registry")
-    graph = extract.extract_model(registry.resolve_model("gpt", "tiny"), 8)
+    step = pytest.importorskip("alpajob.trainer_image.step")
+    clustering = pytest.importorskip("alpajob.planner.inter_op.clustering")
+    registry = pytest.importorskip("alpajob.trainer_image.zoo.registry")
+    graph = step.graph_of(registry.resolve_model("gpt", "tiny"), 8)
     context = SolveContext(graph)
     for layer in clustering.cluster_layers(graph, 2):
         for shape in ((2, 2), (1, 4)):

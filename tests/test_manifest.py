@@ -1,12 +1,14 @@
-"""The AlpaJob manifest: validation errors name the field, examples all load."""
+"""Reading an AlpaJob manifest (``alpajob.api.resource``): errors name the field, every
+example loads."""
 
 import copy
 from pathlib import Path
 
 import pytest
 
-from alpajob.planner.errors import ManifestError
-from alpajob.planner.manifest import Method, load_manifest, parse_manifest
+from alpajob.api.errors import ManifestError
+from alpajob.api.resource import load_job, parse_job
+from alpajob.api.spec import Method
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "manifests" / "examples").glob("*.yaml"))
 BASE = {
@@ -19,12 +21,12 @@ BASE = {
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_load(path):
-    manifest = load_manifest(path)
+    manifest = load_job(path)
     assert manifest.kind == "AlpaJob"
 
 
 def test_defaults():
-    manifest = parse_manifest(BASE)
+    manifest = parse_job(BASE)
     assert manifest.spec.parallelism.method is Method.AUTO
     assert manifest.spec.parallelism.schedule == "1f1b"
     assert manifest.spec.training.global_batch_size == 1024
@@ -33,7 +35,7 @@ def test_defaults():
 def test_gpu_preset_from_node_selector():
     data = copy.deepcopy(BASE)
     data["spec"]["cluster"] = {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}
-    assert parse_manifest(data).spec.cluster.preset() == "h100-80gb"
+    assert parse_job(data).spec.cluster.preset() == "h100-80gb"
 
 
 @pytest.mark.parametrize(
@@ -45,14 +47,14 @@ def test_gpu_preset_from_node_selector():
         (("spec", "cluster"), {"nodes": 0}, "spec.cluster.nodes"),
         (("spec", "parallelism"), {"method": "magic"}, "spec.parallelism.method"),
         (("spec", "parallelism"), {"numMicroBatches": "many"}, "spec.parallelism.numMicroBatches"),
-        (("spec", "parallelism"), {"method": "manual"}, "spec.parallelism"),
+        (("spec", "parallelism"), {"method": "manual"}, "spec.parallelism.stages"),
         (
             ("spec", "parallelism"),
             {"method": "manual", "stages": [{"layers": [2, 2], "submeshShape": [1, 1]}]},
             "spec.parallelism.stages[0].layers",
         ),
         (("spec", "model"), {"zoo": "gpt", "entrypoint": "a:b"}, "spec.model"),
-        (("spec", "model"), {"entrypoint": "no_colon"}, "spec.model"),
+        (("spec", "model"), {"entrypoint": "no_colon"}, "spec.model.entrypoint"),
         (("apiVersion",), "v1", "apiVersion"),
         (("kind",), "TFJob", "kind"),
     ],
@@ -64,25 +66,29 @@ def test_errors_name_the_field(path, value, field):
         target = target[key]
     target[path[-1]] = value
     with pytest.raises(ManifestError) as info:
-        parse_manifest(data)
+        parse_job(data)
     assert info.value.field == field, str(info.value)
     assert str(info.value).startswith(field)
 
 
 def test_missing_spec():
     with pytest.raises(ManifestError) as info:
-        parse_manifest({"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob"})
+        parse_job({"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob"})
     assert info.value.field == "spec"
 
 
 def test_load_errors(tmp_path):
     with pytest.raises(ManifestError, match="cannot read"):
-        load_manifest(tmp_path / "missing.yaml")
+        load_job(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("spec: [unclosed")
     with pytest.raises(ManifestError, match="not valid YAML"):
-        load_manifest(bad)
+        load_job(bad)
     two = tmp_path / "two.yaml"
     two.write_text("kind: ConfigMap\n---\nkind: Service\n")
     with pytest.raises(ManifestError, match="exactly one document of kind AlpaJob"):
-        load_manifest(two)
+        load_job(two)
+    other = tmp_path / "deployment.yaml"
+    other.write_text("apiVersion: apps/v1\nkind: Deployment\nspec: {}\n")
+    with pytest.raises(ManifestError, match="'Deployment', not AlpaJob"):
+        load_job(other)

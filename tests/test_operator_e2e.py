@@ -28,6 +28,10 @@ from kubernetes import client  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from kube_emulator import Emulator  # noqa: E402
 
+from alpajob.api.names import LABEL_JOB, MANIFEST_KEY  # noqa: E402
+from alpajob.api.progress import Progress, TrainerPhase  # noqa: E402
+from alpajob.api.runtime import MANIFEST_PATH, TrainerRuntime  # noqa: E402
+
 NS = "ml"
 EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
 GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
@@ -59,7 +63,7 @@ class Operator:
         env = {**os.environ, "KUBECONFIG": str(self.emu.kubeconfig)}
         out = open(self.log, "a")  # noqa: SIM115 (closed with the process)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "alpajob.cli", "operator", "--namespace", NS, "--interval", "0.3",
+            [sys.executable, "-m", "alpajob", "operator", "--namespace", NS, "--interval", "0.3",
              "--no-scanning", *self.args],
             stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -79,7 +83,7 @@ class Operator:
 
 @pytest.fixture
 def operator(emulator: Emulator, tmp_path: Path) -> Iterator[Operator]:
-    from alpajob.trainer.distributed.loopback import free_port
+    from alpajob.trainer_image.distributed.loopback import free_port
 
     op = Operator(emulator, tmp_path / "operator.log")
     op.metrics_port, op.liveness_port = free_port(), free_port()
@@ -125,7 +129,7 @@ class Cluster:
 
     def pods(self, job: str) -> dict[str, Any]:
         items = self.core.list_namespaced_pod(NS).items
-        return {p.metadata.name: p for p in items if (p.metadata.labels or {}).get("alpajob.io/job") == job}
+        return {p.metadata.name: p for p in items if (p.metadata.labels or {}).get(LABEL_JOB) == job}
 
     def set_phase(self, pod: str, phase: str, **extra: Any) -> None:
         self.core.patch_namespaced_pod_status(pod, NS, {"status": {"phase": phase, **extra}})
@@ -135,14 +139,18 @@ class Cluster:
         command fails the pod with its log's tail as the termination message (the pod's
         terminationMessagePolicy is FallbackToLogsOnError)."""
         pod = _wait("the planner pod", lambda: self.pods(job).get(f"{job}-planner"))
-        manifest = self.core.read_namespaced_config_map(f"{job}-config", NS).data["manifest.yaml"]
+        manifest = self.core.read_namespaced_config_map(f"{job}-config", NS).data[MANIFEST_KEY]
         (tmp / "manifest.yaml").write_text(manifest)
-        command = [tmp.as_posix() + "/manifest.yaml" if a == "/etc/alpajob/manifest.yaml" else a
-                   for a in pod.spec.containers[0].command]
+        [container] = pod.spec.containers
+        command = container.command
         assert command[:2] == ["alpajob", "plan"]
+        # The pod's environment, with the ConfigMap's mount path mapped to a local file.
+        env = {e.name: e.value for e in container.env}
+        assert env["ALPAJOB_MANIFEST"] == MANIFEST_PATH
+        env["ALPAJOB_MANIFEST"] = str(tmp / "manifest.yaml")
         self.set_phase(f"{job}-planner", "Running")
-        done = subprocess.run([sys.executable, "-m", "alpajob.cli", *command[1:]], capture_output=True, text=True,
-                              env={**os.environ, "KUBECONFIG": str(self.emu.kubeconfig)}, timeout=300)
+        done = subprocess.run([sys.executable, "-m", "alpajob", *command[1:]], capture_output=True, text=True,
+                              env={**os.environ, **env, "KUBECONFIG": str(self.emu.kubeconfig)}, timeout=300)
         if succeeds:
             assert done.returncode == 0, done.stderr[-3000:]
             self.set_phase(f"{job}-planner", "Succeeded")
@@ -187,13 +195,15 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     assert "alpajob_operator_planning_seconds_count 1.0" in metrics
     with urllib.request.urlopen(f"http://127.0.0.1:{operator.liveness_port}/healthz", timeout=10) as probe:
         assert probe.status == 200  # the Deployment's liveness and readiness probes
-    head = cluster.pods("gpt-a")["gpt-a-0-head"].spec.containers[0].command
-    assert head[head.index("--status-configmap") + 1] == "ml/gpt-a-progress"
-    # Play the driver: its progress, as `alpajob driver --status-configmap` writes it.
-    from alpajob.trainer.publish import write_status_configmap
+    head = cluster.pods("gpt-a")["gpt-a-0-head"].spec.containers[0]
+    runtime = TrainerRuntime.from_env({e.name: e.value for e in head.env})
+    assert runtime.progress_configmap == "ml/gpt-a-progress"
+    # Play the driver: its progress, as `alpajob driver` writes it there.
+    from alpajob.trainer_image.publish import write_progress_configmap
 
-    write_status_configmap({"step": 40, "steps": 100, "loss": 2.5, "samples_per_second": 812.5,
-                            "checkpoint_step": 40}, "ml/gpt-a-progress", api=cluster.api)
+    report = Progress(phase=TrainerPhase.RUNNING, step=40, steps=100, loss=2.5,
+                      samples_per_second=812.5, last_checkpoint_step=40)
+    write_progress_configmap(report, runtime.progress_configmap, api=cluster.api)
     progress = _wait("progress in the status",
                      lambda: (cluster.job("gpt-a")["status"].get("progress") or {}).get("step") == 40
                      and cluster.job("gpt-a")["status"]["progress"], op=operator)
@@ -325,7 +335,7 @@ def test_the_webhook_refuses_bad_specs_naming_the_field(emulator: Emulator, tmp_
     judge, the immutable fields on update, and a good spec admitted."""
     from test_crd import BASE, CRD_REFUSES, IMMUTABLE, WEBHOOK_REFUSES, changed
 
-    from alpajob.trainer.distributed.loopback import free_port
+    from alpajob.trainer_image.distributed.loopback import free_port
 
     port = free_port()
     op = Operator(emulator, tmp_path / "operator.log")

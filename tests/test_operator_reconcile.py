@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from alpajob.cli import main
-from alpajob.operator.names import LABEL_JOB
+from alpajob.api.names import LABEL_JOB, Role
+from alpajob.api.runtime import TrainerRuntime
+from alpajob.cli.main import main
 from alpajob.operator.pool import PoolNode
 from alpajob.operator.reconcile import Observed, reconcile
 
@@ -29,6 +30,12 @@ def plan_json(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     assert main(["plan", str(EXAMPLES / "manual-gpt.yaml"), "--output", str(out)]) == 0
     return out.read_text()
+
+
+def runtime_of(pod: dict[str, Any]) -> TrainerRuntime:
+    """What the trainer in ``pod`` reads from its environment."""
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    return TrainerRuntime.from_env(env)
 
 
 class World:
@@ -63,7 +70,7 @@ class World:
             gang=self.gang, ready_nodes=self.ready,
         )
         decision = reconcile(seen)
-        self.job["status"] = decision.status
+        self.job["status"] = decision.status.to_dict()
         for obj in decision.create:
             key = (obj["kind"], obj["metadata"]["name"])
             assert key not in self.objects, f"{key} created twice"
@@ -116,10 +123,11 @@ def test_a_new_job_plans_in_a_pod_for_the_pool(plan_json: str) -> None:
     assert kinds == [("ConfigMap", "manual-gpt-config"), ("ConfigMap", "manual-gpt-plan"),
                      ("ConfigMap", "manual-gpt-progress"), ("Pod", "manual-gpt-planner")]
     planner = world.objects["Pod", "manual-gpt-planner"]
-    command = planner["spec"]["containers"][0]["command"]
-    assert command[:3] == ["alpajob", "plan", "/etc/alpajob/manifest.yaml"]
-    assert command[command.index("--gpu") + 1] == "cpu" and command[command.index("--nodes") + 1] == "1"
-    assert command[-1] == "ml/manual-gpt-plan"
+    assert planner["spec"]["containers"][0]["command"] == ["alpajob", "plan"]
+    runtime = runtime_of(planner)
+    assert runtime.role is Role.PLANNER and runtime.manifest == "/etc/alpajob/manifest.yaml"
+    assert (runtime.gpu, runtime.nodes, runtime.gpus_per_node) == ("cpu", 1, 8)
+    assert runtime.plan_configmap == "ml/manual-gpt-plan"
     assert world.status["phase"] == "Planning" and world.status["children"]["planner"] == "manual-gpt-planner"
     assert world.step().create == []  # nothing twice while planning
 
@@ -277,8 +285,7 @@ def test_a_restart_after_the_pool_grew_plans_again_for_the_new_pool(plan_json: s
     failure restarts the job with a new plan for both nodes instead of the old one."""
     world = World({"cluster": {"gpu": "cpu", "nodes": 2, "gpusPerNode": 8}}, nodes=1)
     world.step()
-    command = world.objects["Pod", "manual-gpt-planner"]["spec"]["containers"][0]["command"]
-    assert command[command.index("--nodes") + 1] == "1"
+    assert runtime_of(world.objects["Pod", "manual-gpt-planner"]).nodes == 1
     world.planned(plan_json)
     world.step()
     world.set_pods("Running")
@@ -287,11 +294,10 @@ def test_a_restart_after_the_pool_grew_plans_again_for_the_new_pool(plan_json: s
     world.ready = frozenset({"node-0", "node-1"})
     world.set_pods("Failed", role="head")
     world.step()
-    assert world.status["phase"] == "Restarting" and world.status["plan"] is None
+    assert world.status["phase"] == "Restarting" and world.status.get("plan") is None
     assert ("Normal", "Replanning") in [(e[0], e[1]) for e in world.events]
     world.step()
-    planner = world.objects["Pod", "manual-gpt-planner"]["spec"]["containers"][0]["command"]
-    assert planner[planner.index("--nodes") + 1] == "2"
+    assert runtime_of(world.objects["Pod", "manual-gpt-planner"]).nodes == 2
     assert world.status["phase"] == "Planning"
 
 

@@ -5,25 +5,25 @@ import json
 
 import pytest
 
-from alpajob.planner.cluster import cluster_from_preset
-from alpajob.planner.errors import InfeasibleError, ManifestError, PlanFormatError
-from alpajob.planner.extract import extract_model
-from alpajob.planner.manifest import Method
-from alpajob.planner.plan import (
+from alpajob.api.errors import InfeasibleError, ManifestError, PlanFormatError
+from alpajob.api.plan import (
     PLAN_VERSION,
     plan_from_json,
     plan_json_schema,
     read_plan,
     write_plan,
 )
-from alpajob.planner.planning import ManualStageOption, PlanOptions, make_plan
-from alpajob.planner.schedules import Schedule
-from alpajob.trainer.zoo import resolve_model
+from alpajob.api.spec import Method
+from alpajob.planner.cost.cluster import cluster_from_preset
+from alpajob.planner.inter_op.schedules import Schedule
+from alpajob.planner.plan.make import ManualStageOption, SearchOptions, make_plan
+from alpajob.trainer_image.step import graph_of
+from alpajob.trainer_image.zoo import resolve_model
 
 
 @pytest.fixture(scope="module")
 def gpt_graph():
-    return extract_model(resolve_model("gpt", "tiny"), 32)
+    return graph_of(resolve_model("gpt", "tiny"), 32)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def cpu8():
 
 @pytest.fixture(scope="module")
 def auto_result(gpt_graph, cpu8):
-    return make_plan(gpt_graph, cpu8, PlanOptions(baselines=True))
+    return make_plan(gpt_graph, cpu8, SearchOptions(baselines=True))
 
 
 def _check_plan_shape(plan, cluster):
@@ -113,15 +113,15 @@ def test_schema_describes_plan(auto_result):
 
 
 def test_determinism(gpt_graph, cpu8, auto_result):
-    again = make_plan(gpt_graph, cpu8, PlanOptions(baselines=True)).plan
+    again = make_plan(gpt_graph, cpu8, SearchOptions(baselines=True)).plan
     assert again.content_hash() == auto_result.plan.content_hash()
-    regraph = extract_model(resolve_model("gpt", "tiny"), 32)
+    regraph = graph_of(resolve_model("gpt", "tiny"), 32)
     assert regraph.fingerprint() == gpt_graph.fingerprint()
 
 
 @pytest.mark.parametrize("method", [Method.DATA, Method.ZERO2, Method.SHARD])
 def test_single_stage_methods(gpt_graph, cpu8, method):
-    plan = make_plan(gpt_graph, cpu8, PlanOptions(method=method)).plan
+    plan = make_plan(gpt_graph, cpu8, SearchOptions(method=method)).plan
     _check_plan_shape(plan, cpu8)
     assert len(plan.stages) == 1 and plan.stages[0].submesh_shape == (1, 8)
     if method is Method.DATA:
@@ -129,14 +129,14 @@ def test_single_stage_methods(gpt_graph, cpu8, method):
 
 
 def test_zero2_shards_optimizer_state(gpt_graph, cpu8):
-    data = make_plan(gpt_graph, cpu8, PlanOptions(method=Method.DATA, num_micro_batches=1)).plan
-    zero2 = make_plan(gpt_graph, cpu8, PlanOptions(method=Method.ZERO2, num_micro_batches=1)).plan
+    data = make_plan(gpt_graph, cpu8, SearchOptions(method=Method.DATA, num_micro_batches=1)).plan
+    zero2 = make_plan(gpt_graph, cpu8, SearchOptions(method=Method.ZERO2, num_micro_batches=1)).plan
     assert zero2.stages[0].weight_bytes < data.stages[0].weight_bytes
     assert zero2.stages[0].weight_update_sharded
 
 
 def test_pipeshard_has_stages(gpt_graph, cpu8):
-    plan = make_plan(gpt_graph, cpu8, PlanOptions(method=Method.PIPESHARD)).plan
+    plan = make_plan(gpt_graph, cpu8, SearchOptions(method=Method.PIPESHARD)).plan
     _check_plan_shape(plan, cpu8)
     assert len(plan.stages) >= 2
     assert plan.resharding, "stages exchange activations and gradients"
@@ -145,7 +145,7 @@ def test_pipeshard_has_stages(gpt_graph, cpu8):
 
 
 def test_fixed_micro_batches_and_gpipe(gpt_graph, cpu8):
-    options = PlanOptions(method=Method.PIPESHARD, num_micro_batches=4, schedule=Schedule.GPIPE)
+    options = SearchOptions(method=Method.PIPESHARD, num_micro_batches=4, schedule=Schedule.GPIPE)
     plan = make_plan(gpt_graph, cpu8, options).plan
     assert plan.num_micro_batches == 4 and plan.schedule == "gpipe"
     assert all(stage.in_flight_micro_batches == 4 for stage in plan.stages)
@@ -153,7 +153,7 @@ def test_fixed_micro_batches_and_gpipe(gpt_graph, cpu8):
 
 def test_manual_stages(gpt_graph, cpu8):
     stages = (ManualStageOption(0, 2, (1, 4)), ManualStageOption(2, 4, (1, 4), (2, 2)))
-    options = PlanOptions(method=Method.MANUAL, num_layers=4, manual_stages=stages,
+    options = SearchOptions(method=Method.MANUAL, num_layers=4, manual_stages=stages,
                           num_micro_batches=4)
     plan = make_plan(gpt_graph, cpu8, options).plan
     assert [s.layers for s in plan.stages] == [(0, 2), (2, 4)]
@@ -172,7 +172,7 @@ def test_manual_stages(gpt_graph, cpu8):
     ],
 )
 def test_manual_errors(gpt_graph, cpu8, stages, match):
-    options = PlanOptions(method=Method.MANUAL, num_layers=4, manual_stages=stages)
+    options = SearchOptions(method=Method.MANUAL, num_layers=4, manual_stages=stages)
     with pytest.raises(ManifestError, match=match):
         make_plan(gpt_graph, cpu8, options)
 
@@ -181,7 +181,7 @@ def test_infeasible_memory(gpt_graph, cpu8):
     tiny_device = dataclasses.replace(cpu8.device, memory_bytes=64 * 1024)
     cluster = dataclasses.replace(cpu8, device=tiny_device)
     with pytest.raises(InfeasibleError) as info:
-        make_plan(gpt_graph, cluster, PlanOptions())
+        make_plan(gpt_graph, cluster, SearchOptions())
     error = info.value
     assert error.required_bytes > error.available_bytes
     assert "GiB per device" in str(error) and "does not fit" in str(error)
@@ -191,8 +191,8 @@ def test_infeasible_memory(gpt_graph, cpu8):
 def test_other_families_plan(family, cpu8):
     model = resolve_model(family, "tiny")
     batch = 32
-    graph = extract_model(model, batch)
-    plan = make_plan(graph, cpu8, PlanOptions(baselines=True)).plan
+    graph = graph_of(model, batch)
+    plan = make_plan(graph, cpu8, SearchOptions(baselines=True)).plan
     _check_plan_shape(plan, cpu8)
     for seconds in plan.baselines.values():
         if seconds is not None:
@@ -204,15 +204,15 @@ def test_kernel_overhead_is_charged_per_kernel_per_device(gpt_graph, cpu8, devic
     """On a shared host every kernel-launching op costs d of host time on each device
     that runs it, once per micro-batch (forward, backward) or per step (update); the
     calibration passed in the options replaces the stored one."""
-    from alpajob.planner.cost_model import launches_kernel, load_calibration
-    from alpajob.planner.graph import Phase
+    from alpajob.planner.cost.model import launches_kernel, load_calibration
+    from alpajob.planner.graph.opgraph import Phase
 
     stored = load_calibration("cpu")
 
     def predicted(d):
         calibration = dataclasses.replace(stored, instruction_overhead_seconds=0.0,
                                           kernel_overhead_seconds=d)
-        options = PlanOptions(method=Method.MANUAL, num_layers=1, num_micro_batches=micro_batches,
+        options = SearchOptions(method=Method.MANUAL, num_layers=1, num_micro_batches=micro_batches,
                               manual_stages=(ManualStageOption(0, 1, (1, devices)),),
                               calibration=calibration)
         return make_plan(gpt_graph, cpu8, options).plan.predicted_step_seconds

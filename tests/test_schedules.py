@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alpajob.planner.schedules import (
+from alpajob.planner.inter_op.schedules import (
     Direction,
     Schedule,
     bubble_fraction,

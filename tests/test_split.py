@@ -1,4 +1,4 @@
-"""Cutting a traced loss into stages (:mod:`alpajob.trainer.runtime.split`).
+"""Cutting a traced loss into stages (:mod:`alpajob.trainer_image.runtime.split`).
 
 The equivalence tests check that split programs train to the serial numbers; these
 check where the cut puts the work, on losses small enough to reason about by hand.
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpajob.trainer.runtime.split import SplitProgram, split_loss, stage_function
+from alpajob.trainer_image.runtime.split import SplitProgram, split_loss, stage_function
 
 WIDTH = 8
 

@@ -4,22 +4,22 @@ import dataclasses
 
 import pytest
 
-from alpajob.planner.cluster import cluster_from_preset
-from alpajob.planner.clustering import cluster_layers
-from alpajob.planner.cost_model import load_calibration, make_logical_mesh
-from alpajob.planner.extract import extract_model
-from alpajob.planner.graph import with_batch_size
-from alpajob.planner.intra_op import ShardingMode, solve_intra_op
-from alpajob.planner.manifest import Method
-from alpajob.planner.planning import PlanOptions, make_plan
-from alpajob.planner.sharding import resharding_seconds
-from alpajob.planner.stage_costs import MEMORY_LEVELS, LayerCoster, SolveCounter
-from alpajob.trainer.zoo import resolve_model
+from alpajob.api.spec import Method
+from alpajob.planner.cost.cluster import cluster_from_preset
+from alpajob.planner.cost.model import load_calibration, make_logical_mesh
+from alpajob.planner.graph.opgraph import with_batch_size
+from alpajob.planner.inter_op.clustering import cluster_layers
+from alpajob.planner.inter_op.stage_costs import MEMORY_LEVELS, LayerCoster, SolveCounter
+from alpajob.planner.intra_op.sharding import resharding_seconds
+from alpajob.planner.intra_op.solve import ShardingMode, solve_intra_op
+from alpajob.planner.plan.make import SearchOptions, make_plan
+from alpajob.trainer_image.step import graph_of
+from alpajob.trainer_image.zoo import resolve_model
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    graph = extract_model(resolve_model("gpt", {"layers": 6}, dtype="float32"), 16)
+    graph = graph_of(resolve_model("gpt", {"layers": 6}, dtype="float32"), 16)
     return graph, cluster_layers(graph, 6)
 
 
@@ -69,7 +69,7 @@ def test_input_hints_are_charged(gpt, cpu8):
 
 def test_remat_is_chosen_only_when_needed(gpt, cpu8):
     graph, _ = gpt
-    plain = make_plan(graph, cpu8, PlanOptions(method=Method.SHARD, num_micro_batches=1)).plan
+    plain = make_plan(graph, cpu8, SearchOptions(method=Method.SHARD, num_micro_batches=1)).plan
     assert not plain.stages[0].rematerialize
     stage = plain.stages[0]
     # A device with room for the weights and one rematerialised micro-batch, but not
@@ -77,7 +77,7 @@ def test_remat_is_chosen_only_when_needed(gpt, cpu8):
     lean_budget = stage.weight_bytes + 0.5 * stage.activation_bytes
     device = dataclasses.replace(cpu8.device, memory_bytes=int(lean_budget / 0.9))
     tight = dataclasses.replace(cpu8, device=device)
-    plan = make_plan(graph, tight, PlanOptions(method=Method.SHARD, num_micro_batches=1)).plan
+    plan = make_plan(graph, tight, SearchOptions(method=Method.SHARD, num_micro_batches=1)).plan
     assert plan.stages[0].rematerialize or plan.stages[0].weight_bytes < stage.weight_bytes
     assert plan.stages[0].peak_memory_bytes <= device.memory_bytes * 0.9
     assert plan.predicted_step_seconds > plain.predicted_step_seconds

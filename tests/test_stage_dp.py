@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alpajob.planner.stage_dp import (
+from alpajob.planner.inter_op.stage_dp import (
     DPResult,
     StageChoice,
     assign_submeshes,
@@ -184,7 +184,7 @@ def test_assign_submeshes_refuses_overflow_and_unknown_shapes():
 
 def test_pruned_cap_search_equals_trying_every_cap():
     # The branch and bound over caps must find what Alpa's full ascending scan finds.
-    from alpajob.planner.stage_dp import _candidates, _capped_dp
+    from alpajob.planner.inter_op.stage_dp import _candidates, _capped_dp
 
     rng = np.random.default_rng(42)
     devices = np.array([1, 2, 4, 8])

@@ -18,15 +18,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from alpajob.cli import plan_options
-from alpajob.planner.manifest import parse_manifest
-from alpajob.trainer.local_run import RunOptions, run
+from alpajob.api.options import PlanOptions, TrainOptions
+from alpajob.api.resource import parse_job
+from alpajob.trainer_image.local_run import run
 
 STEPS = 3
 
 
 def _manifest(model: str, parallelism: dict[str, Any], optimizer: str = "sgd", batch: int = 16) -> Any:
-    return parse_manifest(
+    return parse_job(
         {
             "apiVersion": "alpajob.io/v1alpha1",
             "kind": "AlpaJob",
@@ -42,14 +42,8 @@ def _manifest(model: str, parallelism: dict[str, Any], optimizer: str = "sgd", b
     )
 
 
-class _Args:
-    method = None
-    ilp_time_limit = 5.0
-    baselines = False
-
-
 def _train(manifest: Any, serial: bool = False, **extra: Any) -> Any:
-    options = RunOptions(steps=STEPS, serial=serial, plan_options=plan_options(manifest, _Args()), **extra)
+    options = TrainOptions(steps=STEPS, serial=serial, planning=PlanOptions(ilp_time_limit=5.0), **extra)
     return run(manifest, options)
 
 

@@ -81,8 +81,10 @@ def test_gpu_jax_is_pinned_to_the_project_version() -> None:
 
 
 def test_every_package_folder_is_copied_and_sent() -> None:
-    tool = pyproject()["tool"]["setuptools"]
-    folders = {path.split("/")[0] for path in tool["package-dir"].values()}
+    # The namespace, and the card's folders it links to: the build needs them all.
+    links = [path for path in (ROOT / "alpajob").iterdir() if path.is_symlink()]
+    folders = {"alpajob"} | {path.resolve().relative_to(ROOT).parts[0] for path in links}
+    assert {"planner", "operator", "trainer_image"} <= folders
     copied = {args.split()[0] for args in only("COPY") if len(args.split()) == 2}
     sources = {source for args in only("COPY") for source in args.split()[:-1]}
     assert folders <= copied, sorted(folders - copied)
@@ -115,23 +117,23 @@ def test_runs_as_non_root_uid_1000_like_the_pods() -> None:
 def test_entrypoint_is_the_alpajob_command() -> None:
     assert [json.loads(a) for a in only("ENTRYPOINT")] == [["alpajob"]]
     assert [json.loads(a) for a in only("CMD")] == [["--help"]]
-    assert pyproject()["project"]["scripts"]["alpajob"] == "alpajob.cli:main"
+    assert pyproject()["project"]["scripts"]["alpajob"] == "alpajob.cli.main:main"
     assert only("HEALTHCHECK") == []
 
 
 # --- the entry points, as plain processes ----------------------------------------------
 
 def alpajob(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
-    """``alpajob ARGS`` (the image's ENTRYPOINT) as ``python -m alpajob.cli``, without
+    """``alpajob ARGS`` (the image's ENTRYPOINT) as ``python -m alpajob.cli.main``, without
     the ALPAJOB_* environment the operator would set; wide, so no line is wrapped."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALPAJOB_")}
     env["COLUMNS"] = "500"
-    return subprocess.run([sys.executable, "-m", "alpajob.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "alpajob", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def test_plan_writes_a_plan(tmp_path: Path) -> None:
-    from alpajob.planner.plan import read_plan
+    from alpajob.api.plan import read_plan
 
     output = tmp_path / "plan.json"
     done = alpajob("plan", str(EXAMPLE.relative_to(ROOT)), "--output", str(output))

@@ -15,18 +15,18 @@ from typing import Any
 import jax
 import pytest
 
-from alpajob.planner.extract import extract_model, make_optimizer
-from alpajob.planner.manifest import parse_manifest
-from alpajob.planner.plan import PINNED_PRIMITIVES, PinnedOp
-from alpajob.planner.planning import PlanOptions, make_plan
-from alpajob.trainer.entrypoint import load_model
-from alpajob.trainer.local_run import local_cluster
-from alpajob.trainer.runtime.build import build_pipeline
-from alpajob.trainer.runtime.pinning import match_pins, stage_pins
+from alpajob.api.plan import PINNED_PRIMITIVES, PinnedOp
+from alpajob.api.resource import parse_job
+from alpajob.planner.plan.make import SearchOptions, make_plan
+from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.local_run import local_cluster
+from alpajob.trainer_image.runtime.build import build_pipeline
+from alpajob.trainer_image.runtime.pinning import match_pins, stage_pins
+from alpajob.trainer_image.step import graph_of, make_optimizer
 
 
 def _plan_and_pipeline(model: str, method: str, **parallelism: Any) -> tuple[Any, Any, Any]:
-    manifest = parse_manifest({
+    manifest = parse_job({
         "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "pin"},
         "spec": {"model": {"zoo": model, "config": "tiny"},
                  "training": {"globalBatchSize": 16, "dtype": "float32"},
@@ -34,10 +34,10 @@ def _plan_and_pipeline(model: str, method: str, **parallelism: Any) -> tuple[Any
                  "parallelism": {"method": method, **parallelism}}})
     training = manifest.spec.training
     zoo = load_model(manifest.spec.model, training.dtype)
-    graph = extract_model(zoo, training.global_batch_size, optimizer=training.optimizer,
+    graph = graph_of(zoo, training.global_batch_size, optimizer=training.optimizer,
                           learning_rate=training.learning_rate)
     devices = jax.devices()
-    options = PlanOptions(method=method, ilp_time_limit_s=5.0, **parallelism)
+    options = SearchOptions(method=method, ilp_time_limit_s=5.0, **parallelism)
     plan = make_plan(graph, local_cluster(manifest, devices), options).plan
     params = zoo.init(jax.random.key(0))
     optimizer = make_optimizer(training.optimizer, training.learning_rate)

@@ -17,14 +17,20 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from alpajob.cli import plan_options
-from alpajob.planner.errors import AlpaJobError, PlanFormatError
-from alpajob.planner.manifest import parse_manifest
-from alpajob.planner.plan import write_plan
-from alpajob.trainer.local_run import RunOptions, run
-from alpajob.trainer.runtime.meshes import DeviceError
-from alpajob.trainer.runtime.transfer import Send, box_size, intersect, plan_transfer, tiles_of
-from alpajob.trainer.runtime.transport import move, move_all, same_layout, transfer_plan
+from alpajob.api.errors import AlpaJobError, PlanFormatError
+from alpajob.api.options import PlanOptions, TrainOptions
+from alpajob.api.plan import write_plan
+from alpajob.api.resource import parse_job
+from alpajob.trainer_image.local_run import run
+from alpajob.trainer_image.runtime.meshes import DeviceError
+from alpajob.trainer_image.runtime.transfer import (
+    Send,
+    box_size,
+    intersect,
+    plan_transfer,
+    tiles_of,
+)
+from alpajob.trainer_image.runtime.transport import move, move_all, same_layout, transfer_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,7 +142,7 @@ def test_move_all_puts_same_layout_arrays_in_one_call_with_the_rest_tile_by_tile
 def test_parcels_carry_each_needed_tile_once_and_assemble_exactly() -> None:
     """The Ray runtime's transport, without Ray: the sender cuts by mesh positions
     (it cannot see the receiver's devices), the receiver assembles on its own."""
-    from alpajob.trainer.distributed.transport import assemble, cut, position_tiles
+    from alpajob.trainer_image.distributed.transport import assemble, cut, position_tiles
 
     m1, m2 = _meshes()
     data = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
@@ -155,7 +161,7 @@ def test_parcels_for_a_receiver_on_two_hosts_go_to_the_host_of_each_position() -
     """A receiving mesh whose positions 0-1 live on host 0 and 2-3 on host 1: each
     host's parcel holds only its own positions (a copy across hosts becomes a piece
     sent to the far host), and the parcels merged rebuild the array exactly."""
-    from alpajob.trainer.distributed.transport import (
+    from alpajob.trainer_image.distributed.transport import (
         assemble,
         cut,
         cut_for_hosts,
@@ -183,7 +189,7 @@ def test_parcels_for_a_receiver_on_two_hosts_go_to_the_host_of_each_position() -
 def test_checkpoint_parts_commit_into_one_restorable_checkpoint(tmp_path: Path) -> None:
     """Two hosts write their shards as parts; until the commit the checkpoint does not
     count; after it, it restores whole onto any sharding."""
-    from alpajob.trainer import checkpoint
+    from alpajob.trainer_image import checkpoint
 
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
     data = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
@@ -210,7 +216,7 @@ def test_checkpoint_parts_commit_into_one_restorable_checkpoint(tmp_path: Path) 
 
 
 def _manifest(**parallelism: Any) -> Any:
-    return parse_manifest({
+    return parse_job({
         "apiVersion": "alpajob.io/v1alpha1",
         "kind": "AlpaJob",
         "metadata": {"name": "rt"},
@@ -227,14 +233,8 @@ def _manifest(**parallelism: Any) -> Any:
     })
 
 
-class _Args:
-    method = None
-    ilp_time_limit = 5.0
-    baselines = False
-
-
-def _options(manifest: Any, steps: int, **extra: Any) -> RunOptions:
-    return RunOptions(steps=steps, plan_options=plan_options(manifest, _Args()), **extra)
+def _options(manifest: Any, steps: int, **extra: Any) -> TrainOptions:
+    return TrainOptions(steps=steps, planning=PlanOptions(ilp_time_limit=5.0), **extra)
 
 
 def test_checkpoint_resume_equals_uninterrupted(tmp_path: Path) -> None:
@@ -283,16 +283,16 @@ def test_plan_for_another_model_is_refused(tmp_path: Path) -> None:
     first = run(manifest, _options(manifest, 1))
     path = tmp_path / "plan.json"
     write_plan(first.plan, path)
-    other = parse_manifest({**manifest.model_dump(by_alias=True, mode="json"),
+    other = parse_job({**manifest.model_dump(by_alias=True, mode="json"),
                             "spec": {**manifest.spec.model_dump(by_alias=True, mode="json"),
                                      "model": {"zoo": "mlp", "config": "tiny"}}})
     with pytest.raises(PlanFormatError, match="fingerprint"):
-        run(other, RunOptions(steps=1, plan_path=str(path)))
+        run(other, TrainOptions(steps=1, plan_file=str(path)))
     with pytest.raises(DeviceError, match="--devices 8"):
-        run(manifest, RunOptions(steps=1, plan_path=str(path), devices=4))
+        run(manifest, TrainOptions(steps=1, plan_file=str(path), devices=4))
     path.write_text(path.read_text()[:100])
     with pytest.raises(PlanFormatError, match="not valid JSON"):
-        run(manifest, RunOptions(steps=1, plan_path=str(path)))
+        run(manifest, TrainOptions(steps=1, plan_file=str(path)))
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -333,7 +333,7 @@ def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
     assert not out.exists()
     done = _cli("run", str(ROOT / "manifests/examples/local-gpt.yaml"), "--stage-times-every", "0",
                 "--metrics-out", str(out), cwd=tmp_path)
-    assert done.returncode == 2 and "--stage-times-every must be at least 1" in done.stderr
+    assert done.returncode == 2 and "--stage-times-every: Input should be greater than or equal to 1" in done.stderr
     assert not out.exists()
 
 

@@ -72,7 +72,7 @@ def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
 
 def parse(command: list[str]) -> argparse.Namespace:
     """``command`` parsed by the real ``alpajob operator`` parser."""
-    from alpajob.operator import main as operator_main
+    from alpajob.cli import operator as operator_main
 
     parser = argparse.ArgumentParser(prog="alpajob")
     operator_main.add_parser(parser.add_subparsers(dest="command", required=True))
@@ -114,7 +114,7 @@ def test_the_webhook_service_reaches_the_port_kopf_registers(objects: list[dict[
 
 
 def test_the_cluster_role_lets_kopf_manage_the_configuration(objects: list[dict[str, Any]]) -> None:
-    from alpajob.operator.names import GROUP, PLURAL
+    from alpajob.api.names import GROUP, PLURAL
 
     rules = the(objects, "ClusterRole")["rules"]
     for resource in CONFIGURATIONS:
@@ -165,15 +165,15 @@ def test_kopf_registers_the_service_url_with_only_the_granted_verbs(emulator: An
     in one) with that certificate as the CA bundle, for CREATE and UPDATE only."""
     from kubernetes import client
 
-    from alpajob.operator.names import GROUP, PLURAL, VERSION
-    from alpajob.trainer.distributed.loopback import free_port
+    from alpajob.api.names import GROUP, PLURAL, VERSION
+    from alpajob.trainer_image.distributed.loopback import free_port
 
     shipped = parse(operator_container(plain())["command"])
     port = free_port()
     log = tmp_path / "operator.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "alpajob.cli", "operator", "--namespace", "ml", "--no-scanning",
+            [sys.executable, "-m", "alpajob", "operator", "--namespace", "ml", "--no-scanning",
              "--webhook-port", str(port), "--webhook-managed", "--webhook-host", shipped.webhook_host],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(emulator.kubeconfig)})
     api = client.AdmissionregistrationV1Api(emulator.api())

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from alpajob.planner.errors import ManifestError
-from alpajob.trainer.zoo import ModelDef, list_models, resolve_model
-from alpajob.trainer.zoo.model import synthetic_batch
+from alpajob.api.errors import ManifestError
+from alpajob.trainer_image.zoo import ModelDef, list_models, resolve_model
+from alpajob.trainer_image.zoo.model import synthetic_batch
 
 #: Nominal parameter counts of the named configs (the number in the name).
 NOMINAL = {

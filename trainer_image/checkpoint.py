@@ -36,9 +36,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpajob.planner.errors import AlpaJobError
-from alpajob.planner.extract import path_name
-from alpajob.trainer.runtime.meshes import place
+from alpajob.api.errors import AlpaJobError
+from alpajob.api.plan import path_name
+from alpajob.trainer_image.runtime.meshes import place
 
 
 class CheckpointError(AlpaJobError):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from alpajob.planner.errors import ManifestError
-from alpajob.planner.manifest import ModelSpec
-from alpajob.trainer.zoo import ModelDef, resolve_model
+from alpajob.api.errors import ManifestError
+from alpajob.api.spec import ModelSpec
+from alpajob.trainer_image.zoo import ModelDef, resolve_model
 
 FIELD = "spec.model.entrypoint"
 

@@ -28,46 +28,24 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpajob.planner.cluster import ClusterSpec, cluster_from_preset
-from alpajob.planner.errors import AlpaJobError, PlanFormatError
-from alpajob.planner.extract import (
-    extract_model,
-    init_optimizer_state,
-    make_optimizer,
-    make_train_step,
-)
-from alpajob.planner.graph import OpGraph
-from alpajob.planner.manifest import AlpaJobManifest
-from alpajob.planner.plan import Plan, read_plan
-from alpajob.planner.planning import PlanOptions, make_plan
-from alpajob.trainer import checkpoint
-from alpajob.trainer.entrypoint import load_model
-from alpajob.trainer.metrics import TrainingMetrics, write_metrics_json
-from alpajob.trainer.runtime.build import build_pipeline
-from alpajob.trainer.runtime.driver import PipelineExecutor
-from alpajob.trainer.runtime.executor import StageTimes
-from alpajob.trainer.runtime.meshes import DeviceError, devices_needed, local_devices
-from alpajob.trainer.zoo import ModelDef
-from alpajob.trainer.zoo.model import synthetic_batch
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What ``alpajob run`` was asked to do."""
-
-    steps: int
-    seed: int = 0
-    devices: int | None = None
-    serial: bool = False
-    plan_path: str | None = None
-    plan_options: PlanOptions | None = None
-    metrics_out: str | None = None
-    metrics_port: int | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int | None = None
-    resume: bool = False
-    exact_stage_times: bool = False  # timed steps wait for every instruction (runtime.driver.Stopwatch)
-    stage_times_every: int = 10  # time every N-th step per stage (timing costs a step: runtime.driver)
+from alpajob.api.errors import PlanFormatError
+from alpajob.api.options import TrainOptions
+from alpajob.api.plan import Plan, read_plan
+from alpajob.api.progress import Progress, TrainerPhase
+from alpajob.api.resource import AlpaJob
+from alpajob.planner.cost.cluster import ClusterSpec, cluster_from_preset
+from alpajob.planner.graph.opgraph import OpGraph
+from alpajob.trainer_image import checkpoint
+from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json
+from alpajob.trainer_image.planning import job_graph, plan_job
+from alpajob.trainer_image.runtime.build import build_pipeline
+from alpajob.trainer_image.runtime.driver import PipelineExecutor
+from alpajob.trainer_image.runtime.executor import StageTimes
+from alpajob.trainer_image.runtime.meshes import DeviceError, devices_needed, local_devices
+from alpajob.trainer_image.step import init_optimizer_state, make_optimizer, make_train_step
+from alpajob.trainer_image.zoo import ModelDef
+from alpajob.trainer_image.zoo.model import synthetic_batch
 
 
 @dataclass
@@ -109,9 +87,9 @@ class RunResult:
         return doc
 
 
-def local_cluster(manifest: AlpaJobManifest, devices: list[Any]) -> ClusterSpec:
-    """One node with this machine's devices, of the manifest's preset (``cpu`` on CPU)."""
-    preset = "cpu" if devices[0].platform == "cpu" else (manifest.spec.cluster.preset() or "cpu")
+def local_cluster(job: AlpaJob, devices: list[Any]) -> ClusterSpec:
+    """One node with this machine's devices, of the job's preset (``cpu`` on CPU)."""
+    preset = "cpu" if devices[0].platform == "cpu" else (job.spec.cluster.preset() or "cpu")
     return cluster_from_preset(preset, 1, len(devices))
 
 
@@ -180,34 +158,32 @@ class _Pipelined:
 
 
 def run(
-    manifest: AlpaJobManifest,
-    options: RunOptions,
+    job: AlpaJob,
+    options: TrainOptions,
     on_step: Callable[[int, float, float], None] | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Plan (or read the plan) and train; see the module docstring."""
     say = on_phase or (lambda _what: None)
-    if options.stage_times_every < 1:
-        raise AlpaJobError(f"--stage-times-every must be at least 1 (1 times every step), "
-                           f"got {options.stage_times_every}")
-    training = manifest.spec.training
+    training = job.spec.training
+    steps = options.steps if options.steps is not None else training.steps
+    seed = options.seed if options.seed is not None else training.seed
     devices = local_devices(options.devices)
-    model = load_model(manifest.spec.model, training.dtype)
+    model = load_model(job.spec.model, training.dtype)
     optimizer = make_optimizer(training.optimizer, training.learning_rate)
     plan = None
     if not options.serial:
         say(f"tracing {model.name}")
-        graph = extract_model(model, training.global_batch_size, optimizer=training.optimizer,
-                              learning_rate=training.learning_rate)
-        if options.plan_path:
-            plan = read_plan(options.plan_path)
-            check_plan(plan, graph, devices, options.plan_path)
+        graph = job_graph(job)
+        if options.plan_file:
+            plan = read_plan(options.plan_file)
+            check_plan(plan, graph, devices, options.plan_file)
         else:
             say(f"planning for {len(devices)} local {devices[0].platform} devices")
-            plan_options = options.plan_options or PlanOptions()
-            plan = make_plan(graph, local_cluster(manifest, devices), plan_options).plan
+            plan = plan_job(job, options.planning, cluster=local_cluster(job, devices),
+                            graph=graph).plan
     say("initialising parameters")
-    params = model.init(jax.random.key(options.seed))
+    params = model.init(jax.random.key(seed))
     if plan is None:
         runner: Any = _Serial(model, optimizer, params, devices[0], training.global_batch_size)
     else:
@@ -217,22 +193,21 @@ def run(
     del params
 
     start = 0
-    if options.resume:
-        if not options.checkpoint_dir:
-            raise AlpaJobError("--resume needs --checkpoint-dir (where the checkpoints are)")
+    if options.resume and options.checkpoint_dir:
         latest = checkpoint.latest_step(options.checkpoint_dir)
         if latest is not None:
             say(f"restoring step {latest}")
             runner.restore(options.checkpoint_dir, latest)
             start = latest
-    metrics = TrainingMetrics(manifest.metadata.name, plan.predicted_step_seconds if plan else None)
+    metrics = TrainingMetrics(job.name, plan.predicted_step_seconds if plan else None)
     if options.metrics_port is not None:
         metrics.serve(options.metrics_port)
     result = RunResult(plan=plan, start_step=start)
     meta = {"model": model.name, "plan_hash": plan.content_hash() if plan else None}
+    saved: int | None = start or None
     try:
-        for step in range(start, options.steps):
-            batch = jax.tree.leaves(synthetic_batch(model, training.global_batch_size, seed=options.seed + step))
+        for step in range(start, steps):
+            batch = jax.tree.leaves(synthetic_batch(model, training.global_batch_size, seed=seed + step))
             done = step + 1
             began = time.perf_counter()
             loss, stages = runner.step(batch, done % options.stage_times_every == 0)
@@ -242,13 +217,16 @@ def run(
             if stages:
                 result.stage_times.append(stages)
                 result.stage_time_steps.append(done)
-            metrics.record(done, loss, seconds, training.global_batch_size, stages)
+            every = options.checkpoint_every
+            if options.checkpoint_dir and ((every and done % every == 0) or done == steps):
+                checkpoint.save(options.checkpoint_dir, done, runner.named_arrays(), meta)
+                saved = done
+            report = Progress(phase=TrainerPhase.RUNNING, step=done, steps=steps, loss=loss,
+                              samples_per_second=training.global_batch_size / seconds,
+                              last_checkpoint_step=saved, updated=time.time())
+            metrics.record(report, seconds, stages)
             if on_step:
                 on_step(done, loss, seconds)
-            every = options.checkpoint_every
-            if options.checkpoint_dir and ((every and done % every == 0) or done == options.steps):
-                checkpoint.save(options.checkpoint_dir, done, runner.named_arrays(), meta)
-                metrics.checkpoint.labels(metrics.job).set(done)
     finally:
         metrics.close()
     result.params = {

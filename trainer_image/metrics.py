@@ -2,7 +2,8 @@
 
 One :class:`TrainingMetrics` per run, on its own ``CollectorRegistry`` (no global
 state), served on ``/metrics`` by :meth:`TrainingMetrics.serve`. Gauges hold the last
-step's values; counters add up over the run. Per-stage times come from the steps the
+step's values, read from the trainer's :class:`~alpajob.api.progress.Progress` report
+(the same document the job's status shows); counters add up over the run. Per-stage times come from the steps the
 runtime timed (``alpajob run --stage-times-every``): their gauges hold the last timed
 step and their counters add up the timed steps, so a ratio of their rates is the
 timed steps' utilization::
@@ -30,15 +31,22 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from alpajob.api.progress import Progress
+
 _LABELS = ("job", "stage")
 
 
-def write_metrics_json(path: str | Path, data: dict[str, Any]) -> None:
-    """Write ``--metrics-out`` atomically (a temp file renamed into place)."""
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temp file renamed into place)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_metrics_json(path: str | Path, data: dict[str, Any]) -> None:
+    """Write ``--metrics-out`` atomically."""
+    write_text_atomically(path, json.dumps(data, indent=1) + "\n")
 
 
 class TrainingMetrics:
@@ -66,13 +74,18 @@ class TrainingMetrics:
             self.predicted.labels(job).set(predicted_step_seconds)
         self._server: Any = None
 
-    def record(self, step: int, loss: float, seconds: float, batch_size: int, stages: Any) -> None:
-        """Record one step; ``stages`` are :class:`~.runtime.executor.StageTimes` (or empty)."""
+    def record(self, progress: Progress, seconds: float, stages: Any = ()) -> None:
+        """Record one step: the trainer's ``progress`` report after it, its wall
+        ``seconds``, and ``stages``, :class:`~.runtime.executor.StageTimes` (or empty)."""
         job = self.job
-        self.step.labels(job).set(step)
-        self.loss.labels(job).set(loss)
+        self.step.labels(job).set(progress.step)
+        if progress.loss is not None:
+            self.loss.labels(job).set(progress.loss)
         self.step_seconds.labels(job).set(seconds)
-        self.samples.labels(job).set(batch_size / seconds if seconds > 0 else 0.0)
+        if progress.samples_per_second is not None:
+            self.samples.labels(job).set(progress.samples_per_second)
+        if progress.last_checkpoint_step is not None:
+            self.checkpoint.labels(job).set(progress.last_checkpoint_step)
         for index, times in enumerate(stages):
             labels = (job, str(index))
             self.compute.labels(*labels).set(times.compute)

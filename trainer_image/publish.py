@@ -2,11 +2,10 @@
 
 The planning pod writes the Plan into the job's ``<job>-plan`` ConfigMap (created
 empty, and owned, by the operator) with :func:`write_plan_configmap`; the driver
-keeps its progress (step, loss, samples/s, last checkpoint) in ``<job>-progress``
-with :func:`write_status_configmap`, and the operator copies it into the job's
-status. The pods' service account needs ``get`` and ``patch`` on ConfigMaps in
-their namespace. The
-client configures itself from the pod's service account, or else from
+keeps its :class:`~alpajob.api.progress.Progress` in ``<job>-progress`` with
+:func:`write_progress_configmap`, and the operator copies it into the job's status.
+The pods' service account needs ``get`` and ``patch`` on ConfigMaps in their
+namespace. The client configures itself from the pod's service account, or else from
 ``$KUBECONFIG`` / ``~/.kube/config`` (a developer's machine, or a test's emulator).
 """
 
@@ -14,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from alpajob.planner.errors import AlpaJobError
+from alpajob.api.errors import AlpaJobError
+from alpajob.api.names import PLAN_KEY, PROGRESS_KEY
+from alpajob.api.progress import Progress
 
 #: What a ConfigMap may hold (the API server refuses more).
 CONFIGMAP_LIMIT = 1024 * 1024
@@ -40,8 +41,8 @@ def parse_target(target: str, flag: str) -> tuple[str, str]:
 
 
 def write_plan_configmap(plan_json: str, target: str, api: Any = None) -> None:
-    """Put ``plan_json`` into the ConfigMap ``target`` (``namespace/name``) as
-    ``plan.json``."""
+    """Put ``plan_json`` into the ConfigMap ``target`` (``namespace/name``) under
+    :data:`~alpajob.api.names.PLAN_KEY`."""
     from kubernetes import client
 
     namespace, name = parse_target(target, "--output-configmap")
@@ -52,7 +53,7 @@ def write_plan_configmap(plan_json: str, target: str, api: Any = None) -> None:
         )
     core = client.CoreV1Api(api or kube_client())
     try:
-        core.patch_namespaced_config_map(name, namespace, {"data": {"plan.json": plan_json}})
+        core.patch_namespaced_config_map(name, namespace, {"data": {PLAN_KEY: plan_json}})
     except client.ApiException as error:
         raise AlpaJobError(
             f"--output-configmap: cannot write ConfigMap {namespace}/{name} "
@@ -61,16 +62,16 @@ def write_plan_configmap(plan_json: str, target: str, api: Any = None) -> None:
         ) from None
 
 
-def write_status_configmap(doc: dict[str, Any], target: str, api: Any = None) -> None:
-    """Put the driver's status ``doc`` into the ConfigMap ``target`` as ``progress.json``."""
-    import json
-
+def write_progress_configmap(report: Progress, target: str, api: Any = None) -> None:
+    """Put the trainer's ``report`` into the ConfigMap ``target`` under
+    :data:`~alpajob.api.names.PROGRESS_KEY` (the operator copies it into the job's
+    ``status.progress``)."""
     from kubernetes import client
 
     namespace, name = parse_target(target, "--status-configmap")
     core = client.CoreV1Api(api or kube_client())
     try:
-        core.patch_namespaced_config_map(name, namespace, {"data": {"progress.json": json.dumps(doc)}})
+        core.patch_namespaced_config_map(name, namespace, {"data": {PROGRESS_KEY: report.to_json()}})
     except client.ApiException as error:
         raise AlpaJobError(
             f"--status-configmap: cannot write ConfigMap {namespace}/{name} ({error.status} {error.reason})"

@@ -29,7 +29,17 @@ from typing import Any
 
 import yaml
 
-from alpajob.api.names import CATEGORIES, CRD_NAME, GROUP, KIND, LIST_KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from alpajob.api.names import (
+    CATEGORIES,
+    CRD_NAME,
+    GROUP,
+    KIND,
+    LIST_KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+)
 from alpajob.api.resource import MAX_NAME_LENGTH, NAME_PATTERN
 from alpajob.api.schema import CEL_KEY, cel
 from alpajob.api.spec import Spec

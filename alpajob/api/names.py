@@ -12,12 +12,13 @@ the job and the attempt: :class:`alpajob.operator.names.ChildNames` makes them.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Final, Literal
 
 # --------------------------------------------------------------------------- the resource
 GROUP = "alpajob.io"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "AlpaJob"
+API_VERSION: Final[Literal["alpajob.io/v1alpha1"]] = "alpajob.io/v1alpha1"
+KIND: Final[Literal["AlpaJob"]] = "AlpaJob"
 LIST_KIND = "AlpaJobList"
 PLURAL = "alpajobs"
 SINGULAR = "alpajob"

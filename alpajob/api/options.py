@@ -54,7 +54,7 @@ class TrainOptions(Contract):
         if self.plan_file and (self.serial or self.planning.method is not None):
             raise ValueError("method: a plan file already fixes the method; pass one of the two")
         if self.resume and not self.checkpoint_dir:
-            raise ValueError("resume: needs checkpoint_dir (where the checkpoints are)")
+            raise ValueError("resume: needs a checkpoint directory to resume from (checkpoint_dir, --checkpoint-dir)")
         return self
 
 

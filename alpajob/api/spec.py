@@ -27,7 +27,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints, field_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from alpajob.api.catalog import GPU_PRODUCT_PRESETS, DevicePreset
 from alpajob.api.names import GPU_PRODUCT_LABEL
@@ -112,6 +112,13 @@ class ModelSpec(Contract):
         description="A function in the trainer image that returns the model: "
                     "'package.module:function'.")
 
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.zoo is None) == (self.entrypoint is None):
+            raise ValueError("set exactly one of spec.model.zoo (gpt, moe, wresnet, mlp) and "
+                             "spec.model.entrypoint ('package.module:function')")
+        return self
+
     @field_validator("entrypoint")
     @classmethod
     def _entrypoint_form(cls, value: str | None) -> str | None:
@@ -138,7 +145,7 @@ class TrainingSpec(Contract):
                       description="Seed of the parameters' and the data's random numbers.")
 
 
-class ClusterSpec(Contract):
+class NodePoolSpec(Contract):
     """``spec.cluster``: the node pool the planner cuts into submeshes.
 
     ``gpu`` names a device preset; when absent it is derived from the
@@ -317,7 +324,7 @@ class Spec(Contract):
         "The model: exactly one of zoo (a built-in family of the Alpa paper) and entrypoint (a "
         "function in the user's image)."))
     training: TrainingSpec = Field(default_factory=TrainingSpec, description="The training run.")
-    cluster: ClusterSpec = Field(default_factory=ClusterSpec,
+    cluster: NodePoolSpec = Field(default_factory=NodePoolSpec,
                                  description="The GPU node pool the planner cuts into submeshes.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
                                          description="The planner's options; the defaults are "

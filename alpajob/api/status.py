@@ -30,6 +30,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from pydantic import ConfigDict, Field
+from pydantic.alias_generators import to_camel
 
 from alpajob.api.progress import Progress
 from alpajob.api.schema import Contract, k8s
@@ -73,9 +74,12 @@ class ConditionStatus(StrEnum):
 
 
 class _Status(Contract):
-    """Status models are built up during a reconciliation: mutable, validated on assignment."""
+    """Status models are built up during a reconciliation: mutable, validated on
+    assignment. Reading one drops keys it does not declare, as the API server's pruning
+    does."""
 
-    model_config = Contract.model_config | ConfigDict(frozen=False, validate_assignment=True)
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
+                              frozen=False, validate_assignment=True)
 
 
 class Condition(_Status):

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 from alpajob.api.catalog import GPU_PRODUCT_PRESETS, ZOO, DevicePreset
 from alpajob.api.names import GPU_PRODUCT_LABEL
-from alpajob.api.spec import MUTABLE, ClusterSpec, ManualStage, Method, ModelSpec, Spec
+from alpajob.api.spec import MUTABLE, ManualStage, Method, ModelSpec, NodePoolSpec, Spec
 
 
 class Problem(NamedTuple):
@@ -92,7 +92,7 @@ def _model_problems(model: ModelSpec) -> list[Problem]:
     return problems
 
 
-def _cluster_problems(cluster: ClusterSpec) -> list[Problem]:
+def _cluster_problems(cluster: NodePoolSpec) -> list[Problem]:
     """The GPU product label names a known preset, and agrees with ``gpu``."""
     product = cluster.node_selector.get(GPU_PRODUCT_LABEL)
     implied = GPU_PRODUCT_PRESETS.get(product) if product else None
@@ -136,7 +136,7 @@ def _parallelism_problems(spec: Spec) -> list[Problem]:
 
 
 def _stage_problems(stages: Sequence[ManualStage], num_layers: int | None,
-                    cluster: ClusterSpec) -> list[Problem]:
+                    cluster: NodePoolSpec) -> list[Problem]:
     """Contiguous stages from layer 0 (to numLayers), each on one of Alpa's submeshes."""
     field = "spec.parallelism.stages"
     nodes, per_node = cluster.nodes, cluster.gpus_per_node

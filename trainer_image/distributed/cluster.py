@@ -3,20 +3,10 @@
 Naming: mesh ``i`` (the plan's stage ``i``) has one host per node of its submesh;
 host ``j`` of mesh ``i`` joins the job's Ray cluster with the custom resource
 ``alpajob-mesh-<i>-host-<j>`` (one unit), and that mesh host's actor asks for it, so
-Ray places it on exactly that process. The operator sets these environment variables
-on the pods; every flag of the entry points defaults to them:
-
-==========================  ==============================================
-``ALPAJOB_RAY_ADDRESS``     the head's ``host:port`` (workers, driver)
-``ALPAJOB_RAY_PORT``        the head's GCS port (head; default 6379)
-``ALPAJOB_MESH``            this worker's mesh index
-``ALPAJOB_HOST``            this worker's host index inside its mesh
-``ALPAJOB_DEVICES``         on CPU, how many host devices to force (tests)
-``ALPAJOB_JOIN_TIMEOUT``    seconds the driver waits for every mesh host
-``ALPAJOB_CHECKPOINT_DIR``  the shared checkpoint directory (driver)
-``ALPAJOB_METRICS_PORT``    the driver's Prometheus port
-``ALPAJOB_TRANSPORT``       ``object-store`` or ``collective`` (driver)
-==========================  ==============================================
+Ray places it on exactly that process. The operator tells each pod its mesh, host and
+the head's address through the runtime contract
+(:class:`~alpajob.api.runtime.TrainerRuntime`); every flag of the entry points
+defaults to it.
 
 The entry points run ``ray start`` (blocking in the foreground, as a pod's main
 process should) with a temp dir and no token auth inside the job's private network.
@@ -33,19 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from alpajob.planner.errors import AlpaJobError
-from alpajob.planner.plan import Plan
-
-#: Environment variable names (see the module docstring).
-ENV_ADDRESS = "ALPAJOB_RAY_ADDRESS"
-ENV_PORT = "ALPAJOB_RAY_PORT"
-ENV_MESH = "ALPAJOB_MESH"
-ENV_HOST = "ALPAJOB_HOST"
-ENV_DEVICES = "ALPAJOB_DEVICES"
-ENV_JOIN_TIMEOUT = "ALPAJOB_JOIN_TIMEOUT"
-ENV_CHECKPOINT_DIR = "ALPAJOB_CHECKPOINT_DIR"
-ENV_METRICS_PORT = "ALPAJOB_METRICS_PORT"
-ENV_TRANSPORT = "ALPAJOB_TRANSPORT"
+from alpajob.api.errors import AlpaJobError
+from alpajob.api.plan import Plan
+from alpajob.trainer_image.devices import with_host_devices
 
 
 class JoinTimeoutError(AlpaJobError):
@@ -73,7 +53,7 @@ class MeshHostSpec:
 def mesh_hosts(plan: Plan) -> list[MeshHostSpec]:
     """Every mesh host of ``plan``: a stage on an ``n x m`` submesh has ``n`` hosts of
     ``m`` devices each."""
-    hosts = []
+    hosts: list[MeshHostSpec] = []
     for stage in plan.stages:
         nodes, per_node = stage.submesh_shape
         hosts.extend(MeshHostSpec(stage.index, j, per_node) for j in range(nodes))
@@ -85,9 +65,7 @@ def ray_env(devices: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
     if devices is not None:
-        flag = "--xla_force_host_platform_device_count"
-        kept = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(flag))
-        env["XLA_FLAGS"] = f"{kept} {flag}={devices}".strip()
+        env["XLA_FLAGS"] = with_host_devices(env.get("XLA_FLAGS", ""), devices)
         env.setdefault("JAX_PLATFORMS", "cpu")
     return env
 

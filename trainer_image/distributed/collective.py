@@ -1,7 +1,7 @@
 """Cross-mesh transfers as XLA collectives over one JAX process group of every mesh host.
 
 The alternative to the object store (:mod:`.transport`), behind the same
-:class:`~alpajob.trainer.runtime.executor.StageLink` interface. With
+:class:`~alpajob.trainer_image.runtime.executor.StageLink` interface. With
 ``--transport collective`` every mesh host of the job joins **one**
 ``jax.distributed`` group (process ``k`` = the ``k``-th mesh host, meshes in order,
 :func:`process_ids`). A message from mesh ``A`` to mesh ``B`` is a jitted
@@ -24,7 +24,7 @@ As rendezvous, stage 0 waits in ``send act1`` for stage 1, which waits in ``send
 grad0``: a deadlock that buffered sends (the object store) never see. So every
 process performs its messages in one **global order** that every process computes
 alike (:func:`global_order`): simulate all stages' programs
-(:func:`~alpajob.trainer.runtime.messages.stage_messages`) with buffered sends and
+(:func:`~alpajob.trainer_image.runtime.messages.stage_messages`) with buffered sends and
 Lamport clocks (every event ticks its stage's clock; a send stamps its message; a
 receive sets ``clock = max(clock, stamp) + 1``) and sort the messages by ``(stamp,
 sender)``. A stage's sends are stamped in program order, and anything it received
@@ -51,19 +51,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpajob.planner.plan import Plan
-from alpajob.trainer.distributed.crossing import Crossing, Tiles, plan_crossing
-from alpajob.trainer.distributed.transport import local_slices, mesh_positions, position_tiles
-from alpajob.trainer.runtime.executor import destination_sharding
-from alpajob.trainer.runtime.messages import (
+from alpajob.api.plan import Plan
+from alpajob.trainer_image.distributed.crossing import Crossing, Tiles, plan_crossing
+from alpajob.trainer_image.distributed.transport import local_slices, mesh_positions, position_tiles
+from alpajob.trainer_image.runtime.executor import destination_sharding
+from alpajob.trainer_image.runtime.messages import (
     Event,
     Key,
     Send,
     differentiable_inputs,
     layout_key,
 )
-from alpajob.trainer.runtime.split import SplitProgram
-from alpajob.trainer.runtime.transfer import box_of
+from alpajob.trainer_image.runtime.split import SplitProgram
+from alpajob.trainer_image.runtime.transfer import box_of
 
 
 class OrderError(RuntimeError):
@@ -129,7 +129,7 @@ class Source:
 
 
 def source_layout(split: SplitProgram, stage: Any) -> dict[tuple[str, int], Source]:
-    """Per layout key (:func:`~alpajob.trainer.runtime.messages.layout_key`), the
+    """Per layout key (:func:`~alpajob.trainer_image.runtime.messages.layout_key`), the
     sharding a stage sends that value in: what its executables return (shared
     parameters as placed, activations as the forward's outputs, input gradients as
     the backward's, gradient sums as the float32 accumulators)."""
@@ -286,7 +286,7 @@ class CollectiveMover:
 
 
 class CollectiveLink:
-    """A mesh host's :class:`~alpajob.trainer.runtime.executor.StageLink` over
+    """A mesh host's :class:`~alpajob.trainer_image.runtime.executor.StageLink` over
     collectives: performs its stage's messages in the global order (``mine``,
     :func:`own_messages`) through ``mover``, prefetching receives (module docstring)."""
 

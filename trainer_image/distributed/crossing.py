@@ -5,7 +5,7 @@ The collective transport (:mod:`.collective`) moves a message from mesh ``A`` to
 ``B`` with one ``ppermute`` per round over the devices of both meshes. This module
 decides what each round carries:
 
-1. The transfer plan (:func:`~alpajob.trainer.runtime.transfer.plan_transfer`, over
+1. The transfer plan (:func:`~alpajob.trainer_image.runtime.transfer.plan_transfer`, over
    mesh positions) sends each needed piece across once, to the first device of each
    group of receivers that need the same tile, and lets that device copy the tile to
    the rest of its group inside ``B``. A copy whose two ends belong to different
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from alpajob.trainer.runtime.transfer import Box, box_size, plan_transfer
+from alpajob.trainer_image.runtime.transfer import Box, box_size, plan_transfer
 
 #: Position in a mesh -> the tile it holds.
 Tiles = Mapping[int, Box]

@@ -18,7 +18,7 @@ On the head (a Ray client of the job's cluster), one **attempt**:
 5. per step, ask every actor to run it and wait for all; the loss is the mean of
    the loss stage's micro-batch losses. Every ``checkpoint_every`` steps (and at
    the end) every host writes its part of the checkpoint, and the driver commits it
-   once all parts are written (:mod:`alpajob.trainer.checkpoint`).
+   once all parts are written (:mod:`alpajob.trainer_image.checkpoint`).
 
 **Recovery.** A mesh host that dies (its actor, its process or its node) or hangs
 (no answer within ``step_timeout``) fails the attempt: the driver stops every actor
@@ -43,6 +43,7 @@ asked, a status file (JSON) that the operator reads.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,12 +51,14 @@ from typing import Any
 
 import numpy as np
 
-from alpajob.planner.errors import AlpaJobError
-from alpajob.planner.plan import Plan
-from alpajob.trainer import checkpoint
-from alpajob.trainer.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
-from alpajob.trainer.distributed.mesh_host import MeshHost, Transport, stage_times
-from alpajob.trainer.metrics import TrainingMetrics, write_metrics_json
+from alpajob.api.errors import AlpaJobError
+from alpajob.api.plan import Plan
+from alpajob.api.progress import Progress, TrainerPhase
+from alpajob.api.runtime import Transport
+from alpajob.trainer_image import checkpoint
+from alpajob.trainer_image.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
+from alpajob.trainer_image.distributed.mesh_host import MeshHost, stage_times
+from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json, write_text_atomically
 
 
 class JobFailedError(AlpaJobError):
@@ -253,41 +256,41 @@ class MeshGroup:
             ray.kill(actor)
 
 
-class Progress:
-    """Publishes the job's progress: the status file at every call, the ConfigMap at
-    every phase change and at most every ``interval`` seconds while Running (one API
-    call per step would load the API server when steps are fast)."""
+class Reporter:
+    """Publishes the job's :class:`~alpajob.api.progress.Progress`: the status file at
+    every call, the ConfigMap at every phase change and at most every ``interval``
+    seconds while Running (one API call per step would load the API server when steps
+    are fast)."""
 
     def __init__(self, options: DriverOptions, batch: int, interval: float = 5.0) -> None:
         self.options, self.batch, self.interval = options, batch, interval
         self._last: tuple[str, float] | None = None  # phase and time of the last ConfigMap write
 
-    def __call__(self, result: DriverResult, phase: str, message: str = "") -> None:
+    def progress(self, result: DriverResult, phase: TrainerPhase, message: str = "") -> Progress:
+        """The report of ``result`` so far, in ``phase``."""
+        last = result.step_seconds[-1] if result.step_seconds else None
+        return Progress(
+            phase=phase, step=len(result.losses), steps=self.options.steps,
+            loss=result.losses[-1] if result.losses else None,
+            samples_per_second=self.batch / last if last else None,
+            last_checkpoint_step=result.checkpoint_step, restarts=result.restarts,
+            message=message[:4096] or None, updated=time.time())
+
+    def __call__(self, result: DriverResult, phase: TrainerPhase, message: str = "") -> None:
         options = self.options
         if not (options.status_file or options.status_configmap):
             return
-        last = result.step_seconds[-1] if result.step_seconds else None
-        doc = {
-            "phase": phase,
-            "step": len(result.losses),
-            "steps": options.steps,
-            "loss": result.losses[-1] if result.losses else None,
-            "samples_per_second": self.batch / last if last else None,
-            "checkpoint_step": result.checkpoint_step,
-            "restarts": result.restarts,
-            "message": message,
-            "time": time.time(),
-        }
+        report = self.progress(result, phase, message)
         if options.status_file:
-            write_metrics_json(options.status_file, doc)
+            write_text_atomically(options.status_file, report.to_json())
         now = time.monotonic()
         due = self._last is None or self._last[0] != phase or now - self._last[1] >= self.interval
         if options.status_configmap and due:
-            from alpajob.trainer.publish import write_status_configmap
+            from alpajob.trainer_image.publish import write_progress_configmap
 
             self._last = (phase, now)
             try:
-                write_status_configmap(doc, options.status_configmap)
+                write_progress_configmap(report, options.status_configmap)
             except AlpaJobError as error:  # progress is advisory: training goes on
                 print(f"warning: {error}", flush=True)
 
@@ -308,20 +311,20 @@ def drive(
     hosts = mesh_hosts(plan)
     batch = plan.global_batch_size
     metrics = TrainingMetrics(name, plan.predicted_step_seconds)
-    status = Progress(options, batch)
+    status = Reporter(options, batch)
     if options.metrics_port is not None:
         metrics.serve(options.metrics_port)
     meta = {"model": plan.model.name, "plan_hash": plan.content_hash()}
     root = options.checkpoint_dir
     result = DriverResult()
-    ray.init(address=options.address, log_to_driver=False, logging_level="WARNING")
+    ray.init(address=options.address, log_to_driver=False, logging_level=logging.WARNING)
     try:
         recovering_since = time.monotonic()  # of the attempt being set up
         while True:
             group: MeshGroup | None = None
             training = False
             try:
-                status(result, "Starting")
+                status(result, TrainerPhase.STARTING)
                 left = options.join_timeout - (time.monotonic() - recovering_since)
                 wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
                 group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
@@ -335,7 +338,7 @@ def drive(
                 result.resumed_from.append(start)
                 training = True
                 for step in range(start, options.steps):
-                    status(result, "Running")
+                    status(result, TrainerPhase.RUNNING)
                     began = time.perf_counter()
                     replies = group.step(step)
                     seconds = time.perf_counter() - began
@@ -344,13 +347,13 @@ def drive(
                     result.step_seconds.append(seconds)
                     result.sent_bytes.append(sum(int(r["sent_bytes"]) for g in replies for r in g))
                     result.stage_times.append([g[0]["times"] for g in replies])
-                    metrics.record(step + 1, loss, seconds, batch, [stage_times(g[0]) for g in replies])
                     done = step + 1
                     every = options.checkpoint_every
                     if root and ((every and done % every == 0) or done == options.steps):
                         group.save(root, done, meta)
                         result.checkpoint_step = done
-                        metrics.checkpoint.labels(name).set(done)
+                    metrics.record(status.progress(result, TrainerPhase.RUNNING), seconds,
+                                   [stage_times(g[0]) for g in replies])
                     if on_step:
                         on_step(done, loss, seconds)
                 result.params = group.params()
@@ -366,25 +369,25 @@ def drive(
                 result.restarts += 1
                 metrics.restarts.labels(name).inc()
                 if result.restarts > options.max_restarts:
-                    status(result, "Failed", reason)
+                    status(result, TrainerPhase.FAILED, reason)
                     raise JobFailedError(
                         f"a mesh host failed {result.restarts} times (max_restarts "
                         f"{options.max_restarts}); last failure: {reason}"
                     ) from None
                 say(f"restart {result.restarts}/{options.max_restarts} after {reason}")
-                status(result, "Restarting", reason)
+                status(result, TrainerPhase.RESTARTING, reason)
                 recovering_since = time.monotonic()
             finally:
                 if group is not None:
                     group.stop()
     except BaseException as error:
         if not isinstance(error, JobFailedError):
-            status(result, "Failed", str(error).splitlines()[0] if str(error) else type(error).__name__)
+            status(result, TrainerPhase.FAILED, str(error).splitlines()[0] if str(error) else type(error).__name__)
         raise
     finally:
         ray.shutdown()
         metrics.close()
-    status(result, "Succeeded")
+    status(result, TrainerPhase.SUCCEEDED)
     if options.metrics_out:
         write_metrics_json(options.metrics_out, result.to_json())
     return result

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ALPAJOB = [sys.executable, "-m", "alpajob.cli"]
+ALPAJOB = [sys.executable, "-m", "alpajob"]
 
 
 def free_port() -> int:

@@ -21,7 +21,7 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
    address, and which host owns each mesh position, so senders can plan transfers
    onto it;
 4. per :meth:`step`, runs its stage's instruction list
-   (:func:`~alpajob.trainer.runtime.executor.run_stage_program`) with a
+   (:func:`~alpajob.trainer_image.runtime.executor.run_stage_program`) with a
    :class:`RayLink`: sends are parcels of the transfer plan put into the object store
    and delivered to the receiving hosts' actors; receives wait on the actor's
    mailbox, fed by :meth:`deliver` (the actor runs several calls at once:
@@ -36,7 +36,6 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import socket
 import threading
@@ -48,12 +47,12 @@ import numpy as np
 import ray
 import yaml
 
-from alpajob.planner.extract import make_optimizer
-from alpajob.planner.manifest import parse_manifest
-from alpajob.planner.plan import plan_from_json
-from alpajob.planner.schedules import Schedule
-from alpajob.trainer import checkpoint
-from alpajob.trainer.distributed.collective import (
+from alpajob.api.plan import plan_from_json
+from alpajob.api.resource import parse_job
+from alpajob.api.runtime import Transport
+from alpajob.planner.inter_op.schedules import Schedule
+from alpajob.trainer_image import checkpoint
+from alpajob.trainer_image.distributed.collective import (
     CollectiveLink,
     CollectiveMover,
     OrderError,
@@ -62,10 +61,15 @@ from alpajob.trainer.distributed.collective import (
     process_ids,
     source_layout,
 )
-from alpajob.trainer.distributed.transport import assemble, cut_for_hosts, merge, position_tiles
-from alpajob.trainer.entrypoint import load_model
-from alpajob.trainer.runtime.build import place_stage, split_for_plan
-from alpajob.trainer.runtime.executor import (
+from alpajob.trainer_image.distributed.transport import (
+    assemble,
+    cut_for_hosts,
+    merge,
+    position_tiles,
+)
+from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.runtime.build import place_stage, split_for_plan
+from alpajob.trainer_image.runtime.executor import (
     Key,
     Mailbox,
     StageTimes,
@@ -74,9 +78,10 @@ from alpajob.trainer.runtime.executor import (
     run_stage_program,
     split_micro_batches,
 )
-from alpajob.trainer.runtime.messages import layout_key, stage_messages
-from alpajob.trainer.runtime.split import SplitProgram
-from alpajob.trainer.zoo.model import synthetic_batch
+from alpajob.trainer_image.runtime.messages import layout_key, stage_messages
+from alpajob.trainer_image.runtime.split import SplitProgram
+from alpajob.trainer_image.step import make_optimizer
+from alpajob.trainer_image.zoo.model import synthetic_batch
 
 
 def addresses(split: SplitProgram, index: int) -> Iterator[tuple[Key, tuple[int, ...]]]:
@@ -103,15 +108,6 @@ def sender_stage(split: SplitProgram, receiver: int, key: Key) -> int:
     if kind in ("grad", "shared"):
         return int(key[-1])
     raise ValueError(f"unknown message kind {kind!r} (to stage {receiver})")
-
-
-class Transport(enum.StrEnum):
-    """How activations and gradients cross between meshes."""
-
-    OBJECT_STORE = "object-store"  # :class:`RayLink`, through the Ray object store
-    #: :class:`~.collective.CollectiveLink`: XLA collectives, gloo on CPU; on GPU the
-    #: same collectives run on NCCL (not yet run on a GPU).
-    COLLECTIVE = "collective"
 
 
 def mesh_devices(stage: Any, devices: Sequence[Any], processes: Sequence[int] | None = None) -> np.ndarray:
@@ -202,7 +198,7 @@ class MeshHost:
         elif self.hosts > 1:
             jax.distributed.initialize(coordinator, num_processes=self.hosts, process_id=self.host,
                                        initialization_timeout=init_timeout)
-        manifest = parse_manifest(yaml.safe_load(self.manifest_yaml))
+        manifest = parse_job(yaml.safe_load(self.manifest_yaml))
         training = manifest.spec.training
         self.model = load_model(manifest.spec.model, training.dtype)
         self.batch_size = training.global_batch_size

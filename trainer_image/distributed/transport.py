@@ -1,11 +1,11 @@
 """Cross-mesh transfers between processes: the transfer plan, carried by the Ray object store.
 
-In one process (:mod:`alpajob.trainer.runtime.transport`) the sender sees the
+In one process (:mod:`alpajob.trainer_image.runtime.transport`) the sender sees the
 receiver's devices. Across processes it does not, so both sides describe a
 sharding by **positions**: position ``p`` is the ``p``-th device of the mesh in
 row-major order, and its tile is the box of the global array it holds. Each stage
 publishes the tiles of everything it receives (its :class:`Layout`); a sender plans
-every transfer with :func:`~alpajob.trainer.runtime.transfer.plan_transfer` over
+every transfer with :func:`~alpajob.trainer_image.runtime.transfer.plan_transfer` over
 positions, exactly as the local runtime does over device ids, and:
 
 1. :func:`cut` takes, for every send of the plan, the piece of its local shard (a
@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpajob.trainer.runtime.transfer import Box, TransferPlan, box_of, plan_transfer
+from alpajob.trainer_image.runtime.transfer import Box, TransferPlan, box_of, plan_transfer
 
 #: Position in the mesh -> the tile it holds.
 Tiles = dict[int, Box]

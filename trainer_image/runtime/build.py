@@ -19,15 +19,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from alpajob.planner.extract import path_name
-from alpajob.planner.plan import Plan
-from alpajob.planner.schedules import Schedule
-from alpajob.trainer.runtime.driver import PipelineExecutor
-from alpajob.trainer.runtime.grouped import NotGroupable, batch_dims
-from alpajob.trainer.runtime.meshes import place, stage_mesh
-from alpajob.trainer.runtime.pinning import stage_pins
-from alpajob.trainer.runtime.split import SplitProgram, split_loss
-from alpajob.trainer.runtime.stage import StageRuntime, build_stage
+from alpajob.api.plan import Plan, path_name
+from alpajob.planner.inter_op.schedules import Schedule
+from alpajob.trainer_image.runtime.driver import PipelineExecutor
+from alpajob.trainer_image.runtime.grouped import NotGroupable, batch_dims
+from alpajob.trainer_image.runtime.meshes import place, stage_mesh
+from alpajob.trainer_image.runtime.pinning import stage_pins
+from alpajob.trainer_image.runtime.split import SplitProgram, split_loss
+from alpajob.trainer_image.runtime.stage import StageRuntime, build_stage
 
 
 def param_names(params: Any) -> list[str]:

@@ -70,16 +70,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpajob.planner.schedules import Direction, Schedule, instruction_list, predecessor
-from alpajob.trainer.runtime.executor import (
+from alpajob.planner.inter_op.schedules import Direction, Schedule, instruction_list, predecessor
+from alpajob.trainer_image.runtime.executor import (
     StageTimes,
     StepResult,
     destination_sharding,
     loss_seed,
     split_micro_batches,
 )
-from alpajob.trainer.runtime.meshes import place_all
-from alpajob.trainer.runtime.messages import (
+from alpajob.trainer_image.runtime.meshes import place_all
+from alpajob.trainer_image.runtime.messages import (
     Key,
     backward_receives,
     backward_sends,
@@ -90,9 +90,9 @@ from alpajob.trainer.runtime.messages import (
     shared_receives,
     shared_sends,
 )
-from alpajob.trainer.runtime.split import SplitProgram
-from alpajob.trainer.runtime.stage import StageRuntime
-from alpajob.trainer.runtime.transport import move_all
+from alpajob.trainer_image.runtime.split import SplitProgram
+from alpajob.trainer_image.runtime.stage import StageRuntime
+from alpajob.trainer_image.runtime.transport import move_all
 
 #: An instruction of the step: ``(stage, kind, micro_batch)``; kind is ``"forward"``,
 #: ``"backward"`` or ``"update"`` (micro-batch -1).
@@ -106,7 +106,7 @@ def issue_rounds(schedule: Schedule, num_stages: int,
     """Every stage's instructions in rounds that respect their dependencies.
 
     In each round every stage issues its next instruction if its
-    :func:`~alpajob.planner.schedules.predecessor` was issued in an *earlier* round:
+    :func:`~alpajob.planner.inter_op.schedules.predecessor` was issued in an *earlier* round:
     a round is one tick of the schedule's clock with equal instruction times (for
     1F1B, stage ``i`` starts micro-batch 0 in round ``i``). So no instruction reads
     what its own round sends, and a round's messages can move together, after it.
@@ -397,20 +397,20 @@ def drive_step(
             issued = time.perf_counter()
             keys = shared_receives(split, s)
             values, sources = post.take(s, keys)
-            received: dict[str, list[Any]] = {}
+            shared: dict[str, list[Any]] = {}
             for key, value in zip(keys, values, strict=True):
-                received.setdefault(stage.leaf_names[key[1]], []).append(value)
+                shared.setdefault(stage.leaf_names[key[1]], []).append(value)
             named = {stage.leaf_names[leaf]: g for leaf, g in grads[s].items()}
             watchers[s].before(values, post.arrived(s, keys))
-            stage.apply_update(named, received)
+            stage.apply_update(named, shared)
             watchers[s].watch("update", -1, issued, values,
                               (stage.params, stage.opt_state, stage.next_accumulators), sources)
     finally:
         stamps = []
         errors = []
-        for watcher in watchers:
+        for each in watchers:
             try:
-                stamps.append(watcher.close())
+                stamps.append(each.close())
             except BaseException as error:  # noqa: BLE001 - re-raised below
                 errors.append(error)
     if errors:

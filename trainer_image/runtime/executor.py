@@ -1,8 +1,8 @@
 """One stage's part of a training step: its instruction list, run in order.
 
-A stage of the Ray runtime (:mod:`alpajob.trainer.distributed.mesh_host`, one
+A stage of the Ray runtime (:mod:`alpajob.trainer_image.distributed.mesh_host`, one
 process per mesh) runs its program from
-:func:`alpajob.planner.schedules.instruction_list` (GPipe or 1F1B) in order:
+:func:`alpajob.planner.inter_op.schedules.instruction_list` (GPipe or 1F1B) in order:
 
 ``FORWARD j``
     take micro-batch ``j``'s batch leaves and the activations earlier stages sent,
@@ -43,9 +43,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpajob.planner.schedules import Direction, Schedule, instruction_list
-from alpajob.trainer.runtime.meshes import place
-from alpajob.trainer.runtime.messages import (
+from alpajob.planner.inter_op.schedules import Direction, Schedule, instruction_list
+from alpajob.trainer_image.runtime.meshes import place
+from alpajob.trainer_image.runtime.messages import (
     Key,
     backward_receives,
     backward_sends,
@@ -56,8 +56,8 @@ from alpajob.trainer.runtime.messages import (
     shared_receives,
     shared_sends,
 )
-from alpajob.trainer.runtime.split import SplitProgram
-from alpajob.trainer.runtime.stage import StageRuntime
+from alpajob.trainer_image.runtime.split import SplitProgram
+from alpajob.trainer_image.runtime.stage import StageRuntime
 
 
 class Mailbox:
@@ -216,12 +216,12 @@ def run_stage_program(
     summed = stage.outgoing([grads.pop(key[1]) for _, key in sends])
     link.send_all([(r, key, value) for (r, key), value in zip(sends, summed, strict=True)])
     comm += time.perf_counter() - t0
-    received: dict[str, list[Any]] = {}
+    shared: dict[str, list[Any]] = {}
     for key in shared_receives(split, s):
-        received.setdefault(stage.leaf_names[key[1]], []).append(link.receive(key))
+        shared.setdefault(stage.leaf_names[key[1]], []).append(link.receive(key))
     t0 = time.perf_counter()
     named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
-    stage.apply_update(named_grads, received)
+    stage.apply_update(named_grads, shared)
     jax.block_until_ready((stage.params, stage.opt_state, stage.next_accumulators))
     update = time.perf_counter() - t0
     compute += update

@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpajob.trainer.runtime.split import (
+from alpajob.trainer_image.runtime.split import (
     FlatEqn,
     SplitProgram,
     StageProgram,
@@ -146,14 +146,16 @@ def _grouped_eqn(
     name = eqn.primitive.name
     if name in _REFUSED:
         raise NotGroupable(f"{name} reads a parameter (GSPMD partitions a vmapped {name} wrongly)")
-    args, axes = [], []
+    args: list[Any] = []
+    axes: list[int | None] = []
     batched = False
     for atom, value in zip(eqn.inputs, values, strict=True):
+        dim = dims[atom] if isinstance(atom, int) else None
         if isinstance(atom, int) and atom in grouped:
             args.append(value)
             axes.append(0)
-        elif isinstance(atom, int) and dims[atom] is not None:
-            args.append(jax.lax.with_sharding_constraint(group_batch(value, dims[atom], groups), group_sharding))
+        elif dim is not None:
+            args.append(jax.lax.with_sharding_constraint(group_batch(value, dim, groups), group_sharding))
             axes.append(0)
             batched = True
         else:

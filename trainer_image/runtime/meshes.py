@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpajob.planner.errors import AlpaJobError
-from alpajob.planner.plan import Plan, SpecEntry, StagePlan
+from alpajob.api.errors import AlpaJobError
+from alpajob.api.plan import Plan, SpecEntry, StagePlan
 
 
 class DeviceError(AlpaJobError):

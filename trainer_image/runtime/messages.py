@@ -3,7 +3,7 @@
 :func:`~.executor.run_stage_program` exchanges values with the other stages in
 phases; each phase's messages come from one function here, so the executor and
 anything that must know a stage's communication ahead of time (the collective
-transport's global order, :mod:`alpajob.trainer.distributed.collective`) read the
+transport's global order, :mod:`alpajob.trainer_image.distributed.collective`) read the
 same source:
 
 ====================  ==========================================================
@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from alpajob.planner.schedules import Direction, Schedule, instruction_list
-from alpajob.trainer.runtime.split import SplitProgram, is_differentiable
+from alpajob.planner.inter_op.schedules import Direction, Schedule, instruction_list
+from alpajob.trainer_image.runtime.split import SplitProgram, is_differentiable
 
 #: A message's address inside its receiving stage (see
 #: :func:`~.executor.destination_sharding`).

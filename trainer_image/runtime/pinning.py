@@ -5,7 +5,7 @@ the trainer traces only the loss, one micro-batch. Their forward equations are t
 same computation but not always the same list: differentiation can rewrite a
 ``custom_jvp`` function into its rule's primal ops, and the planner inlines loop
 bodies. So the plan names each pinned op by its primitive and output shape
-(:class:`~alpajob.planner.plan.PinnedOp`), and :func:`match_pins` aligns the two
+(:class:`~alpajob.api.plan.PinnedOp`), and :func:`match_pins` aligns the two
 sequences greedily:
 
     walk the trainer's equations in program order; for one whose primitive is pinned,
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from alpajob.planner.plan import PINNED_PRIMITIVES, PinnedOp, SpecEntry, StagePlan
-from alpajob.trainer.runtime.split import FlatEqn, SplitProgram, ValueId
+from alpajob.api.plan import PINNED_PRIMITIVES, PinnedOp, SpecEntry, StagePlan
+from alpajob.trainer_image.runtime.split import FlatEqn, SplitProgram, ValueId
 
 #: How many plan ops past the last match a trainer equation may skip to find its own.
 LOOKAHEAD = 16

@@ -49,23 +49,23 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from alpajob.planner.extract import init_optimizer_state
-from alpajob.planner.plan import SpecEntry, StagePlan
-from alpajob.trainer.runtime.grouped import NotGroupable, grouped_stage_function
-from alpajob.trainer.runtime.meshes import (
+from alpajob.api.plan import SpecEntry, StagePlan
+from alpajob.trainer_image.runtime.grouped import NotGroupable, grouped_stage_function
+from alpajob.trainer_image.runtime.meshes import (
     batch_spec,
     fits,
     named,
     partition_spec,
     weight_update_spec,
 )
-from alpajob.trainer.runtime.split import (
+from alpajob.trainer_image.runtime.split import (
     SplitProgram,
     StageProgram,
     ValueId,
     is_differentiable,
     stage_function,
 )
+from alpajob.trainer_image.step import init_optimizer_state
 
 
 def _by_shape(specs: dict[str, list[SpecEntry]], avals: Sequence[Any], plan_shapes: dict[str, tuple]) -> list[PartitionSpec | None]:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpajob.trainer.runtime.transfer import Box, TransferPlan, plan_transfer, tiles_of
+from alpajob.trainer_image.runtime.transfer import Box, TransferPlan, plan_transfer, tiles_of
 
 
 @cache
@@ -101,7 +101,8 @@ def _move_tiles(arrays: Sequence[jax.Array], dst_shardings: Sequence[Any], on_ho
     copies: list[tuple[int, Any]] = []
     for index, (array, dst) in enumerate(zip(arrays, dst_shardings, strict=True)):
         plan = transfer_plan(array, dst)
-        host = on_host if on_host is not None else next(iter(array.sharding.device_set)).platform == "cpu"
+        first: Any = next(iter(array.sharding.device_set))
+        host = on_host if on_host is not None else first.platform == "cpu"
         tiles.extend((index, receiver, data) for receiver, data in _tiles(array, plan, host, devices).items())
         copies.extend((index, c) for c in plan.copies)
     put = jax.device_put([data for _, _, data in tiles], [devices[r] for _, r, _ in tiles])
@@ -138,14 +139,14 @@ def _tiles(array: jax.Array, plan: TransferPlan, on_host: bool, devices: dict[in
         if len(parts) == 1 and parts[0][0] == tile:
             tiles[receiver] = parts[0][1]
         elif on_host:
-            data = np.empty([hi - lo for lo, hi in tile], array.dtype)
+            host_tile = np.empty([hi - lo for lo, hi in tile], array.dtype)
             for box, part in parts:
-                data[_local(box, tile)] = np.asarray(part)
-            tiles[receiver] = data
+                host_tile[_local(box, tile)] = np.asarray(part)
+            tiles[receiver] = host_tile
         else:
             placed = jax.device_put([part for _, part in parts], devices[receiver])
-            data = jnp.zeros([hi - lo for lo, hi in tile], array.dtype, device=devices[receiver])
+            device_tile = jnp.zeros([hi - lo for lo, hi in tile], array.dtype, device=devices[receiver])
             for (box, _), part in zip(parts, placed, strict=True):
-                data = data.at[_local(box, tile)].set(part)
-            tiles[receiver] = data
+                device_tile = device_tile.at[_local(box, tile)].set(part)
+            tiles[receiver] = device_tile
     return tiles

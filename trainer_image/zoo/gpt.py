@@ -10,7 +10,7 @@ Structure (``h`` = hidden, ``n`` = heads, ``s`` = seqLen, ``v`` = vocab)::
 
 Parameters per layer are ``12 h^2 + 13 h``, plus ``(v + s) h + 2 h`` outside the layers,
 so GPT-2.6B (h=2560, 32 layers) has 2.65e9. The attention and dense pieces are reused
-by :mod:`alpajob.trainer.zoo.moe`.
+by :mod:`alpajob.trainer_image.zoo.moe`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from alpajob.planner.errors import ManifestError
-from alpajob.trainer.zoo.model import (
+from alpajob.api.errors import ManifestError
+from alpajob.trainer_image.zoo.model import (
     Batch,
     ModelDef,
     Params,

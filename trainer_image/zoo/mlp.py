@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpajob.trainer.zoo.model import Batch, ModelDef, Params, dense, dense_init
+from alpajob.trainer_image.zoo.model import Batch, ModelDef, Params, dense, dense_init
 
 #: The family default (and the ``tiny`` config).
 TINY: dict[str, Any] = {"hidden": 32, "layers": 4, "inputDim": 16, "outputDim": 8}

@@ -1,7 +1,7 @@
 """The model contract: :class:`ModelDef`, and small building blocks the families share.
 
 A model is four plain functions and some plain data. The planner traces
-``loss`` (through :func:`alpajob.planner.extract.extract_model`) on abstract shapes; the
+``loss`` (through :func:`alpajob.trainer_image.step.trace_step`) on abstract shapes; the
 trainer calls ``init`` with a real PRNG key and jits ``loss``. A user's custom
 entrypoint returns an object of the same shape (duck typing is enough: the planner
 only reads ``name``, ``init``, ``loss`` and ``batch_shapes``).

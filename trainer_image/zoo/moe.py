@@ -1,6 +1,6 @@
 """MoE: a GShard-style mixture-of-experts transformer (the Alpa paper's MoE suite).
 
-The GPT structure of :mod:`alpajob.trainer.zoo.gpt` (pre-LN, causal attention, tied LM
+The GPT structure of :mod:`alpajob.trainer_image.zoo.gpt` (pre-LN, causal attention, tied LM
 head) with an MLP of width ``8 * hidden`` (Alpa's setting), where every odd layer's
 MLP is a mixture of ``experts`` experts with top-2 gating (Lepikhin et al., GShard):
 
@@ -30,9 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpajob.planner.errors import ManifestError
-from alpajob.trainer.zoo import gpt
-from alpajob.trainer.zoo.model import (
+from alpajob.api.errors import ManifestError
+from alpajob.trainer_image.zoo import gpt
+from alpajob.trainer_image.zoo.model import (
     Batch,
     ModelDef,
     Params,

@@ -8,7 +8,7 @@ Accepted forms (sizes and families are case-insensitive)::
     resolve_model("gpt-2.6b", {"layers": 4})        # overrides on a named size
     resolve_model("mlp")                            # the family default (its tiny config)
 
-Every malformed value raises :class:`~alpajob.planner.errors.ManifestError` naming the
+Every malformed value raises :class:`~alpajob.api.errors.ManifestError` naming the
 field (``spec.model.zoo``, ``spec.model.config`` or ``spec.model.config.<key>``) and the
 valid choices.
 """
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from alpajob.planner.errors import ManifestError
-from alpajob.trainer.zoo import gpt, mlp, moe, wresnet
-from alpajob.trainer.zoo.model import ModelDef
+from alpajob.api.errors import ManifestError
+from alpajob.trainer_image.zoo import gpt, mlp, moe, wresnet
+from alpajob.trainer_image.zoo.model import ModelDef
 
 #: Parameter/compute dtypes a zoo model can be built in.
 DTYPES = ("float32", "bfloat16", "float16")

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from alpajob.planner.errors import ManifestError
-from alpajob.trainer.zoo.model import (
+from alpajob.api.errors import ManifestError
+from alpajob.trainer_image.zoo.model import (
     Batch,
     ModelDef,
     Params,

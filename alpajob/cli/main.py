@@ -1,0 +1,107 @@
+"""The ``alpajob`` console script.
+
+Subcommands (one module each):
+
+- ``alpajob plan MANIFEST`` (:mod:`.planning`): trace, plan, print the plan, write it;
+- ``alpajob run MANIFEST`` (:mod:`.training`): plan for this machine and train;
+- ``alpajob ray-head`` / ``mesh-worker`` / ``driver`` (:mod:`.ray`): the distributed
+  runtime's processes inside a job's Ray cluster;
+- ``alpajob operator`` (:mod:`.operator`): the Kubernetes operator;
+- ``alpajob models``: the zoo's named configurations;
+- ``alpajob schema``: the Plan document's JSON schema;
+- ``alpajob crd``: the AlpaJob CustomResourceDefinition (generated from the typed spec).
+
+User errors (a bad manifest or flag, an impossible cluster, a model that does not fit)
+print one line naming the problem and the fix and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from alpajob.api.errors import AlpaJobError
+from alpajob.cli import operator as operator_cli
+from alpajob.cli import planning, ray, training
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="alpajob",
+        description="Alpa's automatic inter- and intra-operator parallelism on stock JAX.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    planning.add_parser(sub)
+    training.add_parser(sub)
+    ray.add_parsers(sub)
+    operator_cli.add_parser(sub)
+    sub.add_parser("models", help="list the zoo's named model configurations")
+    sub.add_parser("schema", help="print the Plan document's JSON schema")
+    crd = sub.add_parser("crd", help="print the AlpaJob CustomResourceDefinition (YAML)")
+    crd.add_argument("--output", "-o", action="append",
+                     help="write it to this file instead (repeatable: manifests/ and the chart)")
+    return parser
+
+
+def _models(out: Console) -> int:
+    from alpajob.trainer_image.zoo import list_models
+
+    for name in list_models():
+        out.print(name)
+    return 0
+
+
+def _crd(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from alpajob.api.crd import crd_yaml
+
+    text = crd_yaml()
+    for path in args.output or ():
+        Path(path).write_text(text)
+    if not args.output:
+        sys.stdout.write(text)
+    return 0
+
+
+def _dispatch(args: argparse.Namespace, out: Console, err: Console) -> int:
+    if args.command == "plan":
+        return planning.run(args, out, err)
+    if args.command == "run":
+        return training.run(args, out, err)
+    if args.command == "operator":
+        return operator_cli.run(args)
+    if args.command == "models":
+        return _models(out)
+    if args.command == "schema":
+        from alpajob.api.plan import plan_json_schema
+
+        print(json.dumps(plan_json_schema(), indent=2))
+        return 0
+    if args.command == "crd":
+        return _crd(args)
+    done = ray.dispatch(args, out)
+    return 1 if done is None else done
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    out = Console()
+    err = Console(stderr=True)
+    try:
+        return _dispatch(args, out, err)
+    except AlpaJobError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        return error.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

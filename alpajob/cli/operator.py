@@ -1,0 +1,63 @@
+"""``alpajob operator``: run the kopf operator for AlpaJobs.
+
+    alpajob operator --all-namespaces --liveness http://0.0.0.0:8080/healthz --metrics-port 9090
+    alpajob operator --namespace ml --interval 1
+
+The flags become one :class:`~alpajob.operator.handlers.OperatorOptions`; the operator
+talks to the API server of the pod's service account (in a cluster) or of
+``$KUBECONFIG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from alpajob.api.errors import ManifestError
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``alpajob operator`` on the subparsers ``sub``."""
+    parser = sub.add_parser("operator", help="run the AlpaJob Kubernetes operator (kopf)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--namespace", "-n", action="append", help="watch this namespace (repeatable)")
+    where.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    parser.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between two reconciliations of a job (default 1)")
+    parser.add_argument("--liveness", help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
+    parser.add_argument("--default-image",
+                        help="the trainer image of jobs without spec.image (default: this release's)")
+    parser.add_argument("--no-scanning", action="store_true",
+                        help="do not list namespaces and CRDs (least privilege: watch only the "
+                             "--namespace names given, discover resources once at start)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log every API call and handler")
+    parser.add_argument("--webhook-port", type=int,
+                        help="serve the validating admission webhook on this port (HTTPS)")
+    parser.add_argument("--webhook-host",
+                        help="how the API server reaches the webhook: NAME.NAMESPACE.svc registers that "
+                             "Service (the API server cannot resolve cluster DNS in a URL), any other host a URL")
+    parser.add_argument("--webhook-cert", help="TLS certificate file (default: a self-signed one, made at start)")
+    parser.add_argument("--webhook-key", help="TLS private key file")
+    parser.add_argument("--webhook-managed", action="store_true",
+                        help="create and update the ValidatingWebhookConfiguration")
+    parser.add_argument("--webhook-insecure", action="store_true",
+                        help="plain HTTP (tests only: an API server requires HTTPS)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run until interrupted."""
+    from alpajob.operator.handlers import OperatorOptions
+    from alpajob.operator.main import run_operator
+
+    if args.interval <= 0:
+        raise ManifestError("--interval", f"must be positive, got {args.interval}")
+    options = OperatorOptions(
+        interval=args.interval, scanning=not args.no_scanning, webhook_port=args.webhook_port,
+        webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,
+        webhook_key=args.webhook_key, webhook_insecure=args.webhook_insecure,
+        webhook_managed=args.webhook_managed)
+    return run_operator(options, namespaces=tuple(args.namespace or ()),
+                        clusterwide=bool(args.all_namespaces), liveness=args.liveness,
+                        metrics_port=args.metrics_port, default_image=args.default_image,
+                        verbose=args.verbose)

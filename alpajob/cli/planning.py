@@ -1,0 +1,97 @@
+"""``alpajob plan MANIFEST``: plan a job and show the plan.
+
+Traces the manifest's model, plans it on ``spec.cluster`` (or ``--nodes``,
+``--gpus-per-node``, ``--gpu``), prints one row per stage and the predicted step
+time, optionally the schedule (``--schedule``) and the baselines (``--baselines``),
+and writes the Plan document (``--output``, or ``--output-configmap`` in a job's
+planning pod). In a planning pod every flag defaults to the runtime contract
+(:class:`~alpajob.api.runtime.TrainerRuntime`: the manifest's path, the node pool the
+operator found, the ConfigMap to write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from alpajob.api.catalog import DevicePreset
+from alpajob.api.errors import ManifestError
+from alpajob.api.options import PlanOptions, from_flags
+from alpajob.api.plan import write_plan
+from alpajob.api.resource import load_job
+from alpajob.api.runtime import TrainerRuntime
+from alpajob.cli.paths import writable_file
+from alpajob.cli.tables import baseline_table, plan_summary, plan_table, schedule_table
+
+
+def add_parser(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="plan an AlpaJob manifest and print the plan")
+    plan.add_argument("manifest", nargs="?",
+                      help="AlpaJob YAML (the same file you kubectl apply; default $ALPAJOB_MANIFEST)")
+    plan.add_argument("--nodes", type=int, help="override spec.cluster.nodes")
+    plan.add_argument("--gpus-per-node", type=int, help="override spec.cluster.gpusPerNode")
+    plan.add_argument("--gpu", help=f"override the device preset "
+                                    f"({', '.join(p.value for p in DevicePreset)})")
+    plan.add_argument("--output", "-o", help="write the Plan document (JSON) here")
+    plan.add_argument("--output-configmap", metavar="NAMESPACE/NAME",
+                      help="also write the Plan into this ConfigMap as plan.json (the planning pod "
+                           "of a job; default $ALPAJOB_PLAN_CONFIGMAP)")
+    plan.add_argument("--schedule", action="store_true",
+                      help="also print every stage's instruction list (F3: forward of micro-batch "
+                           "3, B: backward, U: the update)")
+    plan.add_argument("--baselines", action="store_true",
+                      help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
+    plan.add_argument("--ilp-time-limit", type=float, default=10.0,
+                      help="seconds allowed to each intra-op ILP solve (default 10)")
+
+
+def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptions:
+    """The flags (else the runtime contract's pool) as :class:`PlanOptions`."""
+    return from_flags(PlanOptions, {
+        "nodes": args.nodes if args.nodes is not None else runtime.nodes,
+        "gpus_per_node": args.gpus_per_node if args.gpus_per_node is not None else runtime.gpus_per_node,
+        "gpu": args.gpu or runtime.gpu,
+        "ilp_time_limit": args.ilp_time_limit,
+        "baselines": args.baselines or None,
+    })
+
+
+def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from alpajob.trainer_image.planning import plan_job
+
+    runtime = TrainerRuntime.from_env(os.environ)
+    manifest = args.manifest or runtime.manifest
+    if not manifest:
+        raise ManifestError("manifest", "give the AlpaJob manifest to plan (or set $ALPAJOB_MANIFEST)")
+    job = load_job(manifest)
+    options = plan_options(args, runtime)
+    if args.output:
+        writable_file(args.output, "--output")
+    target = args.output_configmap or runtime.plan_configmap
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("planning", total=None)
+
+        def progress(what: str, done: int, total: int | None) -> None:
+            bar.update(task, description=f"{what} ({done} done)" if done else what)
+
+        plan = plan_job(job, options, progress=progress).plan
+    out.print(plan_table(plan))
+    out.print(plan_summary(plan))
+    if args.schedule:
+        out.print(schedule_table(plan))
+    if plan.baselines is not None:
+        out.print(baseline_table(plan))
+    if args.output:
+        write_plan(plan, args.output)
+        out.print(f"plan written to {args.output}")
+    if target:
+        from alpajob.trainer_image.publish import write_plan_configmap
+
+        write_plan_configmap(plan.to_json(), target)
+        out.print(f"plan written to ConfigMap {target}")
+    return 0

@@ -1,0 +1,204 @@
+"""The ``alpajob`` subcommands that the trainer image runs in a cluster.
+
+- ``alpajob ray-head``: start the job's Ray head (foreground, as a pod's main process);
+- ``alpajob mesh-worker``: join the job's Ray cluster as host ``--host`` of mesh
+  ``--mesh`` (foreground), offering the resource that pins that host's actor to it;
+- ``alpajob driver [MANIFEST]``: wait for every mesh host, then train the plan across
+  them (:mod:`alpajob.trainer_image.distributed.driver`).
+
+Every flag defaults to the runtime contract the operator puts into the pod's
+environment (:class:`~alpajob.api.runtime.TrainerRuntime`, read by ``from_env``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from alpajob.api.errors import ManifestError
+from alpajob.api.names import Role
+from alpajob.api.plan import Plan, read_plan
+from alpajob.api.resource import load_job
+from alpajob.api.runtime import RAY_PORT, TrainerRuntime, Transport
+from alpajob.trainer_image.distributed import cluster as ray_cluster
+
+if TYPE_CHECKING:
+    from alpajob.trainer_image.distributed.driver import DriverOptions
+
+_ENV = TrainerRuntime.env_name
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ray-head, mesh-worker and driver on the subparsers ``sub``."""
+    head = sub.add_parser("ray-head", help="start the job's Ray head (foreground)")
+    head.add_argument("--port", type=int, help=f"GCS port (default ${_ENV('ray_port')} or {RAY_PORT})")
+    head.add_argument("--temp-dir", help="Ray's session directory (default Ray's own)")
+    worker = sub.add_parser("mesh-worker", help="join the job's Ray cluster as one mesh host (foreground)")
+    worker.add_argument("--address", help=f"the head's host:port (default ${_ENV('ray_address')})")
+    worker.add_argument("--mesh", type=int, help=f"mesh index (default ${_ENV('mesh')})")
+    worker.add_argument("--host", type=int, help=f"host index in the mesh (default ${_ENV('host')} or 0)")
+    worker.add_argument("--devices", type=int,
+                        help=f"on CPU: force this many host devices (default ${_ENV('devices')})")
+    driver = sub.add_parser("driver", help="train a plan across the mesh hosts of the job's Ray cluster")
+    driver.add_argument("manifest", nargs="?", help=f"AlpaJob YAML (default ${_ENV('manifest')})")
+    driver.add_argument("--plan", help=f"the Plan file (`alpajob plan --output`; default ${_ENV('plan')})")
+    driver.add_argument("--address", help=f"the head's host:port (default ${_ENV('ray_address')})")
+    driver.add_argument("--head-port", type=int,
+                        help="start the job's Ray head here first (port P) and drive through it; "
+                             f"stop it at the end (the head pod of a job; default ${_ENV('ray_port')})")
+    driver.add_argument("--steps", type=int, help="steps to train (default spec.training.steps)")
+    driver.add_argument("--seed", type=int, help="parameter and data seed (default spec.training.seed)")
+    driver.add_argument("--join-timeout", type=float,
+                        help=f"seconds to wait for every mesh host (default ${_ENV('join_timeout')} or 120)")
+    driver.add_argument("--metrics-out", help="write per-step losses and step seconds (JSON) here")
+    driver.add_argument("--checkpoint-dir",
+                        help=f"shared directory every mesh writes its checkpoint part to (default "
+                             f"${_ENV('checkpoint_dir')}); a restart resumes from the newest "
+                             "complete checkpoint there")
+    driver.add_argument("--checkpoint-every", type=int,
+                        help=f"checkpoint every N steps and at the end (default ${_ENV('checkpoint_every')})")
+    driver.add_argument("--max-restarts", type=int, default=3,
+                        help="restarts of every mesh after a host dies or hangs before the job fails (default 3)")
+    driver.add_argument("--step-timeout", type=float, default=600.0,
+                        help="seconds a step (or a checkpoint) may take before the hosts count as hung (default 600)")
+    driver.add_argument("--transport", choices=[t.value for t in Transport],
+                        help="how activations and gradients cross between meshes: the Ray object store, or "
+                             "XLA collectives over one JAX process group of every mesh host (gloo on CPU, "
+                             f"NCCL on GPU; not yet run on a GPU) (default ${_ENV('transport')} "
+                             "or object-store)")
+    driver.add_argument("--metrics-port", type=int,
+                        help=f"serve Prometheus /metrics here (default ${_ENV('metrics_port')}; none if unset)")
+    driver.add_argument("--status-configmap", metavar="NAMESPACE/NAME",
+                        help=f"also keep the progress in this ConfigMap (default ${_ENV('progress_configmap')})")
+    driver.add_argument("--status-file", help="keep the job's progress (JSON: phase, step, loss, samples/s, "
+                                              "checkpoint step, restarts) in this file")
+
+
+def _runtime() -> TrainerRuntime:
+    return TrainerRuntime.from_env(os.environ)
+
+
+def _address(args: argparse.Namespace, runtime: TrainerRuntime) -> str:
+    address = args.address or runtime.ray_address
+    if not address:
+        raise ManifestError("--address", f"give the Ray head's host:port (or set ${_ENV('ray_address')})")
+    return address
+
+
+def cmd_ray_head(args: argparse.Namespace) -> int:
+    port = args.port or _runtime().ray_port or RAY_PORT
+    command = ray_cluster.head_command(port, args.temp_dir, block=True)
+    return ray_cluster.run_command(command, ray_cluster.ray_env())
+
+
+def worker_settings(args: argparse.Namespace, runtime: TrainerRuntime) -> tuple[str, int, int, int | None]:
+    """The mesh worker's head address, mesh, host and forced device count: the flags,
+    else the runtime contract."""
+    mesh = args.mesh if args.mesh is not None else runtime.mesh
+    if mesh is None or mesh < 0:
+        raise ManifestError("--mesh", f"give this worker's mesh index >= 0 (or set ${_ENV('mesh')})")
+    host = args.host if args.host is not None else (runtime.host or 0)
+    devices = args.devices if args.devices is not None else runtime.devices
+    if devices is not None and devices < 1:
+        raise ManifestError("--devices", f"must be at least 1, got {devices}")
+    return _address(args, runtime), mesh, host, devices
+
+
+def cmd_mesh_worker(args: argparse.Namespace) -> int:
+    address, mesh, host, devices = worker_settings(args, _runtime())
+    command = ray_cluster.worker_command(address, mesh, host, block=True)
+    return ray_cluster.run_command(command, ray_cluster.ray_env(devices))
+
+
+@dataclass(frozen=True)
+class DriverRun:
+    """What ``alpajob driver`` will do: the job's manifest, its plan, the driver's
+    options, and the port of a Ray head to start first (a job's head pod starts its own)."""
+
+    manifest: str
+    plan: Plan
+    head_port: int | None
+    options: DriverOptions
+
+
+def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
+    """The flags, else the runtime contract, as a :class:`DriverRun`; an invalid
+    value is an error naming its flag."""
+    from alpajob.trainer_image.distributed.driver import DriverOptions  # imports JAX and Ray
+
+    manifest = args.manifest or runtime.manifest
+    plan_path = args.plan or runtime.plan
+    if not manifest:
+        raise ManifestError("manifest", f"give the AlpaJob manifest (or set ${_ENV('manifest')})")
+    if not plan_path:
+        raise ManifestError("--plan", f"give the Plan file (or set ${_ENV('plan')})")
+    training = load_job(manifest).spec.training
+    plan = read_plan(plan_path)
+    steps = args.steps if args.steps is not None else training.steps
+    if steps < 1:
+        raise ManifestError("--steps", f"must be at least 1, got {steps}")
+    head_port = args.head_port or (runtime.ray_port if runtime.role is Role.HEAD else None)
+    address = f"127.0.0.1:{head_port}" if head_port else _address(args, runtime)
+    options = DriverOptions(
+        address=address,
+        steps=steps,
+        seed=args.seed if args.seed is not None else training.seed,
+        join_timeout=args.join_timeout or runtime.join_timeout or 120.0,
+        step_timeout=args.step_timeout,
+        metrics_out=args.metrics_out,
+        checkpoint_dir=args.checkpoint_dir or runtime.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every if args.checkpoint_every is not None else runtime.checkpoint_every,
+        max_restarts=args.max_restarts,
+        metrics_port=args.metrics_port if args.metrics_port is not None else runtime.metrics_port,
+        status_file=args.status_file,
+        status_configmap=args.status_configmap or runtime.progress_configmap,
+        transport=Transport(args.transport or runtime.transport or Transport.OBJECT_STORE),
+    )
+    if options.checkpoint_every is not None and options.checkpoint_every < 1:
+        raise ManifestError("--checkpoint-every", f"must be at least 1, got {options.checkpoint_every}")
+    if options.max_restarts < 0:
+        raise ManifestError("--max-restarts", f"must be at least 0, got {options.max_restarts}")
+    return DriverRun(manifest, plan, head_port, options)
+
+
+def cmd_driver(args: argparse.Namespace, out: Console) -> int:
+    from alpajob.trainer_image.distributed.driver import drive
+
+    run = driver_run(args, _runtime())
+    plan, options = run.plan, run.options
+    batch = plan.global_batch_size
+
+    def on_step(step: int, loss: float, seconds: float) -> None:
+        out.print(f"step {step}/{options.steps}  loss {loss:.4f}  {batch / seconds:,.1f} samples/s")
+
+    def on_event(what: str) -> None:
+        out.print(f"[yellow]{what}[/yellow]")
+
+    if run.head_port:
+        command = ray_cluster.head_command(run.head_port, None, block=False)
+        subprocess.run(command, env=ray_cluster.ray_env(), check=True)
+    try:
+        result = drive(Path(run.manifest).read_text(), plan, options, on_step=on_step, on_event=on_event)
+    finally:
+        if run.head_port:
+            subprocess.run([ray_cluster.ray_binary(), "stop"], env=ray_cluster.ray_env(), check=False)
+    out.print(f"done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}, "
+              f"{result.restarts} restart(s), last checkpoint step {result.checkpoint_step}")
+    return 0
+
+
+def dispatch(args: argparse.Namespace, out: Console) -> int | None:
+    """Run the command if it is one of ours; None otherwise."""
+    if args.command == "ray-head":
+        return cmd_ray_head(args)
+    if args.command == "mesh-worker":
+        return cmd_mesh_worker(args)
+    if args.command == "driver":
+        return cmd_driver(args, out)
+    return None

@@ -1,0 +1,127 @@
+"""How the CLI shows a plan, its schedule, the baselines and a training run (rich tables)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.table import Table
+
+from alpajob.api.plan import Plan
+from alpajob.api.spec import Schedule
+from alpajob.planner.inter_op.schedules import Direction, instruction_list
+
+GIB = 1024**3
+
+
+def _mesh(shape: Sequence[int]) -> str:
+    return "x".join(str(v) for v in shape)
+
+
+def flops(pflops: float) -> str:
+    """PFLOP/s, or TFLOP/s / GFLOP/s for small (CPU) figures."""
+    if pflops >= 0.1:
+        return f"{pflops:.3f} PFLOP/s"
+    if pflops >= 1e-4:
+        return f"{pflops * 1e3:.3f} TFLOP/s"
+    return f"{pflops * 1e6:.3f} GFLOP/s"
+
+
+def plan_table(plan: Plan) -> Table:
+    """The plan as a table: one row per stage."""
+    title = (
+        f"{plan.model.name}: {plan.model.num_parameters / 1e9:.2f}B params on "
+        f"{plan.cluster['num_nodes']}x{plan.cluster['devices_per_node']} "
+        f"{plan.cluster['preset']}, {plan.num_micro_batches} micro-batches, {plan.schedule}"
+    )
+    table = Table(title=title, caption="mesh: logical mesh; t/µbatch: forward+backward per "
+                  "micro-batch; update: per step; WUS: weight-update-sharded params")
+    for column in ("stage", "layers", "submesh", "mesh", "t/µbatch", "update", "memory", "WUS"):
+        table.add_column(column, justify="right" if column != "layers" else "left")
+    for stage in plan.stages:
+        table.add_row(
+            str(stage.index),
+            f"[{stage.layers[0]}, {stage.layers[1]})",
+            _mesh(stage.submesh_shape),
+            _mesh(stage.logical_mesh_shape),
+            f"{stage.predicted_seconds * 1e3:.2f} ms",
+            f"{stage.update_seconds * 1e3:.2f} ms",
+            f"{stage.peak_memory_bytes / GIB:.2f} GiB",
+            f"{len(stage.weight_update_sharded)}/{len(stage.param_shardings)}",
+        )
+    return table
+
+
+def plan_summary(plan: Plan) -> str:
+    """The plan's predictions and how it was found, in one line."""
+    stats = plan.solver
+    return (
+        f"predicted step time {plan.predicted_step_seconds:.4g} s, "
+        f"{flops(plan.predicted_pflops)}, bubble {plan.bubble_fraction:.1%}; "
+        f"planned in {stats.planning_seconds:.1f} s ({stats.ilp_solves} ILPs, "
+        f"{stats.ilp_seconds:.1f} s; DP {stats.dp_seconds:.2f} s); plan hash {plan.content_hash()}"
+    )
+
+
+def schedule_table(plan: Plan) -> Table:
+    """Each stage's instruction list, in the order the stage runs it."""
+    p, m = len(plan.stages), plan.num_micro_batches
+    table = Table(title=f"{plan.schedule} schedule, {m} micro-batches",
+                  caption="Fj / Bj: forward / backward of micro-batch j; U: the optimizer update")
+    table.add_column("stage", justify="right")
+    table.add_column("instructions")
+    for i in range(p):
+        program = instruction_list(Schedule(plan.schedule), i, p, m)
+        names = [f"{'F' if d is Direction.FORWARD else 'B'}{j}" for d, j in program]
+        table.add_row(str(i), " ".join([*names, "U"]))
+    return table
+
+
+def baseline_table(plan: Plan) -> Table:
+    """Each baseline's predicted step time and our plan's speed-up over it."""
+    table = Table(title="baselines (same cost model, same cluster)")
+    for column in ("plan", "step time", "throughput", "ours is faster by"):
+        table.add_column(column, justify="right")
+    ours = plan.predicted_step_seconds
+    table.add_row("alpajob", f"{ours:.4g} s", flops(plan.predicted_pflops), "-")
+    for name, seconds in (plan.baselines or {}).items():
+        if seconds is None:
+            table.add_row(name, "does not fit", "-", "-")
+        else:
+            pflops = plan.model.flops_per_step / seconds / 1e15
+            table.add_row(name, f"{seconds:.4g} s", flops(pflops), f"{seconds / ours:.2f}x")
+    return table
+
+
+def run_summary(result: Any, batch: int, exact: bool = False) -> Table:
+    """Steps, loss, measured against predicted step time, and per-stage time split
+    (``exact``: the run waited for every instruction, so the split is exact)."""
+    table = Table(title="training summary", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    steps = len(result.losses)
+    table.add_row("steps", f"{result.start_step + 1}..{result.start_step + steps}")
+    if steps:
+        table.add_row("loss (first, last)", f"{result.losses[0]:.5f}, {result.losses[-1]:.5f}")
+        timed = result.step_seconds[1:] or result.step_seconds  # the first step compiles
+        measured = sorted(timed)[len(timed) // 2]
+        table.add_row("step time (median, after the first)", f"{measured:.4g} s")
+        table.add_row("samples/s", f"{batch / measured:,.1f}")
+        if result.plan is not None:
+            predicted = result.plan.predicted_step_seconds
+            table.add_row("predicted step time", f"{predicted:.4g} s")
+            table.add_row("measured / predicted", f"{measured / predicted:.2f}")
+        if result.stage_times:
+            first = result.start_step + 1  # compiles
+            timed = list(zip(result.stage_time_steps, result.stage_times, strict=True))
+            recent = [t for step, t in timed if step != first] or result.stage_times
+            for index in range(len(recent[0])):
+                mean = [sum(getattr(t[index], k) for t in recent) / len(recent)
+                        for k in ("compute", "idle", "communication")]
+                table.add_row(f"stage {index} compute / idle / comm",
+                              " / ".join(f"{v * 1e3:.1f} ms" for v in mean))
+            table.caption = f"stage times: mean of {len(recent)} timed step(s) (--stage-times-every)"
+            if not exact:
+                table.caption += ("; from completion stamps, rough on CPU devices, exact with "
+                                  "--exact-stage-times")
+    return table

@@ -1,0 +1,160 @@
+"""Which phase of the step each op belongs to, and which forward op it is attributed to.
+
+Pure functions over the flattened ops (no JAX): the rules are in
+:mod:`alpajob.planner.graph.extract`'s docstring (Phases, Anchors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from alpajob.planner.graph.opgraph import Phase
+
+
+@dataclasses.dataclass(frozen=True)
+class RawOp:
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    flops: float
+    bytes_accessed: float
+    params: tuple[tuple[str, Any], ...]
+    multiplier: int
+
+
+def phases(
+    ops: Sequence[RawOp],
+    producer: dict[int, int],
+    loss: int,
+    grads: Sequence[int],
+    others: Sequence[int],
+) -> list[Phase]:
+    """Forward = ancestors of ``loss``; backward = other ancestors of ``grads``; update =
+    other ancestors of the remaining step outputs (``others``). An op that feeds no
+    output (a loop carry dropped by inlining the body once, a ``cond`` index, a JVP
+    helper whose consumer JAX dropped) takes the latest phase of its producers, but
+    never forward (forward stays exactly the loss's ancestors); with no producers, the
+    update phase.
+    """
+
+    def ancestors(roots: Sequence[int], seen: set[int]) -> set[int]:
+        found: set[int] = set()
+        stack = [producer[t] for t in roots if t in producer]
+        while stack:
+            op_id = stack.pop()
+            if op_id in found or op_id in seen:
+                continue
+            found.add(op_id)
+            stack.extend(producer[t] for t in ops[op_id].inputs if t in producer)
+        return found
+
+    forward = ancestors([loss], set())
+    backward = ancestors(grads, forward)
+    update = ancestors(others, forward | backward)
+    order = (Phase.FORWARD, Phase.BACKWARD, Phase.UPDATE)
+    phases: list[Phase] = []
+    for i, op in enumerate(ops):
+        if i in forward:
+            phases.append(Phase.FORWARD)
+        elif i in backward:
+            phases.append(Phase.BACKWARD)
+        elif i in update:
+            phases.append(Phase.UPDATE)
+        else:
+            ranks = [order.index(phases[producer[t]]) for t in op.inputs if t in producer]
+            phases.append(order[max(ranks + [1])] if ranks else Phase.UPDATE)
+    return phases
+
+
+def anchors(
+    ops: Sequence[RawOp],
+    phases: Sequence[Phase],
+    producer: dict[int, int],
+    owner: dict[int, int],
+    params: Sequence[int],
+    grads: Sequence[int],
+    constants: frozenset[int] = frozenset(),
+) -> list[int]:
+    """Attribute every op to a forward op (the rules are in the module docstring).
+
+    ``owner`` maps each parameter, and each optimizer-state leaf that belongs to one
+    parameter (Adam's moments), to that parameter's tensor id; ``constants`` are the
+    captured constants (tensors that are neither produced by an op nor step inputs).
+    """
+    n = len(ops)
+    forward_ids = [i for i in range(n) if phases[i] is Phase.FORWARD]
+    last_forward = forward_ids[-1] if forward_ids else 0
+    param_set = set(params)
+    uses: dict[int, list[int]] = {}  # parameter -> the forward ops reading it, in order
+    for i in forward_ids:
+        for t in ops[i].inputs:
+            if t in param_set:
+                uses.setdefault(t, []).append(i)
+    first_use = {t: found[0] for t, found in uses.items()}
+
+    # The one parameter whose gradient a backward op exclusively feeds (-1 none, -2 many).
+    grad_of = {g: k for k, g in enumerate(grads)}
+    consumers: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        for t in op.inputs:
+            consumers.setdefault(t, []).append(i)
+    target = [-1] * n
+    for i in range(n - 1, -1, -1):
+        if phases[i] is not Phase.BACKWARD:
+            continue
+        seen: set[int] = set()
+        for t in ops[i].outputs:
+            if t in grad_of:
+                seen.add(grad_of[t])
+            for c in consumers.get(t, ()):
+                if phases[c] is Phase.BACKWARD and target[c] != -1:
+                    seen.add(target[c])
+        target[i] = seen.pop() if len(seen) == 1 else (-2 if seen else -1)
+
+    anchor = [last_forward] * n
+    primal = [False] * n  # computed from forward values only (a residual)
+    reach = [math.inf] * n  # update ops: min first use of params read (transitively)
+    free = [False] * n  # a backward/update op computed from constants only (re-anchored below)
+    for i, op in enumerate(ops):
+        phase = phases[i]
+        producers = [producer[t] for t in op.inputs if t in producer]
+        free[i] = phase is not Phase.FORWARD and all(
+            t in constants or (t in producer and free[producer[t]]) for t in op.inputs
+        )
+        if phase is Phase.FORWARD:
+            anchor[i] = i
+            primal[i] = True
+        elif phase is Phase.BACKWARD:
+            primal[i] = bool(producers) and all(primal[j] for j in producers)
+            upstream = [anchor[j] for j in producers if not (primal[j] or free[j])]
+            bound = min(upstream, default=last_forward)
+            # A parameter read directly (``dy @ W.T``) stands for the latest forward op
+            # that read it before the gradient arrived: the op this one differentiates.
+            mirrored = [
+                max((u for u in uses[t] if u <= bound), default=uses[t][0])
+                for t in op.inputs if t in uses
+            ]
+            residual = [anchor[j] for j in producers if primal[j]] + mirrored
+            anchor[i] = max(residual) if residual else bound
+            if target[i] >= 0:
+                use = first_use.get(params[target[i]])
+                if use is not None:
+                    anchor[i] = max(anchor[i], use)
+        else:
+            direct = [
+                first_use[owner[t]] for t in op.inputs if t in owner and owner[t] in first_use
+            ]
+            via = [reach[j] for j in producers if phases[j] is Phase.UPDATE]
+            reach[i] = min(direct + via, default=math.inf)
+            if reach[i] < math.inf:
+                anchor[i] = int(reach[i])
+            elif producers:
+                anchor[i] = min(anchor[j] for j in producers)
+    for i in range(n - 1, -1, -1):
+        if free[i]:
+            users = [anchor[c] for t in ops[i].outputs for c in consumers.get(t, ())]
+            anchor[i] = min(users, default=last_forward)
+    return anchor

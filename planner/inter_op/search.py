@@ -1,0 +1,421 @@
+"""The inter-operator pass: stages, submeshes and micro-batches (Alpa section 5).
+
+Driver of the whole planner. For each candidate number of micro-batches B::
+
+    graph at micro-batch size ──► LayerCoster (per-layer ILPs, reused across
+                                  identical layers; stage_costs.py)
+          │ for every submesh (n, m) and logical mesh (a, b):
+          ▼   range tables: latency, update, weights, activations of layers i..j
+    DP tables compute_cost[i, j, s], max_n_succ_stages[i, j, s]
+          │ stage_dp (eq. 3/4, t_max enumeration with early stop)
+          ▼
+    stages ──► evaluate exactly (evaluate_stages) ──► step time
+                 T = Σ t_i + (B − 1)·max t_i + max u_i
+
+where t_i is a stage's forward+backward latency per micro-batch (its layers, the
+resharding inside it, and receiving its inputs from the previous stage) and u_i its
+once-per-step gradient synchronisation and optimizer update. The best B wins.
+
+Memory: a stage holds its weights plus the activations of every in-flight micro-batch:
+with 1F1B, the stage with k stages after it holds min(k + 1, B) micro-batches; with
+GPipe, all B. ``max_n_succ_stages`` tells the DP how many stages may follow a stage
+for it still to fit.
+
+Each submesh offers the DP two choices: the fastest (logical mesh, memory level) and
+the one that leaves the most room for later stages; both are the same device count.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from alpajob.planner.cost.cluster import ClusterSpec
+from alpajob.planner.cost.model import Calibration, logical_mesh_shapes
+from alpajob.planner.graph.opgraph import OpGraph, with_batch_size
+from alpajob.planner.inter_op.schedules import Schedule
+from alpajob.planner.inter_op.stage_costs import (
+    LEVEL_TIERS,
+    LayerCoster,
+    SolveCounter,
+    StageEval,
+    Submesh,
+)
+from alpajob.planner.inter_op.stage_dp import stage_dp, submesh_choices
+from alpajob.planner.intra_op.solve import ShardingMode
+
+#: Progress callback: (what is being done, steps done, steps in total or None).
+Progress = Callable[[str, int, int | None], None]
+
+Shape = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """A stage asked for by a baseline or a manual plan: layers first..last (inclusive)
+    on ``submesh``; ``shape``/``level`` None lets the planner pick the best."""
+
+    first: int
+    last: int
+    submesh: Submesh
+    shape: Shape | None = None
+    level: int | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A complete plan candidate with its predicted step time."""
+
+    name: str
+    mode: ShardingMode
+    num_micro_batches: int
+    stages: tuple[StageEval, ...]
+    step_seconds: float
+
+    @property
+    def peak_memory(self) -> float:
+        return max(s.peak_memory for s in self.stages)
+
+
+@dataclass
+class CostContext:
+    """Everything needed to cost plans of one graph on one cluster; caches ILPs.
+
+    One :class:`LayerCoster` per (micro-batch count, sharding mode), created on demand.
+    """
+
+    graph: OpGraph
+    layers: Sequence[Sequence[int]]
+    cluster: ClusterSpec
+    calibration: Calibration
+    schedule: Schedule
+    memory_budget: float
+    time_limit_s: float
+    counter: SolveCounter = field(default_factory=SolveCounter)
+    progress: Progress | None = None
+    _costers: dict[tuple[int, ShardingMode], LayerCoster] = field(default_factory=dict)
+
+    def coster(self, num_micro_batches: int, mode: ShardingMode) -> LayerCoster:
+        key = (num_micro_batches, mode)
+        if key not in self._costers:
+            micro = with_batch_size(self.graph, self.graph.batch_size // num_micro_batches)
+            self._costers[key] = LayerCoster(
+                graph=micro,
+                layers=self.layers,
+                cluster=self.cluster,
+                calibration=self.calibration,
+                mode=mode,
+                num_micro_batches=num_micro_batches,
+                time_limit_s=self.time_limit_s,
+                counter=self.counter,
+                on_solve=self._tick,
+            )
+        return self._costers[key]
+
+    def costers(self) -> dict[tuple[int, ShardingMode], LayerCoster]:
+        """The per-(micro-batch count, mode) ILP caches built so far."""
+        return dict(self._costers)
+
+    def reset_costers(self) -> None:
+        """Forget the ILP caches (a copy of this context starts afresh)."""
+        self._costers = {}
+
+    def adopt(self, costers: dict[tuple[int, ShardingMode], LayerCoster],
+              counter: SolveCounter) -> None:
+        """Take over ILP caches and a tally filled elsewhere (in a worker process)."""
+        for key, coster in costers.items():
+            if key not in self._costers:
+                coster.counter = self.counter
+                coster.on_solve = self._tick
+                self._costers[key] = coster
+        self.counter.solves += counter.solves
+        self.counter.seconds += counter.seconds
+        self.counter.max_variables = max(self.counter.max_variables, counter.max_variables)
+        self.counter.solver = counter.solver or self.counter.solver
+        self.counter.dp_calls += counter.dp_calls
+        self.counter.dp_seconds += counter.dp_seconds
+
+    def _tick(self) -> None:
+        if self.progress is not None:
+            self.progress("solving intra-op ILPs", self.counter.solves, None)
+
+    def in_flight(self, stage_index: int, num_stages: int, num_micro_batches: int) -> int:
+        """Micro-batches whose activations a stage holds at its peak."""
+        if self.schedule is Schedule.GPIPE:
+            return num_micro_batches
+        return min(num_stages - stage_index, num_micro_batches)
+
+    def shapes(self, submesh: Submesh) -> list[Shape]:
+        """The logical meshes tried on ``submesh`` (a pruned :func:`logical_mesh_shapes`).
+
+        Inside one node both axes have the same bandwidth, so (a, b) and (b, a) cost the
+        same up to relabelling: only a ≤ b is kept. Across nodes the inner axis stays
+        inside a node (b divides M), plus the flat 1-D mesh (1, n·M); an inner axis
+        straddling nodes is never faster than one that does not.
+        Example: (1, 8) -> (1, 8), (2, 4); (2, 8) -> (1, 16), (2, 8), (4, 4), (8, 2).
+        """
+        n, m = submesh
+        per_node = self.cluster.devices_per_node
+        shapes = []
+        for a, b in logical_mesh_shapes(submesh):
+            if n == 1 and a > b:
+                continue
+            if n > 1 and a > 1 and per_node % b:
+                continue
+            shapes.append((a, b))
+        return shapes
+
+    def submeshes(self) -> list[Submesh]:
+        """Submesh shapes offered to the DP: Alpa's (1, 2^k) and (n, M), with n
+        dividing N (a stage of 3 nodes out of 8 is rarely worth its ILPs)."""
+        nodes = self.cluster.num_nodes
+        return [
+            (n, m)
+            for n, m in submesh_choices(nodes, self.cluster.devices_per_node)
+            if n == 1 or nodes % n == 0
+        ]
+
+
+def micro_batch_candidates(graph: OpGraph, fixed: int | None, limit: int = 64) -> list[int]:
+    """Powers of two B ≤ ``limit`` for which the graph rescales to batch / B.
+
+    A fixed ``numMicroBatches`` is checked the same way.
+    """
+    candidates = [fixed] if fixed is not None else [2**k for k in range(int(math.log2(limit)) + 1)]
+    valid = []
+    for count in candidates:
+        if graph.batch_size % count:
+            continue
+        try:
+            with_batch_size(graph, graph.batch_size // count)
+        except ValueError:
+            continue
+        valid.append(count)
+    return valid
+
+
+def evaluate_stages(
+    context: CostContext,
+    requests: Sequence[StageRequest],
+    num_micro_batches: int,
+    mode: ShardingMode,
+    name: str,
+) -> Candidate | None:
+    """Cost a fixed list of stages exactly; None if some stage cannot fit memory.
+
+    Where a request leaves the logical mesh or memory level open, each stage takes the
+    fastest (latency + update / B) choice that fits with its in-flight micro-batches.
+    """
+    coster = context.coster(num_micro_batches, mode)
+    stages = []
+    for index, request in enumerate(requests):
+        in_flight = context.in_flight(index, len(requests), num_micro_batches)
+        shapes = [request.shape] if request.shape else context.shapes(request.submesh)
+        # The fastest level that fits; leaner tiers only when nothing before fits.
+        tiers = [(request.level,)] if request.level is not None else list(LEVEL_TIERS)
+        best: StageEval | None = None
+        for levels in tiers:
+            for level in levels:
+                for shape in shapes:
+                    stage = coster.evaluate_stage(
+                        request.first, request.last, request.submesh, shape, level, in_flight
+                    )
+                    if stage.peak_memory > context.memory_budget:
+                        continue
+                    key = stage.seconds + stage.update / num_micro_batches
+                    if best is None or key < best.seconds + best.update / num_micro_batches:
+                        best = stage
+            if best is not None:
+                break
+        if best is None:
+            return None
+        stages.append(best)
+    return Candidate(name, mode, num_micro_batches, tuple(stages),
+                     pipeline_step_seconds(context.cluster, stages, num_micro_batches,
+                                           context.calibration.instruction_overhead_seconds))
+
+
+def pipeline_step_seconds(
+    cluster: ClusterSpec,
+    stages: Sequence[StageEval],
+    num_micro_batches: int,
+    instruction_overhead: float = 0.0,
+) -> float:
+    """Predicted step time of a pipeline of ``stages`` (each costed per micro-batch).
+
+    Alpa's eq. 2, ``sum t_i + (B - 1) max t_i``, plus the slowest stage's update: the
+    stages' devices are independent, so a stage waiting in the pipeline bubble is lost
+    time. On a shared host (``cluster.shared_host``, forced CPU devices) a waiting
+    device's share of the cores goes to the busy ones, so no time is lost: the step
+    is the total work at the whole host's rate, each stage's ``B t_i + update_i``
+    weighted by its share of the devices (``t_i`` is costed at a 1/N share).
+
+    ``instruction_overhead`` (the calibration's ``instruction_overhead_seconds``, c)
+    is the host's cost of each instruction: a stage runs ``2B + 1`` of them (a forward
+    and a backward per micro-batch, one update). With independent devices it lengthens
+    each ``t_i`` by ``2c`` and each update by ``c``; on a shared host the one host pays
+    every stage's, ``c S (2B + 1)`` for ``S`` stages.
+    """
+    c = instruction_overhead
+    if cluster.shared_host:
+        total = cluster.num_devices
+        work = sum(
+            (num_micro_batches * s.seconds + s.update) * s.submesh[0] * s.submesh[1] / total
+            for s in stages
+        )
+        return work + c * len(stages) * (2 * num_micro_batches + 1)
+    seconds = [s.seconds + 2 * c for s in stages]
+    return (sum(seconds) + (num_micro_batches - 1) * max(seconds)
+            + max(s.update for s in stages) + c)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    submesh: Submesh
+    shape: Shape
+    level: int
+
+
+def _dp_tables(
+    context: CostContext, coster: LayerCoster, num_micro_batches: int, devices: Sequence[Submesh]
+) -> tuple[np.ndarray, np.ndarray, list[list[list[_Choice | None]]], list[int]]:
+    """compute_cost, max_n_succ_stages and the choice behind every entry.
+
+    Two DP choices per submesh: index 2s is the fastest option of each range, 2s + 1
+    the option that allows the most later stages (least memory).
+    """
+    n = coster.num_layers
+    budget = context.memory_budget
+    num_choices = 2 * len(devices)
+    cost = np.full((n, n, num_choices), np.inf)
+    succ = np.full((n, n, num_choices), -1, dtype=np.int64)
+    origin: list[list[list[_Choice | None]]] = [
+        [[None] * num_choices for _ in range(n)] for _ in range(n)
+    ]
+    upper = np.triu(np.ones((n, n), dtype=bool))
+    for s, submesh in enumerate(devices):
+        fastest = np.full((n, n), np.inf)
+        fastest_succ = np.full((n, n), -1, dtype=np.int64)
+        roomy = np.full((n, n), np.inf)
+        roomy_succ = np.full((n, n), -1, dtype=np.int64)
+        fastest_from: dict[tuple[int, int], _Choice] = {}
+        roomy_from: dict[tuple[int, int], _Choice] = {}
+        for level in (level for tier in LEVEL_TIERS for level in tier):
+            if level > 0 and _fits_everywhere(fastest_succ, n):
+                break  # every range already fits: no need for leaner (slower) levels
+            for shape in context.shapes(submesh):
+                seconds, update, weight, act = coster.range_table(submesh, shape, level)
+                dp_cost = seconds + update / num_micro_batches
+                n_succ = _max_successors(weight, act, budget, num_micro_batches, context, n)
+                n_succ = np.where(upper, n_succ, -1)
+                ok = n_succ >= 0
+                better = ok & (dp_cost < fastest)
+                roomier = ok & ((n_succ > roomy_succ) | ((n_succ == roomy_succ) & (dp_cost < roomy)))
+                fastest = np.where(better, dp_cost, fastest)
+                fastest_succ = np.where(better, n_succ, fastest_succ)
+                roomy = np.where(roomier, dp_cost, roomy)
+                roomy_succ = np.where(roomier, n_succ, roomy_succ)
+                choice = _Choice(submesh, shape, level)
+                for i, j in zip(*np.nonzero(better), strict=True):
+                    fastest_from[(int(i), int(j))] = choice
+                for i, j in zip(*np.nonzero(roomier), strict=True):
+                    roomy_from[(int(i), int(j))] = choice
+        cost[:, :, 2 * s] = fastest
+        succ[:, :, 2 * s] = fastest_succ
+        cost[:, :, 2 * s + 1] = roomy
+        succ[:, :, 2 * s + 1] = roomy_succ
+        for (i, j), choice in fastest_from.items():
+            origin[i][j][2 * s] = choice
+        for (i, j), choice in roomy_from.items():
+            origin[i][j][2 * s + 1] = choice
+    sizes = [n_ * m for n_, m in devices for _ in range(2)]
+    return cost, succ, origin, sizes
+
+
+def _fits_everywhere(n_succ: np.ndarray, n: int) -> bool:
+    """True when every single-layer stage fits with every possible number of later
+    stages: then leaner (slower, or costlier to solve) memory levels are not needed.
+
+    Only single layers are checked: long ranges on small submeshes never fit at any
+    level, and would otherwise always send the search to the expensive tiers.
+    """
+    diagonal = np.diagonal(n_succ)
+    needed = (n - 1) - np.arange(n)  # stages that can follow a stage ending at layer j
+    return bool(np.all(diagonal >= needed))
+
+
+def _max_successors(
+    weight: np.ndarray,
+    act: np.ndarray,
+    budget: float,
+    num_micro_batches: int,
+    context: CostContext,
+    n: int,
+) -> np.ndarray:
+    """How many stages may follow a stage (weights ``weight``, activations ``act``).
+
+    1F1B: a stage with k followers holds min(k + 1, B) micro-batches, so
+    k ≤ floor((budget − weight) / act) − 1, unbounded when B micro-batches fit.
+    GPipe: all B micro-batches, whatever k.
+    """
+    room = budget - weight
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fits_all = weight + num_micro_batches * act <= budget
+        if context.schedule is Schedule.GPIPE:
+            return np.where(fits_all, n, -1)
+        count = np.floor(np.where(act > 0, room / np.maximum(act, 1e-30), n + 1)) - 1
+    count = np.where(fits_all, n, np.minimum(count, n))
+    return np.where(room < 0, -1, count).astype(np.int64)
+
+
+def dp_candidate(
+    context: CostContext,
+    num_micro_batches: int,
+    *,
+    min_stages: int = 1,
+    mode: ShardingMode = ShardingMode.AUTO,
+    name: str = "alpajob",
+    mask: Callable[[np.ndarray], np.ndarray] | None = None,
+    num_stages: int | None = None,
+) -> Candidate | None:
+    """The inter-op DP's plan for ``num_micro_batches``, evaluated exactly.
+
+    ``mask`` may set entries of compute_cost to inf (the equal-layer/operator
+    ablations); ``min_stages`` = 2 forbids the single-stage plan (pipeshard).
+    """
+    coster = context.coster(num_micro_batches, mode)
+    devices = context.submeshes()
+    cost, succ, origin, sizes = _dp_tables(context, coster, num_micro_batches, devices)
+    if min_stages > 1:
+        cost[0, coster.num_layers - 1, :] = np.inf
+    if mask is not None:
+        cost = mask(cost)
+    start = time.perf_counter()
+    result = stage_dp(
+        cost, succ, sizes, context.cluster.num_devices, num_micro_batches, num_stages=num_stages
+    )
+    context.counter.dp_calls += 1
+    context.counter.dp_seconds += time.perf_counter() - start
+    if result is None:
+        return None
+    requests = []
+    for stage in result.stages:
+        choice = origin[stage.start_layer][stage.end_layer - 1][stage.submesh_index]
+        assert choice is not None, "the DP chose a range with no costed option"
+        requests.append(
+            StageRequest(stage.start_layer, stage.end_layer - 1, choice.submesh, choice.shape,
+                         choice.level)
+        )
+    return evaluate_stages(context, requests, num_micro_batches, mode, name)
+
+
+def best_of(candidates: Sequence[Candidate | None]) -> Candidate | None:
+    """The fastest candidate (ties: fewer stages, then fewer micro-batches)."""
+    found = [c for c in candidates if c is not None]
+    if not found:
+        return None
+    return min(found, key=lambda c: (c.step_seconds, len(c.stages), c.num_micro_batches))

@@ -1,0 +1,443 @@
+"""Costing pipeline stages from per-layer intra-op solutions.
+
+The inter-op DP needs, for every layer range i..j and submesh, the latency of that
+stage. Alpa compiles and profiles every candidate; we compose it from ILP solutions:
+
+1. Layers with the same structure (:func:`~alpajob.planner.graph.opgraph.subgraph_signature`)
+   form a class; the intra-op ILP is solved once per (class, logical mesh, memory
+   level, input layouts) and the solution is reused for every layer of the class (a
+   transformer's layers are identical: one or two solves serve all of them).
+2. Layers are chained: each layer's ILP knows the spec every input has in the
+   solution of the earlier layer that produces it, and pays the resharding when it
+   chooses another (so a dense layer after an MoE layer agrees on the layout between
+   them, instead of each picking its own best and paying for the mismatch unseen).
+   A stage's latency is the sum of its layers' latencies, plus the resharding of the
+   gradients flowing back between its layers where their solutions disagree, plus the
+   point-to-point transfer of the tensors that enter it from the previous stage
+   (activations forward, gradients backward). The first layer of a stage is still
+   charged the resharding from its predecessor's layout, which the transfer from the
+   previous mesh makes moot: a small overestimate.
+3. Memory: weights (params, grads, optimizer state) plus activations per in-flight
+   micro-batch. Four memory levels per layer (:data:`MEMORY_LEVELS`): the fastest
+   solution; the ILP minimising memory first; and each of the two rematerialised
+   (only the layer's inputs kept between forward and backward, one extra forward).
+   A stage takes the fastest level that fits.
+
+All sums are prefix sums, so the cost of any range i..j is O(1) once the per-layer
+arrays of a mesh are built.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from alpajob.planner.cost.cluster import ClusterSpec
+from alpajob.planner.cost.model import Calibration, LogicalMesh, make_logical_mesh
+from alpajob.planner.graph.opgraph import OpGraph, Phase, local_tensor_order, subgraph_signature
+from alpajob.planner.intra_op.sharding import ShardSpec, resharding_seconds, shard_factor
+from alpajob.planner.intra_op.solve import IntraOpResult, ShardingMode, SolveContext, solve_intra_op
+
+
+@dataclass(frozen=True)
+class MemoryLevel:
+    """How hard a layer's solution tries to save memory.
+
+    ``memory_weight`` is the ILP's objective weight on memory (seconds per byte):
+    0 is the fastest sharding; 1e-9 s/byte makes a GiB cost about a second, so the
+    ILP minimises memory first. ``remat`` rematerialises the layer (Alpa's
+    ``use_remat``): only its input activations are kept per in-flight micro-batch; its
+    forward runs again before its backward, and its full residuals are live for one
+    micro-batch at a time.
+    """
+
+    memory_weight: float
+    remat: bool
+
+
+#: Levels in the order a stage tries them: the fastest sharding; the same sharding
+#: rematerialised (no new ILP solve); then the memory-minimising sharding (new solves),
+#: plain and rematerialised.
+MEMORY_LEVELS: tuple[MemoryLevel, ...] = (
+    MemoryLevel(0.0, False),
+    MemoryLevel(0.0, True),
+    MemoryLevel(1e-9, False),
+    MemoryLevel(1e-9, True),
+)
+
+#: Groups of levels: a group is only tried when no level of the groups before fits.
+LEVEL_TIERS: tuple[tuple[int, ...], ...] = ((0,), (1,), (2, 3))
+
+Submesh = tuple[int, int]
+Shape = tuple[int, int]
+
+
+@dataclass
+class SolveCounter:
+    """Tally of ILP work, reported in the plan's solver stats."""
+
+    solves: int = 0
+    seconds: float = 0.0
+    max_variables: int = 0
+    solver: str = ""
+    dp_calls: int = 0
+    dp_seconds: float = 0.0
+
+    def add(self, result: IntraOpResult, seconds: float) -> None:
+        self.solves += 1
+        self.seconds += seconds
+        stats = result.stats
+        self.max_variables = max(self.max_variables, int(getattr(stats, "num_variables", 0) or 0))
+        self.solver = str(getattr(stats, "solver", self.solver))
+
+
+@dataclass(frozen=True)
+class MeshLayerArrays:
+    """Per-layer figures of every layer on one (submesh, logical shape, level)."""
+
+    seconds: np.ndarray  # forward+backward per micro-batch, incl. intra-layer comm
+    compute: np.ndarray
+    comm: np.ndarray
+    update: np.ndarray  # per step
+    weight: np.ndarray  # bytes per device
+    activation: np.ndarray  # bytes per device per in-flight micro-batch
+    transient: np.ndarray  # bytes live for one micro-batch only (remat's residuals)
+    inner_reshard: np.ndarray  # [L, L] resharding seconds of tensors passing a -> b
+
+
+@dataclass(frozen=True)
+class StageEval:
+    """One stage of a candidate plan, with its exact predicted figures."""
+
+    first: int  # first layer
+    last: int  # last layer, inclusive
+    submesh: Submesh
+    shape: Shape
+    level: int
+    seconds: float  # per micro-batch, including the transfer of its inputs
+    compute: float
+    comm: float
+    transfer: float
+    update: float
+    weight_bytes: float
+    activation_bytes: float
+    transient_bytes: float
+    in_flight: int
+
+    @property
+    def remat(self) -> bool:
+        return MEMORY_LEVELS[self.level].remat
+
+    @property
+    def peak_memory(self) -> float:
+        """Weights, the activations of every in-flight micro-batch, and the largest
+        transient (a rematerialised layer's residuals during its backward)."""
+        return self.weight_bytes + self.in_flight * self.activation_bytes + self.transient_bytes
+
+
+@dataclass
+class LayerCoster:
+    """Intra-op solutions of every layer at one micro-batch size, and stage costs.
+
+    ``graph`` must already be rescaled to the micro-batch size; ``layers`` holds the op
+    ids of each clustered layer.
+    """
+
+    graph: OpGraph
+    layers: Sequence[Sequence[int]]
+    cluster: ClusterSpec
+    calibration: Calibration
+    mode: ShardingMode
+    num_micro_batches: int
+    time_limit_s: float
+    counter: SolveCounter
+    on_solve: Callable[[], None] | None = None
+    _results: dict[tuple, IntraOpResult] = field(default_factory=dict)
+    _layer_results: dict[tuple[int, Submesh, Shape, float], IntraOpResult] = field(
+        default_factory=dict
+    )
+    #: Shared precomputation of every ILP build on this graph (op tables, models);
+    #: results are identical without it. Dropped before a coster leaves its process.
+    _solve_context: SolveContext | None = None
+    _arrays: dict[tuple[Submesh, Shape, int], MeshLayerArrays] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        signatures: dict[str, int] = {}
+        self.layer_class: list[int] = []
+        self.representative: list[int] = []
+        for index, ops in enumerate(self.layers):
+            signature = subgraph_signature(self.graph, ops)
+            if signature not in signatures:
+                signatures[signature] = len(signatures)
+                self.representative.append(index)
+            self.layer_class.append(signatures[signature])
+        self._orders = [local_tensor_order(self.graph, ops) for ops in self.layers]
+        self._position = [{t: i for i, t in enumerate(order)} for order in self._orders]
+        self._layer_of_op = np.empty(len(self.graph.ops), dtype=np.int64)
+        for index, ops in enumerate(self.layers):
+            self._layer_of_op[list(ops)] = index
+        self._crossings = self._find_crossings()
+        # Bytes crossing the cut before each layer (a tensor passing several cuts counts
+        # at each): fixed by the graph, so computed once.
+        self._boundary_bytes = np.zeros(self.num_layers + 1)
+        for tensor, src, dst in self._crossings:
+            low, high = min(src, dst), max(src, dst)
+            self._boundary_bytes[low + 1 : high + 1] += self.graph.tensors[tensor].nbytes
+        self._incoming: list[list[tuple[int, int]]] = [[] for _ in self.layers]
+        for tensor, src, dst in self._crossings:
+            if src < dst:
+                self._incoming[dst].append((tensor, src))
+        forward = np.zeros(self.num_layers)
+        backward = np.zeros(self.num_layers)
+        for index, ops in enumerate(self.layers):
+            for op_id in ops:
+                op = self.graph.ops[op_id]
+                if op.phase is Phase.FORWARD:
+                    forward[index] += op.flops
+                elif op.phase is Phase.BACKWARD:
+                    backward[index] += op.flops
+        self._forward_share = np.divide(
+            forward, forward + backward, out=np.zeros_like(forward), where=forward + backward > 0
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.representative)
+
+    def mesh(self, submesh: Submesh, shape: Shape) -> LogicalMesh:
+        return make_logical_mesh(self.cluster, submesh, shape, self.calibration)
+
+    def result(self, layer: int, submesh: Submesh, shape: Shape, level: int) -> IntraOpResult:
+        """The ILP solution of ``layer`` on a logical mesh, chained to the layers before.
+
+        The layer's ILP is told the spec each of its inputs has in the solutions of the
+        earlier layers that produce it (``input_hints``), and pays for choosing another.
+        The solve is cached per (layer class, mesh, memory weight, hints): a stack of
+        identical layers reaches a fixed point (same hints in, same specs out) after one
+        or two solves, and every later layer reuses it.
+        """
+        weight = MEMORY_LEVELS[level].memory_weight
+        key = (layer, submesh, shape, weight)
+        if key in self._layer_results:
+            return self._layer_results[key]
+        cls = self.layer_class[layer]
+        rep = self.representative[cls]
+        hints = {}
+        for tensor, src in self._incoming[layer]:
+            spec = self.spec(src, tensor, submesh, shape, level)
+            if spec is not None:
+                hints[self._orders[rep][self._position[layer][tensor]]] = spec
+        solve_key = (cls, submesh, shape, weight, tuple(sorted(hints.items())))
+        if solve_key not in self._results:
+            start = time.perf_counter()
+            result = solve_intra_op(
+                self.graph,
+                sorted(self.layers[rep]),
+                self.mesh(submesh, shape),
+                self.cluster.device,
+                self.calibration,
+                mode=self.mode,
+                num_micro_batches=self.num_micro_batches,
+                memory_weight=weight,
+                time_limit_s=self.time_limit_s,
+                input_hints=hints,
+                context=self.solve_context(),
+            )
+            self.counter.add(result, time.perf_counter() - start)
+            self._results[solve_key] = result
+            if self.on_solve is not None:
+                self.on_solve()
+        self._layer_results[key] = self._results[solve_key]
+        return self._layer_results[key]
+
+    def spec(
+        self, layer: int, tensor: int, submesh: Submesh, shape: Shape, level: int
+    ) -> ShardSpec | None:
+        """The sharding layer ``layer``'s solution gives ``tensor`` (mapped from its class)."""
+        result = self.result(layer, submesh, shape, level)
+        rep = self.representative[self.layer_class[layer]]
+        position = self._position[layer].get(tensor)
+        if position is None:
+            return None
+        return result.specs.get(self._orders[rep][position])
+
+    def _input_bytes(self, layer: int, submesh: Submesh, shape: Shape, level: int) -> float:
+        """Per-device bytes of the forward activations entering ``layer`` (what a
+        rematerialised layer keeps per in-flight micro-batch)."""
+        mesh = self.mesh(submesh, shape)
+        total = 0.0
+        for tensor, src, dst in self._crossings:
+            if dst != layer or src > dst:
+                continue
+            spec = self.spec(layer, tensor, submesh, shape, level)
+            factor = shard_factor(spec, mesh) if spec is not None else 1
+            total += self.graph.tensors[tensor].nbytes / factor
+        return total
+
+    def solve_context(self) -> SolveContext:
+        """The graph's shared ILP precomputation (created on first use)."""
+        if self._solve_context is None:
+            self._solve_context = SolveContext(self.graph, max_models=32)
+        return self._solve_context
+
+    def drop_solve_context(self) -> None:
+        """Free the ILP precomputation (before pickling this coster to another process)."""
+        self._solve_context = None
+
+    def from_representative(self, layer: int, tensor: int) -> int | None:
+        """The tensor of ``layer`` that plays the role of ``tensor`` in its class' solved layer."""
+        rep = self.representative[self.layer_class[layer]]
+        position = self._position[rep].get(tensor)
+        if position is None or position >= len(self._orders[layer]):
+            return None
+        return self._orders[layer][position]
+
+    def _find_crossings(self) -> list[tuple[int, int, int]]:
+        """(tensor, producer layer, consumer layer) for every tensor used across layers."""
+        producer = self.graph.producers()
+        crossings = set()
+        for op in self.graph.ops:
+            consumer_layer = int(self._layer_of_op[op.id])
+            for tensor in op.inputs:
+                if tensor in producer:
+                    producer_layer = int(self._layer_of_op[producer[tensor]])
+                    if producer_layer != consumer_layer:
+                        crossings.add((tensor, producer_layer, consumer_layer))
+        return sorted(crossings)
+
+    def arrays(self, submesh: Submesh, shape: Shape, level: int) -> MeshLayerArrays:
+        """Per-layer figures on one logical mesh (solving each layer class once)."""
+        key = (submesh, shape, level)
+        if key not in self._arrays:
+            results = [self.result(k, submesh, shape, level) for k in range(self.num_layers)]
+            inner = np.zeros((self.num_layers, self.num_layers))
+            mesh = self.mesh(submesh, shape)
+            for tensor, src, dst in self._crossings:
+                if src < dst:
+                    continue  # charged inside layer dst's ILP (its input hints)
+                src_spec = self.spec(src, tensor, submesh, shape, level)
+                dst_spec = self.spec(dst, tensor, submesh, shape, level)
+                if src_spec is None or dst_spec is None or src_spec == dst_spec:
+                    continue
+                info = self.graph.tensors[tensor]
+                inner[src, dst] += resharding_seconds(
+                    info.shape, info.dtype, src_spec, dst_spec, mesh
+                )
+            compute = np.array([r.compute_seconds for r in results])
+            comm = np.array([r.comm_seconds for r in results])
+            activation = np.array([float(r.activation_bytes) for r in results])
+            transient = np.zeros(self.num_layers)
+            if MEMORY_LEVELS[level].remat:
+                # One more forward: the forward share of the layer's work, by FLOPs.
+                compute = compute * (1 + self._forward_share)
+                comm = comm * (1 + self._forward_share)
+                transient = activation
+                activation = np.array(
+                    [self._input_bytes(k, submesh, shape, level) for k in range(self.num_layers)]
+                )
+            self._arrays[key] = MeshLayerArrays(
+                seconds=compute + comm,
+                compute=compute,
+                comm=comm,
+                update=np.array([r.update_seconds for r in results]),
+                weight=np.array([float(r.weight_bytes) for r in results]),
+                activation=activation,
+                transient=transient,
+                inner_reshard=inner,
+            )
+        return self._arrays[key]
+
+    def boundary_bytes(self) -> np.ndarray:
+        """bytes[k]: bytes crossing the cut before layer k (both directions) per micro-batch."""
+        return self._boundary_bytes
+
+    def transfer_seconds(self, nbytes: float) -> float:
+        """Point-to-point time between two meshes (the slower link when several nodes)."""
+        if nbytes <= 0:
+            return 0.0
+        cluster = self.cluster
+        if cluster.num_nodes > 1:
+            return cluster.inter_node_latency + nbytes / cluster.inter_node_bandwidth
+        return cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
+
+    def crossing_tensors(self, cut: int) -> list[tuple[int, int, int]]:
+        """Crossings (tensor, producer layer, consumer layer) that pass the cut before ``cut``."""
+        return [c for c in self._crossings if min(c[1], c[2]) < cut <= max(c[1], c[2])]
+
+    def evaluate_stage(
+        self,
+        first: int,
+        last: int,
+        submesh: Submesh,
+        shape: Shape,
+        level: int,
+        in_flight: int,
+    ) -> StageEval:
+        """Exact figures of layers first..last (inclusive) as one stage on one mesh."""
+        a = self.arrays(submesh, shape, level)
+        span = slice(first, last + 1)
+        inner = float(a.inner_reshard[span, span].sum())
+        transfer = self.transfer_seconds(self.boundary_bytes()[first]) if first > 0 else 0.0
+        compute = float(a.compute[span].sum())
+        comm = float(a.comm[span].sum()) + inner
+        return StageEval(
+            first=first,
+            last=last,
+            submesh=submesh,
+            shape=shape,
+            level=level,
+            seconds=compute + comm + transfer,
+            compute=compute,
+            comm=comm,
+            transfer=transfer,
+            update=float(a.update[span].sum()),
+            weight_bytes=float(a.weight[span].sum()),
+            activation_bytes=float(a.activation[span].sum()),
+            transient_bytes=float(a.transient[span].max()),
+            in_flight=in_flight,
+        )
+
+    def range_table(self, submesh: Submesh, shape: Shape, level: int) -> tuple[np.ndarray, ...]:
+        """[L, L] tables over ranges i..j: seconds, update, fixed bytes, activation bytes.
+
+        Fixed bytes are the weights plus the largest transient (memory that does not
+        grow with in-flight micro-batches). Entries with j < i are +inf (seconds) or 0.
+        """
+        a = self.arrays(submesh, shape, level)
+        n = self.num_layers
+
+        def ranged(values: np.ndarray) -> np.ndarray:
+            prefix = np.concatenate([[0.0], np.cumsum(values)])
+            table = prefix[None, 1:] - prefix[:-1, None]
+            return np.where(np.triu(np.ones((n, n), dtype=bool)), table, 0.0)
+
+        # Resharding inside a stage: sum of inner[a, b] over i <= a, b <= j, by 2-D prefix sums.
+        cum = np.zeros((n + 1, n + 1))
+        cum[1:, 1:] = a.inner_reshard.cumsum(0).cumsum(1)
+        i = np.arange(n)[:, None]
+        j = np.arange(n)[None, :]
+        inner = cum[j + 1, j + 1] - cum[i, j + 1] - cum[j + 1, i] + cum[i, i]
+        boundary = self.boundary_bytes()
+        transfer = np.array([self.transfer_seconds(boundary[k]) if k else 0.0 for k in range(n)])
+        seconds = ranged(a.compute) + ranged(a.comm) + inner + transfer[:, None]
+        upper = np.triu(np.ones((n, n), dtype=bool))
+        seconds = np.where(upper, seconds, np.inf)
+        # The largest transient of layers i..j: a running maximum along each row.
+        transient = np.maximum.accumulate(
+            np.where(upper, np.broadcast_to(a.transient[None, :], (n, n)), 0.0), axis=1
+        )
+        weight = ranged(a.weight) + np.where(upper, transient, 0.0)
+        return seconds, ranged(a.update), weight, ranged(a.activation)
+
+
+def forward_range(graph: OpGraph, ops: Sequence[int]) -> tuple[int, int]:
+    """[first, last+1) of the forward op ids in a layer."""
+    forward = [o for o in ops if graph.ops[o].phase is Phase.FORWARD]
+    return (min(forward), max(forward) + 1) if forward else (0, 0)

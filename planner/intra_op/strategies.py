@@ -1,0 +1,406 @@
+"""Per-primitive sharding strategies: the rows of Alpa's ILP (paper section 4.2).
+
+A :class:`Strategy` of an op is the spec of each output, the spec each input must
+arrive in, and what running the op that way costs (collectives, compute). Ops fall in
+two families (:func:`op_kind`):
+
+Strategy roots, each an ILP node with its own one-hot variable ``s_v``:
+
+- ``dot_general``: every mesh axis goes to one "slot" (a batch dim, a free dim of the
+  lhs, a free dim of the rhs, a contracting dim) or to none; both axes may take the
+  same slot (split over both, axis 0 major). A split contracting dim leaves partial
+  sums: all-reduce the output over those axes or, as an alternative strategy,
+  reduce-scatter it onto the first unsplit output dim that divides. Among several
+  free (or contracting) dims of one side only those up to the first that the whole
+  mesh divides become slots. For ``x[B,S,H] @ W[H,F]`` with B divisible by the 2 x 2
+  mesh the slots are B, F and H: 16 assignments plus 5 reduce-scatter variants,
+  among them data parallelism "xy->l0", Megatron's column split "y->r0" (W
+  ((), (1,)), output ((), (), (1,))) and row split "y->k0" (all-reduce).
+- ``conv_general_dilated``: the same over the slots N (batch), O (output feature)
+  and I (input feature, contracting); spatial dims are never split.
+- anything else (gather, scatter, sort, iota, ...): replicated, plus "split the batch
+  dim over axis 0 / axis 1 / both" when every output has a batch dim and the op does
+  not name the batch dim as its axis (so it acts elementwise along the batch).
+
+Every other op is a follower (:mod:`alpajob.planner.intra_op.follow`): it copies the strategy
+of one operand and adds no ILP variable.
+
+Compute is the op's roofline time divided by the number of devices that split the
+work (:func:`alpajob.planner.cost.model.op_seconds`); replicated work is charged in
+full on every device. A ``dot_general`` adds the traffic of its operands' shards on each
+device (:func:`alpajob.planner.cost.model.matmul_operand_seconds`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from alpajob.planner.cost.cluster import DeviceSpec
+from alpajob.planner.cost.model import (
+    Calibration,
+    LogicalMesh,
+    all_reduce_seconds,
+    matmul_operand_seconds,
+    op_seconds,
+    reduce_scatter_seconds,
+)
+from alpajob.planner.graph.opgraph import Op, OpGraph, Phase, Tensor
+from alpajob.planner.intra_op.sharding import ShardSpec, replicated, shard_factor, tensor_bytes
+
+
+class OpKind(StrEnum):
+    """How an op takes part in the ILP."""
+
+    DOT = "dot"  # root: dot_general slots
+    CONV = "conv"  # root: conv_general_dilated slots
+    OTHER = "other"  # root: replicated or batch-split
+    ELEMENTWISE = "elementwise"  # follower, same shape
+    BROADCAST = "broadcast"  # follower via broadcast_dimensions
+    TRANSPOSE = "transpose"  # follower via permutation
+    RESHAPE = "reshape"  # follower via dimension groups
+    RESIZE = "resize"  # follower; resized (or scanned) dims replicated
+    REDUCE = "reduce"  # follower; split reduced dims all-reduced
+
+    @property
+    def is_follower(self) -> bool:
+        """Whether ops of this kind copy an operand's strategy instead of owning one."""
+        return self not in (OpKind.DOT, OpKind.CONV, OpKind.OTHER)
+
+
+_ELEMENTWISE = frozenset(
+    {
+        "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2",
+        "atanh", "cbrt", "ceil", "clamp", "conj", "convert_element_type", "copy", "copy_p",
+        "cos", "cosh", "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2",
+        "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lgamma",
+        "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not",
+        "or", "population_count", "pow", "real", "reduce_precision", "rem", "round", "rsqrt",
+        "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign",
+        "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor",
+    }
+)
+_RESHAPE = frozenset({"reshape", "squeeze", "expand_dims"})
+_RESIZE = frozenset(
+    {
+        "slice", "pad", "concatenate", "dynamic_slice", "dynamic_update_slice", "rev",
+        "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+    }
+)
+_REDUCE = frozenset(
+    {
+        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+        "argmax", "argmin",
+    }
+)
+#: Op params that name the dimensions an op works along.
+_AXIS_PARAMS = ("axis", "axes", "dimension", "dimensions")
+
+
+def named_dims(op: Op) -> set[int]:
+    """The dims an op's params name as its working axes (``axes=(1,)``, ``axis=0``...)."""
+    return set().union(*(_int_values(op.param(p)) for p in _AXIS_PARAMS))
+
+
+def op_kind(primitive: str) -> OpKind:
+    """The :class:`OpKind` of a primitive (unknown primitives are ``OTHER``)."""
+    if primitive == "dot_general":
+        return OpKind.DOT
+    if primitive == "conv_general_dilated":
+        return OpKind.CONV
+    if primitive in _ELEMENTWISE:
+        return OpKind.ELEMENTWISE
+    if primitive == "broadcast_in_dim":
+        return OpKind.BROADCAST
+    if primitive == "transpose":
+        return OpKind.TRANSPOSE
+    if primitive in _RESHAPE:
+        return OpKind.RESHAPE
+    if primitive in _RESIZE:
+        return OpKind.RESIZE
+    if primitive in _REDUCE:
+        return OpKind.REDUCE
+    return OpKind.OTHER
+
+
+class CollectiveKind(StrEnum):
+    """A collective an op's strategy performs."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a strategy: over ``axes``, ``nbytes`` per device group."""
+
+    kind: CollectiveKind
+    axes: tuple[int, ...]
+    nbytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op: specs out and in, and what it costs (seconds)."""
+
+    name: str
+    output_specs: tuple[ShardSpec, ...]
+    input_specs: tuple[ShardSpec, ...]
+    comm_seconds: float
+    compute_seconds: float
+    collectives: tuple[Collective, ...] = ()
+
+
+def _int_values(value: Any) -> set[int]:
+    """All ints inside a (nested) op param value."""
+    if isinstance(value, bool):
+        return set()
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, (tuple, list)):
+        return set().union(*(_int_values(v) for v in value)) if value else set()
+    return set()
+
+
+def _op_dtype(op: Op, graph: OpGraph) -> str:
+    if op.primitive in ("dot_general", "conv_general_dilated") and op.inputs:
+        return graph.tensor(op.inputs[0]).dtype
+    ids = op.outputs or op.inputs
+    return graph.tensor(ids[0]).dtype if ids else "float32"
+
+
+def op_base_seconds(
+    op: Op, graph: OpGraph, device: DeviceSpec, calibration: Calibration
+) -> float:
+    """Roofline seconds of ``op`` on one device, unsharded (the optimizer update's
+    ops with the calibration's ``update_fused_memory_fraction``)."""
+    fused = calibration.update_fused_memory_fraction if op.phase is Phase.UPDATE else None
+    return op_seconds(
+        op.primitive, op.flops, op.bytes_accessed, _op_dtype(op, graph), device, calibration,
+        fused,
+    )
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A dimension class of a dot or conv: its dim in lhs, rhs and output, and size."""
+
+    label: str
+    lhs: int | None
+    rhs: int | None
+    out: int | None
+    size: int
+
+
+def _slot_strategies(
+    slots: Sequence[_Slot],
+    lhs: Tensor,
+    rhs: Tensor,
+    out: Tensor,
+    mesh: LogicalMesh,
+    base: float,
+    operand_byte_seconds: float = 0.0,
+) -> list[Strategy]:
+    """Every assignment of the active mesh axes to slots (or none), as strategies.
+
+    Each device's compute is ``base`` over the devices that split it, plus
+    ``operand_byte_seconds`` per byte of its lhs and rhs shards.
+    """
+    active = mesh.active_axes
+    strategies = []
+    for choice in itertools.product(range(-1, len(slots)), repeat=len(active)):
+        slot_axes: list[list[int]] = [[] for _ in slots]
+        for k, s in zip(active, choice, strict=True):
+            if s >= 0:
+                slot_axes[s].append(k)
+        if any(slot.size % mesh.size_of(axes) for slot, axes in zip(slots, slot_axes, strict=True)):
+            continue
+        lhs_spec: list[tuple[int, ...]] = [()] * len(lhs.shape)
+        rhs_spec: list[tuple[int, ...]] = [()] * len(rhs.shape)
+        out_spec: list[tuple[int, ...]] = [()] * len(out.shape)
+        contract: list[int] = []
+        used: list[int] = []
+        names = []
+        for slot, axes in zip(slots, slot_axes, strict=True):
+            if not axes:
+                continue
+            names.append(f"{''.join(mesh.axis_names[k] for k in axes)}->{slot.label}")
+            used.extend(axes)
+            if slot.lhs is not None:
+                lhs_spec[slot.lhs] = tuple(axes)
+            if slot.rhs is not None:
+                rhs_spec[slot.rhs] = tuple(axes)
+            if slot.out is None:
+                contract.extend(axes)
+            else:
+                out_spec[slot.out] = tuple(axes)
+        name = ",".join(names) or "replicated"
+        inputs = (tuple(lhs_spec), tuple(rhs_spec))
+        compute = base / mesh.size_of(used)
+        if operand_byte_seconds:
+            compute += operand_byte_seconds * (
+                tensor_bytes(lhs.shape, lhs.dtype) / shard_factor(inputs[0], mesh)
+                + tensor_bytes(rhs.shape, rhs.dtype) / shard_factor(inputs[1], mesh)
+            )
+        out_t = tuple(out_spec)
+        if not contract:
+            strategies.append(Strategy(name, (out_t,), inputs, 0.0, compute))
+            continue
+        contract_axes = tuple(sorted(contract))
+        group_bytes = tensor_bytes(out.shape, out.dtype) / shard_factor(out_t, mesh)
+        seconds = all_reduce_seconds(mesh, contract_axes, group_bytes)
+        reduce = Collective(CollectiveKind.ALL_REDUCE, contract_axes, group_bytes, seconds)
+        strategies.append(Strategy(name, (out_t,), inputs, seconds, compute, (reduce,)))
+        # Reduce-scatter variant: scatter onto the first free output dim that divides.
+        free = [
+            d
+            for d, size in enumerate(out.shape)
+            if not out_spec[d] and size % mesh.size_of(contract_axes) == 0
+        ]
+        for d in free[:1]:
+            scattered = list(out_spec)
+            scattered[d] = contract_axes
+            rs_seconds = reduce_scatter_seconds(mesh, contract_axes, group_bytes)
+            scatter = Collective(
+                CollectiveKind.REDUCE_SCATTER, contract_axes, group_bytes, rs_seconds
+            )
+            strategies.append(
+                Strategy(
+                    f"{name},rs->out{d}",
+                    (tuple(scattered),),
+                    inputs,
+                    rs_seconds,
+                    compute,
+                    (scatter,),
+                )
+            )
+    return strategies
+
+
+def _leading(dims: Sequence[int], shape: Sequence[int], devices: int) -> list[int]:
+    """The dims up to the first one that all ``devices`` can split."""
+    kept = []
+    for d in dims:
+        kept.append(d)
+        if shape[d] % devices == 0:
+            break
+    return kept
+
+
+def _dot_slots(op: Op, lhs: Tensor, rhs: Tensor, mesh: LogicalMesh) -> list[_Slot]:
+    """Slots of a dot. Every batch dim is a slot (heads and batch both matter); among
+    the free dims of one side, and among the contracting dims, only those up to the
+    first that the whole mesh divides: ``x[B, S, H]`` with B divisible offers B but
+    not S (what S could do, B does as well, and S-splits would blow up the ILP)."""
+    lc, rc = op.param("contracting", ((), ()))
+    lb, rb = op.param("batch", ((), ()))
+    lf = [d for d in range(len(lhs.shape)) if d not in lc and d not in lb]
+    rf = [d for d in range(len(rhs.shape)) if d not in rc and d not in rb]
+    devices = mesh.size_of(mesh.active_axes)
+    slots = [_Slot(f"b{i}", lb[i], rb[i], i, lhs.shape[lb[i]]) for i in range(len(lb))]
+    for j in _leading(range(len(lf)), [lhs.shape[d] for d in lf], devices):
+        slots.append(_Slot(f"l{j}", lf[j], None, len(lb) + j, lhs.shape[lf[j]]))
+    offset = len(lb) + len(lf)
+    for j in _leading(range(len(rf)), [rhs.shape[d] for d in rf], devices):
+        slots.append(_Slot(f"r{j}", None, rf[j], offset + j, rhs.shape[rf[j]]))
+    for j in _leading(range(len(lc)), [lhs.shape[d] for d in lc], devices):
+        slots.append(_Slot(f"k{j}", lc[j], rc[j], None, lhs.shape[lc[j]]))
+    return slots
+
+
+def _conv_slots(op: Op, lhs: Tensor, rhs: Tensor, out: Tensor) -> list[_Slot]:
+    # extract spreads ConvDimensionNumbers into lhs_spec / rhs_spec / out_spec
+    # ((batch, feature, spatial...), (out feature, in feature, spatial...), ...).
+    default = tuple(range(len(lhs.shape)))
+    numbers = op.param("dimension_numbers")
+    if numbers is not None and len(numbers) == 3:
+        lhs_spec, rhs_spec, out_spec = numbers
+    else:
+        lhs_spec = op.param("lhs_spec", default)
+        rhs_spec = op.param("rhs_spec", default)
+        out_spec = op.param("out_spec", default)
+    slots = []
+    if op.param("batch_group_count", 1) == 1:
+        slots.append(_Slot("N", lhs_spec[0], None, out_spec[0], lhs.shape[lhs_spec[0]]))
+        if op.param("feature_group_count", 1) == 1:
+            slots.append(_Slot("O", None, rhs_spec[0], out_spec[1], rhs.shape[rhs_spec[0]]))
+            slots.append(_Slot("I", lhs_spec[1], rhs_spec[1], None, lhs.shape[lhs_spec[1]]))
+    return slots
+
+
+def _other_strategies(op: Op, graph: OpGraph, mesh: LogicalMesh, base: float) -> list[Strategy]:
+    ins = [graph.tensor(t) for t in op.inputs]
+    outs = [graph.tensor(t) for t in op.outputs]
+    rep = Strategy(
+        "replicated",
+        tuple(replicated(len(t.shape)) for t in outs),
+        tuple(replicated(len(t.shape)) for t in ins),
+        0.0,
+        base,
+    )
+    strategies = [rep]
+    named = named_dims(op)
+    safe = (
+        bool(outs)
+        and all(t.batch_dim is not None for t in outs)
+        and (not ins or any(t.batch_dim is not None for t in ins))
+        and not any(t.batch_dim in named for t in ins + outs)
+    )
+    if not safe:
+        return strategies
+    active = mesh.active_axes
+    options = [(k,) for k in active] + ([tuple(active)] if len(active) > 1 else [])
+    for axes in options:
+        factor = mesh.size_of(axes)
+
+        def split(t: Tensor, axes: tuple[int, ...] = axes) -> ShardSpec:
+            spec: list[tuple[int, ...]] = [()] * len(t.shape)
+            if t.batch_dim is not None:
+                spec[t.batch_dim] = axes
+            return tuple(spec)
+
+        if any(t.batch_dim is not None and t.shape[t.batch_dim] % factor for t in ins + outs):
+            continue
+        label = "".join(mesh.axis_names[k] for k in axes)
+        strategies.append(
+            Strategy(
+                f"{label}->batch",
+                tuple(split(t) for t in outs),
+                tuple(split(t) for t in ins),
+                0.0,
+                base / factor,
+            )
+        )
+    return strategies
+
+
+def op_strategies(
+    op: Op,
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    device: DeviceSpec,
+    calibration: Calibration,
+) -> tuple[Strategy, ...]:
+    """The strategies of a root op (``dot_general``, ``conv_general_dilated``, other).
+
+    Replicated is always among them, so every op has at least one strategy.
+    """
+    kind = op_kind(op.primitive)
+    base = op_base_seconds(op, graph, device, calibration)
+    if kind is OpKind.DOT and len(op.inputs) == 2 and len(op.outputs) == 1:
+        lhs, rhs = graph.tensor(op.inputs[0]), graph.tensor(op.inputs[1])
+        out = graph.tensor(op.outputs[0])
+        slots = _dot_slots(op, lhs, rhs, mesh)
+        # Once per execution: a dot inside a scan runs (and pays) once per trip.
+        per_byte = matmul_operand_seconds(1.0, device, calibration) * op.multiplier
+        return tuple(_slot_strategies(slots, lhs, rhs, out, mesh, base, per_byte))
+    if kind is OpKind.CONV and len(op.inputs) == 2 and len(op.outputs) == 1:
+        lhs, rhs = graph.tensor(op.inputs[0]), graph.tensor(op.inputs[1])
+        out = graph.tensor(op.outputs[0])
+        slots = _conv_slots(op, lhs, rhs, out)
+        return tuple(_slot_strategies(slots, lhs, rhs, out, mesh, base))
+    return tuple(_other_strategies(op, graph, mesh, base))

@@ -1,0 +1,217 @@
+"""Turn the winning candidate into the Plan document (contract 2).
+
+Reads every decision back out of the per-layer ILP solutions: the PartitionSpec of each
+parameter, of each tensor entering or leaving a stage and of the output of each forward
+op the trainer pins (``PINNED_PRIMITIVES``), which parameters got
+weight-update sharding, and the cross-mesh resharding tasks between stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from alpajob.api.plan import (
+    PINNED_PRIMITIVES,
+    LayerInfo,
+    ModelInfo,
+    PinnedOp,
+    Plan,
+    ReshardingTask,
+    SolverStats,
+    SpecEntry,
+    StagePlan,
+)
+from alpajob.planner.cost.cluster import ClusterSpec
+from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole
+from alpajob.planner.inter_op.schedules import bubble_fraction
+from alpajob.planner.inter_op.search import Candidate, CostContext
+from alpajob.planner.inter_op.stage_costs import LayerCoster, StageEval, forward_range
+from alpajob.planner.inter_op.stage_dp import assign_submeshes
+from alpajob.planner.intra_op.sharding import ShardSpec, to_partition_spec
+
+AXIS_NAMES = ("x", "y")
+
+
+def _spec_json(spec: ShardSpec | None, ndim: int) -> list[SpecEntry]:
+    if spec is None:
+        return [None] * ndim
+    out: list[SpecEntry] = []
+    for entry in to_partition_spec(spec, AXIS_NAMES):
+        out.append(list(entry) if isinstance(entry, tuple) else entry)
+    return out
+
+
+def _layer_of_tensor_use(coster: LayerCoster, graph: OpGraph, stage: StageEval) -> dict[int, int]:
+    """For each tensor some op of the stage reads or writes, the first such layer."""
+    seen: dict[int, int] = {}
+    for layer in range(stage.first, stage.last + 1):
+        for op_id in coster.layers[layer]:
+            op = graph.ops[op_id]
+            for tensor in (*op.inputs, *op.outputs):
+                seen.setdefault(tensor, layer)
+    return seen
+
+
+def _stage_plan(
+    index: int,
+    stage: StageEval,
+    slots: list[tuple[int, int]],
+    coster: LayerCoster,
+    graph: OpGraph,
+) -> StagePlan:
+    def spec_of(tensor: int, layer: int) -> list[SpecEntry]:
+        spec = coster.spec(layer, tensor, stage.submesh, stage.shape, stage.level)
+        return _spec_json(spec, len(graph.tensors[tensor].shape))
+
+    used = _layer_of_tensor_use(coster, graph, stage)
+    names = dict(zip(graph.params, graph.param_names or [str(p) for p in graph.params], strict=False))
+    params = {names[t]: spec_of(t, layer) for t, layer in used.items()
+              if graph.tensors[t].role is TensorRole.PARAM and t in names}
+    batch = {str(k): spec_of(t, used[t]) for k, t in enumerate(graph.batch) if t in used}
+    inputs = {}
+    for tensor, _src, dst in coster.crossing_tensors(stage.first):
+        if stage.first <= dst <= stage.last:
+            inputs[str(tensor)] = spec_of(tensor, dst)
+    outputs = {}
+    for tensor, src, _dst in coster.crossing_tensors(stage.last + 1):
+        if stage.first <= src <= stage.last:
+            outputs[str(tensor)] = spec_of(tensor, src)
+    pinned = []
+    for layer in range(stage.first, stage.last + 1):
+        for op_id in coster.layers[layer]:
+            op = graph.ops[op_id]
+            if op.phase is Phase.FORWARD and op.primitive in PINNED_PRIMITIVES and len(op.outputs) == 1:
+                out = op.outputs[0]
+                pinned.append(PinnedOp(op=op_id, primitive=op.primitive,
+                                       shape=list(graph.tensors[out].shape), sharding=spec_of(out, layer)))
+    pinned.sort(key=lambda p: p.op)
+    wus: set[str] = set()
+    for layer in range(stage.first, stage.last + 1):
+        result = coster.result(layer, stage.submesh, stage.shape, stage.level)
+        for tensor in result.weight_update_sharded:
+            own = coster.from_representative(layer, tensor)
+            if own is not None and own in names:
+                wus.add(names[own])
+    return StagePlan(
+        index=index,
+        layers=(stage.first, stage.last + 1),
+        submesh_shape=stage.submesh,
+        device_slots=slots,
+        logical_mesh_shape=stage.shape,
+        axis_names=AXIS_NAMES,
+        predicted_seconds=stage.seconds,
+        compute_seconds=stage.compute,
+        communication_seconds=stage.comm + stage.transfer,
+        update_seconds=stage.update,
+        peak_memory_bytes=stage.peak_memory,
+        weight_bytes=stage.weight_bytes,
+        activation_bytes=stage.activation_bytes,
+        in_flight_micro_batches=stage.in_flight,
+        rematerialize=stage.remat,
+        param_shardings=params,
+        input_shardings=inputs,
+        output_shardings=outputs,
+        batch_shardings=batch,
+        weight_update_sharded=sorted(wus),
+        pinned_ops=pinned,
+    )
+
+
+def _resharding(coster: LayerCoster, graph: OpGraph, stages: Sequence[StageEval]) -> list[ReshardingTask]:
+    """One task per tensor crossing between two consecutive stages."""
+    tasks = []
+    stage_of_layer = {}
+    for index, stage in enumerate(stages):
+        for layer in range(stage.first, stage.last + 1):
+            stage_of_layer[layer] = index
+    for stage in stages[1:]:
+        for tensor, src, dst in coster.crossing_tensors(stage.first):
+            src_stage, dst_stage = stage_of_layer[src], stage_of_layer[dst]
+            if src_stage == dst_stage:
+                continue
+            s, d = stages[src_stage], stages[dst_stage]
+            src_spec = coster.spec(src, tensor, s.submesh, s.shape, s.level)
+            dst_spec = coster.spec(dst, tensor, d.submesh, d.shape, d.level)
+            info = graph.tensors[tensor]
+            dst_json = _spec_json(dst_spec, len(info.shape))
+            replicated_dst = all(e is None for e in dst_json)
+            tasks.append(
+                ReshardingTask(
+                    src_stage=src_stage,
+                    dst_stage=dst_stage,
+                    tensor=tensor,
+                    direction="forward" if src < dst else "backward",
+                    shape=list(info.shape),
+                    dtype=info.dtype,
+                    bytes=info.nbytes,
+                    src_sharding=_spec_json(src_spec, len(info.shape)),
+                    dst_sharding=dst_json,
+                    # Alpa's cross-mesh resharding: send each needed tile once; a
+                    # replicated destination gets one copy and all-gathers locally.
+                    strategy="send-once+local-allgather" if replicated_dst else "send-tiles",
+                    predicted_seconds=coster.transfer_seconds(info.nbytes),
+                )
+            )
+    return tasks
+
+
+def assemble_plan(
+    *,
+    method: str,
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    context: CostContext,
+    candidate: Candidate,
+    solver: SolverStats,
+    baselines: dict[str, float | None] | None,
+) -> Plan:
+    """The Plan document for ``candidate`` (costed in ``context``)."""
+    coster = context.coster(candidate.num_micro_batches, candidate.mode)
+    micro = coster.graph
+    slots = assign_submeshes(
+        [s.submesh for s in candidate.stages], cluster.num_nodes, cluster.devices_per_node
+    )
+    stages = [
+        _stage_plan(i, stage, [tuple(x) for x in slots[i]], coster, micro)  # type: ignore[misc]
+        for i, stage in enumerate(candidate.stages)
+    ]
+    layers = []
+    for index, ops in enumerate(context.layers):
+        param_bytes = sum(
+            graph.tensors[t].nbytes
+            for t in {t for o in ops for t in graph.ops[o].inputs}
+            if graph.tensors[t].role is TensorRole.PARAM
+        )
+        layers.append(
+            LayerInfo(
+                index=index,
+                forward_ops=forward_range(graph, ops),
+                num_ops=len(ops),
+                flops=float(sum(graph.ops[o].flops for o in ops)),
+                param_bytes=param_bytes,
+            )
+        )
+    dtypes = {graph.tensors[t].dtype for t in graph.params}
+    return Plan(
+        method=method,
+        model=ModelInfo(
+            name=graph.name,
+            fingerprint=graph.fingerprint(),
+            num_parameters=graph.num_parameters,
+            flops_per_step=graph.total_flops,
+            dtype=sorted(dtypes)[0] if dtypes else "float32",
+            num_ops=len(graph.ops),
+        ),
+        cluster=cluster.to_dict(),
+        global_batch_size=graph.batch_size,
+        num_micro_batches=candidate.num_micro_batches,
+        schedule=context.schedule.value,
+        layers=layers,
+        stages=stages,
+        resharding=_resharding(coster, micro, candidate.stages),
+        predicted_step_seconds=candidate.step_seconds,
+        predicted_pflops=graph.total_flops / candidate.step_seconds / 1e15,
+        bubble_fraction=bubble_fraction(len(candidate.stages), candidate.num_micro_batches),
+        solver=solver,
+        baselines=baselines,
+    )

@@ -1,0 +1,436 @@
+"""``make_plan``: the planner's one public entry, from an op graph and a cluster to a Plan.
+
+Steps: cluster the forward ops into layers (eq. 6), then, by ``spec.parallelism.method``:
+
+- auto: the inter-op DP for every micro-batch count (each stage costed by the intra-op
+  ILP); the Megatron-style grid, data parallel, ZeRO-2 and the single-stage ILP plan
+  are costed too, and the fastest candidate wins. The DP's search space contains
+  them; they guard against its approximations (layers solved one at a time, so
+  gradients flowing back between two layers may be resharded where one stage-wide
+  ILP would have agreed on their layout). Each candidate carries its name, so the
+  plan's ``solver.winner`` says which one won.
+- pipeshard: the DP, forbidding the single-stage plan;
+- shard: one stage on the whole cluster, sharding by the ILP;
+- data / zero2: one stage, data parallel (with sharded optimizer for zero2);
+- manual: the user's stages (layer ranges and submeshes), logical meshes picked by us.
+
+No candidate fitting memory raises :class:`InfeasibleError` with the smallest memory
+per device any plan would need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import multiprocessing
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from alpajob.api.errors import InfeasibleError, ManifestError
+from alpajob.api.options import PlanOptions
+from alpajob.api.plan import Plan, SolverStats
+from alpajob.api.spec import Method, ParallelismSpec, Schedule
+from alpajob.planner.cost.cluster import ClusterSpec
+from alpajob.planner.cost.model import Calibration, load_calibration
+from alpajob.planner.graph.opgraph import OpGraph
+from alpajob.planner.inter_op.clustering import cluster_layers, default_num_layers
+from alpajob.planner.inter_op.search import (
+    Candidate,
+    CostContext,
+    Progress,
+    StageRequest,
+    best_of,
+    dp_candidate,
+    evaluate_stages,
+    micro_batch_candidates,
+)
+from alpajob.planner.inter_op.stage_costs import MEMORY_LEVELS, SolveCounter
+from alpajob.planner.intra_op.solve import ShardingMode
+from alpajob.planner.plan.baselines import (
+    all_baselines,
+    data_parallel,
+    megatron_grid,
+    whole_cluster,
+)
+
+GIB = 1024**3
+
+#: Micro-batch counts searched first; larger ones only when no plan fits memory.
+USUAL_MICRO_BATCHES = 64
+
+
+@dataclass(frozen=True)
+class ManualStageOption:
+    """A manual stage: layers [first, end) on a submesh (n nodes x m devices)."""
+
+    first: int
+    end: int
+    submesh: tuple[int, int]
+    logical_shape: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the planner searches (``spec.parallelism`` plus tuning knobs); made from a
+    spec by :func:`search_options`.
+
+    memory_fraction: share of device memory a plan may use (the rest is left to XLA's
+        workspace and fragmentation); 0.9 by default.
+    ilp_time_limit_s: time limit of each intra-op ILP solve, in seconds.
+    max_micro_batches: largest number of micro-batches tried (powers of two); counts
+        above 64 are only tried when no plan fits with fewer.
+    calibration: the cost model's constants; None (the default) takes the cluster
+        preset's stored ones (``data/calibration.json``). ``calibrate_cpu.py`` passes
+        trial values to fit them.
+    """
+
+    method: Method = Method.AUTO
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    num_micro_batches: int | None = None
+    num_layers: int | None = None
+    manual_stages: tuple[ManualStageOption, ...] = ()
+    memory_fraction: float = 0.9
+    ilp_time_limit_s: float = 10.0
+    max_micro_batches: int = 1024
+    baselines: bool = False
+    calibration: Calibration | None = None
+
+    def __post_init__(self) -> None:
+        # Accept the manifest's strings ("shard", "gpipe") as well as the enums.
+        object.__setattr__(self, "method", Method(self.method))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+def search_options(parallelism: ParallelismSpec, options: PlanOptions | None = None) -> SearchOptions:
+    """The search ``spec.parallelism`` asks for, with the overrides of ``options``
+    (``--method``, ``--ilp-time-limit``, ``--baselines``)."""
+    options = options or PlanOptions()
+    manual = tuple(ManualStageOption(s.first, s.end, s.submesh_shape, s.logical_mesh_shape)
+                   for s in parallelism.manual_stages)
+    num_layers = None if parallelism.num_layers == "auto" else int(parallelism.num_layers)
+    if manual and num_layers is None:
+        num_layers = max(s.end for s in manual)
+    count = parallelism.num_micro_batches
+    return SearchOptions(
+        method=options.method or parallelism.method,
+        schedule=parallelism.schedule,
+        num_micro_batches=None if count == "auto" else int(count),
+        num_layers=num_layers,
+        manual_stages=manual,
+        ilp_time_limit_s=options.ilp_time_limit,
+        baselines=options.baselines,
+    )
+
+
+@dataclass(frozen=True)
+class PlanningResult:
+    """The plan and, when asked for, every baseline's best candidate."""
+
+    plan: Plan
+    candidate: Candidate
+    baselines: dict[str, Candidate | None]
+    context: CostContext  # the ILP cache, for costing more candidates without re-solving
+
+
+def _validate_manual(
+    stages: Sequence[ManualStageOption], num_layers: int, cluster: ClusterSpec
+) -> list[StageRequest]:
+    field = "spec.parallelism.stages"
+    expected = 0
+    devices = 0
+    requests = []
+    for index, stage in enumerate(stages):
+        where = f"{field}[{index}]"
+        if stage.first != expected:
+            raise ManifestError(
+                f"{where}.layers",
+                f"starts at layer {stage.first} but the previous stage ended at {expected}; "
+                f"stages must cover layers 0..{num_layers - 1} contiguously",
+            )
+        if stage.end > num_layers:
+            raise ManifestError(
+                f"{where}.layers",
+                f"ends at {stage.end} but the model has {num_layers} layers "
+                "(set spec.parallelism.numLayers to change the layer count)",
+            )
+        n, m = stage.submesh
+        M = cluster.devices_per_node
+        if n < 1 or m < 1 or n > cluster.num_nodes or m > M or (n > 1 and m != M) or M % m:
+            raise ManifestError(
+                f"{where}.submeshShape",
+                f"[{n}, {m}] is not a submesh of a {cluster.num_nodes} x {M} cluster; use "
+                f"[1, m] with m dividing {M}, or [n, {M}] with n ≤ {cluster.num_nodes}",
+            )
+        shape = stage.logical_shape
+        if shape is not None and shape[0] * shape[1] != n * m:
+            raise ManifestError(
+                f"{where}.logicalMeshShape",
+                f"{list(shape)} has {shape[0] * shape[1]} devices but the submesh has {n * m}",
+            )
+        devices += n * m
+        expected = stage.end
+        requests.append(StageRequest(stage.first, stage.end - 1, (n, m), shape))
+    if expected != num_layers:
+        raise ManifestError(
+            field, f"stages cover layers 0..{expected - 1} but the model has {num_layers} layers"
+        )
+    if devices > cluster.num_devices:
+        raise ManifestError(
+            field, f"stages use {devices} devices but the cluster has {cluster.num_devices}"
+        )
+    return requests
+
+
+def _memory_error(context: CostContext, micro_batches: Sequence[int], method: Method) -> InfeasibleError:
+    """The smallest memory per device any single-stage plan on the whole cluster needs."""
+    submesh, _ = whole_cluster(context)
+    count = max(micro_batches)
+    coster = context.coster(count, ShardingMode.AUTO)
+    level = len(MEMORY_LEVELS) - 1
+    required = min(
+        coster.evaluate_stage(0, coster.num_layers - 1, submesh, shape, level, 1).peak_memory
+        for shape in context.shapes(submesh)
+    )
+    available = context.memory_budget
+    cluster = context.cluster
+    if required > available:
+        return InfeasibleError(
+            f"the model does not fit: even fully sharded over all {cluster.num_devices} devices "
+            f"it needs {required / GIB:.2f} GiB per device, and each {cluster.device.name} "
+            f"offers {available / GIB:.2f} GiB (device memory x memory fraction); use more "
+            "or larger GPUs (spec.cluster), a smaller model, or float16/bfloat16",
+            required_bytes=required,
+            available_bytes=available,
+        )
+    return InfeasibleError(
+        f"no {method.value} plan fits in {available / GIB:.2f} GiB per device (the model needs "
+        f"at least {required / GIB:.2f} GiB per device fully sharded); try "
+        "spec.parallelism.method: auto",
+        required_bytes=required,
+        available_bytes=available,
+    )
+
+
+def _candidates_at(
+    context: CostContext, count: int, method: Method, manual: Sequence[StageRequest]
+) -> list[Candidate | None]:
+    """Every candidate the method considers with ``count`` micro-batches."""
+    found: list[Candidate | None] = []
+    last = len(context.layers) - 1
+    if method in (Method.AUTO, Method.PIPESHARD):
+        found.append(
+            dp_candidate(context, count, min_stages=2 if method is Method.PIPESHARD else 1)
+        )
+    if method is Method.AUTO:
+        found.append(megatron_grid(context, [count]))
+        found.append(data_parallel(context, [count], ShardingMode.DATA))
+        found.append(data_parallel(context, [count], ShardingMode.ZERO2))
+    if method in (Method.AUTO, Method.SHARD):
+        submesh, _ = whole_cluster(context)
+        found.append(evaluate_stages(context, [StageRequest(0, last, submesh)], count,
+                                     ShardingMode.AUTO, "shard"))
+    if method is Method.DATA:
+        found.append(data_parallel(context, [count], ShardingMode.DATA))
+    if method is Method.ZERO2:
+        found.append(data_parallel(context, [count], ShardingMode.ZERO2))
+    if method is Method.MANUAL and (count >= len(manual) or len(manual) == 1):
+        found.append(evaluate_stages(context, manual, count, ShardingMode.AUTO, "manual"))
+    return found
+
+
+def _worker(
+    context: CostContext, method: Method, manual: Sequence[StageRequest], count: int
+) -> tuple[list[Candidate | None], dict, SolveCounter]:
+    """One micro-batch count, in a worker process: its candidates, the ILP caches it
+    filled (so the parent can assemble the plan and cost baselines without re-solving),
+    and its solver tally."""
+    found = _candidates_at(context, count, method, manual)
+    costers = {}
+    for key, coster in context.costers().items():
+        coster.on_solve = None
+        coster.drop_solve_context()
+        coster.counter = SolveCounter()
+        costers[key] = coster
+    return found, costers, context.counter
+
+
+def _search(
+    context: CostContext,
+    micro_batches: Sequence[int],
+    method: Method,
+    manual: Sequence[StageRequest],
+) -> list[Candidate | None]:
+    """Candidates for every micro-batch count, in parallel processes where it pays.
+
+    Micro-batch counts are independent (each has its own ILPs), so with several cores
+    each count is planned in a worker process (``forkserver``: a clean process, never
+    a fork of this multithreaded one, which has JAX loaded); the workers' ILP caches
+    and tallies are merged back into ``context``.
+    """
+    workers = min(len(micro_batches), os.cpu_count() or 1)
+    if workers < 2:
+        found: list[Candidate | None] = []
+        for count in micro_batches:
+            found += _candidates_at(context, count, method, manual)
+        return found
+    progress = context.progress
+    quiet = dataclasses.replace(context, progress=None, counter=SolveCounter())
+    quiet.reset_costers()
+    job = functools.partial(_worker, quiet, method, manual)
+    found = []
+    with multiprocessing.get_context("forkserver").Pool(workers) as pool:
+        for done, (candidates, costers, counter) in enumerate(
+            pool.imap_unordered(job, micro_batches), start=1
+        ):
+            found += candidates
+            context.adopt(costers, counter)
+            if progress is not None:
+                progress(f"planned {done}/{len(micro_batches)} micro-batch counts",
+                         context.counter.solves, None)
+    return found
+
+
+def _coarse_to_fine(
+    context: CostContext,
+    micro_batches: Sequence[int],
+    method: Method,
+    manual: Sequence[StageRequest],
+) -> list[Candidate | None]:
+    """Search micro-batch counts coarsely (every other power of two up to
+    :data:`USUAL_MICRO_BATCHES`, that one included), then the neighbours of the best
+    count found (a round of work fewer than all). Larger counts are tried, one at a
+    time up to ``max_micro_batches``, only when nothing fits, or while the best plan
+    rematerialises and doubling the count still improves it.
+
+    Step time as a function of B is unimodal in practice (the pipeline bubble shrinks
+    as B grows, while per-micro-batch overheads such as collective latencies grow), so
+    the neighbours of the coarse optimum hold the optimum.
+    Example: 1..64 -> first 1, 4, 16, 64; best 16 -> then 8 and 32.
+    """
+    counts = sorted(micro_batches)
+    if len(counts) <= 3:
+        return _search(context, counts, method, manual)
+    usual = [c for c in counts if c <= USUAL_MICRO_BATCHES] or counts
+    coarse = sorted({*usual[::2], usual[-1]})
+    found = _search(context, coarse, method, manual)
+    best = best_of(found)
+    for count in counts:
+        # Nothing fits: more, smaller micro-batches hold less activation memory.
+        if best is not None:
+            break
+        if count > coarse[-1]:
+            found += _search(context, [count], method, manual)
+            best = best_of(found)
+    if best is None:
+        return found
+    position = counts.index(best.num_micro_batches)
+    near = [counts[k] for k in (position - 1, position + 1)
+            if 0 <= k < len(counts) and counts[k] not in coarse]
+    found += _search(context, near, method, manual) if near else []
+    # A rematerialising plan may do better with more, smaller micro-batches that fit
+    # without recomputation: keep doubling while that improves the best plan.
+    best = best_of(found) or best
+    tried = {c.num_micro_batches for c in found if c is not None} | set(coarse) | set(near)
+    while any(stage.remat for stage in best.stages):
+        larger = [c for c in counts if c > best.num_micro_batches and c not in tried]
+        if not larger:
+            break
+        tried.add(larger[0])
+        found += _search(context, larger[:1], method, manual)
+        improved = best_of(found)
+        if improved is None or improved is best:
+            break
+        best = improved
+    return found
+
+
+def make_plan(
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    options: SearchOptions,
+    progress: Progress | None = None,
+    extract_seconds: float = 0.0,
+) -> PlanningResult:
+    """Plan ``graph`` (traced at the global batch) on ``cluster``."""
+    from alpajob.planner.plan.assemble import assemble_plan  # late: assemble imports inter_op
+
+    start = time.perf_counter()
+    num_layers = options.num_layers or default_num_layers(graph)
+    if progress:
+        progress("clustering layers", 0, None)
+    layers = cluster_layers(graph, num_layers)
+    context = CostContext(
+        graph=graph,
+        layers=layers,
+        cluster=cluster,
+        calibration=options.calibration or load_calibration(cluster.preset),
+        schedule=options.schedule,
+        memory_budget=cluster.device.memory_bytes * options.memory_fraction,
+        time_limit_s=options.ilp_time_limit_s,
+        progress=progress,
+    )
+    micro_batches = micro_batch_candidates(
+        graph, options.num_micro_batches, options.max_micro_batches
+    )
+    if not micro_batches:
+        raise ManifestError(
+            "spec.parallelism.numMicroBatches",
+            f"{options.num_micro_batches} does not divide the global batch {graph.batch_size} "
+            "into equal micro-batches",
+        )
+    method = options.method
+    manual = (
+        _validate_manual(options.manual_stages, len(layers), cluster)
+        if method is Method.MANUAL
+        else []
+    )
+    candidates = _coarse_to_fine(context, micro_batches, method, manual)
+    best = best_of(candidates)
+    if best is None:
+        raise _memory_error(context, micro_batches, method)
+    searched = sorted({c.num_micro_batches for c in candidates if c is not None})
+    search_seconds = time.perf_counter() - start
+    baselines: dict[str, Candidate | None] = {}
+    if options.baselines:
+        if progress:
+            progress("costing baselines", 0, None)
+        # Baselines get the micro-batch counts the search considered: the usual
+        # range plus any larger count it went on to (memory, rematerialisation).
+        considered = sorted({c for c in micro_batches if c <= USUAL_MICRO_BATCHES} | set(searched))
+        baselines = all_baselines(context, considered)
+        if method is Method.AUTO:
+            # Baselines try every considered count, the coarse-to-fine search only
+            # some: a plan the planner has costed is never reported as beaten by it.
+            best = best_of([best, *baselines.values()]) or best
+    solver = SolverStats(
+        planning_seconds=search_seconds,
+        extract_seconds=extract_seconds,
+        ilp_solves=context.counter.solves,
+        ilp_seconds=context.counter.seconds,
+        ilp_max_variables=context.counter.max_variables,
+        ilp_solver=context.counter.solver,
+        dp_seconds=context.counter.dp_seconds,
+        dp_calls=context.counter.dp_calls,
+        micro_batch_candidates=searched,
+        winner=best.name,
+    )
+    plan = assemble_plan(
+        method=method.value,
+        graph=graph,
+        cluster=cluster,
+        context=context,
+        candidate=best,
+        solver=solver,
+        baselines=(
+            {name: (c.step_seconds if c else None) for name, c in baselines.items()}
+            if options.baselines
+            else None
+        ),
+    )
+    for coster in context.costers().values():
+        coster.drop_solve_context()  # hundreds of MB of build caches; results stay
+    return PlanningResult(plan=plan, candidate=best, baselines=baselines, context=context)

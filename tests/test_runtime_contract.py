@@ -1,0 +1,120 @@
+"""The runtime contract (``alpajob.api.runtime``) in both directions: the operator builds
+each kind of pod with ``to_env()``, and the trainer's commands, run with that pod's
+command line and environment, read every variable back (``from_env()``) and act on it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from alpajob.api.errors import ManifestError
+from alpajob.api.names import Role
+from alpajob.api.runtime import TrainerRuntime, Transport
+from alpajob.cli.main import _parser, main
+from alpajob.cli.planning import plan_options
+from alpajob.cli.ray import driver_run, worker_settings
+from alpajob.operator import children
+from alpajob.operator.names import ChildNames
+from alpajob.operator.pool import PoolCluster
+
+EXAMPLE = Path(__file__).parent.parent / "manifests" / "examples" / "manual-gpt.yaml"
+JOB: dict[str, Any] = {
+    "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob",
+    "metadata": {"name": "gpt", "namespace": "ml", "uid": "u-1"},
+    "spec": {"model": {"zoo": "gpt", "config": "tiny"},
+             "checkpoint": {"volume": "shared", "intervalSteps": 50, "path": "runs/gpt"}},
+}
+NAMES = ChildNames("gpt", 2)
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, str]:
+    [container] = pod["spec"]["containers"]
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+def command_of(pod: dict[str, Any]) -> argparse.Namespace:
+    """The pod's command line, parsed by the ``alpajob`` CLI it runs."""
+    [container] = pod["spec"]["containers"]
+    command = container["command"]
+    assert command[0] == "alpajob"
+    return _parser().parse_args(command[1:])
+
+
+PODS = {
+    "planner": lambda: children.planner_pod(JOB, NAMES, PoolCluster("h100-80gb", 4, 8)),
+    "head": lambda: children.head_pod(JOB, NAMES, None),
+    "mesh": lambda: children.mesh_pod(JOB, NAMES, 1, 1, 2, "node-3", 8, False, None),
+    "cpu-mesh": lambda: children.mesh_pod(JOB, NAMES, 0, 0, 1, "node-0", 4, True, None),
+}
+
+
+@pytest.mark.parametrize("kind", list(PODS))
+def test_every_variable_a_pod_gets_is_part_of_the_contract_and_reads_back(kind: str) -> None:
+    env = env_of(PODS[kind]())
+    assert TrainerRuntime.unknown_variables(env) == []
+    runtime = TrainerRuntime.from_env(env)
+    assert runtime.to_env() == env, "nothing is lost or added on the way back"
+    assert (runtime.job, runtime.namespace, runtime.attempt) == ("gpt", "ml", 2)
+    assert runtime.manifest == "/etc/alpajob/manifest.yaml"
+
+
+def test_the_planner_pod_plans_for_the_pool_and_writes_the_plan_configmap() -> None:
+    pod = PODS["planner"]()
+    runtime = TrainerRuntime.from_env(env_of(pod))
+    args = command_of(pod)
+    assert args.command == "plan" and args.manifest is None and runtime.role is Role.PLANNER
+    options = plan_options(args, runtime)
+    assert (options.gpu, options.nodes, options.gpus_per_node) == ("h100-80gb", 4, 8)
+    assert runtime.plan_configmap == "ml/gpt-plan"
+
+
+def test_the_head_pod_starts_its_ray_head_and_drives_with_checkpoints_and_progress(tmp_path: Path) -> None:
+    pod = PODS["head"]()
+    env = env_of(pod)
+    # The pod mounts the job's ConfigMaps at these paths; here they are local files.
+    env["ALPAJOB_MANIFEST"] = str(EXAMPLE)
+    env["ALPAJOB_PLAN"] = str(tmp_path / "plan.json")
+    assert main(["plan", str(EXAMPLE), "--output", env["ALPAJOB_PLAN"]]) == 0
+    run = driver_run(command_of(pod), TrainerRuntime.from_env(env))
+    assert run.manifest == str(EXAMPLE) and run.plan.model.name == "gpt-tiny"
+    assert run.head_port == 6379 and run.options.address == "127.0.0.1:6379"
+    options = run.options
+    assert options.checkpoint_dir == "/checkpoints/runs/gpt" and options.checkpoint_every == 50
+    assert options.status_configmap == "ml/gpt-progress" and options.metrics_port == 9090
+    assert options.max_restarts == 0  # the operator restarts the whole job
+    assert options.transport is Transport.OBJECT_STORE
+
+
+@pytest.mark.parametrize(("kind", "mesh", "host", "devices"), [("mesh", 1, 1, None), ("cpu-mesh", 0, 0, 4)])
+def test_a_mesh_pod_joins_its_mesh_at_the_head(kind: str, mesh: int, host: int, devices: int | None) -> None:
+    pod = PODS[kind]()
+    runtime = TrainerRuntime.from_env(env_of(pod))
+    assert worker_settings(command_of(pod), runtime) == ("gpt-head.ml.svc:6379", mesh, host, devices)
+    # The mesh's JAX process group: host 0 of the mesh coordinates, every host is one process.
+    assert runtime.coordinator == f"m{mesh}-h0.gpt-hosts.ml.svc:8476"
+    assert runtime.process_id == host and runtime.process_count == (2 if kind == "mesh" else 1)
+    assert runtime.plan == "/etc/alpajob/plan/plan.json"
+    assert pod["spec"]["hostname"] == f"m{mesh}-h{host}" and pod["spec"]["subdomain"] == "gpt-hosts"
+
+
+def test_a_full_runtime_goes_through_the_environment_unchanged() -> None:
+    runtime = TrainerRuntime(
+        role=Role.MESH, job="j", namespace="n", attempt=3, manifest="/m", plan="/p",
+        plan_configmap="n/p", progress_configmap="n/q", gpu="a100-80gb", nodes=2, gpus_per_node=4,
+        ray_address="h:1", ray_port=2, metrics_port=3, mesh=1, host=0, process_id=0,
+        process_count=2, coordinator="c:4", devices=4, checkpoint_dir="/c", checkpoint_every=7,
+        join_timeout=9.5, transport=Transport.COLLECTIVE)
+    env = runtime.to_env()
+    assert len(env) == len(TrainerRuntime.model_fields), "every field has a variable"
+    assert TrainerRuntime.from_env(env) == runtime
+
+
+@pytest.mark.parametrize(("name", "value"), [("ALPAJOB_MESH", "one"), ("ALPAJOB_DEVICES", "0"),
+                                             ("ALPAJOB_ROLE", "worker"), ("ALPAJOB_GPU", "h200")])
+def test_a_malformed_variable_is_an_error_naming_it(name: str, value: str) -> None:
+    with pytest.raises(ManifestError) as info:
+        TrainerRuntime.from_env({name: value})
+    assert info.value.field == name and repr(value) in str(info.value)

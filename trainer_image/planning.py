@@ -1,0 +1,48 @@
+"""Plan an AlpaJob: load its model, trace its training step, and run the planner.
+
+The one place where a job becomes a plan, for ``alpajob plan`` (and so the planning
+pod of a job on Kubernetes), ``alpajob run`` and the Python API
+(:func:`alpajob.plan`)::
+
+    spec.model ──load_model──► model ──trace_step──► TracedStep ──extract_graph──► OpGraph
+    spec.cluster + PlanOptions ──cluster_for──► ClusterSpec ──┐                      │
+    spec.parallelism + PlanOptions ──search_options──► SearchOptions ──► make_plan ◄─┘
+"""
+
+from __future__ import annotations
+
+import time
+
+from alpajob.api.options import PlanOptions
+from alpajob.api.resource import AlpaJob
+from alpajob.planner.cost.cluster import ClusterSpec, cluster_for
+from alpajob.planner.graph.opgraph import OpGraph
+from alpajob.planner.inter_op.search import Progress
+from alpajob.planner.plan.make import PlanningResult, make_plan, search_options
+from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.step import graph_of
+
+
+def job_graph(job: AlpaJob) -> OpGraph:
+    """The op graph of ``job``'s training step at its global batch."""
+    training = job.spec.training
+    model = load_model(job.spec.model, training.dtype)
+    return graph_of(model, training.global_batch_size, training.optimizer, training.learning_rate)
+
+
+def plan_job(job: AlpaJob, options: PlanOptions | None = None, *,
+             cluster: ClusterSpec | None = None, graph: OpGraph | None = None,
+             progress: Progress | None = None) -> PlanningResult:
+    """Plan ``job`` for ``cluster`` (default: ``spec.cluster`` with ``options``'
+    overrides); ``graph``: its op graph when the caller has traced it already."""
+    options = options or PlanOptions()
+    if cluster is None:
+        cluster = cluster_for(job.spec.cluster, options)
+    start = time.perf_counter()
+    if graph is None:
+        if progress:
+            progress(f"tracing {job.spec.model.zoo or job.spec.model.entrypoint}", 0, None)
+        graph = job_graph(job)
+    traced = time.perf_counter() - start
+    return make_plan(graph, cluster, search_options(job.spec.parallelism, options),
+                     progress=progress, extract_seconds=traced)
