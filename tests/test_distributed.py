@@ -24,6 +24,7 @@ import yaml
 pytest.importorskip("ray")
 
 from alpajob.api.plan import write_plan  # noqa: E402
+from alpajob.api.progress import Progress  # noqa: E402
 from alpajob.api.runtime import Transport  # noqa: E402
 from alpajob.trainer_image.distributed.cluster import JoinTimeoutError  # noqa: E402
 from alpajob.trainer_image.distributed.driver import DriverOptions, drive  # noqa: E402
@@ -131,8 +132,8 @@ class _KillMesh1AtStep3:
         self.cluster, self.before = cluster, before
         self.restarted: list[threading.Thread] = []
 
-    def __call__(self, step: int, _loss: float, _seconds: float) -> None:
-        if step == 3 and not self.restarted:
+    def __call__(self, report: Progress) -> None:
+        if report.step == 3 and not self.restarted:
             if self.before is not None:
                 self.before()
             self.cluster.kill_worker(1, 0)
@@ -239,8 +240,8 @@ def test_a_hung_mesh_host_is_restarted_from_the_last_checkpoint(cluster: Loopbac
     plan, serial = _plan_and_serial(doc, tmp_path, steps=steps)
     frozen: list[int] = []
 
-    def on_step(step: int, _loss: float, _seconds: float) -> None:
-        if step == 2 and not frozen:
+    def on_step(report: Progress) -> None:
+        if report.step == 2 and not frozen:
             frozen.extend(_actor_pids(cluster, 1, 0))
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)

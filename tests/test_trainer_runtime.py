@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from alpajob.api.errors import AlpaJobError, PlanFormatError
 from alpajob.api.options import PlanOptions, TrainOptions
 from alpajob.api.plan import write_plan
+from alpajob.api.progress import Progress
 from alpajob.api.resource import parse_job
 from alpajob.trainer_image.local_run import run
 from alpajob.trainer_image.runtime.meshes import DeviceError
@@ -256,7 +257,7 @@ def test_metrics_json_and_prometheus(tmp_path: Path) -> None:
     port = 19000 + os.getpid() % 1000
     seen: list[str] = []
 
-    def scrape(step: int, loss: float, seconds: float) -> None:
+    def scrape(_report: Progress) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
             seen.append(reply.read().decode())
 

@@ -160,7 +160,7 @@ class _Pipelined:
 def run(
     job: AlpaJob,
     options: TrainOptions,
-    on_step: Callable[[int, float, float], None] | None = None,
+    on_step: Callable[[Progress], None] | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Plan (or read the plan) and train; see the module docstring."""
@@ -226,7 +226,7 @@ def run(
                               last_checkpoint_step=saved, updated=time.time())
             metrics.record(report, seconds, stages)
             if on_step:
-                on_step(done, loss, seconds)
+                on_step(report)
     finally:
         metrics.close()
     result.params = {

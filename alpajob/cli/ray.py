@@ -24,8 +24,10 @@ from rich.console import Console
 from alpajob.api.errors import ManifestError
 from alpajob.api.names import Role
 from alpajob.api.plan import Plan, read_plan
+from alpajob.api.progress import Progress
 from alpajob.api.resource import load_job
 from alpajob.api.runtime import RAY_PORT, TrainerRuntime, Transport
+from alpajob.cli.tables import progress_line
 from alpajob.trainer_image.distributed import cluster as ray_cluster
 
 if TYPE_CHECKING:
@@ -172,10 +174,9 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
 
     run = driver_run(args, _runtime())
     plan, options = run.plan, run.options
-    batch = plan.global_batch_size
 
-    def on_step(step: int, loss: float, seconds: float) -> None:
-        out.print(f"step {step}/{options.steps}  loss {loss:.4f}  {batch / seconds:,.1f} samples/s")
+    def on_step(report: Progress) -> None:
+        out.print(progress_line(report))
 
     def on_event(what: str) -> None:
         out.print(f"[yellow]{what}[/yellow]")

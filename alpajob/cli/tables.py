@@ -8,6 +8,7 @@ from typing import Any
 from rich.table import Table
 
 from alpajob.api.plan import Plan
+from alpajob.api.progress import Progress
 from alpajob.api.spec import Schedule
 from alpajob.planner.inter_op.schedules import Direction, instruction_list
 
@@ -91,6 +92,16 @@ def baseline_table(plan: Plan) -> Table:
             pflops = plan.model.flops_per_step / seconds / 1e15
             table.add_row(name, f"{seconds:.4g} s", flops(pflops), f"{seconds / ours:.2f}x")
     return table
+
+
+def progress_line(report: Progress, steps: bool = True) -> str:
+    """A trainer's report in one line: ``step 4/20  loss 5.5512  812.5 samples/s``."""
+    parts = [f"step {report.step}/{report.steps}"] if steps else []
+    if report.loss is not None:
+        parts.append(f"loss {report.loss:.4f}")
+    if report.samples_per_second is not None:
+        parts.append(f"{report.samples_per_second:,.1f} samples/s")
+    return "  ".join(parts)
 
 
 def run_summary(result: Any, batch: int, exact: bool = False) -> Table:

@@ -16,17 +16,18 @@ from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
-    Progress,
     SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.progress import Progress as ProgressBar
 
 from alpajob.api.options import PlanOptions, TrainOptions, from_flags
+from alpajob.api.progress import Progress
 from alpajob.api.resource import load_job
 from alpajob.api.spec import Method
 from alpajob.cli.paths import directory, writable_file
-from alpajob.cli.tables import plan_table, run_summary
+from alpajob.cli.tables import plan_table, progress_line, run_summary
 from alpajob.trainer_image.devices import force_host_devices
 
 SERIAL = "serial"
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     steps = options.steps or job.spec.training.steps
     batch = job.spec.training.global_batch_size
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+    with ProgressBar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
                   TimeElapsedColumn(), console=err, transient=True) as bar:
         task = bar.add_task("starting", total=steps, status="")
@@ -93,9 +94,9 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         def on_phase(what: str) -> None:
             bar.update(task, description=what)
 
-        def on_step(step: int, loss: float, seconds: float) -> None:
-            bar.update(task, completed=step, description="training",
-                       status=f"loss {loss:.4f}  {batch / seconds:,.1f} samples/s")
+        def on_step(report: Progress) -> None:
+            bar.update(task, completed=report.step, description="training",
+                       status=progress_line(report, steps=False))
 
         result = train(job, options, on_step=on_step, on_phase=on_phase)
     if result.plan is not None:

@@ -299,7 +299,7 @@ def drive(
     manifest_yaml: str,
     plan: Plan,
     options: DriverOptions,
-    on_step: Callable[[int, float, float], None] | None = None,
+    on_step: Callable[[Progress], None] | None = None,
     on_event: Callable[[str], None] | None = None,
 ) -> DriverResult:
     """Train ``plan`` on the Ray cluster at ``options.address`` (see the module docstring)."""
@@ -352,10 +352,10 @@ def drive(
                     if root and ((every and done % every == 0) or done == options.steps):
                         group.save(root, done, meta)
                         result.checkpoint_step = done
-                    metrics.record(status.progress(result, TrainerPhase.RUNNING), seconds,
-                                   [stage_times(g[0]) for g in replies])
+                    report = status.progress(result, TrainerPhase.RUNNING)
+                    metrics.record(report, seconds, [stage_times(g[0]) for g in replies])
                     if on_step:
-                        on_step(done, loss, seconds)
+                        on_step(report)
                 result.params = group.params()
                 break
             except _recoverable() as failure:
