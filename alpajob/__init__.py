@@ -12,7 +12,8 @@ The Python API, for notebooks, scripts and benchmarks (the CLI runs the same cod
 Options are the typed :class:`~alpajob.api.options.PlanOptions` and
 :class:`~alpajob.api.options.TrainOptions`, given whole or as keyword arguments. A job
 is an :class:`~alpajob.api.resource.AlpaJob`, a path to its manifest, or the manifest
-as a dict. Importing this package imports neither JAX nor the planner: each function
+as a dict. Every mistake (in the manifest or an option) is an
+:class:`~alpajob.api.errors.AlpaJobError` whose message names the field. Importing this package imports neither JAX nor the planner: each function
 loads what it needs when called.
 
 The packages, one per folder of the repository (``alpajob/`` links to them):
@@ -61,10 +62,10 @@ def plan(job: AlpaJob | str | Path | dict[str, Any], options: PlanOptions | None
          **overrides: Any) -> Plan:
     """Plan ``job`` on ``spec.cluster`` (or the overrides': ``nodes``, ``gpus_per_node``,
     ``gpu``, ``method``, ``ilp_time_limit``, ``baselines``)."""
-    from alpajob.api.options import PlanOptions
+    from alpajob.api.options import PlanOptions, options_from
     from alpajob.trainer_image.planning import plan_job
 
-    chosen = PlanOptions.model_validate({**(options or PlanOptions()).model_dump(), **overrides})
+    chosen = options_from(PlanOptions, {**(options or PlanOptions()).model_dump(), **overrides})
     return plan_job(_job(job), chosen).plan
 
 
@@ -72,10 +73,10 @@ def train(job: AlpaJob | str | Path | dict[str, Any], options: TrainOptions | No
           **overrides: Any) -> RunResult:
     """Plan ``job`` for this machine's devices (or run ``plan_file``) and train it; the
     keyword arguments are :class:`~alpajob.api.options.TrainOptions` fields."""
-    from alpajob.api.options import TrainOptions
+    from alpajob.api.options import TrainOptions, options_from
     from alpajob.trainer_image.devices import force_host_devices
 
-    chosen = TrainOptions.model_validate({**(options or TrainOptions()).model_dump(), **overrides})
+    chosen = options_from(TrainOptions, {**(options or TrainOptions()).model_dump(), **overrides})
     force_host_devices(chosen.devices)  # before JAX is imported
     from alpajob.trainer_image.local_run import run
 

@@ -8,8 +8,10 @@ reports every problem it finds, and it never raises on a malformed body.
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,3 +93,27 @@ def test_without_old_no_field_is_judged_immutable() -> None:
 def test_a_malformed_body_gets_messages_not_an_exception(body: dict[str, Any]) -> None:
     problems = validate_alpajob(body)
     assert problems and all(isinstance(p, str) and ": " in p for p in problems)
+
+
+OBSERVED = sorted((Path(__file__).parent / "data" / "apiserver-observed").glob("admission-*.json"))
+
+
+@pytest.mark.parametrize("path", OBSERVED, ids=lambda p: p.stem)
+def test_what_a_real_apiserver_sends_is_allowed(path: Path) -> None:
+    """Status writes, finalizers added and removed (06: while the job is being deleted),
+    a suspend: the webhook judges ``spec`` only and never holds a job up."""
+    request = json.loads(path.read_text())["request"]
+    if request["operation"] not in ("CREATE", "UPDATE"):
+        return  # kopf's handler is registered for these two only
+    old = request.get("oldObject") if request["operation"] == "UPDATE" else None
+    assert request["object"].get("status") or request["operation"] == "CREATE"
+    assert validate_alpajob(request["object"], old=old) == []
+
+
+def test_an_update_that_changes_spec_is_still_judged_whole() -> None:
+    request = json.loads(OBSERVED[3].read_text())["request"]  # 04: the suspend
+    new = copy.deepcopy(request["object"])
+    new["spec"]["training"]["steps"] = 7
+    new["spec"]["cluster"]["gpusPerNode"] = 3
+    problems = validate_alpajob(new, old=request["oldObject"])
+    assert any(p.startswith("spec.training: is immutable") for p in problems), problems

@@ -9,7 +9,7 @@ build them directly. The planner and the trainer take them as they are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from pydantic import Field, ValidationError, model_validator
@@ -66,16 +66,27 @@ def flag_name(field: str) -> str:
     return "--" + to_snake(field).replace("_", "-")
 
 
-def from_flags(model: type[Options], values: Mapping[str, Any]) -> Options:
-    """Options from command-line ``values`` (None: not given); an invalid one is a
-    :class:`ManifestError` naming its flag."""
+def field_name(field: str) -> str:
+    """``gpusPerNode`` -> ``gpus_per_node``: how the Python API names an option."""
+    return to_snake(field)
+
+
+def options_from(model: type[Options], values: Mapping[str, Any],
+                 name: Callable[[str], str] = field_name) -> Options:
+    """Options from ``values`` (None: not given); an invalid one is a
+    :class:`ManifestError` whose field is ``name(option)``."""
     try:
         return model.model_validate({k: v for k, v in values.items() if v is not None})
     except ValidationError as error:
         first = error.errors()[0]
         message = str(first["msg"]).removeprefix("Value error, ")
-        field, _, rest = message.partition(": ")
-        if not first["loc"] and rest:  # a cross-field rule names its field itself
-            raise ManifestError(flag_name(field), rest) from None
-        name = str(first["loc"][-1]) if first["loc"] else "options"
-        raise ManifestError(flag_name(name), message) from None
+        option, _, rest = message.partition(": ")
+        if not first["loc"] and rest:  # a cross-field rule names its option itself
+            raise ManifestError(name(option), rest) from None
+        option = str(first["loc"][-1]) if first["loc"] else "options"
+        raise ManifestError(name(option), message) from None
+
+
+def from_flags(model: type[Options], values: Mapping[str, Any]) -> Options:
+    """Options from command-line ``values``; an invalid one is an error naming its flag."""
+    return options_from(model, values, flag_name)

@@ -1,0 +1,59 @@
+"""The Python API (``import alpajob``): the same plans and runs as the CLI, from typed
+options; mistakes are errors that name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import alpajob
+from alpajob.api.errors import ManifestError
+from alpajob.api.options import PlanOptions
+from alpajob.cli.main import main
+
+EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
+MLP = {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "api-mlp"},
+       "spec": {"model": {"zoo": "mlp", "config": "tiny"}, "training": {"globalBatchSize": 16},
+                "cluster": {"gpu": "cpu"}, "parallelism": {"method": "data"}}}
+
+
+def test_a_plan_from_python_is_the_plan_the_cli_writes(tmp_path: Path) -> None:
+    manifest = EXAMPLES / "manual-gpt.yaml"
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(manifest), "--gpus-per-node", "8", "--output", str(out)]) == 0
+    plan = alpajob.plan(alpajob.load(manifest), PlanOptions(gpus_per_node=8))
+    assert plan.content_hash() == json.loads(out.read_text())["hash"]
+    assert alpajob.plan(str(manifest), gpus_per_node=8).content_hash() == plan.content_hash()
+
+
+def test_options_are_overridden_by_keyword() -> None:
+    plan = alpajob.plan(MLP, PlanOptions(gpus_per_node=2), gpus_per_node=4, method="shard")
+    assert plan.cluster["devices_per_node"] == 4 and plan.method == "shard"
+
+
+@pytest.mark.parametrize(("overrides", "field"), [({"nodes": 0}, "nodes"), ({"gpu": "h200"}, "gpu"),
+                                                  ({"colour": "red"}, "colour")])
+def test_a_bad_option_names_its_field(overrides: dict, field: str) -> None:
+    with pytest.raises(ManifestError) as info:
+        alpajob.plan(MLP, **overrides)
+    assert info.value.field == field
+
+
+def test_a_bad_manifest_names_its_field() -> None:
+    bad = {**MLP, "spec": {**MLP["spec"], "training": {"globalBatchSize": 0}}}
+    with pytest.raises(ManifestError) as info:
+        alpajob.plan(bad)
+    assert info.value.field == "spec.training.globalBatchSize"
+
+
+def test_train_runs_the_job_serial_and_planned_alike() -> None:
+    serial = alpajob.train(MLP, steps=2, serial=True)
+    planned = alpajob.train(MLP, steps=2, planning=PlanOptions(ilp_time_limit=5.0))
+    assert len(serial.losses) == len(planned.losses) == 2 and serial.plan is None
+    assert planned.plan is not None and planned.plan.method == "data"
+    assert planned.losses == pytest.approx(serial.losses, rel=1e-5)
+    with pytest.raises(ManifestError) as info:
+        alpajob.train(MLP, steps=0)
+    assert info.value.field == "steps"
