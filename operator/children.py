@@ -2,11 +2,12 @@
 
 Nothing here talks to the API; :mod:`.reconcile` decides which children to create
 and the handlers send them. Every child carries the job's owner reference (deleting
-the job deletes them) and the labels of :mod:`.names`.
+the job deletes them), a name from :mod:`.names` and the labels of
+:mod:`alpajob.api.names`.
 
 The pods run the trainer image's entry points: the planner pod ``alpajob plan``
-(writing the Plan into the ``<job>-plan`` ConfigMap), the head pod ``alpajob driver
---head-port`` (the job's Ray head and the driver that trains), and one pod per mesh
+(writing the Plan into the ``<job>-plan`` ConfigMap), the head pod ``alpajob driver``
+(the job's Ray head and the driver that trains), and one pod per mesh
 host ``alpajob mesh-worker``, each pinned to the node the plan's slot maps to. What a
 pod is told (paths, ports, its mesh and host, the head's address) is one
 :class:`~alpajob.api.runtime.TrainerRuntime`, put into its environment with

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from alpajob.planner.inter_op.schedules import Schedule
+from alpajob.api.spec import Schedule
 from alpajob.trainer_image.distributed.collective import (
     CollectiveLink,
     CollectiveMover,

@@ -9,7 +9,8 @@ import pytest
 
 from alpajob.api.options import PlanOptions, TrainOptions
 from alpajob.api.resource import parse_job
-from alpajob.planner.inter_op.schedules import Direction, Schedule, instruction_list
+from alpajob.api.spec import Schedule
+from alpajob.planner.inter_op.schedules import Direction, instruction_list
 from alpajob.trainer_image.local_run import run
 from alpajob.trainer_image.runtime.driver import Stamp, issue_order, issue_rounds, stage_times
 

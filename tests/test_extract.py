@@ -190,10 +190,10 @@ def test_gpt_pipeline_cuts_carry_one_activation_each_way():
     """Between two transformer layers only the residual stream crosses (forward) and
     its gradient (backward), plus the tied embedding's gradient: nothing proportional
     to the attention scores."""
+    from alpajob.api.spec import Schedule
     from alpajob.planner.cost.cluster import cluster_from_preset
     from alpajob.planner.cost.model import load_calibration
     from alpajob.planner.inter_op.clustering import cluster_layers
-    from alpajob.planner.inter_op.schedules import Schedule
     from alpajob.planner.inter_op.search import CostContext
     from alpajob.planner.intra_op.solve import ShardingMode
 

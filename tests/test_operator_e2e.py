@@ -1,8 +1,8 @@
 """End to end: the real operator process against KMock's Kubernetes emulator.
 
 The test creates AlpaJobs through the kubernetes client and plays the kubelet: it
-runs the planning pod's command for real (``alpajob plan ... --output-configmap``,
-writing the plan into the emulator) and moves pods through Pending, Running,
+runs the planning pod's command for real (``alpajob plan``, with the pod's environment: it
+writes the plan into the emulator's ConfigMap) and moves pods through Pending, Running,
 Succeeded and Failed. The operator (``alpajob operator``, a subprocess) does the rest.
 """
 

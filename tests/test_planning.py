@@ -13,9 +13,8 @@ from alpajob.api.plan import (
     read_plan,
     write_plan,
 )
-from alpajob.api.spec import Method
+from alpajob.api.spec import Method, Schedule
 from alpajob.planner.cost.cluster import cluster_from_preset
-from alpajob.planner.inter_op.schedules import Schedule
 from alpajob.planner.plan.make import ManualStageOption, SearchOptions, make_plan
 from alpajob.trainer_image.step import graph_of
 from alpajob.trainer_image.zoo import resolve_model

@@ -40,15 +40,20 @@ def parse_target(target: str, flag: str) -> tuple[str, str]:
     return namespace, name
 
 
+#: The flag each target comes from (or the runtime contract's variable, in a job's pods).
+_PLAN_TARGET = "--output-configmap ($ALPAJOB_PLAN_CONFIGMAP)"
+_PROGRESS_TARGET = "--status-configmap ($ALPAJOB_PROGRESS_CONFIGMAP)"
+
+
 def write_plan_configmap(plan_json: str, target: str, api: Any = None) -> None:
     """Put ``plan_json`` into the ConfigMap ``target`` (``namespace/name``) under
     :data:`~alpajob.api.names.PLAN_KEY`."""
     from kubernetes import client
 
-    namespace, name = parse_target(target, "--output-configmap")
+    namespace, name = parse_target(target, _PLAN_TARGET)
     if len(plan_json.encode()) > CONFIGMAP_LIMIT:
         raise AlpaJobError(
-            f"--output-configmap: the plan is {len(plan_json.encode()):,} bytes, more than a "
+            f"{_PLAN_TARGET}: the plan is {len(plan_json.encode()):,} bytes, more than a "
             f"ConfigMap holds ({CONFIGMAP_LIMIT:,}); write it to a file with --output instead"
         )
     core = client.CoreV1Api(api or kube_client())
@@ -56,7 +61,7 @@ def write_plan_configmap(plan_json: str, target: str, api: Any = None) -> None:
         core.patch_namespaced_config_map(name, namespace, {"data": {PLAN_KEY: plan_json}})
     except client.ApiException as error:
         raise AlpaJobError(
-            f"--output-configmap: cannot write ConfigMap {namespace}/{name} "
+            f"{_PLAN_TARGET}: cannot write ConfigMap {namespace}/{name} "
             f"({error.status} {error.reason}); it must exist and this pod's service account "
             "needs get and patch on configmaps"
         ) from None
@@ -68,11 +73,11 @@ def write_progress_configmap(report: Progress, target: str, api: Any = None) -> 
     ``status.progress``)."""
     from kubernetes import client
 
-    namespace, name = parse_target(target, "--status-configmap")
+    namespace, name = parse_target(target, _PROGRESS_TARGET)
     core = client.CoreV1Api(api or kube_client())
     try:
         core.patch_namespaced_config_map(name, namespace, {"data": {PROGRESS_KEY: report.to_json()}})
     except client.ApiException as error:
         raise AlpaJobError(
-            f"--status-configmap: cannot write ConfigMap {namespace}/{name} ({error.status} {error.reason})"
+            f"{_PROGRESS_TARGET}: cannot write ConfigMap {namespace}/{name} ({error.status} {error.reason})"
         ) from None

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from alpajob.api.spec import Schedule
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import Calibration, logical_mesh_shapes
 from alpajob.planner.graph.opgraph import OpGraph, with_batch_size
-from alpajob.planner.inter_op.schedules import Schedule
 from alpajob.planner.inter_op.stage_costs import (
     LEVEL_TIERS,
     LayerCoster,

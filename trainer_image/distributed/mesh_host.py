@@ -50,7 +50,7 @@ import yaml
 from alpajob.api.plan import plan_from_json
 from alpajob.api.resource import parse_job
 from alpajob.api.runtime import Transport
-from alpajob.planner.inter_op.schedules import Schedule
+from alpajob.api.spec import Schedule
 from alpajob.trainer_image import checkpoint
 from alpajob.trainer_image.distributed.collective import (
     CollectiveLink,

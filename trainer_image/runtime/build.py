@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh
 
 from alpajob.api.plan import Plan, path_name
-from alpajob.planner.inter_op.schedules import Schedule
+from alpajob.api.spec import Schedule
 from alpajob.trainer_image.runtime.driver import PipelineExecutor
 from alpajob.trainer_image.runtime.grouped import NotGroupable, batch_dims
 from alpajob.trainer_image.runtime.meshes import place, stage_mesh

@@ -70,7 +70,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from alpajob.planner.inter_op.schedules import Direction, Schedule, instruction_list, predecessor
+from alpajob.api.spec import Schedule
+from alpajob.planner.inter_op.schedules import Direction, instruction_list, predecessor
 from alpajob.trainer_image.runtime.executor import (
     StageTimes,
     StepResult,

@@ -43,7 +43,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from alpajob.planner.inter_op.schedules import Direction, Schedule, instruction_list
+from alpajob.api.spec import Schedule
+from alpajob.planner.inter_op.schedules import Direction, instruction_list
 from alpajob.trainer_image.runtime.meshes import place
 from alpajob.trainer_image.runtime.messages import (
     Key,

@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from alpajob.planner.inter_op.schedules import Direction, Schedule, instruction_list
+from alpajob.api.spec import Schedule
+from alpajob.planner.inter_op.schedules import Direction, instruction_list
 from alpajob.trainer_image.runtime.split import SplitProgram, is_differentiable
 
 #: A message's address inside its receiving stage (see
