@@ -26,7 +26,7 @@ from alpajob.trainer_image.runtime.grouped import (
 )
 from alpajob.trainer_image.runtime.meshes import place
 from alpajob.trainer_image.runtime.split import split_loss, stage_function
-from alpajob.trainer_image.step import make_optimizer
+from alpajob.trainer_image.step import named_optimizer
 from alpajob.trainer_image.zoo.model import synthetic_batch
 from alpajob.trainer_image.zoo.registry import resolve_model
 
@@ -135,7 +135,7 @@ def test_a_grouped_pipeline_trains_like_one_device_and_reduces_gradients_once_pe
 
     model = load_model(manifest.spec.model, "float32")
     params = model.init(jax.random.key(0))
-    executor = build_pipeline(parallel.plan, model.loss, params, model.batch_shapes, make_optimizer("sgd", 0.05),
+    executor = build_pipeline(parallel.plan, model.loss, params, model.batch_shapes, named_optimizer("sgd", 0.05),
                               jax.devices())
     assert [s.groups for s in executor.stages] == [4, 4]
     assert executor.split.shared_params(), "the tied embedding is read by both stages"

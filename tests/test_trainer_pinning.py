@@ -22,7 +22,7 @@ from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.local_run import local_cluster
 from alpajob.trainer_image.runtime.build import build_pipeline
 from alpajob.trainer_image.runtime.pinning import match_pins, stage_pins
-from alpajob.trainer_image.step import graph_of, make_optimizer
+from alpajob.trainer_image.step import graph_of, training_optimizer
 
 
 def _plan_and_pipeline(model: str, method: str, **parallelism: Any) -> tuple[Any, Any, Any]:
@@ -34,13 +34,12 @@ def _plan_and_pipeline(model: str, method: str, **parallelism: Any) -> tuple[Any
                  "parallelism": {"method": method, **parallelism}}})
     training = manifest.spec.training
     zoo = load_model(manifest.spec.model, training.dtype)
-    graph = graph_of(zoo, training.global_batch_size, optimizer=training.optimizer,
-                          learning_rate=training.learning_rate)
+    optimizer = training_optimizer(training)
+    graph = graph_of(zoo, training.global_batch_size, optimizer)
     devices = jax.devices()
     options = SearchOptions(method=method, ilp_time_limit_s=5.0, **parallelism)
     plan = make_plan(graph, local_cluster(manifest, devices), options).plan
     params = zoo.init(jax.random.key(0))
-    optimizer = make_optimizer(training.optimizer, training.learning_rate)
     executor = build_pipeline(plan, zoo.loss, params, zoo.batch_shapes, optimizer, devices)
     return plan, executor, zoo
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from alpajob.api.errors import ManifestError
 from alpajob.api.spec import ModelSpec
+from alpajob.trainer_image.precision import master_weights
 from alpajob.trainer_image.zoo import ModelDef, resolve_model
 
 FIELD = "spec.model.entrypoint"
@@ -54,8 +55,9 @@ def _from_entrypoint(entrypoint: str, dtype: str) -> ModelDef:
 
 
 def load_model(spec: ModelSpec, dtype: str) -> ModelDef:
-    """The :class:`ModelDef` that ``spec.model`` describes."""
+    """The :class:`ModelDef` that ``spec.model`` describes, computing in ``dtype`` with
+    float32 master weights (:func:`~alpajob.trainer_image.precision.master_weights`)."""
     if spec.entrypoint is not None:
-        return _from_entrypoint(spec.entrypoint, dtype)
+        return master_weights(_from_entrypoint(spec.entrypoint, dtype))
     assert spec.zoo is not None  # the manifest validator guarantees one of the two
-    return resolve_model(spec.zoo, spec.config, dtype=dtype)
+    return master_weights(resolve_model(spec.zoo, spec.config, dtype=dtype))

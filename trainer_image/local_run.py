@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from alpajob.api.errors import PlanFormatError
@@ -36,16 +37,23 @@ from alpajob.api.resource import AlpaJob
 from alpajob.planner.cost.cluster import ClusterSpec, cluster_from_preset
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.trainer_image import checkpoint
+from alpajob.trainer_image.data.feed import SYNTHETIC, open_feed
 from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json
 from alpajob.trainer_image.planning import job_graph, plan_job
+from alpajob.trainer_image.precision import LossScale
 from alpajob.trainer_image.runtime.build import build_pipeline
 from alpajob.trainer_image.runtime.driver import PipelineExecutor
 from alpajob.trainer_image.runtime.executor import StageTimes
 from alpajob.trainer_image.runtime.meshes import DeviceError, devices_needed, local_devices
-from alpajob.trainer_image.step import init_optimizer_state, make_optimizer, make_train_step
+from alpajob.trainer_image.step import (
+    init_optimizer_state,
+    make_scaled_train_step,
+    make_train_step,
+    training_optimizer,
+)
+from alpajob.trainer_image.throughput import Throughput
 from alpajob.trainer_image.zoo import ModelDef
-from alpajob.trainer_image.zoo.model import synthetic_batch
 
 
 @dataclass
@@ -58,7 +66,17 @@ class RunResult:
     step_seconds: list[float] = field(default_factory=list)
     stage_times: list[tuple[StageTimes, ...]] = field(default_factory=list)
     stage_time_steps: list[int] = field(default_factory=list)  # the step of each stage_times entry
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
+    data: str = SYNTHETIC  # what the run trained on
+    data_wait_seconds: float = 0.0  # time spent waiting for the loader
+    skipped_steps: int = 0  # float16: steps skipped for overflowing gradients (loss scaling)
+    throughput: Throughput | None = None  # model FLOPs and tokens per step, the devices' peak
     params: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def median_step_seconds(self) -> float | None:
+        """The median step time after the first (which compiles)."""
+        timed = self.step_seconds[1:] or self.step_seconds
+        return sorted(timed)[len(timed) // 2] if timed else None
 
     def to_json(self) -> dict[str, Any]:
         """The ``--metrics-out`` document."""
@@ -66,6 +84,13 @@ class RunResult:
             "start_step": self.start_step,
             "losses": self.losses,
             "step_seconds": self.step_seconds,
+            "data": self.data,
+            "data_wait_seconds": self.data_wait_seconds,
+            "skipped_steps": self.skipped_steps,
+            "model_flops_per_step": self.throughput.flops_per_step if self.throughput else None,
+            "tokens_per_step": self.throughput.tokens_per_step if self.throughput else None,
+            "peak_flops": self.throughput.peak_flops if self.throughput else None,
+            "eval": [{"step": step, "loss": loss} for step, loss in self.evals],
         }
         if self.plan is not None:
             doc["plan_hash"] = self.plan.content_hash()
@@ -113,17 +138,29 @@ def check_plan(plan: Plan, graph: OpGraph, devices: list[Any], source: str) -> N
 class _Serial:
     """The reference: the whole step, whole batch, on one device."""
 
-    def __init__(self, model: ModelDef, optimizer: Any, params: Any, device: Any, batch_size: int) -> None:
+    def __init__(self, model: ModelDef, optimizer: Any, params: Any, device: Any, batch_size: int,
+                 scale: LossScale | None) -> None:
         self._batch_def = jax.tree.structure(model.batch_shapes(batch_size))
         self.params = jax.device_put(params, device)
         self.opt_state = jax.jit(lambda p: init_optimizer_state(optimizer, p))(self.params)
         self._step = jax.jit(make_train_step(model.loss, optimizer), donate_argnums=(0, 1))
+        self._scaled = jax.jit(make_scaled_train_step(model.loss, optimizer), donate_argnums=(0, 1))
+        self._loss = jax.jit(model.loss)
         self.device = device
+        self.scale = scale
 
     def step(self, batch: list[np.ndarray], timed: bool) -> tuple[float, tuple[StageTimes, ...]]:
         tree = jax.tree.unflatten(self._batch_def, batch)
-        loss, _, self.params, self.opt_state = self._step(self.params, self.opt_state, tree)
+        if self.scale is None:
+            loss, _, self.params, self.opt_state = self._step(self.params, self.opt_state, tree)
+            return float(loss), ()
+        loss, finite, self.params, self.opt_state = self._scaled(
+            self.params, self.opt_state, tree, jnp.float32(self.scale.scale))
+        self.scale.after(bool(finite))
         return float(loss), ()
+
+    def evaluate(self, batch: list[np.ndarray]) -> float:
+        return float(self._loss(self.params, jax.tree.unflatten(self._batch_def, batch)))
 
     def named_arrays(self) -> dict[str, jax.Array]:
         out = checkpoint.named_leaves("params", self.params)
@@ -139,12 +176,18 @@ class _Serial:
 class _Pipelined:
     """The plan's pipeline, behind the same small interface as :class:`_Serial`."""
 
-    def __init__(self, executor: PipelineExecutor) -> None:
+    def __init__(self, executor: PipelineExecutor, scale: LossScale | None) -> None:
         self.executor = executor
+        self.scale = scale
 
     def step(self, batch: list[np.ndarray], timed: bool) -> tuple[float, tuple[StageTimes, ...]]:
-        result = self.executor.step(batch, timed)
+        result = self.executor.step(batch, timed, self.scale.scale if self.scale else None)
+        if self.scale is not None:
+            self.scale.after(result.applied)
         return result.loss, result.stages
+
+    def evaluate(self, batch: list[np.ndarray]) -> float:
+        return self.executor.evaluate(batch)
 
     def named_arrays(self) -> dict[str, jax.Array]:
         out: dict[str, jax.Array] = {}
@@ -170,26 +213,32 @@ def run(
     seed = options.seed if options.seed is not None else training.seed
     devices = local_devices(options.devices)
     model = load_model(job.spec.model, training.dtype)
-    optimizer = make_optimizer(training.optimizer, training.learning_rate)
+    optimizer = training_optimizer(training)
+    say("reading data")
+    feed = open_feed(job, model, seed=seed)
+    say(f"data: {feed.source}")
     plan = None
+    say(f"tracing {model.name}")
+    graph = job_graph(job)
+    cluster = local_cluster(job, devices)
+    throughput = Throughput.of(graph, feed.tokens_per_step, cluster.device,
+                               1 if options.serial else len(devices), training.dtype)
     if not options.serial:
-        say(f"tracing {model.name}")
-        graph = job_graph(job)
         if options.plan_file:
             plan = read_plan(options.plan_file)
             check_plan(plan, graph, devices, options.plan_file)
         else:
             say(f"planning for {len(devices)} local {devices[0].platform} devices")
-            plan = plan_job(job, options.planning, cluster=local_cluster(job, devices),
-                            graph=graph).plan
+            plan = plan_job(job, options.planning, cluster=cluster, graph=graph).plan
     say("initialising parameters")
     params = model.init(jax.random.key(seed))
+    scale = LossScale.for_dtype(training.dtype)
     if plan is None:
-        runner: Any = _Serial(model, optimizer, params, devices[0], training.global_batch_size)
+        runner: Any = _Serial(model, optimizer, params, devices[0], training.global_batch_size, scale)
     else:
         say("building stages")
         runner = _Pipelined(build_pipeline(plan, model.loss, params, model.batch_shapes, optimizer, devices,
-                                              wait=options.exact_stage_times))
+                                           wait=options.exact_stage_times), scale)
     del params
 
     start = 0
@@ -198,16 +247,18 @@ def run(
         if latest is not None:
             say(f"restoring step {latest}")
             runner.restore(options.checkpoint_dir, latest)
+            feed.restore(checkpoint.load_index(options.checkpoint_dir, latest).get("data"))
             start = latest
     metrics = TrainingMetrics(job.name, plan.predicted_step_seconds if plan else None)
     if options.metrics_port is not None:
         metrics.serve(options.metrics_port)
-    result = RunResult(plan=plan, start_step=start)
-    meta = {"model": model.name, "plan_hash": plan.content_hash() if plan else None}
+    result = RunResult(plan=plan, start_step=start, data=feed.source, throughput=throughput)
     saved: int | None = start or None
+    evaluations = feed.eval_batches(training.eval_steps) if training.eval_every else []
+    eval_loss: float | None = None
     try:
         for step in range(start, steps):
-            batch = jax.tree.leaves(synthetic_batch(model, training.global_batch_size, seed=seed + step))
+            batch = feed.batch(step)
             done = step + 1
             began = time.perf_counter()
             loss, stages = runner.step(batch, done % options.stage_times_every == 0)
@@ -217,18 +268,30 @@ def run(
             if stages:
                 result.stage_times.append(stages)
                 result.stage_time_steps.append(done)
+            if evaluations and (done % (training.eval_every or steps) == 0 or done == steps):
+                eval_loss = float(np.mean([runner.evaluate(b) for b in evaluations]))
+                result.evals.append((done, eval_loss))
             every = options.checkpoint_every
             if options.checkpoint_dir and ((every and done % every == 0) or done == steps):
+                meta = {"model": model.name, "plan_hash": plan.content_hash() if plan else None,
+                        "data": feed.state()}
                 checkpoint.save(options.checkpoint_dir, done, runner.named_arrays(), meta)
                 saved = done
             report = Progress(phase=TrainerPhase.RUNNING, step=done, steps=steps, loss=loss,
+                              eval_loss=eval_loss, data=feed.source,
+                              skipped_steps=scale.skipped if scale else None,
                               samples_per_second=training.global_batch_size / seconds,
+                              tokens_per_second=throughput.tokens_per_second(seconds),
+                              mfu=throughput.mfu(seconds),
                               last_checkpoint_step=saved, updated=time.time())
             metrics.record(report, seconds, stages)
             if on_step:
                 on_step(report)
     finally:
         metrics.close()
+        result.data_wait_seconds = feed.wait_seconds
+        result.skipped_steps = scale.skipped if scale else 0
+        feed.close()
     result.params = {
         name[len("params/"):]: np.asarray(value)
         for name, value in runner.named_arrays().items() if name.startswith("params/")

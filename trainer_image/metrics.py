@@ -10,8 +10,11 @@ timed steps' utilization::
 
     alpajob_step                                  last completed step
     alpajob_loss                                  its loss
+    alpajob_eval_loss                             loss on spec.data.eval, last evaluation
     alpajob_step_seconds                          its wall time
     alpajob_samples_per_second                    global batch / step seconds
+    alpajob_tokens_per_second                     tokens of the batch / step seconds
+    alpajob_mfu                                   model FLOPs utilization (trainer/throughput.py)
     alpajob_predicted_step_seconds                the plan's prediction
     alpajob_checkpoint_step                       the last complete checkpoint's step
     alpajob_restarts_total                        restarts from a checkpoint (Ray runtime)
@@ -58,8 +61,11 @@ class TrainingMetrics:
         r = self.registry
         self.step = Gauge("alpajob_step", "last completed training step", ["job"], registry=r)
         self.loss = Gauge("alpajob_loss", "loss of the last step", ["job"], registry=r)
+        self.eval_loss = Gauge("alpajob_eval_loss", "loss on spec.data.eval, last evaluation", ["job"], registry=r)
         self.step_seconds = Gauge("alpajob_step_seconds", "wall seconds of the last step", ["job"], registry=r)
         self.samples = Gauge("alpajob_samples_per_second", "samples per second, last step", ["job"], registry=r)
+        self.tokens = Gauge("alpajob_tokens_per_second", "tokens per second, last step", ["job"], registry=r)
+        self.mfu = Gauge("alpajob_mfu", "model FLOPs utilization of the last step (0..1)", ["job"], registry=r)
         self.predicted = Gauge("alpajob_predicted_step_seconds", "the plan's predicted step time", ["job"], registry=r)
         self.compute = Gauge("alpajob_stage_step_compute_seconds", "stage compute seconds, last step", _LABELS, registry=r)
         self.idle = Gauge("alpajob_stage_step_idle_seconds", "stage idle (bubble) seconds, last step", _LABELS, registry=r)
@@ -81,9 +87,15 @@ class TrainingMetrics:
         self.step.labels(job).set(progress.step)
         if progress.loss is not None:
             self.loss.labels(job).set(progress.loss)
+        if progress.eval_loss is not None:
+            self.eval_loss.labels(job).set(progress.eval_loss)
         self.step_seconds.labels(job).set(seconds)
         if progress.samples_per_second is not None:
             self.samples.labels(job).set(progress.samples_per_second)
+        if progress.tokens_per_second is not None:
+            self.tokens.labels(job).set(progress.tokens_per_second)
+        if progress.mfu is not None:
+            self.mfu.labels(job).set(progress.mfu)
         if progress.last_checkpoint_step is not None:
             self.checkpoint.labels(job).set(progress.last_checkpoint_step)
         for index, times in enumerate(stages):

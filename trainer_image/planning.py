@@ -20,14 +20,14 @@ from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.inter_op.search import Progress
 from alpajob.planner.plan.make import PlanningResult, make_plan, search_options
 from alpajob.trainer_image.entrypoint import load_model
-from alpajob.trainer_image.step import graph_of
+from alpajob.trainer_image.step import graph_of, training_optimizer
 
 
 def job_graph(job: AlpaJob) -> OpGraph:
     """The op graph of ``job``'s training step at its global batch."""
     training = job.spec.training
     model = load_model(job.spec.model, training.dtype)
-    return graph_of(model, training.global_batch_size, training.optimizer, training.learning_rate)
+    return graph_of(model, training.global_batch_size, training_optimizer(training))
 
 
 def plan_job(job: AlpaJob, options: PlanOptions | None = None, *,

@@ -14,6 +14,7 @@ to the planner's :func:`~alpajob.planner.graph.extract.extract_graph`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -23,9 +24,10 @@ import optax
 
 from alpajob.api.errors import ManifestError
 from alpajob.api.plan import path_name
-from alpajob.api.spec import Optimizer
+from alpajob.api.spec import LRSchedule, Optimizer, OptimizerSpec, TrainingSpec
 from alpajob.planner.graph.extract import TracedStep, extract_graph
 from alpajob.planner.graph.opgraph import OpGraph
+from alpajob.trainer_image.precision import all_finite
 
 
 class TrainableModel(Protocol):
@@ -41,23 +43,64 @@ class TrainableModel(Protocol):
     def batch_shapes(self) -> Callable[[int], Any]: ...
 
 
-def make_optimizer(name: Optimizer | str, learning_rate: float) -> optax.GradientTransformation:
-    """The optax optimizer ``name`` (``spec.training.optimizer``).
+def learning_rate_schedule(spec: OptimizerSpec, steps: int) -> optax.ScalarOrSchedule:
+    """The learning rate at each step: linear warm-up from 0 over ``warmup_steps``, then
+    ``schedule`` from the peak over the rest of ``steps`` (a plain number when constant
+    without warm-up)."""
+    peak = float(spec.learning_rate or 0.0)
+    warmup = min(spec.warmup_steps, max(steps - 1, 0))
+    if spec.schedule is LRSchedule.CONSTANT and warmup == 0:
+        return peak
+    if spec.schedule is LRSchedule.COSINE:
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), 0.0)
+    rest = (optax.constant_schedule(peak) if spec.schedule is LRSchedule.CONSTANT
+            else optax.linear_schedule(peak, 0.0, max(steps - warmup, 1)))
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), rest], [warmup])
+
+
+def _decayed(params: Any) -> Any:
+    """Weight decay applies to matrices, not to biases and norm scales (1-D leaves)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(spec: OptimizerSpec, steps: int) -> optax.GradientTransformation:
+    """The optax optimizer of ``spec`` (``spec.training.optimizer``) for a run of ``steps``.
 
     Adam's first moment is kept in float32 (``mu_dtype``); :func:`init_optimizer_state`
-    makes the second one float32 too, whatever the parameter dtype.
+    makes the second one float32 too, whatever the parameter dtype. ``clip_norm``
+    clips the global gradient norm before the update; ``weight_decay`` is decoupled
+    (AdamW), on matrices only.
     """
+    lr = learning_rate_schedule(spec, steps)
+    if spec.name is Optimizer.SGD:
+        core = optax.sgd(lr)
+        if spec.weight_decay:
+            core = optax.chain(optax.add_decayed_weights(spec.weight_decay, _decayed), core)
+    elif spec.name is Optimizer.ADAMW or spec.weight_decay:
+        core = optax.adamw(lr, spec.b1, spec.b2, mu_dtype=jnp.float32,
+                           weight_decay=spec.weight_decay, mask=_decayed)
+    else:
+        core = optax.adam(lr, spec.b1, spec.b2, mu_dtype=jnp.float32)
+    if spec.clip_norm is not None:
+        return optax.chain(optax.clip_by_global_norm(spec.clip_norm), core)
+    return core
+
+
+def training_optimizer(training: TrainingSpec, steps: int | None = None) -> optax.GradientTransformation:
+    """The optimizer ``spec.training`` asks for, for ``steps`` (default its own)."""
+    return make_optimizer(training.optimizer_spec, steps or training.steps)
+
+
+def named_optimizer(name: Optimizer | str, learning_rate: float = 1e-4) -> optax.GradientTransformation:
+    """The optimizer called ``name`` at a constant ``learning_rate`` (tests, benchmarks);
+    an unknown name names ``spec.training.optimizer``."""
     try:
         kind = Optimizer(name.lower() if isinstance(name, str) else name)
     except ValueError:
         choices = ", ".join(o.value for o in Optimizer)
         raise ManifestError("spec.training.optimizer",
                             f"unknown optimizer {name!r}; choose one of {choices}") from None
-    if kind is Optimizer.ADAM:
-        return optax.adam(learning_rate, mu_dtype=jnp.float32)
-    if kind is Optimizer.ADAMW:
-        return optax.adamw(learning_rate, mu_dtype=jnp.float32)
-    return optax.sgd(learning_rate)
+    return make_optimizer(OptimizerSpec(name=kind, learning_rate=learning_rate), steps=1)
 
 
 def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any) -> Any:
@@ -83,12 +126,38 @@ def make_train_step(
     return step
 
 
-def trace_step(model: TrainableModel, batch_size: int, optimizer: Optimizer | str = Optimizer.ADAM,
-               learning_rate: float = 1e-4) -> TracedStep:
-    """The model's training step traced at ``batch_size`` and ``2 * batch_size``."""
+def make_scaled_train_step(
+    loss: Callable[[Any, Any], jax.Array], optimizer: optax.GradientTransformation
+) -> Callable[[Any, Any, Any, jax.Array], tuple[Any, Any, Any, Any]]:
+    """``step(params, opt_state, batch, scale) -> (loss, finite, new_params,
+    new_opt_state)`` with dynamic loss scaling (:mod:`.precision`): the loss is scaled
+    for the backward pass and the gradients unscaled; a step with a non-finite gradient
+    leaves parameters and optimizer state as they were (``finite`` is False)."""
+
+    def step(params: Any, opt_state: Any, batch: Any, scale: jax.Array) -> tuple[Any, Any, Any, Any]:
+        def scaled(p: Any) -> tuple[jax.Array, jax.Array]:
+            value = loss(p, batch)
+            return value * scale, value
+
+        (_, value), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        finite = all_finite(grads)
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = functools.partial(jnp.where, finite)
+        return (value, finite, jax.tree.map(keep, new_params, params),
+                jax.tree.map(keep, new_state, opt_state))
+
+    return step
+
+
+def trace_step(model: TrainableModel, batch_size: int,
+               optimizer: optax.GradientTransformation | None = None) -> TracedStep:
+    """The model's training step traced at ``batch_size`` and ``2 * batch_size``
+    (``optimizer``: default Adam)."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    opt = make_optimizer(optimizer, learning_rate)
+    opt = optimizer if optimizer is not None else named_optimizer(Optimizer.ADAM)
     params = jax.eval_shape(model.init, jax.random.key(0))
     opt_state = jax.eval_shape(lambda p: init_optimizer_state(opt, p), params)
     step = make_train_step(model.loss, opt)
@@ -104,7 +173,10 @@ def trace_step(model: TrainableModel, batch_size: int, optimizer: Optimizer | st
     )
 
 
-def graph_of(model: TrainableModel, batch_size: int, optimizer: Optimizer | str = Optimizer.ADAM,
-             learning_rate: float = 1e-4) -> OpGraph:
-    """The planner's op graph of ``model``'s training step at ``batch_size``."""
-    return extract_graph(trace_step(model, batch_size, optimizer, learning_rate))
+def graph_of(model: TrainableModel, batch_size: int,
+             optimizer: optax.GradientTransformation | Optimizer | str | None = None) -> OpGraph:
+    """The planner's op graph of ``model``'s training step at ``batch_size``
+    (``optimizer``: a transformation, or an optimizer's name; default Adam)."""
+    if isinstance(optimizer, str):
+        optimizer = named_optimizer(optimizer)
+    return extract_graph(trace_step(model, batch_size, optimizer))

@@ -39,14 +39,22 @@ class Progress(Contract):
     steps: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"),
                               description="Steps the run will train.")
     loss: float | None = Field(None, description="Training loss of the last step.")
+    eval_loss: float | None = Field(None, description="Loss on spec.data.eval at the last evaluation.")
     samples_per_second: float | None = Field(None, ge=0, description="Samples per second, last step.")
+    tokens_per_second: float | None = Field(None, ge=0, description="Tokens per second, last step.")
+    mfu: float | None = Field(None, ge=0, description=(
+        "Model FLOPs utilization of the last step: the model's FLOPs over the devices' peak."))
     last_checkpoint_step: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"),
                                              description="Step of the last complete checkpoint.")
+    skipped_steps: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"), description=(
+        "float16: steps skipped because their gradients overflowed (dynamic loss scaling)."))
     restarts: int = Field(0, ge=0, json_schema_extra=k8s(format="int32"),
                           description="Restarts of every mesh from a checkpoint, inside the "
                                       "trainer.")
     message: str | None = Field(None, max_length=4096,
                                 description="Why the trainer restarted or failed.")
+    data: str | None = Field(None, max_length=1024, description=(
+        "What the trainer reads: 'synthetic' (no spec.data), or the files and tokens of spec.data.train."))
     updated: float | None = Field(None, description="When this report was made (Unix seconds).")
 
     def to_json(self) -> str:

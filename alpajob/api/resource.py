@@ -75,15 +75,16 @@ class AlpaJob(Contract):
 def _field_path(loc: tuple[Any, ...]) -> str:
     """``('spec', 'training', 'global_batch_size')`` -> ``spec.training.globalBatchSize``.
 
-    Pydantic puts union-member tags (``int``, ``list[ManualStage]``, ...) into the
-    location; they are not fields and are dropped.
+    Pydantic puts union-member tags (``int``, ``list[ManualStage]``, a model's class
+    name such as ``OptimizerSpec``) into the location; they are not fields (fields are
+    camelCase, classes CamelCase) and are dropped.
     """
     parts: list[str] = []
     for part in loc:
         text = str(part)
         if isinstance(part, int):
             parts.append(f"[{part}]")
-        elif ("[" in text or text in {"int", "str", "dict", "list"}
+        elif ("[" in text or text in {"int", "str", "dict", "list"} or text[:1].isupper()
               or text.startswith(("literal[", "function-", "lax-", "json-"))):
             continue
         else:

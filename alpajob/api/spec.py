@@ -128,6 +128,33 @@ class ModelSpec(Contract):
         return value
 
 
+class LRSchedule(StrEnum):
+    """``spec.training.optimizer.schedule``: the learning rate after warm-up."""
+
+    CONSTANT = "constant"
+    COSINE = "cosine"  # to 0 at the last step
+    LINEAR = "linear"  # to 0 at the last step
+
+
+class OptimizerSpec(Contract):
+    """``spec.training.optimizer`` as an object: the optimizer and its schedule.
+
+    The learning rate rises linearly from 0 over ``warmupSteps``, then follows
+    ``schedule`` from its peak (``learningRate``, else ``spec.training.learningRate``)
+    over the remaining steps. ``weightDecay`` is decoupled (AdamW's; for ``adam`` it
+    turns it into AdamW), ``clipNorm`` clips the global gradient norm first.
+    """
+
+    name: Optimizer = Optimizer.ADAMW
+    learning_rate: float | None = Field(None, gt=0)
+    schedule: LRSchedule = LRSchedule.CONSTANT
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_norm: float | None = Field(None, gt=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.999, ge=0, lt=1)
+
+
 class TrainingSpec(Contract):
     """``spec.training``: the training run."""
 
@@ -139,10 +166,29 @@ class TrainingSpec(Contract):
                                    description="Samples per step, over all devices.")
     steps: int = Field(1000, ge=1, json_schema_extra=INT64, description="Training steps.")
     dtype: DType = Field(DType.FLOAT32, description="Parameter and compute dtype.")
-    optimizer: Optimizer = Optimizer.ADAM
-    learning_rate: float = Field(1e-4, gt=0)
+    optimizer: Optimizer | OptimizerSpec = Field(
+        Optimizer.ADAM, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
+        description="adam, adamw or sgd, or an object {name, learningRate, schedule: "
+                    "constant|cosine|linear, warmupSteps, weightDecay, clipNorm, b1, b2}. "
+                    "Free-form to the API server (a name or an object); the admission webhook "
+                    "checks it.")
+    learning_rate: float = Field(1e-4, gt=0, description=(
+        "The peak learning rate (unless spec.training.optimizer.learningRate is set)."))
     seed: int = Field(0, json_schema_extra=INT64,
                       description="Seed of the parameters' and the data's random numbers.")
+    eval_every: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
+        "Evaluate on spec.data.eval every this many steps (and after the last step)."))
+    eval_steps: int = Field(8, ge=1, json_schema_extra=INT64, description=(
+        "Batches of spec.data.eval each evaluation averages over."))
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec:
+        """The optimizer as an object, with its peak learning rate filled in."""
+        spec = (self.optimizer if isinstance(self.optimizer, OptimizerSpec)
+                else OptimizerSpec(name=self.optimizer))
+        if spec.learning_rate is None:
+            spec = spec.model_copy(update={"learning_rate": self.learning_rate})
+        return spec
 
 
 class NodePoolSpec(Contract):
@@ -246,6 +292,67 @@ class ParallelismSpec(Contract):
         return tuple(self.stages) if isinstance(self.stages, list) else ()
 
 
+class DataFormat(StrEnum):
+    """``spec.data.format``: what the files hold."""
+
+    TEXT = "text"  # plain text, one document per file
+    JSONL = "jsonl"  # one JSON object per line; its `field` is a document
+    TOKENS = "tokens"  # token ids: .npy, or raw .bin (spec.data.tokenDtype)
+    ARRAYRECORD = "arrayrecord"  # ArrayRecord files (local); each record one document's UTF-8 text
+
+
+class TokenDtype(StrEnum):
+    """``spec.data.tokenDtype``: the integer type of raw ``.bin`` token files."""
+
+    UINT16 = "uint16"
+    UINT32 = "uint32"
+
+
+#: The byte-level tokenizer: 256 ids, one per byte, no files needed.
+BYTES_TOKENIZER = "bytes"
+
+
+class DataSpec(Contract):
+    """``spec.data``: what to train and evaluate on.
+
+    ``train`` and ``eval`` are a path, a glob or a list of them, local or an fsspec URL
+    (``s3://``, ``gs://``, ``file://``, ``memory://``); ``{stdlib}`` stands for the
+    Python standard library's folder (text on every machine). Documents are tokenized
+    (``tokenizer``), joined with the tokenizer's end-of-text id and cut into sequences
+    of the model's length.
+    """
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        cel("self == oldSelf", "spec.data is immutable once the AlpaJob exists (restarts resume "
+            "in its order); create a new AlpaJob to train on other data"))}
+
+    train: str | list[str] = Field(json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
+                                   description="Files to train on: a path, glob or URL, or a list.")
+    eval: str | list[str] | None = Field(
+        None, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
+        description="Files to evaluate on (spec.training.evalEvery): a path, glob or URL, or a list.")
+    format: DataFormat = Field(DataFormat.TEXT, description="text, jsonl, tokens or arrayrecord.")
+    field: str = Field("text", max_length=253, description="jsonl: the key of each line's text.")
+    tokenizer: str = Field(BYTES_TOKENIZER, min_length=1, max_length=1024, description=(
+        "bytes (256 ids, no files), or a Hugging Face tokenizer.json (a path or URL)."))
+    token_dtype: TokenDtype = Field(TokenDtype.UINT16, description=(
+        "tokens format: the integer type of raw .bin files (.npy files say their own)."))
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _paths(cls, value: str | list[str] | None) -> str | list[str] | None:
+        paths = [value] if isinstance(value, str) else (value or [])
+        if value is not None and (not paths or any(not p.strip() for p in paths)):
+            raise ValueError("give a path, glob or URL, or a non-empty list of them")
+        return value
+
+    def train_paths(self) -> list[str]:
+        return [self.train] if isinstance(self.train, str) else list(self.train)
+
+    def eval_paths(self) -> list[str]:
+        return [] if self.eval is None else [self.eval] if isinstance(self.eval, str) else list(self.eval)
+
+
 class CheckpointSpec(Contract):
     """``spec.checkpoint``: periodic checkpoints on a volume every pod mounts."""
 
@@ -329,6 +436,9 @@ class Spec(Contract):
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
                                          description="The planner's options; the defaults are "
                                                      "fully automatic.")
+    data: DataSpec | None = Field(None, description=(
+        "What to train and evaluate on; without it the job trains on synthetic tokens (and "
+        "says so)."))
     image: str | None = Field(None, min_length=1, max_length=512, description=(
         "The trainer image of the planner, head and mesh pods (default: the operator's)."))
     service_account_name: ObjectName | None = Field(None, description=(

@@ -52,7 +52,15 @@ def _choices(values: Sequence[str] | Mapping[str, Any]) -> str:
 def spec_problems(spec: Spec) -> list[Problem]:
     """Every problem of a parsed ``spec`` that its types cannot catch (module docstring)."""
     return [*_model_problems(spec.model), *_cluster_problems(spec.cluster),
-            *_parallelism_problems(spec)]
+            *_parallelism_problems(spec), *_data_problems(spec)]
+
+
+def _data_problems(spec: Spec) -> list[Problem]:
+    """Evaluation needs something to evaluate on."""
+    if spec.training.eval_every is not None and (spec.data is None or spec.data.eval is None):
+        return [Problem("spec.training.evalEvery", "needs spec.data.eval, the files to evaluate on; "
+                                                   "set it or drop evalEvery")]
+    return []
 
 
 def _model_problems(model: ModelSpec) -> list[Problem]:

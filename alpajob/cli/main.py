@@ -4,6 +4,7 @@ Subcommands (one module each):
 
 - ``alpajob plan MANIFEST`` (:mod:`.planning`): trace, plan, print the plan, write it;
 - ``alpajob run MANIFEST`` (:mod:`.training`): plan for this machine and train;
+- ``alpajob data prepare MANIFEST`` (:mod:`.data`): tokenize ``spec.data`` once;
 - ``alpajob ray-head`` / ``mesh-worker`` / ``driver`` (:mod:`.ray`): the distributed
   runtime's processes inside a job's Ray cluster;
 - ``alpajob operator`` (:mod:`.operator`): the Kubernetes operator;
@@ -25,8 +26,8 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from alpajob.api.errors import AlpaJobError
+from alpajob.cli import data, planning, ray, training
 from alpajob.cli import operator as operator_cli
-from alpajob.cli import planning, ray, training
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     planning.add_parser(sub)
     training.add_parser(sub)
+    data.add_parser(sub)
     ray.add_parsers(sub)
     operator_cli.add_parser(sub)
     sub.add_parser("models", help="list the zoo's named model configurations")
@@ -73,6 +75,8 @@ def _dispatch(args: argparse.Namespace, out: Console, err: Console) -> int:
         return planning.run(args, out, err)
     if args.command == "run":
         return training.run(args, out, err)
+    if args.command == "data":
+        return data.run(args, out, err)
     if args.command == "operator":
         return operator_cli.run(args)
     if args.command == "models":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,6 +100,8 @@ def progress_line(report: Progress, steps: bool = True) -> str:
     parts = [f"step {report.step}/{report.steps}"] if steps else []
     if report.loss is not None:
         parts.append(f"loss {report.loss:.4f}")
+    if report.eval_loss is not None:
+        parts.append(f"eval {report.eval_loss:.4f} (ppl {math.exp(min(report.eval_loss, 50)):,.1f})")
     if report.samples_per_second is not None:
         parts.append(f"{report.samples_per_second:,.1f} samples/s")
     return "  ".join(parts)
@@ -111,13 +114,23 @@ def run_summary(result: Any, batch: int, exact: bool = False) -> Table:
     table.add_column("what")
     table.add_column("value", justify="right")
     steps = len(result.losses)
+    table.add_row("data", result.data)
     table.add_row("steps", f"{result.start_step + 1}..{result.start_step + steps}")
     if steps:
         table.add_row("loss (first, last)", f"{result.losses[0]:.5f}, {result.losses[-1]:.5f}")
-        timed = result.step_seconds[1:] or result.step_seconds  # the first step compiles
-        measured = sorted(timed)[len(timed) // 2]
+        if result.evals:
+            first, last = result.evals[0], result.evals[-1]
+            table.add_row("eval loss (step: first, last)",
+                          f"{first[0]}: {first[1]:.5f}, {last[0]}: {last[1]:.5f}")
+        measured = result.median_step_seconds()
         table.add_row("step time (median, after the first)", f"{measured:.4g} s")
         table.add_row("samples/s", f"{batch / measured:,.1f}")
+        if result.throughput is not None:
+            tokens, mfu = result.throughput.tokens_per_second(measured), result.throughput.mfu(measured)
+            if tokens is not None:
+                table.add_row("tokens/s", f"{tokens:,.0f}")
+            if mfu is not None:
+                table.add_row("MFU (model FLOPs / devices' peak)", f"{mfu:.1%}")
         if result.plan is not None:
             predicted = result.plan.predicted_step_seconds
             table.add_row("predicted step time", f"{predicted:.4g} s")

@@ -92,6 +92,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         task = bar.add_task("starting", total=steps, status="")
 
         def on_phase(what: str) -> None:
+            if what.startswith("data: "):  # what the run trains on stays on the screen
+                bar.console.print(what, highlight=False)
             bar.update(task, description=what)
 
         def on_step(report: Progress) -> None:

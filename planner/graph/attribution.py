@@ -25,6 +25,43 @@ class RawOp:
     multiplier: int
 
 
+def parameter_preprocessing_last(
+    ops: Sequence[RawOp], params: frozenset[int], constants: frozenset[int]
+) -> list[RawOp]:
+    """``ops`` with every op that reads only parameters (and constants, or the results
+    of such ops) moved to just before its first reader.
+
+    Such an op (a parameter cast to the compute type by mixed precision, a reshape or
+    broadcast of a scale) can run anywhere before its reader; where a trace puts it
+    (the cast of every parameter at the top of the loss) says nothing about which layer
+    it belongs to. Placed just before its reader, it lands in that reader's layer, and
+    so does the parameter: layer clustering cuts the forward ops in program order, and
+    a parameter's stage is that of its first forward reader. The order stays
+    topological: a moved op keeps its inputs (parameters) and its place before its
+    readers; moved ops bound for the same reader keep their relative order.
+
+    Example: ``c0 = cast(W0); c1 = cast(W1); h = x @ c0; y = h @ c1`` becomes
+    ``c0 = cast(W0); h = x @ c0; c1 = cast(W1); y = h @ c1``.
+    """
+    produced_by = {t: i for i, op in enumerate(ops) for t in op.outputs}
+    readers: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        for t in op.inputs:
+            if t in produced_by:
+                readers.setdefault(produced_by[t], []).append(i)
+    movable = [False] * len(ops)
+    for i, op in enumerate(ops):
+        sources = [t for t in op.inputs if t not in constants]
+        movable[i] = bool(sources) and any(t in params for t in sources) and all(
+            t in params or (t in produced_by and movable[produced_by[t]]) for t in sources)
+    position = list(range(len(ops)))
+    for i in reversed(range(len(ops))):
+        if movable[i] and readers.get(i):
+            position[i] = min(position[r] for r in readers[i])
+    order = sorted(range(len(ops)), key=lambda i: (position[i], 0 if position[i] != i else 1, i))
+    return [ops[i] for i in order]
+
+
 def phases(
     ops: Sequence[RawOp],
     producer: dict[int, int],

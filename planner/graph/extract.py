@@ -80,7 +80,12 @@ from typing import Any
 
 import jax.extend.core as jcore
 
-from alpajob.planner.graph.attribution import RawOp, anchors, phases
+from alpajob.planner.graph.attribution import (
+    RawOp,
+    anchors,
+    parameter_preprocessing_last,
+    phases,
+)
 from alpajob.planner.graph.jaxpr_costs import (
     aval_nbytes,
     jaxpr_flops,
@@ -339,6 +344,8 @@ def extract_graph(traced: TracedStep) -> OpGraph:
     flat_2x, _ = _flatten(traced.jaxpr_2x, n_params, n_opt, costs=False)
     _check_same_structure(flat, flat_2x, batch_size)
     batch_dims = _batch_dims(flat.shapes, flat_2x.shapes)
+    constants = frozenset(t for t, role in enumerate(flat.roles) if role is TensorRole.CONSTANT)
+    flat.ops = parameter_preprocessing_last(flat.ops, frozenset(range(n_params)), constants)
 
     param_ids = tuple(range(n_params))
     opt_ids = tuple(range(n_params, n_params + n_opt))
@@ -351,7 +358,6 @@ def extract_graph(traced: TracedStep) -> OpGraph:
     owner = _owners(flat.shapes, names, traced.opt_state_names, n_params)
     producer = {t: i for i, op in enumerate(flat.ops) for t in op.outputs}
     op_phases = phases(flat.ops, producer, loss_id, grads, outputs[1 + n_params :])
-    constants = frozenset(t for t, role in enumerate(flat.roles) if role is TensorRole.CONSTANT)
     op_anchors = anchors(flat.ops, op_phases, producer, owner, param_ids, grads, constants)
 
     tensors = tuple(

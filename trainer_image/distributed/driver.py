@@ -54,11 +54,13 @@ import numpy as np
 from alpajob.api.errors import AlpaJobError
 from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress, TrainerPhase
+from alpajob.api.resource import AlpaJob, parse_job
 from alpajob.api.runtime import Transport
 from alpajob.trainer_image import checkpoint
 from alpajob.trainer_image.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
 from alpajob.trainer_image.distributed.mesh_host import MeshHost, stage_times
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json, write_text_atomically
+from alpajob.trainer_image.precision import LossScale
 
 
 class JobFailedError(AlpaJobError):
@@ -256,6 +258,19 @@ class MeshGroup:
             ray.kill(actor)
 
 
+def check_runtime(job: AlpaJob) -> None:
+    """Refuse what this runtime does not do yet, before any actor starts (``alpajob
+    run`` does both)."""
+    training = job.spec.training
+    if LossScale.for_dtype(training.dtype) is not None:
+        raise AlpaJobError("spec.training.dtype: float16 needs dynamic loss scaling, which the Ray "
+                           "runtime does not do yet; use bfloat16 (float32's range, no scaling) or "
+                           "`alpajob run`")
+    if training.eval_every is not None:
+        raise AlpaJobError("spec.training.evalEvery: the Ray runtime does not evaluate yet; drop "
+                           "evalEvery or evaluate with `alpajob run`")
+
+
 class Reporter:
     """Publishes the job's :class:`~alpajob.api.progress.Progress`: the status file at
     every call, the ConfigMap at every phase change and at most every ``interval``
@@ -307,7 +322,9 @@ def drive(
     import yaml
 
     say = on_event or (lambda _what: None)
-    name = str((yaml.safe_load(manifest_yaml).get("metadata") or {}).get("name", "alpajob"))
+    job = parse_job(yaml.safe_load(manifest_yaml))
+    check_runtime(job)
+    name = job.name
     hosts = mesh_hosts(plan)
     batch = plan.global_batch_size
     metrics = TrainingMetrics(name, plan.predicted_step_seconds)

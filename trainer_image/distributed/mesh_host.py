@@ -52,6 +52,7 @@ from alpajob.api.resource import parse_job
 from alpajob.api.runtime import Transport
 from alpajob.api.spec import Schedule
 from alpajob.trainer_image import checkpoint
+from alpajob.trainer_image.data.feed import open_feed
 from alpajob.trainer_image.distributed.collective import (
     CollectiveLink,
     CollectiveMover,
@@ -80,8 +81,7 @@ from alpajob.trainer_image.runtime.executor import (
 )
 from alpajob.trainer_image.runtime.messages import layout_key, stage_messages
 from alpajob.trainer_image.runtime.split import SplitProgram
-from alpajob.trainer_image.step import make_optimizer
-from alpajob.trainer_image.zoo.model import synthetic_batch
+from alpajob.trainer_image.step import training_optimizer
 
 
 def addresses(split: SplitProgram, index: int) -> Iterator[tuple[Key, tuple[int, ...]]]:
@@ -202,7 +202,10 @@ class MeshHost:
         training = manifest.spec.training
         self.model = load_model(manifest.spec.model, training.dtype)
         self.batch_size = training.global_batch_size
-        optimizer = make_optimizer(training.optimizer, training.learning_rate)
+        # Every host reads the whole global batch of a step directly (batch_at), so a
+        # restart from any checkpoint needs only the step number.
+        self.feed = open_feed(manifest, self.model, seed=self.seed, prefetch=0)
+        optimizer = training_optimizer(training)
         params = self.model.init(jax.random.key(self.seed))
         self.split, names = split_for_plan(self.plan, self.model.loss, params, self.model.batch_shapes)
         plan_stage = self.plan.stages[self.index]
@@ -248,7 +251,7 @@ class MeshHost:
     def step(self, step: int) -> dict[str, Any]:
         """Run training step ``step`` (0-based) of this stage; its times and losses
         (the losses from host 0 only: every host of the mesh holds the same)."""
-        batch = jax.tree.leaves(synthetic_batch(self.model, self.batch_size, seed=self.seed + step))
+        batch = self.feed.batch_at(step)
         micro = split_micro_batches(batch, self.plan.num_micro_batches)
         link: RayLink | CollectiveLink
         if self.mover is not None:

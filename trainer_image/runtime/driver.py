@@ -316,6 +316,41 @@ def _place_batch(split: SplitProgram, stages: Sequence[StageRuntime],
     return out
 
 
+def _stage_params(split: SplitProgram, stages: Sequence[StageRuntime], post: _Post) -> list[Any]:
+    """Every stage's parameters for a step: shared ones sent from their home stage to
+    the stages that read them too, then each stage's own (:meth:`StageRuntime.prepare`)."""
+    for s, stage in enumerate(stages):
+        post.send(None, [(r, key, stage.params[stage.leaf_names[key[1]]]) for r, key in param_sends(split, s)])
+    post.flush()
+    params = []
+    for s, stage in enumerate(stages):
+        keys = param_receives(split, s)
+        received = dict(zip([k[1] for k in keys], post.take(s, keys)[0], strict=True))
+        params.append(stage.prepare([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
+                                     for leaf in split.stages[s].params]))
+    return params
+
+
+def drive_eval(split: SplitProgram, stages: Sequence[StageRuntime],
+               micro: Sequence[Sequence[np.ndarray]]) -> list[jax.Array]:
+    """Every micro-batch's loss, forward only (an evaluation): each micro-batch goes
+    through the stages in order; no backward, no update, parameters unchanged."""
+    post = _Post(split, stages, wait=False)
+    params = _stage_params(split, stages, post)
+    batch = _place_batch(split, stages, micro)
+    losses: list[jax.Array] = []
+    for j in range(len(micro)):
+        for s, stage in enumerate(stages):
+            inputs, _ = post.take(s, forward_receives(split, s, j))
+            outs, loss, _ = stage.forward(params[s], batch.pop((s, j)), inputs)
+            if loss is not None:
+                losses.append(loss)
+            by_vid = dict(zip(split.stages[s].outputs, outs, strict=True))
+            post.send(None, [(r, key, by_vid[key[2]]) for r, key in forward_sends(split, s, j)])
+            post.flush()
+    return losses
+
+
 def _with_flushes(rounds: Sequence[Sequence[tuple[int, Direction, int]]],
                   post: _Post) -> Iterator[tuple[int, Direction, int]]:
     """The rounds' instructions in order, flushing ``post`` after each round."""
@@ -332,27 +367,26 @@ def drive_step(
     loss_seed: jax.Array,
     wait: bool = False,
     timed: bool = True,
-) -> tuple[list[jax.Array], list[list[Stamp]]]:
-    """Issue one step (module docstring); returns the micro-batches' losses and every
-    stage's stamps (none if not ``timed``), after the last update is done. ``wait``
-    waits, in a timed step, for every instruction and move before issuing the next
-    (:class:`Stopwatch`)."""
+    scale: float | None = None,
+) -> tuple[list[jax.Array], list[list[Stamp]], bool]:
+    """Issue one step (module docstring); returns the micro-batches' losses, every
+    stage's stamps (none if not ``timed``), after the last update is done, and whether
+    the step was applied. ``wait`` waits, in a timed step, for every instruction and
+    move before issuing the next (:class:`Stopwatch`). With a loss ``scale`` (float16,
+    :mod:`~alpajob.trainer_image.precision`) the backward starts from the scaled seed
+    and the updates divide by it; if any stage's gradients are not all finite, no
+    stage updates (one host round trip reads the stages' verdicts)."""
     p, m = len(stages), len(micro)
     wait = wait and timed
     post = _Post(split, stages, wait)
     watcher = (Stopwatch if wait else Watcher) if timed else Untimed
     watchers: list[Watcher | Stopwatch | Untimed] = [watcher() for _ in stages]
+    applied = True
+    if scale is not None:
+        loss_seed = loss_seed * scale
     try:
-        for s, stage in enumerate(stages):  # shared parameters out
-            post.send(None, [(r, key, stage.params[stage.leaf_names[key[1]]]) for r, key in param_sends(split, s)])
-        post.flush()
-        params, acc = [], []
-        for s, stage in enumerate(stages):
-            keys = param_receives(split, s)
-            received = dict(zip([k[1] for k in keys], post.take(s, keys)[0], strict=True))
-            params.append(stage.prepare([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
-                                         for leaf in split.stages[s].params]))
-            acc.append(stage.fresh_accumulators())
+        params = _stage_params(split, stages, post)
+        acc = [stage.fresh_accumulators() for stage in stages]
         batch = _place_batch(split, stages, micro)
         saved: dict[tuple[int, int], Any] = {}
         losses: list[jax.Array] = []
@@ -387,6 +421,9 @@ def drive_step(
                 watchers[s].watch("backward", j, issued, cotangents, done, sources)  # acc: donated next
                 by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
                 post.send(me, [(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
+        if scale is not None:  # every gradient contribution is in some stage's accumulators
+            verdicts = [stage.finite(acc[s]) for s, stage in enumerate(stages)]
+            applied = all(bool(v) for v in verdicts)
         grads = [dict(zip(split.stages[s].params, acc[s], strict=True)) for s in range(p)]
         for s, stage in enumerate(stages):  # shared parameters' gradients home
             sends = shared_sends(split, s)
@@ -403,7 +440,10 @@ def drive_step(
                 shared.setdefault(stage.leaf_names[key[1]], []).append(value)
             named = {stage.leaf_names[leaf]: g for leaf, g in grads[s].items()}
             watchers[s].before(values, post.arrived(s, keys))
-            stage.apply_update(named, shared)
+            if not applied:
+                stage.skip_update()
+                continue
+            stage.apply_update(named, shared, 1.0 / scale if scale is not None else 1.0)
             watchers[s].watch("update", -1, issued, values,
                               (stage.params, stage.opt_state, stage.next_accumulators), sources)
     finally:
@@ -416,7 +456,7 @@ def drive_step(
                 errors.append(error)
     if errors:
         raise errors[0]
-    return losses, stamps
+    return losses, stamps, applied
 
 
 class PipelineExecutor:
@@ -437,13 +477,19 @@ class PipelineExecutor:
         self.num_micro_batches = num_micro_batches
         self._loss_seed = loss_seed(num_micro_batches, self.stages[-1].mesh)
 
-    def step(self, batch: Sequence[np.ndarray], timed: bool = True) -> StepResult:
+    def step(self, batch: Sequence[np.ndarray], timed: bool = True, scale: float | None = None) -> StepResult:
         """One training step on the host ``batch`` (flattened leaves, global batch);
-        per-stage times only if ``timed`` (module docstring: timing costs a step)."""
+        per-stage times only if ``timed`` (module docstring: timing costs a step);
+        ``scale``: the loss scale of a float16 run (:func:`drive_step`)."""
         micro = split_micro_batches(batch, self.num_micro_batches)
         begin = time.perf_counter()
-        losses, stamps = drive_step(self.split, self.stages, self.schedule, micro, self._loss_seed,
-                                    self.wait, timed)
+        losses, stamps, applied = drive_step(self.split, self.stages, self.schedule, micro,
+                                             self._loss_seed, self.wait, timed, scale)
         end = time.perf_counter()
         loss = float(np.mean([float(x) for x in losses]))
-        return StepResult(loss, end - begin, stage_times(stamps, begin, end) if timed else ())
+        return StepResult(loss, end - begin, stage_times(stamps, begin, end) if timed else (), applied)
+
+    def evaluate(self, batch: Sequence[np.ndarray]) -> float:
+        """The loss of the host ``batch`` (flattened leaves, global batch), forward only."""
+        micro = split_micro_batches(batch, self.num_micro_batches)
+        return float(np.mean([float(x) for x in drive_eval(self.split, self.stages, micro)]))

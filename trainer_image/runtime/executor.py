@@ -101,11 +101,13 @@ class StageTimes:
 
 @dataclass(frozen=True)
 class StepResult:
-    """One step's loss (mean over micro-batches), wall seconds and per-stage times."""
+    """One step's loss (mean over micro-batches), wall seconds and per-stage times, and
+    whether its update was applied (a loss-scaled step that overflowed is skipped)."""
 
     loss: float
     seconds: float
     stages: tuple[StageTimes, ...]
+    applied: bool = True
 
 
 def split_micro_batches(batch: Sequence[np.ndarray], num_micro_batches: int) -> list[list[np.ndarray]]:

@@ -10,6 +10,7 @@ inside a jitted block), and places every equation on a stage:
    no earlier than the latest stage among those inputs, so no value ever flows
    backwards. An equation that reads a parameter together with a value computed
    from the batch (a matmul, a lookup, a bias add) stays exactly there.
+   A parameter cast to the compute type (mixed precision) counts as the parameter.
 3. **Fewest bytes across boundaries**: every other equation (layer-norm statistics,
    residual adds, batch preprocessing such as label one-hots and masks, and
    **parameter preprocessing**: a reshape or broadcast of a scale, which reads
@@ -185,21 +186,25 @@ def _place(
 
 def _fixed(flat: _Flat, params: set[ValueId]) -> list[bool]:
     """Per equation, whether it must stay on its lower bound: it reads a parameter
-    and a value that depends on the batch.
+    (or a value computed from parameters alone, such as a parameter cast to the
+    compute type by mixed precision) and a value that depends on the batch.
 
     A value depends on the batch unless it is a parameter, a constant, or computed
     from those alone (a broadcast of a layer-norm scale, a causal mask from an
     ``iota``). Equations over such values only are free to move to a later stage.
     """
     batch_free: set[ValueId] = set(params) | set(flat.consts)
+    from_params: set[ValueId] = set(params)  # parameters, and values computed from them alone
     out = []
     for eqn in flat.eqns:
         values = [v for v in eqn.inputs if isinstance(v, int)]
         if all(v in batch_free for v in values):
             batch_free.update(eqn.outputs)
+            if any(v in from_params for v in values):
+                from_params.update(eqn.outputs)
             out.append(False)
         else:
-            out.append(any(v in params for v in values))
+            out.append(any(v in from_params for v in values))
     return out
 
 
@@ -280,15 +285,56 @@ def _min_crossing(
     return [int(sum(x[y(i, s)] for s in range(1, num_stages))) for i in range(n)]
 
 
+def _private_parameter_values(flat: _Flat, params: set[ValueId]) -> None:
+    """Give every reader of a value computed from parameters alone its own copy of the
+    equations that compute it.
+
+    Mixed precision casts every parameter once, at the top of the loss; GPT's tied
+    embedding is then one cast read by the first stage (the lookup) and the last (the
+    LM head). Shared, that cast would cross between the stages as an activation, and
+    its gradient come back, once per micro-batch; copied, each stage casts the shared
+    parameter itself, and the parameter's gradient goes home once per step. A copy is
+    an equation over parameters only: cheap, and placed with its reader.
+    """
+    derived: dict[ValueId, FlatEqn] = {}  # value -> the equation that computes it from parameters
+    read: set[ValueId] = set()
+    out: list[FlatEqn] = []
+
+    def copy(value: ValueId) -> ValueId:
+        eqn = derived[value]
+        inputs = tuple(copy(i) if isinstance(i, int) and i in derived else i for i in eqn.inputs)
+        outputs = tuple(flat.new(flat.avals[o]) for o in eqn.outputs)
+        out.append(FlatEqn(eqn.primitive, eqn.params, inputs, outputs))
+        derived.update((new, out[-1]) for new in outputs)
+        return outputs[eqn.outputs.index(value)]
+
+    for eqn in flat.eqns:
+        values = [v for v in eqn.inputs if isinstance(v, int)]
+        inputs = []
+        for value in eqn.inputs:
+            if isinstance(value, int) and value in derived:
+                value = copy(value) if value in read else value
+                read.add(value)
+            inputs.append(value)
+        eqn = FlatEqn(eqn.primitive, eqn.params, tuple(inputs), eqn.outputs)
+        if values and all(v in params or v in derived or v in flat.consts for v in values) and any(
+                v in params or v in derived for v in values):
+            derived.update((o, eqn) for o in eqn.outputs)
+        out.append(eqn)
+    flat.eqns = out
+
+
 def flatten(loss_fn: Callable[[Any, Any], jax.Array], params: Any, micro_batch: Any) -> tuple[_Flat, list[ValueId], Any]:
     """``loss_fn`` traced on abstract ``params`` and ``micro_batch`` and inlined into one
     equation list: the program, the value ids of its arguments (parameter leaves, then
     batch leaves) and the loss's value id. Values are numbered in trace order, so two
-    traces of the same code at different batch sizes number them alike."""
+    traces of the same code at different batch sizes number them alike (the copies of
+    :func:`_private_parameter_values` too)."""
     closed = jax.make_jaxpr(loss_fn)(params, micro_batch)
     flat = _Flat()
     invars = [flat.new(v.aval) for v in closed.jaxpr.invars]
     (loss,) = flat.inline(closed.jaxpr, closed.consts, invars)
+    _private_parameter_values(flat, set(invars[: len(jax.tree.leaves(params))]))
     return flat, invars, loss
 
 

@@ -50,6 +50,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from alpajob.api.plan import SpecEntry, StagePlan
+from alpajob.trainer_image.precision import all_finite
 from alpajob.trainer_image.runtime.grouped import NotGroupable, grouped_stage_function
 from alpajob.trainer_image.runtime.meshes import (
     batch_spec,
@@ -95,6 +96,7 @@ class StageRuntime:
     forward: Callable[..., Any]
     backward: Callable[..., Any]
     update: Callable[..., Any]
+    finite: Callable[[list[jax.Array]], jax.Array]  # are these accumulators all finite (fp16)
     init_opt: Callable[..., Any]
     zeros: Callable[[], list[jax.Array]]  # zeroed accumulators, one per parameter leaf it reads
     diff_outputs: tuple[int, ...]  # positions in program.outputs that carry gradients
@@ -111,13 +113,20 @@ class StageRuntime:
         acc, self.next_accumulators = self.next_accumulators, None
         return acc if acc is not None else self.zeros()
 
-    def apply_update(self, grads: dict[str, jax.Array], received: dict[str, list[jax.Array]]) -> None:
+    def apply_update(self, grads: dict[str, jax.Array], received: dict[str, list[jax.Array]],
+                     inv_scale: float = 1.0) -> None:
         """Update the parameters and optimizer state this stage owns with its
         accumulated ``grads`` plus the gradient sums other stages sent it for shared
-        parameters (``received``; both by name), keeping the update's zeroed
+        parameters (``received``; both by name), times ``inv_scale`` (1 / the loss
+        scale, :mod:`~alpajob.trainer_image.precision`), keeping the update's zeroed
         accumulators for the next step."""
         self.params, self.opt_state, self.next_accumulators = self.update(
-            self.params, self.opt_state, grads, received)
+            self.params, self.opt_state, grads, received, jnp.float32(inv_scale))
+
+    def skip_update(self) -> None:
+        """Leave parameters and optimizer state as they are (a loss-scaled step whose
+        gradients overflowed); the next step starts from zeroed accumulators."""
+        self.next_accumulators = None
 
 
 def build_stage(
@@ -217,14 +226,14 @@ def build_stage(
     home_acc = {names[k]: acc_sharding[k] for k in home}
 
     def update(params: dict[str, Any], opt_state: Any, grads: dict[str, Any],
-               received: dict[str, list[Any]]) -> tuple[Any, Any, list[Any]]:
+               received: dict[str, list[Any]], inv_scale: jax.Array) -> tuple[Any, Any, list[Any]]:
         total = {}
         for n, g in grads.items():
             if groups:  # the one reduction of a grouped stage's gradients per step
                 g = jax.lax.with_sharding_constraint(g.sum(0), home_acc[n])
             for other in received.get(n, []):
                 g = g + other
-            total[n] = g.astype(param_dtypes[n])
+            total[n] = (g * inv_scale).astype(param_dtypes[n])
         updates, new_state = optimizer.update(total, opt_state, params)
         return optax.apply_updates(params, updates), new_state, zeros()
 
@@ -267,10 +276,11 @@ def build_stage(
         ),
         update=jax.jit(
             update,
-            in_shardings=(home_param, opt_sharding, grads_in, received_in),
+            in_shardings=(home_param, opt_sharding, grads_in, received_in, replicated),
             out_shardings=(home_param, opt_sharding, acc_list),
             donate_argnums=(0, 1),
         ),
+        finite=jax.jit(all_finite, out_shardings=replicated),
         init_opt=jax.jit(
             lambda p: init_optimizer_state(optimizer, p),
             in_shardings=(home_param,),
