@@ -215,7 +215,7 @@ def run(
     model = load_model(job.spec.model, training.dtype)
     optimizer = training_optimizer(training)
     say("reading data")
-    feed = open_feed(job, model, seed=seed)
+    feed = open_feed(job, model, seed=seed, prefetch=options.prefetch)
     say(f"data: {feed.source}")
     plan = None
     say(f"tracing {model.name}")

@@ -48,6 +48,7 @@ class TrainOptions(Contract):
     resume: bool = Field(False, description="continue from the newest checkpoint in checkpoint_dir")
     exact_stage_times: bool = Field(False, description="timed steps wait for every instruction")
     stage_times_every: int = Field(10, ge=1, description="time every N-th step per stage")
+    prefetch: int = Field(2, ge=0, le=64, description="batches a loader thread keeps ready (0: none)")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainOptions:

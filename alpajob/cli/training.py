@@ -54,6 +54,8 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--checkpoint-dir", help="save sharded checkpoints here")
     run.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end)")
     run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    run.add_argument("--prefetch", type=int, default=2, metavar="N",
+                     help="batches of spec.data a background thread keeps ready (default 2; 0: none)")
     run.add_argument("--ilp-time-limit", type=float, default=10.0,
                      help="seconds allowed to each intra-op ILP solve (default 10)")
 
@@ -69,7 +71,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         "metrics_port": args.metrics_port, "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every, "resume": args.resume or None,
         "exact_stage_times": args.exact_stage_times or None,
-        "stage_times_every": args.stage_times_every,
+        "stage_times_every": args.stage_times_every, "prefetch": args.prefetch,
     })
     if options.metrics_out:
         writable_file(options.metrics_out, "--metrics-out")
