@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -187,32 +188,6 @@ def test_parcels_for_a_receiver_on_two_hosts_go_to_the_host_of_each_position() -
         np.testing.assert_array_equal(np.asarray(assemble(merge(parcels), target)), data)
 
 
-def test_checkpoint_parts_commit_into_one_restorable_checkpoint(tmp_path: Path) -> None:
-    """Two hosts write their shards as parts; until the commit the checkpoint does not
-    count; after it, it restores whole onto any sharding."""
-    from alpajob.trainer_image import checkpoint
-
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
-    data = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
-    array = jax.device_put(data, NamedSharding(mesh, P("x", "y")))
-    count = jax.device_put(np.int32(7), NamedSharding(mesh, P()))
-    checkpoint.begin(tmp_path, 4)
-    parts = []
-    for host, rows in enumerate([(0, 4), (4, 8)]):  # each "host" holds half the rows
-        part = checkpoint.save_part(tmp_path, 4, f"host{host}", {"w": array, "opt/count": count})
-        part["w"]["shards"] = [x for x in part["w"]["shards"] if x["box"][0] == list(rows)]
-        parts.append(part)
-    assert checkpoint.latest_step(tmp_path) is None  # not complete yet
-    checkpoint.commit(tmp_path, 4, parts, {"model": "m"})
-    assert checkpoint.latest_step(tmp_path) == 4
-    index = checkpoint.load_index(tmp_path, 4)
-    assert len(index["arrays"]["opt/count"]["shards"]) == 1  # written by both, kept once
-    assert len(index["arrays"]["w"]["shards"]) == 4
-    restored = checkpoint.restore(tmp_path, 4, "w", NamedSharding(mesh, P(None, "x")))
-    np.testing.assert_array_equal(np.asarray(restored), data)
-    assert int(checkpoint.restore(tmp_path, 4, "opt/count", count.sharding)) == 7
-
-
 # ----------------------------------------------------------------------------- runs
 
 
@@ -243,7 +218,7 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path: Path) -> None:
     whole = run(manifest, _options(manifest, 4))
     ckpt = tmp_path / "ckpt"
     first = run(manifest, _options(manifest, 2, checkpoint_dir=str(ckpt)))
-    assert (ckpt / "step_00000002" / "index.json").exists()
+    assert (ckpt / "local" / "2" / "arrays").is_dir()  # orbax's step folder of the one part
     resumed = run(manifest, _options(manifest, 4, checkpoint_dir=str(ckpt), resume=True))
     assert resumed.start_step == 2
     np.testing.assert_array_equal(first.losses + resumed.losses, whole.losses)
@@ -354,3 +329,40 @@ def test_custom_entrypoint_example_trains_as_a_pipeline(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert len(doc["losses"]) == 3 and len(doc["stages"]) > 1 and doc["stage_time_steps"] == [3]
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path: Path) -> None:
+    """SIGTERM (how Kubernetes stops a pod) mid-run: the step in progress finishes, its
+    checkpoint is saved and waited for, the run exits 143 saying so, and ``--resume``
+    goes on from that step. The log is plain lines, one per step (a pipe is not a
+    terminal), each with the step, loss, tokens/s and the time left."""
+    job = str(ROOT / "manifests/examples/local-gpt.yaml")
+    ckpt, first_out, second_out = tmp_path / "ckpt", tmp_path / "first.json", tmp_path / "second.json"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "alpajob", "run", job, "--steps", "500", "--method", "data", "--devices", "2",
+         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000", "--log-every", "1",
+         "--metrics-out", str(first_out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    seen: list[str] = []
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("step 3/500"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, rest = proc.communicate(timeout=300)
+    log = "".join(seen) + rest
+    assert proc.returncode == 143, log
+    assert "tokens/s" in seen[-1] and "eta" in seen[-1]
+    stopped = json.loads(first_out.read_text())
+    done = len(stopped["losses"])
+    assert stopped["stopped"] == "SIGTERM" and stopped["last_checkpoint_step"] == done >= 3
+    assert f"stopped by SIGTERM after step {done}: checkpoint of step {done}" in log
+    assert "training summary" in out
+    again = _cli("run", job, "--steps", str(done + 2), "--method", "data", "--devices", "2",
+                 "--checkpoint-dir", str(ckpt), "--resume", "--metrics-out", str(second_out), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    resumed = json.loads(second_out.read_text())
+    assert resumed["start_step"] == done and len(resumed["losses"]) == 2

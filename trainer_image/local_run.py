@@ -2,20 +2,25 @@
 
 One pass, top to bottom:
 
-1. load the model the manifest names and trace it (the planner's graph; its
-   fingerprint is what a plan file must match);
-2. plan for the local devices (1 node x K devices of the manifest's preset, the
-   ``cpu`` preset on CPU), or read ``--plan`` and check it was made for this model
-   and fits these devices;
-3. build the pipeline (:func:`~.runtime.build.build_pipeline`), or for
-   ``--method serial`` the plain single-device step (the reference every parallel
-   run must equal);
-4. restore the newest checkpoint with ``--resume``;
-5. train ``steps`` steps on synthetic batches (batch ``i`` is drawn from seed
-   ``seed + i``, so a resumed run sees the batches the interrupted one would have),
-   timing every ``stage_times_every``-th step per stage (timing costs a step:
-   :mod:`.runtime.driver`), recording to Prometheus and checkpointing every
-   ``checkpoint_every`` steps and at the end.
+1. refuse what cannot work before any work is done: lock the checkpoint folder
+   (:mod:`.checkpoint`; another run writing there is refused), ``--resume`` of a
+   folder with no checkpoint, a metrics port in use;
+2. open the data (:mod:`.data`: ``spec.data``, or synthetic batches that say so);
+3. trace the step (its graph: a plan file's fingerprint must match it, and MFU reads
+   its FLOPs) and plan for the local devices (1 node x K devices of the manifest's
+   preset, ``cpu`` on CPU), or read ``--plan``; hand the plan to ``on_plan``;
+4. build the runner (:mod:`.runners`: the plan's pipeline, or for ``--method serial``
+   the single-device reference every parallel run must equal);
+5. restore the newest intact checkpoint with ``--resume`` (parameters, optimizer state
+   and the loader's position; a damaged one is set aside and the one before used);
+6. train ``steps`` steps, evaluating every ``evalEvery`` (forward only, the same eval
+   batches each time), timing every ``stage_times_every``-th step per stage (timing
+   costs a step: :mod:`.runtime.driver`), checkpointing every ``checkpoint_every``
+   steps and at the end (in the background unless told otherwise), and reporting each
+   step's :class:`~alpajob.api.progress.Progress` (Prometheus, ``on_step``), with
+   tokens/s, MFU (:mod:`.throughput`) and goodput (:mod:`.goodput`). SIGTERM or Ctrl-C
+   stops the loop after the step in progress (:mod:`.stopping`): a checkpoint of that
+   step is saved and waited for, and the result says which signal stopped it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from alpajob.api.errors import PlanFormatError
@@ -36,22 +40,21 @@ from alpajob.api.progress import Progress, TrainerPhase
 from alpajob.api.resource import AlpaJob
 from alpajob.planner.cost.cluster import ClusterSpec, cluster_from_preset
 from alpajob.planner.graph.opgraph import OpGraph
-from alpajob.trainer_image import checkpoint
+from alpajob.trainer_image.checkpoint.local import LocalCheckpoints
+from alpajob.trainer_image.checkpoint.lock import CheckpointError
+from alpajob.trainer_image.checkpoint.names import targets
 from alpajob.trainer_image.data.feed import SYNTHETIC, open_feed
 from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.goodput import Badput, Goodput
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json
 from alpajob.trainer_image.planning import job_graph, plan_job
 from alpajob.trainer_image.precision import LossScale
+from alpajob.trainer_image.runners import PipelineRunner, SerialRunner
 from alpajob.trainer_image.runtime.build import build_pipeline
-from alpajob.trainer_image.runtime.driver import PipelineExecutor
 from alpajob.trainer_image.runtime.executor import StageTimes
 from alpajob.trainer_image.runtime.meshes import DeviceError, devices_needed, local_devices
-from alpajob.trainer_image.step import (
-    init_optimizer_state,
-    make_scaled_train_step,
-    make_train_step,
-    training_optimizer,
-)
+from alpajob.trainer_image.step import training_optimizer
+from alpajob.trainer_image.stopping import StopRequest
 from alpajob.trainer_image.throughput import Throughput
 from alpajob.trainer_image.zoo import ModelDef
 
@@ -71,7 +74,10 @@ class RunResult:
     data_wait_seconds: float = 0.0  # time spent waiting for the loader
     skipped_steps: int = 0  # float16: steps skipped for overflowing gradients (loss scaling)
     throughput: Throughput | None = None  # model FLOPs and tokens per step, the devices' peak
+    goodput: dict[str, float] = field(default_factory=dict)  # Goodput.summary at the end
     params: dict[str, np.ndarray] = field(default_factory=dict)
+    last_checkpoint_step: int | None = None  # the newest complete checkpoint at the end
+    stopped: str | None = None  # the signal that stopped the run early (SIGTERM, SIGINT)
 
     def median_step_seconds(self) -> float | None:
         """The median step time after the first (which compiles)."""
@@ -90,6 +96,9 @@ class RunResult:
             "model_flops_per_step": self.throughput.flops_per_step if self.throughput else None,
             "tokens_per_step": self.throughput.tokens_per_step if self.throughput else None,
             "peak_flops": self.throughput.peak_flops if self.throughput else None,
+            "goodput": self.goodput,
+            "last_checkpoint_step": self.last_checkpoint_step,
+            "stopped": self.stopped,
             "eval": [{"step": step, "loss": loss} for step, loss in self.evals],
         }
         if self.plan is not None:
@@ -135,94 +144,15 @@ def check_plan(plan: Plan, graph: OpGraph, devices: list[Any], source: str) -> N
         )
 
 
-class _Serial:
-    """The reference: the whole step, whole batch, on one device."""
-
-    def __init__(self, model: ModelDef, optimizer: Any, params: Any, device: Any, batch_size: int,
-                 scale: LossScale | None) -> None:
-        self._batch_def = jax.tree.structure(model.batch_shapes(batch_size))
-        self.params = jax.device_put(params, device)
-        self.opt_state = jax.jit(lambda p: init_optimizer_state(optimizer, p))(self.params)
-        self._step = jax.jit(make_train_step(model.loss, optimizer), donate_argnums=(0, 1))
-        self._scaled = jax.jit(make_scaled_train_step(model.loss, optimizer), donate_argnums=(0, 1))
-        self._loss = jax.jit(model.loss)
-        self.device = device
-        self.scale = scale
-
-    def step(self, batch: list[np.ndarray], timed: bool) -> tuple[float, tuple[StageTimes, ...]]:
-        tree = jax.tree.unflatten(self._batch_def, batch)
-        if self.scale is None:
-            loss, _, self.params, self.opt_state = self._step(self.params, self.opt_state, tree)
-            return float(loss), ()
-        loss, finite, self.params, self.opt_state = self._scaled(
-            self.params, self.opt_state, tree, jnp.float32(self.scale.scale))
-        self.scale.after(bool(finite))
-        return float(loss), ()
-
-    def evaluate(self, batch: list[np.ndarray]) -> float:
-        return float(self._loss(self.params, jax.tree.unflatten(self._batch_def, batch)))
-
-    def named_arrays(self) -> dict[str, jax.Array]:
-        out = checkpoint.named_leaves("params", self.params)
-        out.update(checkpoint.named_leaves("opt", self.opt_state))
-        return out
-
-    def restore(self, root: str, step: int) -> None:
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
-        self.params = checkpoint.restore_tree(root, step, "params", self.params, sharding)
-        self.opt_state = checkpoint.restore_tree(root, step, "opt", self.opt_state, sharding)
-
-
-class _Pipelined:
-    """The plan's pipeline, behind the same small interface as :class:`_Serial`."""
-
-    def __init__(self, executor: PipelineExecutor, scale: LossScale | None) -> None:
-        self.executor = executor
-        self.scale = scale
-
-    def step(self, batch: list[np.ndarray], timed: bool) -> tuple[float, tuple[StageTimes, ...]]:
-        result = self.executor.step(batch, timed, self.scale.scale if self.scale else None)
-        if self.scale is not None:
-            self.scale.after(result.applied)
-        return result.loss, result.stages
-
-    def evaluate(self, batch: list[np.ndarray]) -> float:
-        return self.executor.evaluate(batch)
-
-    def named_arrays(self) -> dict[str, jax.Array]:
-        out: dict[str, jax.Array] = {}
-        for stage in self.executor.stages:
-            out.update(checkpoint.stage_arrays(stage))
-        return out
-
-    def restore(self, root: str, step: int) -> None:
-        for stage in self.executor.stages:
-            checkpoint.restore_stage(root, step, stage)
-
-
-def run(
-    job: AlpaJob,
-    options: TrainOptions,
-    on_step: Callable[[Progress], None] | None = None,
-    on_phase: Callable[[str], None] | None = None,
-) -> RunResult:
-    """Plan (or read the plan) and train; see the module docstring."""
-    say = on_phase or (lambda _what: None)
+def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable[[str], None],
+             on_plan: Callable[[Plan], None] | None) -> tuple[Any, Plan | None, Throughput]:
+    """Trace, plan (or read the plan file), and build the runner (module docstring 3-4)."""
     training = job.spec.training
-    steps = options.steps if options.steps is not None else training.steps
-    seed = options.seed if options.seed is not None else training.seed
     devices = local_devices(options.devices)
-    model = load_model(job.spec.model, training.dtype)
-    optimizer = training_optimizer(training)
-    say("reading data")
-    feed = open_feed(job, model, seed=seed, prefetch=options.prefetch)
-    say(f"data: {feed.source}")
-    plan = None
     say(f"tracing {model.name}")
     graph = job_graph(job)
     cluster = local_cluster(job, devices)
-    throughput = Throughput.of(graph, feed.tokens_per_step, cluster.device,
-                               1 if options.serial else len(devices), training.dtype)
+    plan = None
     if not options.serial:
         if options.plan_file:
             plan = read_plan(options.plan_file)
@@ -230,72 +160,150 @@ def run(
         else:
             say(f"planning for {len(devices)} local {devices[0].platform} devices")
             plan = plan_job(job, options.planning, cluster=cluster, graph=graph).plan
+        if on_plan:
+            on_plan(plan)
+    seed = options.seed if options.seed is not None else training.seed
     say("initialising parameters")
     params = model.init(jax.random.key(seed))
+    optimizer = training_optimizer(training)
     scale = LossScale.for_dtype(training.dtype)
+    runner: Any
     if plan is None:
-        runner: Any = _Serial(model, optimizer, params, devices[0], training.global_batch_size, scale)
+        runner = SerialRunner(model, optimizer, params, devices[0], training.global_batch_size, scale)
     else:
         say("building stages")
-        runner = _Pipelined(build_pipeline(plan, model.loss, params, model.batch_shapes, optimizer, devices,
-                                           wait=options.exact_stage_times), scale)
-    del params
+        runner = PipelineRunner(build_pipeline(plan, model.loss, params, model.batch_shapes, optimizer,
+                                               devices, wait=options.exact_stage_times), scale)
+    tokens = model.batch_shapes(training.global_batch_size).get("input_ids")
+    throughput = Throughput.of(graph, int(np.prod(tokens.shape)) if tokens is not None else None,
+                               cluster.device, 1 if plan is None else devices_needed(plan), training.dtype)
+    return runner, plan, throughput
 
-    start = 0
-    if options.resume and options.checkpoint_dir:
-        latest = checkpoint.latest_step(options.checkpoint_dir)
-        if latest is not None:
-            say(f"restoring step {latest}")
-            runner.restore(options.checkpoint_dir, latest)
-            feed.restore(checkpoint.load_index(options.checkpoint_dir, latest).get("data"))
-            start = latest
-    metrics = TrainingMetrics(job.name, plan.predicted_step_seconds if plan else None)
-    if options.metrics_port is not None:
-        metrics.serve(options.metrics_port)
-    result = RunResult(plan=plan, start_step=start, data=feed.source, throughput=throughput)
-    saved: int | None = start or None
-    evaluations = feed.eval_batches(training.eval_steps) if training.eval_every else []
-    eval_loss: float | None = None
+
+def _checkpoints(job: AlpaJob, options: TrainOptions) -> LocalCheckpoints | None:
+    """The run's checkpoint folder, locked (None without ``checkpoint_dir``); refuses
+    ``--resume`` of a folder with no checkpoint before any work is done."""
+    root = options.checkpoint_dir
+    if not root:
+        return None
+    spec = job.spec.checkpoint
+    keep_last = options.keep_last or (spec.keep_last if spec else 3)
+    asynchronous = not options.sync_checkpoints and (spec.async_save if spec else True)
+    checkpoints = LocalCheckpoints(root, keep_last, asynchronous)
+    if options.resume is True and checkpoints.last is None:
+        checkpoints.close()
+        raise CheckpointError(f"--resume: {root} holds no checkpoint; give the folder a run saved to, "
+                              "or --resume=auto to start fresh when there is none")
+    return checkpoints
+
+
+def run(
+    job: AlpaJob,
+    options: TrainOptions,
+    on_step: Callable[[Progress], None] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
+) -> RunResult:
+    """Plan (or read the plan) and train (module docstring). ``on_phase`` hears what the
+    run is doing, ``on_plan`` gets the plan before training starts, ``on_step`` every
+    step's :class:`~alpajob.api.progress.Progress`."""
+    say = on_phase or (lambda _what: None)
+    books = Goodput()
+    training = job.spec.training
+    steps = options.steps if options.steps is not None else training.steps
+    seed = options.seed if options.seed is not None else training.seed
+    checkpoints = _checkpoints(job, options)
+    metrics = TrainingMetrics(job.name)
+    feed = None
     try:
-        for step in range(start, steps):
-            batch = feed.batch(step)
-            done = step + 1
-            began = time.perf_counter()
-            loss, stages = runner.step(batch, done % options.stage_times_every == 0)
-            seconds = time.perf_counter() - began
-            result.losses.append(loss)
-            result.step_seconds.append(seconds)
-            if stages:
-                result.stage_times.append(stages)
-                result.stage_time_steps.append(done)
-            if evaluations and (done % (training.eval_every or steps) == 0 or done == steps):
-                eval_loss = float(np.mean([runner.evaluate(b) for b in evaluations]))
-                result.evals.append((done, eval_loss))
-            every = options.checkpoint_every
-            if options.checkpoint_dir and ((every and done % every == 0) or done == steps):
-                meta = {"model": model.name, "plan_hash": plan.content_hash() if plan else None,
-                        "data": feed.state()}
-                checkpoint.save(options.checkpoint_dir, done, runner.named_arrays(), meta)
-                saved = done
-            report = Progress(phase=TrainerPhase.RUNNING, step=done, steps=steps, loss=loss,
-                              eval_loss=eval_loss, data=feed.source,
-                              skipped_steps=scale.skipped if scale else None,
-                              samples_per_second=training.global_batch_size / seconds,
-                              tokens_per_second=throughput.tokens_per_second(seconds),
-                              mfu=throughput.mfu(seconds),
-                              last_checkpoint_step=saved, updated=time.time())
-            metrics.record(report, seconds, stages)
-            if on_step:
-                on_step(report)
+        if options.metrics_port is not None:
+            metrics.serve(options.metrics_port)
+        say("reading data")
+        model = load_model(job.spec.model, training.dtype)
+        feed = open_feed(job, model, seed=seed, prefetch=options.prefetch)
+        say(f"data: {feed.source}")
+        with books.timing(Badput.PLANNING):
+            runner, plan, throughput = _prepare(job, model, options, say, on_plan)
+        if plan is not None:
+            metrics.predicted.labels(metrics.job).set(plan.predicted_step_seconds)
+        start = 0
+        if checkpoints is not None and options.resume and checkpoints.last is not None:
+            say(f"restoring step {checkpoints.last}")
+            with books.timing(Badput.RESTORE):
+                restored = checkpoints.newest(targets(runner.named_arrays()), say)
+                if restored is not None:
+                    runner.load(restored.arrays)
+                    feed.restore(restored.run.get("data"))
+                    start = restored.step
+        result = RunResult(plan=plan, start_step=start, data=feed.source, throughput=throughput)
+        saved = start or None  # the step of the last checkpoint saved (complete or in flight)
+
+        def save(done: int) -> None:
+            nonlocal saved
+            if checkpoints is None or saved == done:
+                return
+            with books.timing(Badput.CHECKPOINT):
+                checkpoints.save(done, runner.named_arrays(), {
+                    "model": model.name, "plan_hash": plan.content_hash() if plan else None,
+                    "data": feed.state() if feed else None})
+            saved = done
+
+        evaluations = feed.eval_batches(training.eval_steps) if training.eval_every else []
+        eval_loss: float | None = None
+        done = start
+        with StopRequest() as stop:
+            for step in range(start, steps):
+                batch = feed.batch(step)
+                done = step + 1
+                began = time.perf_counter()
+                loss, stages = runner.step(batch, done % options.stage_times_every == 0)
+                seconds = time.perf_counter() - began
+                result.losses.append(loss)
+                result.step_seconds.append(seconds)
+                if stages:
+                    result.stage_times.append(stages)
+                    result.stage_time_steps.append(done)
+                if evaluations and (done % (training.eval_every or steps) == 0 or done == steps):
+                    with books.timing(Badput.EVAL):
+                        eval_loss = float(np.mean([runner.evaluate(b) for b in evaluations]))
+                    result.evals.append((done, eval_loss))
+                every = options.checkpoint_every
+                if (every and done % every == 0) or done == steps:
+                    save(done)
+                report = Progress(
+                    phase=TrainerPhase.RUNNING, step=done, steps=steps, loss=loss, eval_loss=eval_loss,
+                    data=feed.source, skipped_steps=runner.scale.skipped if runner.scale else None,
+                    samples_per_second=training.global_batch_size / seconds,
+                    tokens_per_second=throughput.tokens_per_second(seconds), mfu=throughput.mfu(seconds),
+                    goodput=books.summary(result.step_seconds, feed.wait_seconds)["goodput"],
+                    last_checkpoint_step=checkpoints.poll() if checkpoints else None, updated=time.time())
+                metrics.record(report, seconds, stages)
+                if on_step:
+                    on_step(report)
+                if stop.requested:
+                    result.stopped = stop.requested
+                    say(f"{stop.requested} after step {done}: stopping"
+                        + (", saving a checkpoint first" if checkpoints else ""))
+                    break
+            if checkpoints is not None:
+                if result.stopped:
+                    save(done)
+                with books.timing(Badput.CHECKPOINT):
+                    result.last_checkpoint_step = checkpoints.finish()
+        result.skipped_steps = runner.scale.skipped if runner.scale else 0
+        result.data_wait_seconds = feed.wait_seconds
+        result.goodput = books.summary(result.step_seconds, feed.wait_seconds)
+        result.params = {name[len("params/"):]: np.asarray(value)
+                         for name, value in runner.named_arrays().items() if name.startswith("params/")}
+        if options.metrics_out:
+            write_metrics_json(options.metrics_out, result.to_json())
+        if options.metrics_port is not None and options.metrics_linger and not result.stopped:
+            say(f"serving the last metrics for {options.metrics_linger:g} s")
+            time.sleep(options.metrics_linger)
+        return result
     finally:
         metrics.close()
-        result.data_wait_seconds = feed.wait_seconds
-        result.skipped_steps = scale.skipped if scale else 0
-        feed.close()
-    result.params = {
-        name[len("params/"):]: np.asarray(value)
-        for name, value in runner.named_arrays().items() if name.startswith("params/")
-    }
-    if options.metrics_out:
-        write_metrics_json(options.metrics_out, result.to_json())
-    return result
+        if feed is not None:
+            feed.close()
+        if checkpoints is not None:
+            checkpoints.close()

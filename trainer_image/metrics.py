@@ -34,6 +34,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from alpajob.api.errors import AlpaJobError
 from alpajob.api.progress import Progress
 
 _LABELS = ("job", "stage")
@@ -108,8 +109,13 @@ class TrainingMetrics:
             self.comm_total.labels(*labels).inc(times.communication)
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
-        """Serve ``/metrics`` on ``port`` until :meth:`close`."""
-        self._server, _thread = start_http_server(port, addr=address, registry=self.registry)
+        """Serve ``/metrics`` on ``port`` until :meth:`close`; a port that cannot be had
+        is an :class:`~alpajob.api.errors.AlpaJobError` naming ``--metrics-port``."""
+        try:
+            self._server, _thread = start_http_server(port, addr=address, registry=self.registry)
+        except OSError as error:
+            raise AlpaJobError(f"--metrics-port: cannot serve on {address}:{port} ({error.strerror}); "
+                               "choose a free port") from None
 
     def close(self) -> None:
         """Stop serving."""

@@ -10,7 +10,7 @@ build them directly. The planner and the trainer take them as they are.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_snake
@@ -45,9 +45,17 @@ class TrainOptions(Contract):
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus /metrics here")
     checkpoint_dir: str | None = Field(None, description="save sharded checkpoints here")
     checkpoint_every: int | None = Field(None, ge=1, description="checkpoint every N steps and at the end")
-    resume: bool = Field(False, description="continue from the newest checkpoint in checkpoint_dir")
+    keep_last: int | None = Field(None, ge=1, description=(
+        "complete checkpoints kept (default spec.checkpoint.keepLast, else 3)"))
+    sync_checkpoints: bool = Field(False, description=(
+        "training waits for every checkpoint save (default: saved in the background)"))
+    resume: bool | Literal["auto"] = Field(False, description=(
+        "continue from the newest checkpoint in checkpoint_dir (an error if there is none); "
+        "'auto': if there is one, else start fresh"))
     exact_stage_times: bool = Field(False, description="timed steps wait for every instruction")
     stage_times_every: int = Field(10, ge=1, description="time every N-th step per stage")
+    metrics_linger: float = Field(0.0, ge=0, description=(
+        "seconds /metrics stays up after the last step, for the final scrape"))
     prefetch: int = Field(2, ge=0, le=64, description="batches a loader thread keeps ready (0: none)")
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ class TrainerPhase(StrEnum):
     RUNNING = "Running"
     RESTARTING = "Restarting"
     SUCCEEDED = "Succeeded"
+    STOPPED = "Stopped"  # by SIGTERM, after saving a checkpoint: resumes when started again
     FAILED = "Failed"
 
 
@@ -42,6 +43,9 @@ class Progress(Contract):
     eval_loss: float | None = Field(None, description="Loss on spec.data.eval at the last evaluation.")
     samples_per_second: float | None = Field(None, ge=0, description="Samples per second, last step.")
     tokens_per_second: float | None = Field(None, ge=0, description="Tokens per second, last step.")
+    goodput: float | None = Field(None, ge=0, le=1, description=(
+        "Productive step time over the run's wall time so far (the rest: planning, compiling, data, "
+        "evaluation, checkpoints)."))
     mfu: float | None = Field(None, ge=0, description=(
         "Model FLOPs utilization of the last step: the model's FLOPs over the devices' peak."))
     last_checkpoint_step: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"),

@@ -363,6 +363,11 @@ class CheckpointSpec(Contract):
     path: str | None = Field(
         None, max_length=1024, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$",
         description="Directory inside the volume, relative (default: the job's name).")
+    keep_last: int = Field(3, ge=1, le=1000, json_schema_extra=INT32, description=(
+        "Complete checkpoints kept; older ones are deleted once a newer one is complete."))
+    async_save: bool = Field(True, description=(
+        "Write checkpoints in the background while training goes on (false: training waits "
+        "for every save)."))
 
 
 class RunPolicy(Contract):

@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, out, err)
     except AlpaJobError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
         return error.exit_code
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -25,3 +25,14 @@ def directory(path: str, flag: str) -> Path:
     if target.exists() and not target.is_dir():
         raise ManifestError(flag, f"{path} is a file, not a directory")
     return target
+
+
+def existing_file(path: str, flag: str) -> Path:
+    """``path`` as a file to read: it exists and is not a folder; else a
+    :class:`ManifestError` naming ``flag``."""
+    target = Path(path)
+    if not target.exists():
+        raise ManifestError(flag, f"{path} does not exist")
+    if target.is_dir():
+        raise ManifestError(flag, f"{path} is a directory; give a file")
+    return target

@@ -65,6 +65,11 @@ def add_parsers(sub: Any) -> None:
                              "complete checkpoint there")
     driver.add_argument("--checkpoint-every", type=int,
                         help=f"checkpoint every N steps and at the end (default ${_ENV('checkpoint_every')})")
+    driver.add_argument("--keep-last", type=int, metavar="N",
+                        help="complete checkpoints kept (default spec.checkpoint.keepLast, else 3)")
+    driver.add_argument("--sync-checkpoints", action="store_true",
+                        help="training waits for every checkpoint save (default spec.checkpoint.asyncSave: "
+                             "saved in the background)")
     driver.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of every mesh after a host dies or hangs before the job fails (default 3)")
     driver.add_argument("--step-timeout", type=float, default=600.0,
@@ -140,7 +145,8 @@ def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
         raise ManifestError("manifest", f"give the AlpaJob manifest (or set ${_ENV('manifest')})")
     if not plan_path:
         raise ManifestError("--plan", f"give the Plan file (or set ${_ENV('plan')})")
-    training = load_job(manifest).spec.training
+    job = load_job(manifest)
+    training, saves = job.spec.training, job.spec.checkpoint
     plan = read_plan(plan_path)
     steps = args.steps if args.steps is not None else training.steps
     if steps < 1:
@@ -156,6 +162,8 @@ def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
         metrics_out=args.metrics_out,
         checkpoint_dir=args.checkpoint_dir or runtime.checkpoint_dir,
         checkpoint_every=args.checkpoint_every if args.checkpoint_every is not None else runtime.checkpoint_every,
+        checkpoint_keep_last=args.keep_last if args.keep_last is not None else (saves.keep_last if saves else 3),
+        checkpoint_async=not args.sync_checkpoints and (saves.async_save if saves else True),
         max_restarts=args.max_restarts,
         metrics_port=args.metrics_port if args.metrics_port is not None else runtime.metrics_port,
         status_file=args.status_file,
@@ -164,6 +172,11 @@ def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
     )
     if options.checkpoint_every is not None and options.checkpoint_every < 1:
         raise ManifestError("--checkpoint-every", f"must be at least 1, got {options.checkpoint_every}")
+    from alpajob.trainer_image.distributed.driver import check_checkpoints
+
+    check_checkpoints(options)
+    if options.checkpoint_keep_last < 1:
+        raise ManifestError("--keep-last", f"must be at least 1, got {options.checkpoint_keep_last}")
     if options.max_restarts < 0:
         raise ManifestError("--max-restarts", f"must be at least 0, got {options.max_restarts}")
     return DriverRun(manifest, plan, head_port, options)
@@ -171,6 +184,7 @@ def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
 
 def cmd_driver(args: argparse.Namespace, out: Console) -> int:
     from alpajob.trainer_image.distributed.driver import drive
+    from alpajob.trainer_image.stopping import STOPPED_EXIT_CODE
 
     run = driver_run(args, _runtime())
     plan, options = run.plan, run.options
@@ -189,6 +203,10 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
     finally:
         if run.head_port:
             subprocess.run([ray_cluster.ray_binary(), "stop"], env=ray_cluster.ray_env(), check=False)
+    if result.stopped:
+        out.print(f"stopped by {result.stopped} after {len(result.losses)} steps; last checkpoint step "
+                  f"{result.checkpoint_step} (a restart resumes from it)")
+        return STOPPED_EXIT_CODE
     out.print(f"done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}, "
               f"{result.restarts} restart(s), last checkpoint step {result.checkpoint_step}")
     return 0

@@ -31,8 +31,10 @@ def flops(pflops: float) -> str:
 
 def plan_table(plan: Plan) -> Table:
     """The plan as a table: one row per stage."""
+    count = plan.model.num_parameters
+    size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
     title = (
-        f"{plan.model.name}: {plan.model.num_parameters / 1e9:.2f}B params on "
+        f"{plan.model.name}: {size} params on "
         f"{plan.cluster['num_nodes']}x{plan.cluster['devices_per_node']} "
         f"{plan.cluster['preset']}, {plan.num_micro_batches} micro-batches, {plan.schedule}"
     )
@@ -131,6 +133,13 @@ def run_summary(result: Any, batch: int, exact: bool = False) -> Table:
                 table.add_row("tokens/s", f"{tokens:,.0f}")
             if mfu is not None:
                 table.add_row("MFU (model FLOPs / devices' peak)", f"{mfu:.1%}")
+        if result.goodput:
+            books = result.goodput
+            table.add_row("goodput (productive / wall time)", f"{books['goodput']:.1%} of {books['wall_seconds']:.1f} s")
+            badput = [f"{name} {books[f'{name}_seconds']:.1f}" for name in
+                      ("planning", "compile", "data", "eval", "checkpoint", "restore", "other")
+                      if books.get(f"{name}_seconds", 0) >= 0.05]
+            table.add_row("badput (s)", ", ".join(badput) or "-")
         if result.plan is not None:
             predicted = result.plan.predicted_step_seconds
             table.add_row("predicted step time", f"{predicted:.4g} s")

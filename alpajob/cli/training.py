@@ -10,6 +10,7 @@ reference every parallel run must equal).
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 from rich.console import Console
@@ -22,12 +23,14 @@ from rich.progress import (
 )
 from rich.progress import Progress as ProgressBar
 
+from alpajob.api.errors import ManifestError
 from alpajob.api.options import PlanOptions, TrainOptions, from_flags
+from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress
 from alpajob.api.resource import load_job
 from alpajob.api.spec import Method
-from alpajob.cli.paths import directory, writable_file
-from alpajob.cli.tables import plan_table, progress_line, run_summary
+from alpajob.cli.paths import directory, existing_file, writable_file
+from alpajob.cli.tables import plan_summary, plan_table, progress_line, run_summary
 from alpajob.trainer_image.devices import force_host_devices
 
 SERIAL = "serial"
@@ -53,7 +56,19 @@ def add_parser(sub: Any) -> None:
                           "per-stage compute, communication and idle times, but no overlap (slower)")
     run.add_argument("--checkpoint-dir", help="save sharded checkpoints here")
     run.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end)")
-    run.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    run.add_argument("--keep-last", type=int, metavar="N",
+                     help="complete checkpoints kept (default spec.checkpoint.keepLast, else 3)")
+    run.add_argument("--sync-checkpoints", action="store_true",
+                     help="training waits for every checkpoint save (default: saved in the background)")
+    run.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
+                     help="continue from the newest checkpoint in --checkpoint-dir (an error if there "
+                          "is none); --resume=auto: if there is one, else start fresh")
+    run.add_argument("--metrics-linger", type=float, default=15.0, metavar="S",
+                     help="with --metrics-port: keep /metrics up S seconds after the last step, for "
+                          "the final scrape (default 15)")
+    run.add_argument("--log-every", type=int, default=10, metavar="N",
+                     help="when stderr is not a terminal (a pod's log): one line every N steps "
+                          "(default 10)")
     run.add_argument("--prefetch", type=int, default=2, metavar="N",
                      help="batches of spec.data a background thread keeps ready (default 2; 0: none)")
     run.add_argument("--ilp-time-limit", type=float, default=10.0,
@@ -69,10 +84,15 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         "steps": args.steps, "seed": args.seed, "devices": args.devices, "serial": serial or None,
         "plan_file": args.plan, "planning": planning, "metrics_out": args.metrics_out,
         "metrics_port": args.metrics_port, "checkpoint_dir": args.checkpoint_dir,
-        "checkpoint_every": args.checkpoint_every, "resume": args.resume or None,
+        "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last,
+        "sync_checkpoints": args.sync_checkpoints or None,
+        "resume": {"yes": True, "auto": "auto"}.get(args.resume or ""),
+        "metrics_linger": args.metrics_linger if args.metrics_port is not None else None,
         "exact_stage_times": args.exact_stage_times or None,
         "stage_times_every": args.stage_times_every, "prefetch": args.prefetch,
     })
+    if options.plan_file:
+        existing_file(options.plan_file, "--plan")
     if options.metrics_out:
         writable_file(options.metrics_out, "--metrics-out")
     if options.checkpoint_dir:
@@ -83,27 +103,69 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     job = load_job(args.manifest)
     options = train_options(args)
+    if args.log_every < 1:
+        raise ManifestError("--log-every", f"must be at least 1, got {args.log_every}")
     force_host_devices(options.devices)  # before JAX is imported
     from alpajob.trainer_image.local_run import run as train
+    from alpajob.trainer_image.stopping import STOPPED_EXIT_CODE
 
     steps = options.steps or job.spec.training.steps
     batch = job.spec.training.global_batch_size
-    with ProgressBar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-                  TimeElapsedColumn(), console=err, transient=True) as bar:
-        task = bar.add_task("starting", total=steps, status="")
 
-        def on_phase(what: str) -> None:
-            if what.startswith("data: "):  # what the run trains on stays on the screen
-                bar.console.print(what, highlight=False)
-            bar.update(task, description=what)
+    def on_plan(plan: Plan) -> None:  # the plan before training, not after
+        out.print(plan_table(plan))
+        out.print(plan_summary(plan), highlight=False)
 
-        def on_step(report: Progress) -> None:
-            bar.update(task, completed=report.step, description="training",
-                       status=progress_line(report, steps=False))
+    if err.is_terminal:
+        with ProgressBar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                         MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                         TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("starting", total=steps, status="")
 
-        result = train(job, options, on_step=on_step, on_phase=on_phase)
-    if result.plan is not None:
-        out.print(plan_table(result.plan))
+            def on_phase(what: str) -> None:
+                if what.startswith("data: "):  # what the run trains on stays on the screen
+                    bar.console.print(what, highlight=False)
+                bar.update(task, description=what)
+
+            def on_step(report: Progress) -> None:
+                bar.update(task, completed=report.step, description="training",
+                           status=progress_line(report, steps=False))
+
+            result = train(job, options, on_step=on_step, on_phase=on_phase, on_plan=on_plan)
+    else:  # a pod's log, a pipe: plain lines, each flushed
+        log = LogLines(err, args.log_every, steps)
+        result = train(job, options, on_step=log.step, on_phase=log.phase, on_plan=on_plan)
     out.print(run_summary(result, batch, exact=options.exact_stage_times))
+    if result.stopped:
+        saved = (f"checkpoint of step {result.last_checkpoint_step} in {options.checkpoint_dir}; continue "
+                 "with --resume" if result.last_checkpoint_step else "no --checkpoint-dir, nothing saved")
+        err.print(f"stopped by {result.stopped} after step {result.start_step + len(result.losses)}: {saved}",
+                  highlight=False)
+        return STOPPED_EXIT_CODE
     return 0
+
+
+class LogLines:
+    """Progress as plain lines (stderr not a terminal): every phase, and one line every
+    ``every`` steps with the step, loss, eval loss, tokens/s, MFU and the time left."""
+
+    def __init__(self, console: Console, every: int, steps: int) -> None:
+        self.console, self.every, self.steps = console, every, steps
+        self.started = time.monotonic()
+        self.first: int | None = None
+
+    def phase(self, what: str) -> None:
+        self.console.print(what, highlight=False, soft_wrap=True)
+
+    def step(self, report: Progress) -> None:
+        if self.first is None:
+            self.first, self.started = report.step, time.monotonic()
+        if report.step % self.every and report.step != self.steps:
+            return
+        done = report.step - self.first + 1
+        left = (time.monotonic() - self.started) / done * (self.steps - report.step)
+        extra = [f"mfu {report.mfu:.1%}"] if report.mfu is not None else []
+        if report.tokens_per_second is not None:
+            extra.append(f"{report.tokens_per_second:,.0f} tokens/s")
+        self.console.print(f"{progress_line(report)}  {'  '.join(extra)}  eta {left:,.0f} s",
+                           highlight=False, soft_wrap=True)

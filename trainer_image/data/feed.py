@@ -73,13 +73,6 @@ class Feed:
             reader.close()
 
     @property
-    def tokens_per_step(self) -> int | None:
-        """Tokens a step trains on (None for a model that reads no tokens)."""
-        shapes = self.model.batch_shapes(self.batch_size)
-        ids = shapes.get("input_ids") if isinstance(shapes, dict) else None
-        return int(np.prod(ids.shape)) if ids is not None else None
-
-    @property
     def wait_seconds(self) -> float:
         return self.train.wait_seconds if self.train is not None else 0.0
 

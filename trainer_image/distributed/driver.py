@@ -14,11 +14,16 @@ On the head (a Ray client of the job's cluster), one **attempt**:
    or with ``transport="collective"`` XLA collectives between the meshes' devices:
    gloo on CPU; on GPU the same collectives run on NCCL, which has not been run on a
    GPU yet, :mod:`.collective`), not through the driver;
-4. restore every mesh from the newest complete checkpoint, if there is one;
+4. restore every mesh from the newest complete checkpoint that reads back intact
+   (a damaged one is set aside and the one before it used);
 5. per step, ask every actor to run it and wait for all; the loss is the mean of
    the loss stage's micro-batch losses. Every ``checkpoint_every`` steps (and at
-   the end) every host writes its part of the checkpoint, and the driver commits it
-   once all parts are written (:mod:`alpajob.trainer_image.checkpoint`).
+   the end) every mesh saves its part of the checkpoint
+   (:mod:`alpajob.trainer_image.checkpoint`; in the background unless
+   ``checkpoint_async`` is off); the checkpoint is complete once every part is
+   finalized, and the driver, which holds the folder's lock, prunes all but the
+   newest ``checkpoint_keep_last``. SIGTERM stops the loop after the step in
+   progress, with a checkpoint of that step.
 
 **Recovery.** A mesh host that dies (its actor, its process or its node) or hangs
 (no answer within ``step_timeout``) fails the attempt: the driver stops every actor
@@ -51,16 +56,19 @@ from typing import Any
 
 import numpy as np
 
-from alpajob.api.errors import AlpaJobError
+from alpajob.api.errors import AlpaJobError, ManifestError
 from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress, TrainerPhase
 from alpajob.api.resource import AlpaJob, parse_job
 from alpajob.api.runtime import Transport
-from alpajob.trainer_image import checkpoint
+from alpajob.trainer_image.checkpoint.store import mesh_part
 from alpajob.trainer_image.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
 from alpajob.trainer_image.distributed.mesh_host import MeshHost, stage_times
+from alpajob.trainer_image.distributed.pieces import assemble_pieces
+from alpajob.trainer_image.distributed.saving import MeshCheckpoints
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json, write_text_atomically
 from alpajob.trainer_image.precision import LossScale
+from alpajob.trainer_image.stopping import StopRequest
 
 
 class JobFailedError(AlpaJobError):
@@ -83,6 +91,8 @@ class DriverOptions:
     metrics_out: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
+    checkpoint_keep_last: int = 3
+    checkpoint_async: bool = True
     max_restarts: int = 3
     metrics_port: int | None = None
     status_file: str | None = None
@@ -100,14 +110,15 @@ class DriverResult:
     stage_times: list[list[dict[str, Any]]] = field(default_factory=list)
     params: dict[str, np.ndarray] = field(default_factory=dict)
     restarts: int = 0
-    checkpoint_step: int | None = None
+    checkpoint_step: int | None = None  # the newest complete checkpoint
     resumed_from: list[int] = field(default_factory=list)  # per attempt, its first step
+    stopped: str | None = None  # the signal that stopped the run early
 
     def to_json(self) -> dict[str, Any]:
         return {"losses": self.losses, "step_seconds": self.step_seconds,
                 "sent_bytes": self.sent_bytes, "stage_times": self.stage_times,
                 "restarts": self.restarts, "checkpoint_step": self.checkpoint_step,
-                "resumed_from": self.resumed_from}
+                "resumed_from": self.resumed_from, "stopped": self.stopped}
 
     def truncate(self, steps: int) -> None:
         """Forget the steps after ``steps`` (they are run again after a restart)."""
@@ -232,14 +243,20 @@ class MeshGroup:
             k += len(group)
         return out
 
-    def save(self, root: str, step: int, meta: dict[str, Any]) -> None:
-        """Checkpoint ``step``: every host writes its part, then the commit."""
-        checkpoint.begin(root, step)
-        parts = gather([a.save_part.remote(root, step) for a in self.all], self.timeout, "checkpoint")
-        checkpoint.commit(root, step, parts, meta)
+    def save(self, root: str, step: int, run: dict[str, Any], asynchronous: bool) -> None:
+        """Checkpoint ``step``: every mesh saves its part (all its hosts at once)."""
+        parts = [mesh_part(index) for index in range(len(self.actors))]
+        gather([a.save.remote(root, step, parts, run, asynchronous) for a in self.all], self.timeout,
+               "checkpoint")
 
-    def restore(self, root: str, step: int) -> None:
-        gather([a.restore.remote(root, step) for a in self.all], self.timeout, "restore")
+    def wait_saved(self) -> None:
+        """Block until every host's last save is finalized."""
+        gather([a.wait_saved.remote() for a in self.all], self.timeout, "checkpoint")
+
+    def restore(self, root: str, step: int) -> list[str]:
+        """Every mesh restores checkpoint ``step``; what the hosts found damaged."""
+        replies = gather([a.restore.remote(root, step) for a in self.all], self.timeout, "restore")
+        return [reply for reply in replies if reply]
 
     def params(self) -> dict[str, np.ndarray]:
         """Every stage's parameters, assembled from every host's shards."""
@@ -248,7 +265,7 @@ class MeshGroup:
             for name, (shape, dtype, parts) in shards.items():
                 if name.startswith("params/"):
                     pieces.setdefault(name[len("params/"):], (shape, dtype, []))[2].extend(parts)
-        return {name: checkpoint.assemble_pieces(shape, dtype, parts)
+        return {name: assemble_pieces(shape, dtype, parts)
                 for name, (shape, dtype, parts) in pieces.items()}
 
     def stop(self) -> None:
@@ -256,6 +273,17 @@ class MeshGroup:
 
         for actor in self.all:
             ray.kill(actor)
+
+
+def check_checkpoints(options: DriverOptions) -> None:
+    """Refuse checkpoints with the collective transport: there every mesh host is one
+    process of a job-wide JAX group, and orbax saves a group's arrays only when all of
+    them span the group (a one-host mesh's arrays do not); a mesh's own group (the
+    object store transport) is what orbax's multi-process save expects."""
+    if options.checkpoint_dir and options.transport is Transport.COLLECTIVE:
+        raise ManifestError("--checkpoint-dir", "the collective transport cannot checkpoint yet (orbax "
+                            "saves only arrays that span the whole JAX process group); use --transport "
+                            "object-store, or drop --checkpoint-dir")
 
 
 def check_runtime(job: AlpaJob) -> None:
@@ -324,6 +352,7 @@ def drive(
     say = on_event or (lambda _what: None)
     job = parse_job(yaml.safe_load(manifest_yaml))
     check_runtime(job)
+    check_checkpoints(options)
     name = job.name
     hosts = mesh_hosts(plan)
     batch = plan.global_batch_size
@@ -331,80 +360,90 @@ def drive(
     status = Reporter(options, batch)
     if options.metrics_port is not None:
         metrics.serve(options.metrics_port)
-    meta = {"model": plan.model.name, "plan_hash": plan.content_hash()}
     root = options.checkpoint_dir
+    saves = None
+    if root:
+        saves = MeshCheckpoints(root, options.checkpoint_keep_last, options.checkpoint_async,
+                                {"model": plan.model.name, "plan_hash": plan.content_hash()})
     result = DriverResult()
     ray.init(address=options.address, log_to_driver=False, logging_level=logging.WARNING)
-    try:
-        recovering_since = time.monotonic()  # of the attempt being set up
-        while True:
-            group: MeshGroup | None = None
-            training = False
-            try:
-                status(result, TrainerPhase.STARTING)
-                left = options.join_timeout - (time.monotonic() - recovering_since)
-                wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
-                group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
-                                  options.transport)
-                start = (checkpoint.latest_step(root) or 0) if root else 0
-                if start:
-                    say(f"restoring every mesh from the checkpoint of step {start}")
-                    group.restore(root, start)  # type: ignore[arg-type]
-                    result.checkpoint_step = start
-                result.truncate(start)
-                result.resumed_from.append(start)
-                training = True
-                for step in range(start, options.steps):
-                    status(result, TrainerPhase.RUNNING)
-                    began = time.perf_counter()
-                    replies = group.step(step)
-                    seconds = time.perf_counter() - began
-                    loss = float(np.mean([x for group_replies in replies for r in group_replies for x in r["losses"]]))
-                    result.losses.append(loss)
-                    result.step_seconds.append(seconds)
-                    result.sent_bytes.append(sum(int(r["sent_bytes"]) for g in replies for r in g))
-                    result.stage_times.append([g[0]["times"] for g in replies])
-                    done = step + 1
-                    every = options.checkpoint_every
-                    if root and ((every and done % every == 0) or done == options.steps):
-                        group.save(root, done, meta)
-                        result.checkpoint_step = done
-                    report = status.progress(result, TrainerPhase.RUNNING)
-                    metrics.record(report, seconds, [stage_times(g[0]) for g in replies])
-                    if on_step:
-                        on_step(report)
-                result.params = group.params()
-                break
-            except _recoverable() as failure:
-                reason = f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
-                if not training and time.monotonic() - recovering_since < options.join_timeout:
-                    # A host is still coming back (Ray may not have declared its lost
-                    # node dead yet, and placed an actor there): set up again.
-                    say(f"mesh hosts not ready ({reason}); setting up again")
-                    time.sleep(1.0)
-                    continue
-                result.restarts += 1
-                metrics.restarts.labels(name).inc()
-                if result.restarts > options.max_restarts:
-                    status(result, TrainerPhase.FAILED, reason)
-                    raise JobFailedError(
-                        f"a mesh host failed {result.restarts} times (max_restarts "
-                        f"{options.max_restarts}); last failure: {reason}"
-                    ) from None
-                say(f"restart {result.restarts}/{options.max_restarts} after {reason}")
-                status(result, TrainerPhase.RESTARTING, reason)
-                recovering_since = time.monotonic()
-            finally:
-                if group is not None:
-                    group.stop()
-    except BaseException as error:
-        if not isinstance(error, JobFailedError):
-            status(result, TrainerPhase.FAILED, str(error).splitlines()[0] if str(error) else type(error).__name__)
-        raise
-    finally:
-        ray.shutdown()
-        metrics.close()
-    status(result, TrainerPhase.SUCCEEDED)
+    with StopRequest() as stop:
+        try:
+            recovering_since = time.monotonic()  # of the attempt being set up
+            while True:
+                group: MeshGroup | None = None
+                training = False
+                try:
+                    status(result, TrainerPhase.STARTING)
+                    left = options.join_timeout - (time.monotonic() - recovering_since)
+                    wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
+                    group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
+                                      options.transport)
+                    start = saves.resume(group, say) if saves else 0
+                    result.checkpoint_step = start or None
+                    result.truncate(start)
+                    result.resumed_from.append(start)
+                    training = True
+                    for step in range(start, options.steps):
+                        status(result, TrainerPhase.RUNNING)
+                        began = time.perf_counter()
+                        replies = group.step(step)
+                        seconds = time.perf_counter() - began
+                        loss = float(np.mean([x for group_replies in replies for r in group_replies for x in r["losses"]]))
+                        result.losses.append(loss)
+                        result.step_seconds.append(seconds)
+                        result.sent_bytes.append(sum(int(r["sent_bytes"]) for g in replies for r in g))
+                        result.stage_times.append([g[0]["times"] for g in replies])
+                        done = step + 1
+                        every = options.checkpoint_every
+                        if saves and ((every and done % every == 0) or done == options.steps or stop.requested):
+                            saves.save(group, done)
+                        if saves:
+                            result.checkpoint_step = saves.poll()
+                        report = status.progress(result, TrainerPhase.RUNNING)
+                        metrics.record(report, seconds, [stage_times(g[0]) for g in replies])
+                        if on_step:
+                            on_step(report)
+                        if stop.requested:
+                            result.stopped = stop.requested
+                            say(f"{stop.requested} after step {done}: stopping")
+                            break
+                    if saves:
+                        result.checkpoint_step = saves.finish(group)
+                    result.params = group.params()
+                    break
+                except _recoverable() as failure:
+                    reason = f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
+                    if not training and time.monotonic() - recovering_since < options.join_timeout:
+                        # A host is still coming back (Ray may not have declared its lost
+                        # node dead yet, and placed an actor there): set up again.
+                        say(f"mesh hosts not ready ({reason}); setting up again")
+                        time.sleep(1.0)
+                        continue
+                    result.restarts += 1
+                    metrics.restarts.labels(name).inc()
+                    if result.restarts > options.max_restarts:
+                        status(result, TrainerPhase.FAILED, reason)
+                        raise JobFailedError(
+                            f"a mesh host failed {result.restarts} times (max_restarts "
+                            f"{options.max_restarts}); last failure: {reason}"
+                        ) from None
+                    say(f"restart {result.restarts}/{options.max_restarts} after {reason}")
+                    status(result, TrainerPhase.RESTARTING, reason)
+                    recovering_since = time.monotonic()
+                finally:
+                    if group is not None:
+                        group.stop()
+        except BaseException as error:
+            if not isinstance(error, JobFailedError):
+                status(result, TrainerPhase.FAILED, str(error).splitlines()[0] if str(error) else type(error).__name__)
+            raise
+        finally:
+            ray.shutdown()
+            metrics.close()
+            if saves:
+                saves.close()
+    status(result, TrainerPhase.STOPPED if result.stopped else TrainerPhase.SUCCEEDED)
     if options.metrics_out:
         write_metrics_json(options.metrics_out, result.to_json())
     return result

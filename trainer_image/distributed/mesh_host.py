@@ -29,8 +29,9 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
    order, as SPMD requires. With the ``collective`` transport the link is a
    :class:`~.collective.CollectiveLink` instead (collectives between the meshes'
    devices, in the job's global message order);
-5. writes its shards of the stage's state into a checkpoint (:meth:`save_part`) and
-   restores them from one (:meth:`restore`).
+5. saves the stage's state as its mesh's part of a checkpoint, all hosts of the mesh
+   together through orbax (:meth:`save`, in the background until :meth:`wait_saved`),
+   and restores it from one, whichever meshes saved each array (:meth:`restore`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from alpajob.api.plan import plan_from_json
 from alpajob.api.resource import parse_job
 from alpajob.api.runtime import Transport
 from alpajob.api.spec import Schedule
-from alpajob.trainer_image import checkpoint
+from alpajob.trainer_image.checkpoint.names import load_stage, stage_arrays, targets
+from alpajob.trainer_image.checkpoint.store import DamagedCheckpoint, PartWriter, mesh_part, restore
 from alpajob.trainer_image.data.feed import open_feed
 from alpajob.trainer_image.distributed.collective import (
     CollectiveLink,
@@ -62,6 +64,7 @@ from alpajob.trainer_image.distributed.collective import (
     process_ids,
     source_layout,
 )
+from alpajob.trainer_image.distributed.pieces import local_pieces
 from alpajob.trainer_image.distributed.transport import (
     assemble,
     cut_for_hosts,
@@ -179,6 +182,7 @@ class MeshHost:
         self.mailbox = Mailbox(self._abort)
         self.peers: list[list[Any]] = []
         self.layouts: list[dict] = []
+        self.writer: PartWriter | None = None
 
     def coordinator(self) -> str:
         """An address for this mesh's JAX coordinator (called on host 0 only; with the
@@ -279,22 +283,36 @@ class MeshHost:
 
     def arrays(self) -> dict[str, Any]:
         """This stage's parameters and optimizer state (global arrays), by checkpoint name."""
-        return checkpoint.stage_arrays(self.stage)
+        return stage_arrays(self.stage)
 
     def shards(self) -> dict[str, Any]:
         """This host's distinct shards of :meth:`arrays`: name -> (shape, dtype, pieces)."""
         return {
-            name: (tuple(value.shape), str(value.dtype), checkpoint.local_pieces(value))
+            name: (tuple(value.shape), str(value.dtype), local_pieces(value))
             for name, value in self.arrays().items()
         }
 
-    def save_part(self, root: str, step: int) -> dict[str, Any]:
-        """Write this host's shards into checkpoint ``step`` (begun by the driver)."""
-        return checkpoint.save_part(root, step, f"mesh{self.index}-host{self.host}", self.arrays())
+    def save(self, root: str, step: int, parts: list[str], run: dict[str, Any], asynchronous: bool) -> None:
+        """Save this mesh's part of checkpoint ``step`` (every host of the mesh at once;
+        with ``asynchronous`` the write goes on in the background: :meth:`wait_saved`)."""
+        if self.writer is None:
+            self.writer = PartWriter(root, mesh_part(self.index), asynchronous)
+        self.writer.save(step, self.arrays(), parts, run)
 
-    def restore(self, root: str, step: int) -> None:
-        """Replace the stage's parameters and optimizer state with checkpoint ``step``'s."""
-        checkpoint.restore_stage(root, step, self.stage)
+    def wait_saved(self) -> None:
+        """Block until this host's last save is finalized."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def restore(self, root: str, step: int) -> str | None:
+        """Replace the stage's parameters and optimizer state with checkpoint ``step``'s
+        (read from whichever meshes saved them); why not, if it is damaged."""
+        try:
+            restored = restore(root, step, targets(self.arrays()))
+        except DamagedCheckpoint as error:
+            return str(error)
+        load_stage(self.stage, restored.arrays)
+        return None
 
 
 def stage_times(reply: dict[str, Any]) -> StageTimes:

@@ -1,0 +1,238 @@
+"""Checkpoints on orbax: fingerprints, parts, completeness, damage and fallback, the lock, pruning."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from alpajob.trainer_image.checkpoint.fingerprint import fingerprints, mismatches
+from alpajob.trainer_image.checkpoint.local import LocalCheckpoints
+from alpajob.trainer_image.checkpoint.lock import CheckpointError, FolderLock
+from alpajob.trainer_image.checkpoint.names import targets
+from alpajob.trainer_image.checkpoint.store import (
+    DAMAGED,
+    DamagedCheckpoint,
+    PartWriter,
+    complete_steps,
+    prune,
+    restore,
+    restore_newest,
+    tidy,
+)
+
+
+def _meshes() -> tuple[Mesh, Mesh]:
+    devices = np.array(jax.devices()[:8])
+    return Mesh(devices[:4].reshape(2, 2), ("x", "y")), Mesh(devices[4:], ("z",))
+
+
+def _arrays(scale: float = 1.0) -> dict[str, jax.Array]:
+    """A two-stage model's state: a sharded matrix on one mesh, a bf16 one on the other,
+    and the optimizer's step count."""
+    first, second = _meshes()
+    w = jnp.sin(jnp.arange(128 * 64, dtype=jnp.float32)).reshape(128, 64) * scale
+    return {
+        "params/w": jax.device_put(w, NamedSharding(first, P("x", "y"))),
+        "params/layers/0/k": jax.device_put(jnp.full((8, 4), scale, jnp.bfloat16), NamedSharding(second, P("z"))),
+        "opt/0/count": jax.device_put(jnp.int32(int(scale)), NamedSharding(second, P())),
+    }
+
+
+def _equal(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
+
+
+def _largest_data_file(folder: Path) -> Path:
+    files = [p for p in folder.rglob("*") if p.is_file() and p.parent.name == "d"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _say() -> tuple[list[str], object]:
+    heard: list[str] = []
+    return heard, heard.append
+
+
+# ------------------------------------------------------------------ fingerprints
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32, np.bool_])
+def test_a_fingerprint_changes_with_any_one_element(dtype: type) -> None:
+    """Brute force over every element and several of its bits: each change is seen."""
+    base = (np.arange(24).reshape(4, 6) % 3).astype(dtype)
+    reference = fingerprints({"x": jnp.asarray(base)})["x"]
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[base.itemsize]
+    bits = [0] if dtype is np.bool_ else [0, 3, base.itemsize * 8 - 1]
+    for index in np.ndindex(base.shape):
+        for bit in bits:
+            words = base.view(unsigned).copy()
+            words[index] ^= unsigned(1 << bit)
+            changed = words.view(base.dtype)
+            assert fingerprints({"x": jnp.asarray(changed)})["x"] != reference, (index, bit)
+
+
+def test_a_fingerprint_sees_swapped_elements_and_not_the_sharding() -> None:
+    first, second = _meshes()
+    data = jnp.arange(64, dtype=jnp.float32).reshape(8, 8)
+    swapped = data.at[0, 0].set(data[0, 1]).at[0, 1].set(data[0, 0])
+    placed = jax.device_put(data, NamedSharding(first, P("x", "y")))
+    other = jax.device_put(data, NamedSharding(second, P(None, "z")))
+    prints = fingerprints({"a": placed, "b": other, "c": swapped})
+    assert prints["a"] == prints["b"] != prints["c"]
+    assert mismatches({"a": prints["a"]}, {"a": swapped}) == ["a"]
+
+
+# ------------------------------------------------------------------ parts and completeness
+
+
+def test_two_parts_make_one_checkpoint_that_restores_onto_any_sharding(tmp_path: Path) -> None:
+    """Two meshes save their own parts; the step is complete only once both are, and
+    restores onto other shardings and another split of the arrays."""
+    arrays = _arrays()
+    parts = ["mesh0", "mesh1"]
+    first = PartWriter(tmp_path, "mesh0", asynchronous=True)
+    first.save(4, {"params/w": arrays["params/w"]}, parts, {"model": "m"})
+    first.wait()
+    assert complete_steps(tmp_path) == []  # mesh1 has not saved yet
+    second = PartWriter(tmp_path, "mesh1", asynchronous=False)
+    second.save(4, {k: v for k, v in arrays.items() if k != "params/w"}, parts, {"model": "m"})
+    assert complete_steps(tmp_path) == [4]
+    one, two = _meshes()
+    wanted = {  # another plan: the matrix split the other way, on the other mesh
+        "params/w": jax.ShapeDtypeStruct((128, 64), jnp.float32, sharding=NamedSharding(two, P(None, "z"))),
+        "params/layers/0/k": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=NamedSharding(one, P())),
+        "opt/0/count": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(one, P())),
+    }
+    restored = restore(tmp_path, 4, wanted)
+    _equal(restored.arrays, arrays)
+    assert restored.arrays["params/w"].sharding == wanted["params/w"].sharding
+    assert restored.run == {"model": "m"}
+    first.close()
+    second.close()
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_in_use(tmp_path: Path) -> None:
+    """Step 2 is complete; of step 4 one part finalized and the other never did (its
+    process died): step 4 does not count, tidy removes it, step 2 restores."""
+    arrays = _arrays()
+    parts = ["mesh0", "mesh1"]
+    writers = [PartWriter(tmp_path, part, asynchronous=False) for part in parts]
+    for writer in writers:
+        writer.save(2, arrays, parts, {})
+    writers[0].save(4, _arrays(2.0), parts, {})
+    (tmp_path / "mesh1" / "4.orbax-checkpoint-tmp-123").mkdir()  # what a killed writer leaves
+    assert complete_steps(tmp_path) == [2]
+    assert tidy(tmp_path) == [4]
+    assert not (tmp_path / "mesh0" / "4").exists()
+    _equal(restore(tmp_path, 2, targets(arrays)).arrays, arrays)
+    for writer in writers:
+        writer.close()
+
+
+# ------------------------------------------------------------------ damage
+
+
+def _two_steps(root: Path) -> dict[str, jax.Array]:
+    """Steps 1 and 2 of one local part; the arrays of step 1."""
+    checkpoints = LocalCheckpoints(root, keep_last=5, asynchronous=True)
+    checkpoints.save(1, _arrays(), {"data": {"position": 1}})
+    checkpoints.save(2, _arrays(3.0), {"data": {"position": 2}})
+    assert checkpoints.finish() == 2
+    checkpoints.close()
+    return _arrays()
+
+
+@pytest.mark.parametrize("damage", ["flip a bit", "truncate", "delete", "garble the meta"])
+def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_used(tmp_path: Path, damage: str) -> None:
+    good = _two_steps(tmp_path)
+    step = tmp_path / "local" / "2"
+    if damage == "garble the meta":
+        meta = next(p for p in (step / "meta").iterdir() if p.is_file() and "commit" not in p.name)
+        meta.write_text("{not json")
+    else:
+        data = _largest_data_file(step / "arrays")
+        raw = bytearray(data.read_bytes())
+        if damage == "flip a bit":
+            raw[len(raw) // 2] ^= 0x04
+            data.write_bytes(bytes(raw))
+        elif damage == "truncate":
+            data.write_bytes(bytes(raw[: len(raw) // 3]))
+        else:
+            data.unlink()
+    with pytest.raises(DamagedCheckpoint):
+        restore(tmp_path, 2, targets(good))
+    heard, say = _say()
+    restored = restore_newest(tmp_path, targets(good), say)  # type: ignore[arg-type]
+    assert restored is not None and restored.step == 1
+    _equal(restored.arrays, good)
+    assert restored.run == {"data": {"position": 1}}
+    assert len(heard) == 1 and "checkpoint 2 is damaged" in heard[0]
+    assert [p.name for p in (tmp_path / DAMAGED).iterdir()][0].startswith("2-")  # kept, not deleted
+    assert complete_steps(tmp_path) == [1]
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused(tmp_path: Path) -> None:
+    good = _two_steps(tmp_path)
+    for step in ("1", "2"):
+        data = _largest_data_file(tmp_path / "local" / step / "arrays")
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+    _heard, say = _say()
+    with pytest.raises(CheckpointError, match="every checkpoint .* is damaged.*--resume=auto"):
+        restore_newest(tmp_path, targets(good), say)  # type: ignore[arg-type]
+    assert complete_steps(tmp_path) == []  # set aside: a new run starts clean
+
+
+def test_a_stray_folder_counts_as_damaged_not_as_a_traceback(tmp_path: Path) -> None:
+    good = _two_steps(tmp_path)
+    (tmp_path / "local" / "7").mkdir()  # not an orbax checkpoint
+    (tmp_path / "notes").mkdir()
+    _heard, say = _say()
+    restored = restore_newest(tmp_path, targets(good), say)  # type: ignore[arg-type]
+    assert restored is not None and restored.step == 2
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_set_aside(tmp_path: Path) -> None:
+    good = _two_steps(tmp_path)
+    other = dict(targets(good))
+    other["params/w"] = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=good["params/w"].sharding)
+    _heard, say = _say()
+    with pytest.raises(CheckpointError, match="different model"):
+        restore_newest(tmp_path, other, say)  # type: ignore[arg-type]
+    missing = {**targets(good), "params/extra": other["params/w"]}
+    with pytest.raises(CheckpointError, match="no array 'params/extra'"):
+        restore(tmp_path, 2, missing)
+    assert not (tmp_path / DAMAGED).exists()
+
+
+# ------------------------------------------------------------------ lock and pruning
+
+
+def test_two_runs_cannot_write_one_folder(tmp_path: Path) -> None:
+    first = LocalCheckpoints(tmp_path, keep_last=2, asynchronous=True)
+    with pytest.raises(CheckpointError, match=f"another run \\(pid {os.getpid()} on .*\\) is writing"):
+        LocalCheckpoints(tmp_path, keep_last=2, asynchronous=True)
+    first.close()
+    with FolderLock(tmp_path):  # free again once the first run is done
+        pass
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
+    checkpoints = LocalCheckpoints(tmp_path, keep_last=2, asynchronous=True)
+    for step in range(1, 6):
+        checkpoints.save(step, _arrays(float(step)), {})
+        checkpoints.poll()
+    assert checkpoints.finish() == 5
+    checkpoints.close()
+    assert complete_steps(tmp_path) == [4, 5]
+    assert prune(tmp_path, 1) == [4]
+    _equal(restore(tmp_path, 5, targets(_arrays())).arrays, _arrays(5.0))
