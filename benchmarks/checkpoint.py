@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="compute dtype (master weights stay float32)")
     args = parser.parse_args()
 
     from alpajob.api.options import TrainOptions
@@ -43,7 +44,7 @@ def main() -> None:
     job = parse_job({
         "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "ckpt-bench"},
         "spec": {"model": {"zoo": "gpt", "config": json.loads(args.config)},
-                 "training": {"globalBatchSize": args.batch, "dtype": "float32", "optimizer": "adamw"},
+                 "training": {"globalBatchSize": args.batch, "dtype": args.dtype, "optimizer": "adamw"},
                  "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 1}}})
     saves = args.steps // args.every
     modes = {"none": {}, "sync": {"sync_checkpoints": True}, "async": {}}
@@ -66,7 +67,10 @@ def main() -> None:
                                                 resume=True))
                 restores.append(resumed.goodput["restore_seconds"])
             shutil.rmtree(folder, ignore_errors=True)
-    print(f"machine: {platform.node()}, {os.cpu_count()} cores; GPT {args.config}, batch {args.batch}, "
+    import jax
+
+    print(f"machine: {platform.node()}, {os.cpu_count()} cores, {jax.devices()[0].device_kind}; "
+          f"GPT {args.config} ({args.dtype}), batch {args.batch}, "
           f"{args.steps} steps, a checkpoint every {args.every} ({saves} saves, keepLast 3: "
           f"{size / 2**30:.2f} GiB on disk); medians of {args.repeat} interleaved runs")
     print("| checkpoints | step (s) | loop blocked per save (s) | run wall time (s) | vs none |")
