@@ -151,6 +151,30 @@ def test_a_checkpoint_of_one_plan_resumes_under_another(cluster: LoopbackCluster
     assert complete_steps(ckpt) == [2, 4]
 
 
+@pytest.mark.parametrize("transport", list(Transport))
+def test_the_ray_runtime_trains_and_evaluates_on_real_text(cluster: LoopbackCluster, tmp_path: Path,
+                                                           transport: Transport) -> None:
+    """Real text (this repository's planner sources; the operator's held out) through
+    two meshes: train and eval losses equal the single-device run's, and the eval
+    losses reach the metrics JSON and the status file. The evaluation goes through the
+    object store with either transport."""
+    root = Path(__file__).resolve().parent.parent
+    doc = _manifest(TWO_MESHES)
+    doc["spec"]["data"] = {"train": str(root / "planner" / "**" / "*.py"), "eval": str(root / "operator" / "*.py")}
+    doc["spec"]["training"].update({"evalEvery": 2, "evalSteps": 2})
+    plan, serial = _plan_and_serial(doc, tmp_path, steps=4)
+    options = DriverOptions(address=cluster.address, steps=4, join_timeout=60, step_timeout=180, transport=transport,
+                            metrics_out=str(tmp_path / "metrics.json"), status_file=str(tmp_path / "status.json"))
+    result = drive(yaml.safe_dump(doc), plan, options)
+    assert result.restarts == 0
+    np.testing.assert_allclose(result.losses, serial.losses, rtol=1e-5)
+    assert [step for step, _ in result.evals] == [step for step, _ in serial.evals] == [2, 4]
+    np.testing.assert_allclose([loss for _, loss in result.evals], [loss for _, loss in serial.evals], rtol=1e-5)
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert [e["step"] for e in written["eval"]] == [2, 4]
+    assert json.loads((tmp_path / "status.json").read_text())["evalLoss"] == pytest.approx(result.evals[-1][1])
+
+
 class _KillMesh1AtStep3:
     """An ``on_step`` callback that kills mesh 1's worker (its node) once step 3 is
     done, after running ``before``, and starts the worker again in the background, as

@@ -113,9 +113,15 @@ class DriverResult:
     checkpoint_step: int | None = None  # the newest complete checkpoint
     resumed_from: list[int] = field(default_factory=list)  # per attempt, its first step
     stopped: str | None = None  # the signal that stopped the run early
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
+
+    @property
+    def eval_loss(self) -> float | None:
+        return self.evals[-1][1] if self.evals else None
 
     def to_json(self) -> dict[str, Any]:
         return {"losses": self.losses, "step_seconds": self.step_seconds,
+                "eval": [{"step": step, "loss": loss} for step, loss in self.evals],
                 "sent_bytes": self.sent_bytes, "stage_times": self.stage_times,
                 "restarts": self.restarts, "checkpoint_step": self.checkpoint_step,
                 "resumed_from": self.resumed_from, "stopped": self.stopped}
@@ -124,6 +130,7 @@ class DriverResult:
         """Forget the steps after ``steps`` (they are run again after a restart)."""
         for series in (self.losses, self.step_seconds, self.sent_bytes, self.stage_times):
             del series[steps:]
+        self.evals = [(step, loss) for step, loss in self.evals if step <= steps]
 
 
 def _recoverable() -> tuple[type[BaseException], ...]:
@@ -243,6 +250,15 @@ class MeshGroup:
             k += len(group)
         return out
 
+    def evaluate(self, batches: int) -> float:
+        """The job's eval loss now: the mean loss of the eval batches, each evaluated by
+        every stage together (forward only), one batch after another."""
+        losses = []
+        for index in range(batches):
+            replies = gather([a.evaluate.remote(index) for a in self.all], self.timeout, "evaluation")
+            losses += [loss for loss in replies if loss is not None]
+        return float(np.mean(losses))
+
     def save(self, root: str, step: int, run: dict[str, Any], asynchronous: bool) -> None:
         """Checkpoint ``step``: every mesh saves its part (all its hosts at once)."""
         parts = [mesh_part(index) for index in range(len(self.actors))]
@@ -288,15 +304,12 @@ def check_checkpoints(options: DriverOptions) -> None:
 
 def check_runtime(job: AlpaJob) -> None:
     """Refuse what this runtime does not do yet, before any actor starts (``alpajob
-    run`` does both)."""
+    run`` does it)."""
     training = job.spec.training
     if LossScale.for_dtype(training.dtype) is not None:
         raise AlpaJobError("spec.training.dtype: float16 needs dynamic loss scaling, which the Ray "
                            "runtime does not do yet; use bfloat16 (float32's range, no scaling) or "
                            "`alpajob run`")
-    if training.eval_every is not None:
-        raise AlpaJobError("spec.training.evalEvery: the Ray runtime does not evaluate yet; drop "
-                           "evalEvery or evaluate with `alpajob run`")
 
 
 class Reporter:
@@ -314,7 +327,7 @@ class Reporter:
         last = result.step_seconds[-1] if result.step_seconds else None
         return Progress(
             phase=phase, step=len(result.losses), steps=self.options.steps,
-            loss=result.losses[-1] if result.losses else None,
+            loss=result.losses[-1] if result.losses else None, eval_loss=result.eval_loss,
             samples_per_second=self.batch / last if last else None,
             last_checkpoint_step=result.checkpoint_step, restarts=result.restarts,
             message=message[:4096] or None, updated=time.time())
@@ -360,6 +373,7 @@ def drive(
     status = Reporter(options, batch)
     if options.metrics_port is not None:
         metrics.serve(options.metrics_port)
+    evaluating = job.spec.training.eval_every if job.spec.data and job.spec.data.eval else None
     root = options.checkpoint_dir
     saves = None
     if root:
@@ -395,6 +409,8 @@ def drive(
                         result.sent_bytes.append(sum(int(r["sent_bytes"]) for g in replies for r in g))
                         result.stage_times.append([g[0]["times"] for g in replies])
                         done = step + 1
+                        if evaluating and (done % evaluating == 0 or done == options.steps):
+                            result.evals.append((done, group.evaluate(job.spec.training.eval_steps)))
                         every = options.checkpoint_every
                         if saves and ((every and done % every == 0) or done == options.steps or stop.requested):
                             saves.save(group, done)

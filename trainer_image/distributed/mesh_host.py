@@ -79,6 +79,7 @@ from alpajob.trainer_image.runtime.executor import (
     StageTimes,
     destination_sharding,
     loss_seed,
+    run_stage_eval,
     run_stage_program,
     split_micro_batches,
 )
@@ -209,6 +210,7 @@ class MeshHost:
         # Every host reads the whole global batch of a step directly (batch_at), so a
         # restart from any checkpoint needs only the step number.
         self.feed = open_feed(manifest, self.model, seed=self.seed, prefetch=0)
+        self.evaluations = self.feed.eval_batches(training.eval_steps) if training.eval_every else []
         optimizer = training_optimizer(training)
         params = self.model.init(jax.random.key(self.seed))
         self.split, names = split_for_plan(self.plan, self.model.loss, params, self.model.batch_shapes)
@@ -280,6 +282,19 @@ class MeshHost:
             "losses": own if self.host == 0 else [],
             "sent_bytes": sent,
         }
+
+    def evaluate(self, index: int) -> float | None:
+        """This stage's part of the evaluation of eval batch ``index`` (every stage of
+        every mesh at once: :func:`run_stage_eval`); the batch's mean loss from host 0
+        of the stage that computes the loss, None from the others. One batch per call:
+        the next batch's messages have the same addresses, so a stage must not send
+        them before every stage has taken this batch's."""
+        micro = split_micro_batches(self.evaluations[index], self.plan.num_micro_batches)
+        link = RayLink(self.split, self.stage, self.host, self.peers, self.layouts, self.mailbox, self.timeout)
+        losses = run_stage_eval(self.split, self.stage, micro, link)
+        if not losses or self.host != 0:
+            return None
+        return float(np.mean([float(np.asarray(x.addressable_data(0))) for x in losses]))
 
     def arrays(self) -> dict[str, Any]:
         """This stage's parameters and optimizer state (global arrays), by checkpoint name."""

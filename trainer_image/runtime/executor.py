@@ -17,6 +17,8 @@ process per mesh) runs its program from
 Around the program: at the start a stage sends its shared parameters (a tied
 embedding) to the stages that read them; at the end the readers send their
 gradient sums home, and every stage applies the optimizer to what it owns.
+An evaluation (:func:`run_stage_eval`) is the forward instructions alone, one
+micro-batch after another.
 
 Which messages each phase sends and receives is listed by :mod:`.messages` (the
 walk below, the local driver (:mod:`.driver`, which issues every stage's program
@@ -238,6 +240,30 @@ def run_stage_program(
         update=update,
     )
     return times, losses
+
+
+def run_stage_eval(split: SplitProgram, stage: StageRuntime, micro: list[list[np.ndarray]],
+                   link: StageLink) -> list[Any]:
+    """An evaluation of one batch by stage ``stage.index``: the shared parameters
+    exchanged as in a step, then every micro-batch forward only, in order (no
+    residuals kept, no backward, no update); on the stage that computes the loss, the
+    loss of every micro-batch. Every stage must run it for the same batch at once."""
+    s = stage.index
+    program = split.stages[s]
+    link.send_all([(r, key, stage.params[stage.leaf_names[key[1]]]) for r, key in param_sends(split, s)])
+    received = {key[1]: link.receive(key) for key in param_receives(split, s)}
+    params = stage.prepare([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
+                            for leaf in program.params])
+    losses: list[Any] = []
+    for j in range(len(micro)):
+        leaves = [place(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
+        inputs = [link.receive(key) for key in forward_receives(split, s, j)]
+        outs, loss, _ = stage.forward(params, leaves, inputs)
+        if loss is not None:
+            losses.append(loss)
+        by_vid = dict(zip(program.outputs, outs, strict=True))
+        link.send_all([(r, key, by_vid[key[2]]) for r, key in forward_sends(split, s, j)])
+    return losses
 
 
 def loss_seed(num_micro_batches: int, mesh: Any) -> jax.Array:
