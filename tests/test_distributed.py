@@ -175,6 +175,28 @@ def test_the_ray_runtime_trains_and_evaluates_on_real_text(cluster: LoopbackClus
     assert json.loads((tmp_path / "status.json").read_text())["evalLoss"] == pytest.approx(result.evals[-1][1])
 
 
+def test_float16_with_dynamic_loss_scaling_trains_like_alpajob_run(cluster: LoopbackCluster, tmp_path: Path) -> None:
+    """float16 compute over two meshes: the stages exchange their overflow verdicts
+    each step and apply (or skip) the update together; losses, skipped steps and
+    parameters match `alpajob run` of the same plan on one process."""
+    from alpajob.api.options import TrainOptions
+    from alpajob.trainer_image.local_run import run
+
+    doc = _manifest(TWO_MESHES)
+    doc["spec"]["training"].update({"dtype": "float16", "optimizer": "adam", "learningRate": 1e-3})
+    plan, _ = _plan_and_serial(doc, tmp_path, steps=1)
+    local = run(parse_job(doc), TrainOptions(steps=4, plan_file=str(tmp_path / "plan.json")))
+    result = drive(yaml.safe_dump(doc), plan, DriverOptions(
+        address=cluster.address, steps=4, join_timeout=60, step_timeout=180,
+        status_file=str(tmp_path / "status.json")))
+    assert result.restarts == 0 and all(np.isfinite(result.losses))
+    assert result.skipped_steps == local.skipped_steps
+    assert json.loads((tmp_path / "status.json").read_text())["skippedSteps"] == local.skipped_steps
+    np.testing.assert_allclose(result.losses, local.losses, rtol=1e-3)
+    for name, value in local.params.items():
+        np.testing.assert_allclose(result.params[name], value, rtol=1e-3, atol=1e-5, err_msg=name)
+
+
 class _KillMesh1AtStep3:
     """An ``on_step`` callback that kills mesh 1's worker (its node) once step 3 is
     done, after running ``before``, and starts the worker again in the background, as

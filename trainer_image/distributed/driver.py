@@ -59,7 +59,7 @@ import numpy as np
 from alpajob.api.errors import AlpaJobError, ManifestError
 from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress, TrainerPhase
-from alpajob.api.resource import AlpaJob, parse_job
+from alpajob.api.resource import parse_job
 from alpajob.api.runtime import Transport
 from alpajob.trainer_image.checkpoint.store import mesh_part
 from alpajob.trainer_image.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
@@ -114,6 +114,7 @@ class DriverResult:
     resumed_from: list[int] = field(default_factory=list)  # per attempt, its first step
     stopped: str | None = None  # the signal that stopped the run early
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
+    skipped_steps: int = 0  # float16: steps whose gradients overflowed (not applied)
 
     @property
     def eval_loss(self) -> float | None:
@@ -122,6 +123,7 @@ class DriverResult:
     def to_json(self) -> dict[str, Any]:
         return {"losses": self.losses, "step_seconds": self.step_seconds,
                 "eval": [{"step": step, "loss": loss} for step, loss in self.evals],
+                "skipped_steps": self.skipped_steps,
                 "sent_bytes": self.sent_bytes, "stage_times": self.stage_times,
                 "restarts": self.restarts, "checkpoint_step": self.checkpoint_step,
                 "resumed_from": self.resumed_from, "stopped": self.stopped}
@@ -240,9 +242,10 @@ class MeshGroup:
     def all(self) -> list[Any]:
         return [a for group in self.actors for a in group]
 
-    def step(self, step: int) -> list[list[dict[str, Any]]]:
-        """Run one step on every host; replies as ``[stage][host]``."""
-        refs = [[a.step.remote(step) for a in group] for group in self.actors]
+    def step(self, step: int, scale: float | None = None) -> list[list[dict[str, Any]]]:
+        """Run one step on every host (with loss ``scale``: float16); replies as
+        ``[stage][host]``."""
+        refs = [[a.step.remote(step, scale) for a in group] for group in self.actors]
         flat = gather([r for group in refs for r in group], self.timeout, f"step {step + 1}")
         out, k = [], 0
         for group in refs:
@@ -302,24 +305,14 @@ def check_checkpoints(options: DriverOptions) -> None:
                             "object-store, or drop --checkpoint-dir")
 
 
-def check_runtime(job: AlpaJob) -> None:
-    """Refuse what this runtime does not do yet, before any actor starts (``alpajob
-    run`` does it)."""
-    training = job.spec.training
-    if LossScale.for_dtype(training.dtype) is not None:
-        raise AlpaJobError("spec.training.dtype: float16 needs dynamic loss scaling, which the Ray "
-                           "runtime does not do yet; use bfloat16 (float32's range, no scaling) or "
-                           "`alpajob run`")
-
-
 class Reporter:
     """Publishes the job's :class:`~alpajob.api.progress.Progress`: the status file at
     every call, the ConfigMap at every phase change and at most every ``interval``
     seconds while Running (one API call per step would load the API server when steps
     are fast)."""
 
-    def __init__(self, options: DriverOptions, batch: int, interval: float = 5.0) -> None:
-        self.options, self.batch, self.interval = options, batch, interval
+    def __init__(self, options: DriverOptions, batch: int, scaled: bool = False, interval: float = 5.0) -> None:
+        self.options, self.batch, self.scaled, self.interval = options, batch, scaled, interval
         self._last: tuple[str, float] | None = None  # phase and time of the last ConfigMap write
 
     def progress(self, result: DriverResult, phase: TrainerPhase, message: str = "") -> Progress:
@@ -328,6 +321,7 @@ class Reporter:
         return Progress(
             phase=phase, step=len(result.losses), steps=self.options.steps,
             loss=result.losses[-1] if result.losses else None, eval_loss=result.eval_loss,
+            skipped_steps=result.skipped_steps if self.scaled else None,
             samples_per_second=self.batch / last if last else None,
             last_checkpoint_step=result.checkpoint_step, restarts=result.restarts,
             message=message[:4096] or None, updated=time.time())
@@ -364,13 +358,13 @@ def drive(
 
     say = on_event or (lambda _what: None)
     job = parse_job(yaml.safe_load(manifest_yaml))
-    check_runtime(job)
     check_checkpoints(options)
     name = job.name
     hosts = mesh_hosts(plan)
     batch = plan.global_batch_size
     metrics = TrainingMetrics(name, plan.predicted_step_seconds)
-    status = Reporter(options, batch)
+    scale = LossScale.for_dtype(job.spec.training.dtype)  # float16: kept here, across restarts
+    status = Reporter(options, batch, scaled=scale is not None)
     if options.metrics_port is not None:
         metrics.serve(options.metrics_port)
     evaluating = job.spec.training.eval_every if job.spec.data and job.spec.data.eval else None
@@ -401,8 +395,11 @@ def drive(
                     for step in range(start, options.steps):
                         status(result, TrainerPhase.RUNNING)
                         began = time.perf_counter()
-                        replies = group.step(step)
+                        replies = group.step(step, scale.scale if scale else None)
                         seconds = time.perf_counter() - began
+                        if scale is not None:
+                            scale.after(all(r["applied"] for g in replies for r in g))
+                            result.skipped_steps = scale.skipped
                         loss = float(np.mean([x for group_replies in replies for r in group_replies for x in r["losses"]]))
                         result.losses.append(loss)
                         result.step_seconds.append(seconds)

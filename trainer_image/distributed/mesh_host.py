@@ -40,7 +40,7 @@ import dataclasses
 import os
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -254,9 +254,28 @@ class MeshHost:
         """A peer's message (Ray has fetched the parcel from the object store)."""
         self.mailbox.put(key, parcel)
 
-    def step(self, step: int) -> dict[str, Any]:
-        """Run training step ``step`` (0-based) of this stage; its times and losses
-        (the losses from host 0 only: every host of the mesh holds the same)."""
+    def _agree(self, step: int) -> Callable[[jax.Array], bool]:
+        """The verdict exchange of a loss-scaled step: host 0 of each stage sends its
+        stage's verdict (all gradients finite?) to every host of every other stage;
+        every host then has all of them and the same answer, with no driver round trip."""
+
+        def agree(finite: jax.Array) -> bool:
+            mine = bool(np.asarray(finite.addressable_data(0)))
+            if self.host == 0:
+                for stage, hosts in enumerate(self.peers):
+                    if stage != self.index:
+                        for peer in hosts:
+                            peer.deliver.remote(("finite", step, self.index), mine)
+            others = [self.mailbox.get(("finite", step, stage), timeout=self.timeout)
+                      for stage in range(len(self.peers)) if stage != self.index]
+            return mine and all(others)
+
+        return agree
+
+    def step(self, step: int, scale: float | None = None) -> dict[str, Any]:
+        """Run training step ``step`` (0-based) of this stage, with loss ``scale``
+        (float16) if given; its times, losses (from host 0 only: every host of the mesh
+        holds the same) and whether the update was applied."""
         batch = self.feed.batch_at(step)
         micro = split_micro_batches(batch, self.plan.num_micro_batches)
         link: RayLink | CollectiveLink
@@ -265,9 +284,9 @@ class MeshHost:
             before = self.mover.sent_bytes
         else:
             link = RayLink(self.split, self.stage, self.host, self.peers, self.layouts, self.mailbox, self.timeout)
-        times, losses = run_stage_program(
+        times, losses, applied = run_stage_program(
             self.split, self.stage, Schedule(self.plan.schedule), len(self.plan.stages), micro, link,
-            self._loss_seed,
+            self._loss_seed, scale, self._agree(step),
         )
         if isinstance(link, CollectiveLink):
             if link.pending:
@@ -281,6 +300,7 @@ class MeshHost:
             "times": dataclasses.asdict(times),
             "losses": own if self.host == 0 else [],
             "sent_bytes": sent,
+            "applied": applied,
         }
 
     def evaluate(self, index: int) -> float | None:

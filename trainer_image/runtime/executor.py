@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from operator import add
@@ -160,9 +160,18 @@ def run_stage_program(
     micro: list[list[np.ndarray]],
     link: StageLink,
     loss_seed: jax.Array | None,
-) -> tuple[StageTimes, list[Any]]:
-    """One step of stage ``stage.index`` (see the module docstring); returns its times
-    and, on the stage that computes the loss, the loss of every micro-batch."""
+    scale: float | None = None,
+    agree: Callable[[jax.Array], bool] | None = None,
+) -> tuple[StageTimes, list[Any], bool]:
+    """One step of stage ``stage.index`` (see the module docstring); returns its times,
+    on the stage that computes the loss the loss of every micro-batch, and whether
+    the update was applied.
+
+    With a loss ``scale`` (float16, :mod:`~alpajob.trainer_image.precision`) the last
+    stage seeds its backward with ``scale / m``, and before the update ``agree`` gets
+    this stage's verdict (are its accumulated gradients all finite?) and returns every
+    stage's: if any stage overflowed, no stage updates; else the update divides by
+    the scale."""
     s = stage.index
     program = split.stages[s]
     num_micro_batches = len(micro)
@@ -203,7 +212,7 @@ def run_stage_program(
             cotangents: list[Any] = [reduce(add, [link.receive(key) for key in keys])
                                      for keys in backward_receives(split, s, j)]
             if program.returns_loss:
-                cotangents.append(loss_seed)
+                cotangents.append(loss_seed if scale is None or loss_seed is None else loss_seed * scale)
             t0 = time.perf_counter()
             acc, grads, _ = stage.backward(saved.pop(j), cotangents, acc)
             jax.block_until_ready((acc, grads))
@@ -213,6 +222,11 @@ def run_stage_program(
             link.send_all([(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
             comm += time.perf_counter() - t0
     compute += sum(fwd_times) + sum(bwd_times)
+    applied = True
+    if scale is not None and agree is not None:
+        t0 = time.perf_counter()
+        applied = agree(stage.finite(acc))
+        comm += time.perf_counter() - t0
 
     # Shared parameters' gradients home, then the update.
     grads = dict(zip(program.params, acc, strict=True))
@@ -226,8 +240,11 @@ def run_stage_program(
         shared.setdefault(stage.leaf_names[key[1]], []).append(link.receive(key))
     t0 = time.perf_counter()
     named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
-    stage.apply_update(named_grads, shared)
-    jax.block_until_ready((stage.params, stage.opt_state, stage.next_accumulators))
+    if applied:
+        stage.apply_update(named_grads, shared, 1.0 / scale if scale is not None else 1.0)
+        jax.block_until_ready((stage.params, stage.opt_state, stage.next_accumulators))
+    else:
+        stage.skip_update()
     update = time.perf_counter() - t0
     compute += update
     wall = time.perf_counter() - begin
@@ -239,7 +256,7 @@ def run_stage_program(
         backward=tuple(bwd_times),
         update=update,
     )
-    return times, losses
+    return times, losses, applied
 
 
 def run_stage_eval(split: SplitProgram, stage: StageRuntime, micro: list[list[np.ndarray]],
