@@ -296,9 +296,11 @@ class MeshGroup:
 
 def check_checkpoints(options: DriverOptions) -> None:
     """Refuse checkpoints with the collective transport: there every mesh host is one
-    process of a job-wide JAX group, and orbax saves a group's arrays only when all of
-    them span the group (a one-host mesh's arrays do not); a mesh's own group (the
-    object store transport) is what orbax's multi-process save expects."""
+    process of a job-wide JAX group, and orbax cannot save a one-host mesh's part in
+    such a group: it refuses a ``jax.Array`` that one process holds whole while the
+    group has others, and writes numpy arrays from process 0 alone (tried with orbax
+    0.12.8: the barriers and metadata follow ``active_processes``, the arrays do not).
+    A mesh's own group (the object store transport) is what orbax expects."""
     if options.checkpoint_dir and options.transport is Transport.COLLECTIVE:
         raise ManifestError("--checkpoint-dir", "the collective transport cannot checkpoint yet (orbax "
                             "saves only arrays that span the whole JAX process group); use --transport "
