@@ -53,6 +53,8 @@ def main() -> None:
     emu = Emulator(root, keep_history=False).start()
     api = emu.api()
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    core.create_namespaced_service_account("ml", {"apiVersion": "v1", "kind": "ServiceAccount",
+                                                  "metadata": {"name": "alpajob-trainer", "namespace": "ml"}})
     for i in range(2):
         core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"node-{i}"},
                           "status": {"allocatable": {GPU_RESOURCE: "8"},

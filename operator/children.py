@@ -99,9 +99,20 @@ def progress_config_map(job: Mapping[str, Any], names: ChildNames) -> dict[str, 
             "data": {}}
 
 
+#: Pod Security "restricted" (what a namespace labelled
+#: ``pod-security.kubernetes.io/enforce=restricted`` admits): non-root, the runtime's
+#: default seccomp profile, no privilege escalation, every capability dropped. Set on
+#: the pod and on its container alike.
+RUNTIME_DEFAULT_SECCOMP = {"type": "RuntimeDefault"}
+
+
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": RUNTIME_DEFAULT_SECCOMP}
+
+
 def _security() -> dict[str, Any]:
     return {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]}}
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": RUNTIME_DEFAULT_SECCOMP}
 
 
 def _volumes(names: ChildNames, with_plan: bool, job: Mapping[str, Any]) -> tuple[list[dict], list[dict]]:
@@ -145,6 +156,7 @@ def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster)
                 "resources": {"requests": {"cpu": "2", "memory": "8Gi"}},
             }],
             "volumes": volumes,
+            "securityContext": _pod_security(),
         },
     }
 
@@ -190,7 +202,8 @@ def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: Role, gang:
     container = {**container, "volumeMounts": mounts, "securityContext": _security(),
                  "terminationMessagePolicy": "FallbackToLogsOnError"}
     spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], "volumes": volumes,
-                            "serviceAccountName": job["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT}
+                            "serviceAccountName": job["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT,
+                            "securityContext": _pod_security()}
     if scheduler:
         spec["schedulerName"] = scheduler
     priority = (job["spec"].get("scheduling") or {}).get("priorityClassName")

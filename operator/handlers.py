@@ -47,19 +47,29 @@ class OperatorOptions:
     webhook_key: str | None = None
     webhook_insecure: bool = False  # plain HTTP: for tests, never for an API server
     webhook_managed: bool = False  # kopf keeps a ValidatingWebhookConfiguration up to date
+    webhook_bind_address: str = "0.0.0.0"  # the address the webhook listens on
 
 
-def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str) -> Phase | None:
-    """One pass over job ``namespace/name``; its phase afterwards (None if it is gone)."""
+@dataclass(frozen=True)
+class PassResult:
+    """What one pass left: the job's phase (None: it is gone), and whether the API
+    server refused to create a child (the next pass then waits longer)."""
+
+    phase: Phase | None
+    refused: bool = False
+
+
+def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str) -> PassResult:
+    """One pass over job ``namespace/name``."""
     began = time.perf_counter()
     job = kube.job(namespace, name)
     if job is None or job["metadata"].get("deletionTimestamp"):
         # Gone, or going: its children go with it (owner references).
         metrics.phase(f"{namespace}/{name}", None)
-        return None
+        return PassResult(None)
     before = (job.get("status") or {}).get("phase")
     decision = reconcile(kube.observe(job, datetime.now(UTC)))
-    kube.apply(job, decision)
+    refusals = kube.apply(job, decision)
     phase = decision.status.phase
     if phase is Phase.RESTARTING and before != Phase.RESTARTING:
         metrics.restarts.inc()
@@ -70,7 +80,14 @@ def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: s
             metrics.planning.observe((datetime.now(UTC) - then).total_seconds())
     metrics.reconcile.observe(time.perf_counter() - began)
     metrics.phase(f"{namespace}/{name}", None if decision.delete_job else phase)
-    return phase
+    return PassResult(None if decision.delete_job else phase, bool(refusals))
+
+
+def next_wait(interval: float, refused_in_a_row: int, limit: float = 300.0) -> float:
+    """Seconds until the next pass: ``interval``, doubled for every pass in a row whose
+    creations the API server refused (up to ``limit``), as the Job controller backs
+    off; the first pass after a refusal comes after ``2 x interval``."""
+    return min(interval * 2.0 ** refused_in_a_row, max(limit, interval))
 
 
 def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOptions) -> kopf.OperatorRegistry:
@@ -98,7 +115,8 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
 
             settings.admission.server = webhook_server(
                 options.webhook_port, options.webhook_host, options.webhook_cert, options.webhook_key,
-                options.webhook_insecure, Path(tempfile.mkdtemp(prefix="alpajob-webhook-")))
+                options.webhook_insecure, Path(tempfile.mkdtemp(prefix="alpajob-webhook-")),
+                options.webhook_bind_address)
             if options.webhook_managed:
                 settings.admission.managed = CRD_NAME
 
@@ -107,16 +125,18 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
         namespace, name = kwargs["namespace"], kwargs["name"]
         stopped: kopf.DaemonStopped = kwargs["stopped"]
         logger: logging.Logger = kwargs["logger"]
+        refused = 0  # passes in a row whose creations were refused
         while not stopped:
             try:
-                phase = await asyncio.to_thread(reconcile_once, kube, metrics, namespace, name)
+                result = await asyncio.to_thread(reconcile_once, kube, metrics, namespace, name)
             except Exception as error:  # noqa: BLE001 (one bad pass must not end the loop)
                 metrics.errors.inc()
                 logger.warning(f"reconcile of {namespace}/{name} failed: {error}")
             else:
-                if phase is None:  # the job is gone
+                if result.phase is None:  # the job is gone
                     return
-            await stopped.wait(options.interval)
+                refused = refused + 1 if result.refused else 0
+            await stopped.wait(next_wait(options.interval, refused))
 
     if options.webhook_port is not None:
         from alpajob.operator.admission import validate_alpajob

@@ -16,10 +16,12 @@ exists is refused by the API server (409) and ignored here.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,10 +29,11 @@ import yaml
 from kubernetes import client
 
 from alpajob.api.names import API_VERSION, GROUP, KIND, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
-from alpajob.api.status import Status
+from alpajob.api.status import ConditionType, Status
 from alpajob.operator.names import ChildNames
 from alpajob.operator.pool import pool_nodes
 from alpajob.operator.reconcile import Decision, Observed
+from alpajob.operator.status import set_condition
 
 #: CRDs whose presence means a gang scheduler is installed.
 GANG_CRDS = {"volcano": "podgroups.scheduling.volcano.sh", "coscheduling": "podgroups.scheduling.x-k8s.io"}
@@ -46,6 +49,27 @@ def client_from_environment() -> client.ApiClient:
     except config.ConfigException:
         config.load_kube_config()
     return client.ApiClient()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The API server's refusal to create a child: its kind, name, reason, message."""
+
+    kind: str
+    name: str
+    code: int
+    reason: str
+    message: str
+
+    @staticmethod
+    def of(obj: Mapping[str, Any], error: client.ApiException) -> Refusal:
+        try:
+            body = json.loads(error.body or "{}")
+        except ValueError:
+            body = {}
+        return Refusal(kind=str(obj["kind"]), name=str(obj["metadata"]["name"]), code=int(error.status or 0),
+                       reason=str(body.get("reason") or error.reason or "Refused"),
+                       message=str(body.get("message") or error.reason or "")[:2000])
 
 
 def merge_patch(old: Any, new: Any) -> Any:
@@ -180,8 +204,9 @@ class Kube:
                         **({"default_image": self.default_image} if self.default_image else {}))
 
     # ------------------------------------------------------------ writing
-    def apply(self, job: Mapping[str, Any], decision: Decision) -> None:
-        """Status first (children's names are in it), then creations, deletions, events."""
+    def apply(self, job: Mapping[str, Any], decision: Decision) -> list[Refusal]:
+        """Status first (children's names are in it), then creations, deletions, events.
+        Children the API server refuses to create are returned (and shown: :meth:`refused`)."""
         meta = job["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         stored = job.get("status") or {}
@@ -192,8 +217,8 @@ class Kube:
         if decision.clear_plan:  # a merge patch's null removes the key
             self.core.patch_namespaced_config_map(
                 ChildNames(name, 0).plan, namespace, {"data": {PLAN_KEY: None}})
-        for obj in decision.create:
-            self.create(obj)
+        refusals = [refusal for obj in decision.create if (refusal := self.create(obj)) is not None]
+        self.refused(job, decision.status, status, refusals, bool(decision.create))
         for kind, child, grace in decision.delete:
             self.delete(kind, namespace, child, grace)
         if decision.create or decision.delete or decision.clear_plan:  # the next pass must see it
@@ -207,8 +232,35 @@ class Kube:
             except client.ApiException as error:
                 if error.status != 404:
                     raise
+        return refusals
 
-    def create(self, obj: Mapping[str, Any]) -> None:
+    def refused(self, job: Mapping[str, Any], status: Status, written: dict[str, Any],
+                refusals: list[Refusal], created: bool) -> None:
+        """Show a refused creation as the condition ``ChildrenCreated=False`` (the API's
+        reason and message) and a ``FailedCreate`` Warning event, as Kubernetes' own
+        Job and ReplicaSet controllers do; once creations succeed again the condition
+        turns True. The status is written only when the condition changed."""
+        before = next((c for c in status.conditions if c.type is ConditionType.CHILDREN_CREATED), None)
+        if not refusals and (before is None or before.status == "True" or not created):
+            return
+        meta = job["metadata"]
+        generation = int(meta.get("generation") or 1)
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if refusals:
+            first = refusals[0]
+            message = "; ".join(f"{r.kind} {r.name}: {r.message}" for r in refusals)
+            set_condition(status, ConditionType.CHILDREN_CREATED, False, first.reason, message, generation, now)
+            self.event(job, "Warning", "FailedCreate", message)
+        else:
+            set_condition(status, ConditionType.CHILDREN_CREATED, True, "Created", "", generation, now)
+        new = status.to_dict()
+        if new != written:
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], {"status": merge_patch(written, new)})
+
+    def create(self, obj: Mapping[str, Any]) -> Refusal | None:
+        """Create ``obj``; None when it exists afterwards, else the API server's refusal
+        (4xx: forbidden, invalid, over quota). Other errors raise (the pass is retried)."""
         namespace = obj["metadata"]["namespace"]
         kind = obj["kind"]
         try:
@@ -224,8 +276,12 @@ class Kube:
             else:
                 raise ValueError(f"cannot create a {kind}")
         except client.ApiException as error:
-            if error.status != 409:  # already there: an earlier pass made it
-                raise
+            if error.status == 409:  # already there: an earlier pass made it
+                return None
+            if error.status is not None and 400 <= error.status < 500:
+                return Refusal.of(obj, error)
+            raise
+        return None
 
     def delete(self, kind: str, namespace: str, name: str, grace: int | None) -> None:
         options = client.V1DeleteOptions(grace_period_seconds=grace) if grace is not None else None

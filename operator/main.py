@@ -17,12 +17,13 @@ from alpajob.operator.metrics import OperatorMetrics
 
 def run_operator(options: OperatorOptions, *, namespaces: tuple[str, ...] = (), clusterwide: bool = False,
                  liveness: str | None = None, metrics_port: int | None = None,
-                 default_image: str | None = None, verbose: bool = False) -> int:
+                 default_image: str | None = None, verbose: bool = False,
+                 metrics_bind_address: str = "0.0.0.0") -> int:
     """Run until interrupted; the exit status."""
     kopf.configure(verbose=verbose)
     metrics = OperatorMetrics()
     if metrics_port is not None:
-        metrics.serve(metrics_port)
+        metrics.serve(metrics_port, metrics_bind_address)
     registry = build_registry(Kube(client_from_environment(), default_image=default_image), metrics, options)
     kopf.run(registry=registry, standalone=True, clusterwide=clusterwide, namespaces=namespaces,
              liveness_endpoint=liveness)

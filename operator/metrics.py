@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from alpajob.api.errors import AlpaJobError
 from alpajob.api.status import Phase
 
 
@@ -42,5 +43,17 @@ class OperatorMetrics:
         for name in Phase:
             self.jobs.labels(name.value).set(sum(1 for p in self._phases.values() if p == name))
 
-    def serve(self, port: int) -> None:
-        self._server, _ = start_http_server(port, registry=self.registry)
+    def serve(self, port: int, address: str = "0.0.0.0") -> None:
+        """Serve ``/metrics`` on ``address:port``; a port that cannot be had is an
+        :class:`~alpajob.api.errors.AlpaJobError` naming ``--metrics-port``."""
+        try:
+            self._server, _ = start_http_server(port, addr=address, registry=self.registry)
+        except OSError as error:
+            raise AlpaJobError(f"--metrics-port: cannot serve on {address}:{port} ({error.strerror}); "
+                               "choose a free port or another --metrics-bind-address") from None
+
+    def close(self) -> None:
+        """Stop serving."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

@@ -25,9 +25,26 @@ from typing import Any
 import kopf
 
 
+def _subject_names(host: str) -> list[Any]:
+    """The certificate's subject alternative names for ``host``: an IP address SAN for
+    an IP (a client checks an IP against those only, never against DNS names), else the
+    DNS name and, for ``<name>.<namespace>.svc``, its shorter Service names."""
+    import ipaddress
+
+    from cryptography import x509
+
+    try:
+        return [x509.IPAddress(ipaddress.ip_address(host))]
+    except ValueError:
+        pass
+    parts = host.split(".")
+    names = [host] + [".".join(parts[:k]) for k in range(1, len(parts)) if host.endswith(".svc")]
+    return [x509.DNSName(n) for n in dict.fromkeys(names)]
+
+
 def self_signed(host: str, folder: Path, days: int = 365) -> tuple[Path, Path]:
-    """A self-signed certificate (its own CA) and key for ``host`` and its short Service
-    names, written as ``tls.crt`` and ``tls.key`` into ``folder``."""
+    """A self-signed certificate (its own CA) and key for ``host`` (:func:`_subject_names`),
+    written as ``tls.crt`` and ``tls.key`` into ``folder``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -35,15 +52,12 @@ def self_signed(host: str, folder: Path, days: int = 365) -> tuple[Path, Path]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
-    parts = host.split(".")
-    names = [host] + [".".join(parts[:k]) for k in range(1, len(parts)) if host.endswith(".svc")]
     now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dict.fromkeys(names)]),
-                           critical=False)
+            .add_extension(x509.SubjectAlternativeName(_subject_names(host)), critical=False)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .sign(key, hashes.SHA256()))
     folder.mkdir(parents=True, exist_ok=True)
@@ -83,12 +97,13 @@ class ServiceWebhookServer(kopf.WebhookServer):
 
 
 def webhook_server(port: int, host: str | None, cert: str | None, key: str | None, insecure: bool,
-                   folder: Path) -> kopf.WebhookServer:
-    """The server for ``alpajob operator``'s webhook flags (see the module docstring)."""
+                   folder: Path, bind_address: str = "0.0.0.0") -> kopf.WebhookServer:
+    """The server for ``alpajob operator``'s webhook flags (see the module docstring),
+    listening on ``bind_address``."""
     if not insecure and not (cert and key):
         certfile, keyfile = self_signed(host or "localhost", folder)
         cert, key = str(certfile), str(keyfile)
-    options: dict[str, Any] = {"addr": "0.0.0.0", "port": port, "host": host, "insecure": insecure}
+    options: dict[str, Any] = {"addr": bind_address, "port": port, "host": host, "insecure": insecure}
     if not insecure:
         options.update(certfile=cert, pkeyfile=key, cafile=cert)
     service = service_of(host)

@@ -10,6 +10,13 @@ selectors are ignored by kmock (the operator filters by label itself), and the c
 resources the operator and kopf use are declared up front (kopf waits for
 namespaces to be discoverable). kmock cannot list namespaces, so the operator runs
 with ``--no-scanning`` (only the namespaces named).
+
+Pod creation is admitted as a real API server admits it (:meth:`Emulator._admit_pod`,
+with the messages in ``data/apiserver-observed``): a pod whose ServiceAccount does not
+exist is refused with 403 (``default`` always exists, as the ServiceAccount controller
+makes it), and so is a pod that breaks Pod Security "restricted" in a namespace of
+:attr:`Emulator.restricted` (kmock cannot store namespaces, so their
+``pod-security.kubernetes.io/enforce=restricted`` label is kept here).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class Emulator:
         self.kmock: Any = None
         self.url = ""
         self._thread = threading.Thread(target=self._serve, name="kmock", daemon=True)
+        self.restricted: set[str] = set()  # namespaces labelled enforce=restricted
 
     def _serve(self) -> None:
         asyncio.run(self._main())
@@ -53,6 +61,7 @@ class Emulator:
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
                 subresources={"status"})
             for key, kind, namespaced in [("v1/pods", "Pod", True), ("v1/configmaps", "ConfigMap", True),
+                                          ("v1/serviceaccounts", "ServiceAccount", True),
                                           ("v1/services", "Service", True), ("v1/events", "Event", True),
                                           ("v1/nodes", "Node", False), ("v1/namespaces", "Namespace", False),
                                           ("apiextensions.k8s.io/v1/customresourcedefinitions",
@@ -60,6 +69,7 @@ class Emulator:
                 emulator.resources[key] = kmock.ResourceInfo(
                     kind=kind, namespaced=namespaced, subresources={"status"},
                     verbs={"get", "list", "watch", "create", "update", "patch", "delete"})
+            emulator[kmock.method.POST, kmock.resource("v1", "pods")] << self._admit_pod
             self.kmock = emulator
             self.url = str(server.url).rstrip("/")
             self._ready.set()
@@ -68,6 +78,36 @@ class Emulator:
                     del emulator._requests[:-16]  # kmock internals: its request log
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 0.5)
+
+    def _admit_pod(self, request: Any) -> Any:
+        """403 for a pod a real API server refuses (module docstring). An admitted pod
+        raises ``NotImplementedError``: kmock then answers with its emulator's reaction
+        and keeps this one for the next request (returning ``NotImplemented`` would
+        retire it)."""
+        pod = request.data if isinstance(request.data, dict) else {}
+        parts = str(request.url).split("?")[0].split("/")
+        namespace = parts[parts.index("namespaces") + 1] if "namespaces" in parts else "default"
+        name = (pod.get("metadata") or {}).get("name", "")
+        account = (pod.get("spec") or {}).get("serviceAccountName") or "default"
+        refusal = self._refusal(namespace, name, account, pod)
+        if refusal is None:
+            raise NotImplementedError
+        # kmock has stored the pod before its reactions run: take it back out.
+        with contextlib.suppress(KeyError):
+            del self.kmock.objects[kmock.resource("v1", "pods"), namespace, name]
+        return _forbidden(refusal)
+
+    def _refusal(self, namespace: str, name: str, account: str, pod: dict[str, Any]) -> str | None:
+        """The API server's message refusing ``pod``, or None if it is admitted."""
+        from pod_security import restricted_violations
+
+        if account != "default" and (kmock.resource("v1", "serviceaccounts"), namespace, account) not in self.kmock.objects:
+            return (f'pods "{name}" is forbidden: error looking up service account '
+                    f'{namespace}/{account}: serviceaccount "{account}" not found')
+        problems = restricted_violations(pod) if namespace in self.restricted else []
+        if problems:
+            return f'pods "{name}" is forbidden: violates PodSecurity "restricted:latest": ' + ", ".join(problems)
+        return None
 
     def start(self) -> Emulator:
         self._thread.start()
@@ -95,3 +135,10 @@ class Emulator:
     def requests(self, method: str, path_part: str) -> int:
         """How many ``method`` requests whose path contains ``path_part`` were served."""
         return sum(1 for r in list(self.kmock) if r.method.upper() == method.upper() and path_part in str(r.url))
+
+
+def _forbidden(message: str) -> Any:
+    """The API server's 403 ``Status`` for a refused pod."""
+    return kmock.Response(status=403, payload={
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+        "reason": "Forbidden", "details": {"kind": "pods"}, "code": 403})

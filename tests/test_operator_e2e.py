@@ -8,6 +8,7 @@ Succeeded and Failed. The operator (``alpajob operator``, a subprocess) does the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -40,7 +41,10 @@ GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     emu = Emulator(Path(str(tmp_path_factory.mktemp("kmock")))).start()
+    emu.restricted.add(NS)  # as the chart's namespaces are: Pod Security "restricted" enforced
     core = client.CoreV1Api(emu.api())
+    core.create_namespaced_service_account(NS, {"apiVersion": "v1", "kind": "ServiceAccount",
+                                                "metadata": {"name": "alpajob-trainer", "namespace": NS}})
     for i in range(2):
         core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
             "name": f"node-{i}", "labels": {"kubernetes.io/hostname": f"node-{i}"}},
@@ -419,3 +423,56 @@ def test_with_volcano_installed_the_pod_group_comes_before_the_pods(
     finally:
         op.stop()
         extensions.delete_custom_resource_definition("podgroups.scheduling.volcano.sh")
+
+
+def test_a_forbidden_pod_shows_as_a_condition_and_an_event_and_is_retried(
+        cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    """The API server refuses the planner pod (its ServiceAccount does not exist: 403).
+    The job says so, ChildrenCreated=False with the API's reason and message and a
+    FailedCreate Warning event, instead of sitting in Planning; once the account
+    exists, the next (backed-off) try creates the pod and the condition turns True."""
+    cluster.create_job("gpt-sa", serviceAccountName="no-such-sa")
+
+    def refused() -> dict[str, Any] | None:
+        conditions = (cluster.job("gpt-sa").get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "ChildrenCreated" and c["status"] == "False"), None)
+
+    condition = _wait("ChildrenCreated=False", refused, op=operator)
+    assert condition["reason"] == "Forbidden"
+    assert 'serviceaccount "no-such-sa" not found' in condition["message"]
+    assert "gpt-sa-planner" in condition["message"]
+    events = [e for e in cluster.core.list_namespaced_event(NS).items
+              if e.involved_object.name == "gpt-sa" and e.reason == "FailedCreate"]
+    assert events and events[0].type == "Warning" and "no-such-sa" in events[0].message
+    assert "gpt-sa-planner" not in cluster.pods("gpt-sa")
+    cluster.core.create_namespaced_service_account(NS, {"apiVersion": "v1", "kind": "ServiceAccount",
+                                                        "metadata": {"name": "no-such-sa", "namespace": NS}})
+    _wait("the planner pod", lambda: cluster.pods("gpt-sa").get("gpt-sa-planner"), op=operator)
+
+    def created() -> bool:
+        conditions = (cluster.job("gpt-sa").get("status") or {}).get("conditions") or []
+        return any(c["type"] == "ChildrenCreated" and c["status"] == "True" for c in conditions)
+
+    _wait("ChildrenCreated=True", created, op=operator)
+    fails = [e for e in cluster.core.list_namespaced_event(NS).items
+             if e.involved_object.name == "gpt-sa" and e.reason == "FailedCreate"]
+    assert len(fails) <= 8  # backed off: 0.3 s doubling, not a try every 0.3 s
+
+
+def test_the_test_api_server_refuses_what_a_real_one_refuses(cluster: Cluster) -> None:
+    """The fixture's admission can fail: a plain pod in the restricted namespace, and a
+    pod of a missing ServiceAccount, are refused with 403 and not stored."""
+    plain = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "namespace": NS},
+             "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+    with pytest.raises(client.ApiException) as refused:
+        cluster.core.create_namespaced_pod(NS, plain)
+    assert refused.value.status == 403
+    assert 'violates PodSecurity "restricted:latest"' in json.loads(refused.value.body)["message"]
+    orphan = {**plain, "metadata": {"name": "orphan", "namespace": NS},
+              "spec": {**plain["spec"], "serviceAccountName": "nobody"}}
+    with pytest.raises(client.ApiException) as missing:
+        cluster.core.create_namespaced_pod(NS, orphan)
+    assert missing.value.status == 403
+    assert 'serviceaccount "nobody" not found' in json.loads(missing.value.body)["message"]
+    names = {p.metadata.name for p in cluster.core.list_namespaced_pod(NS).items}
+    assert not names & {"plain", "orphan"}

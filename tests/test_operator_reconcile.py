@@ -307,3 +307,33 @@ def test_jobs_without_an_image_get_the_operators_default(plan_json: str) -> None
     world.step()
     assert world.objects["Pod", "manual-gpt-planner"]["spec"]["containers"][0]["image"] == "ghcr.io/alpajob/alpajob:0.1.0"
     assert "image" not in world.job["spec"]  # the operator never writes spec
+
+
+def test_the_checker_refuses_what_a_real_api_server_refused() -> None:
+    """The Pod Security checker of the tests names the rules a real kube-apiserver named
+    when it refused a plain pod in a ``restricted`` namespace."""
+    import json
+
+    from pod_security import restricted_violations
+
+    observed = json.loads((Path(__file__).resolve().parent / "data" / "apiserver-observed"
+                           / "pod-create-podsecurity-restricted.response.json").read_text())
+    message = observed["body"]["message"].split(": violates PodSecurity \"restricted:latest\": ", 1)[1]
+    rules = sorted(part.split(" (")[0] for part in message.split("), ") if part)
+    ours = restricted_violations({"spec": {"containers": [{"name": "c", "image": "busybox"}]}})
+    assert sorted(line.split(" (")[0] for line in ours) == rules
+
+
+def test_every_pod_the_operator_creates_passes_pod_security_restricted(plan_json: str) -> None:
+    """Planner, head and mesh pods are admitted in a namespace that enforces Pod
+    Security "restricted" (a real API server refuses them with 403 otherwise)."""
+    from pod_security import restricted_violations
+
+    world = World({"checkpoint": {"volume": "ckpt", "every": 2}})
+    pods = [o for o in world.step().create if o["kind"] == "Pod"]
+    world.planned(plan_json)
+    pods += [o for o in world.step().create if o["kind"] == "Pod"]
+    assert {p["metadata"]["name"] for p in pods} == {
+        "manual-gpt-planner", "manual-gpt-0-head", "manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0"}
+    for pod in pods:
+        assert restricted_violations(pod) == [], pod["metadata"]["name"]

@@ -65,6 +65,9 @@ class ConditionType(StrEnum):
     FAILED = "Failed"
     SUSPENDED = "Suspended"
     READY = "Ready"
+    #: False while the API server refuses to create a child (a pod forbidden for a
+    #: missing ServiceAccount or by Pod Security, a quota): its reason and message.
+    CHILDREN_CREATED = "ChildrenCreated"
 
 
 class ConditionStatus(StrEnum):

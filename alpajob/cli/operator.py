@@ -11,6 +11,7 @@ talks to the API server of the pod's service account (in a cluster) or of
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from typing import Any
 
 from alpajob.api.errors import ManifestError
@@ -26,6 +27,8 @@ def add_parser(sub: Any) -> None:
                         help="seconds between two reconciliations of a job (default 1)")
     parser.add_argument("--liveness", help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
+    parser.add_argument("--metrics-bind-address", default="0.0.0.0",
+                        help="the address the metrics listener binds (default 0.0.0.0: every interface)")
     parser.add_argument("--default-image",
                         help="the trainer image of jobs without spec.image (default: this release's)")
     parser.add_argument("--no-scanning", action="store_true",
@@ -34,6 +37,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--verbose", "-v", action="store_true", help="log every API call and handler")
     parser.add_argument("--webhook-port", type=int,
                         help="serve the validating admission webhook on this port (HTTPS)")
+    parser.add_argument("--webhook-bind-address", default="0.0.0.0",
+                        help="the address the webhook listener binds (default 0.0.0.0: every interface)")
     parser.add_argument("--webhook-host",
                         help="how the API server reaches the webhook: NAME.NAMESPACE.svc registers that "
                              "Service (the API server cannot resolve cluster DNS in a URL), any other host a URL")
@@ -52,12 +57,22 @@ def run(args: argparse.Namespace) -> int:
 
     if args.interval <= 0:
         raise ManifestError("--interval", f"must be positive, got {args.interval}")
+    for flag, port in (("--metrics-port", args.metrics_port), ("--webhook-port", args.webhook_port)):
+        if port is not None and not 1 <= port <= 65535:
+            raise ManifestError(flag, f"must be a port number from 1 to 65535, got {port}")
+    for flag, address in (("--metrics-bind-address", args.metrics_bind_address),
+                          ("--webhook-bind-address", args.webhook_bind_address)):
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise ManifestError(flag, f"must be an IP address to listen on (0.0.0.0, ::, 127.0.0.1, ...), "
+                                      f"got {address!r}") from None
     options = OperatorOptions(
         interval=args.interval, scanning=not args.no_scanning, webhook_port=args.webhook_port,
         webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,
         webhook_key=args.webhook_key, webhook_insecure=args.webhook_insecure,
-        webhook_managed=args.webhook_managed)
+        webhook_managed=args.webhook_managed, webhook_bind_address=args.webhook_bind_address)
     return run_operator(options, namespaces=tuple(args.namespace or ()),
                         clusterwide=bool(args.all_namespaces), liveness=args.liveness,
                         metrics_port=args.metrics_port, default_image=args.default_image,
-                        verbose=args.verbose)
+                        verbose=args.verbose, metrics_bind_address=args.metrics_bind_address)
