@@ -16,7 +16,9 @@ with the messages in ``data/apiserver-observed``): a pod whose ServiceAccount do
 exist is refused with 403 (``default`` always exists, as the ServiceAccount controller
 makes it), and so is a pod that breaks Pod Security "restricted" in a namespace of
 :attr:`Emulator.restricted` (kmock cannot store namespaces, so their
-``pod-security.kubernetes.io/enforce=restricted`` label is kept here).
+``pod-security.kubernetes.io/enforce=restricted`` label is kept here). Every AlpaJob
+written (created, patched or replaced, status included) is pruned by the CRD's
+structural schema, as the API server prunes it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,7 @@ class Emulator:
         self.url = ""
         self._thread = threading.Thread(target=self._serve, name="kmock", daemon=True)
         self.restricted: set[str] = set()  # namespaces labelled enforce=restricted
+        self._schema: dict[str, Any] | None = None
 
     def _serve(self) -> None:
         asyncio.run(self._main())
@@ -70,6 +74,8 @@ class Emulator:
                     kind=kind, namespaced=namespaced, subresources={"status"},
                     verbs={"get", "list", "watch", "create", "update", "patch", "delete"})
             emulator[kmock.method.POST, kmock.resource("v1", "pods")] << self._admit_pod
+            for verb in (kmock.method.POST, kmock.method.PUT, kmock.method.PATCH):
+                emulator[verb, kmock.resource("alpajob.io", "v1alpha1", "alpajobs")] << self._prune_job
             self.kmock = emulator
             self.url = str(server.url).rstrip("/")
             self._ready.set()
@@ -109,6 +115,43 @@ class Emulator:
             return f'pods "{name}" is forbidden: violates PodSecurity "restricted:latest": ' + ", ".join(problems)
         return None
 
+    def _prune_job(self, request: Any) -> Any:
+        """Prune the AlpaJob just written (its status too) by the CRD's structural
+        schema, as the API server does, and answer with what is kept. kmock has
+        stored the object before its reactions run, so the pruned one replaces it;
+        when nothing was pruned, kmock's own answer stands (``NotImplementedError``)."""
+        from kube_schema import prune
+
+        parts = str(request.url).split("?")[0].split("/")
+        if "namespaces" not in parts:
+            raise NotImplementedError
+        namespace = parts[parts.index("namespaces") + 1]
+        if len(parts) > parts.index("alpajobs") + 1:
+            name = parts[parts.index("alpajobs") + 1]
+        elif isinstance(request.data, Mapping):  # a create: the name is in the body
+            name = (request.data.get("metadata") or {}).get("name")
+        else:
+            raise NotImplementedError
+        key = (kmock.resource("alpajob.io", "v1alpha1", "alpajobs"), namespace, name)
+        try:
+            stored = _plain(self.kmock.objects[key])
+        except KeyError:
+            raise NotImplementedError from None
+        root = self.schema["properties"]
+        kept = {k: prune(v, root[k]) if k in ("spec", "status") and k in root else v for k, v in stored.items()}
+        if kept == stored:
+            raise NotImplementedError
+        self.kmock.objects[key] = kept
+        return kmock.Response(status=201 if request.method.upper() == "POST" else 200, payload=kept)
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The AlpaJob CRD's openAPIV3Schema (manifests/crd.yaml)."""
+        if self._schema is None:
+            crd = yaml.safe_load((Path(__file__).resolve().parent.parent / "manifests" / "crd.yaml").read_text())
+            self._schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        return self._schema
+
     def start(self) -> Emulator:
         self._thread.start()
         if not self._ready.wait(30):
@@ -142,3 +185,12 @@ def _forbidden(message: str) -> Any:
     return kmock.Response(status=403, payload={
         "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
         "reason": "Forbidden", "details": {"kind": "pods"}, "code": 403})
+
+
+def _plain(value: Any) -> Any:
+    """kmock's stored object (its mappings are its own types) as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value

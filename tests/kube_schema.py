@@ -332,3 +332,21 @@ def cel_reference_problems(schema: dict) -> list[str]:
                                         "which CEL cannot see")
                         break
     return problems
+
+
+def prune(value: Any, node: dict[str, Any]) -> Any:
+    """What a structural schema keeps of ``value``: the API server's pruning drops
+    every object field the schema does not declare, at any depth, unless the node
+    says ``x-kubernetes-preserve-unknown-fields``; map values (``additionalProperties``)
+    and list items are pruned by their own schema."""
+    if node.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict) and "properties" in node:
+        return {k: prune(v, node["properties"][k]) for k, v in value.items() if k in node["properties"]}
+    if isinstance(value, dict) and isinstance(node.get("additionalProperties"), dict):
+        return {k: prune(v, node["additionalProperties"]) for k, v in value.items()}
+    if isinstance(value, dict) and node.get("type") == "object":
+        return {}  # an object of no declared fields keeps none
+    if isinstance(value, list) and "items" in node:
+        return [prune(v, node["items"]) for v in value]
+    return value

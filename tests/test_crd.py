@@ -23,6 +23,7 @@ from kube_schema import (
     apply_defaults,
     cel_reference_problems,
     cel_violations,
+    prune,
     schema_violations,
     structural_problems,
     to_json_schema,
@@ -152,17 +153,6 @@ def test_the_crd_declares_every_status_field_the_operator_writes() -> None:
     set_phase(status, Phase.RUNNING, "Training", "running", 3, "2026-11-24T10:00:00Z", True)
     written = status.to_dict()
     assert prune(copy.deepcopy(written), schema()["properties"]["status"]) == written
-
-
-def prune(value: Any, node: dict[str, Any]) -> Any:
-    """What a structural schema keeps of ``value`` (the API server's pruning)."""
-    if node.get("x-kubernetes-preserve-unknown-fields"):
-        return value
-    if isinstance(value, dict) and "properties" in node:
-        return {k: prune(v, node["properties"][k]) for k, v in value.items() if k in node["properties"]}
-    if isinstance(value, list) and "items" in node:
-        return [prune(v, node["items"]) for v in value]
-    return value
 
 
 def test_crd_names_scope_version_and_subresources() -> None:

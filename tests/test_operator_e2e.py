@@ -212,6 +212,12 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
                      lambda: (cluster.job("gpt-a")["status"].get("progress") or {}).get("step") == 40
                      and cluster.job("gpt-a")["status"]["progress"], op=operator)
     assert progress["lastCheckpointStep"] == 40 and progress["samplesPerSecond"] == 812.5
+    # At rest (nothing changes): no status writes, though the fixture prunes every one
+    # as the API server does (a controller writing undeclared fields would loop here).
+    time.sleep(1.0)
+    writes = cluster.emu.requests("PATCH", "/alpajobs/gpt-a/status")
+    time.sleep(3.0)  # 10 passes of the operator (--interval 0.3)
+    assert cluster.emu.requests("PATCH", "/alpajobs/gpt-a/status") == writes
     cluster.set_phase("gpt-a-0-head", "Succeeded")
     _wait("phase Succeeded", lambda: cluster.phase("gpt-a") == "Succeeded", op=operator)
     _wait("the pods cleaned up", lambda: not cluster.pods("gpt-a"), op=operator)
@@ -476,3 +482,17 @@ def test_the_test_api_server_refuses_what_a_real_one_refuses(cluster: Cluster) -
     assert 'serviceaccount "nobody" not found' in json.loads(missing.value.body)["message"]
     names = {p.metadata.name for p in cluster.core.list_namespaced_pod(NS).items}
     assert not names & {"plain", "orphan"}
+
+
+def test_the_test_api_server_prunes_undeclared_fields_as_a_real_one_does(cluster: Cluster) -> None:
+    """Observed on kube-apiserver 1.36: a status PATCH with fields the CRD does not
+    declare answers 200 and keeps only the declared ones (then ``progress.steps``, now
+    declared, was dropped and ``progress.step`` kept); so does the fixture."""
+    created = cluster.create_job("gpt-prune", undeclaredSpecField=True)
+    assert "undeclaredSpecField" not in created["spec"]
+    answer = cluster.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, NS, PLURAL, "gpt-prune",
+        {"status": {"undeclaredField": 1, "progress": {"step": 3, "undeclaredToo": 9}}})
+    assert answer["status"] == {"progress": {"step": 3}}
+    assert cluster.job("gpt-prune")["status"] == {"progress": {"step": 3}}
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-prune")
