@@ -204,10 +204,10 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
         if run.head_port:
             subprocess.run([ray_cluster.ray_binary(), "stop"], env=ray_cluster.ray_env(), check=False)
     if result.stopped:
-        out.print(f"stopped by {result.stopped} after {len(result.losses)} steps; last checkpoint step "
+        out.print(f"stopped by {result.stopped} after {result.step} steps; last checkpoint step "
                   f"{result.checkpoint_step} (a restart resumes from it)")
         return STOPPED_EXIT_CODE
-    out.print(f"done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}, "
+    out.print(f"done: {result.step} steps, final loss {result.losses[-1]:.4f}, "
               f"{result.restarts} restart(s), last checkpoint step {result.checkpoint_step}")
     return 0
 

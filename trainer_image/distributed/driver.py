@@ -115,13 +115,19 @@ class DriverResult:
     stopped: str | None = None  # the signal that stopped the run early
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
     skipped_steps: int = 0  # float16: steps whose gradients overflowed (not applied)
+    first_step: int = 0  # the step ``losses[0]`` follows: where this driver's first attempt began
+
+    @property
+    def step(self) -> int:
+        """The steps done, those before this driver's first attempt included."""
+        return self.first_step + len(self.losses)
 
     @property
     def eval_loss(self) -> float | None:
         return self.evals[-1][1] if self.evals else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"losses": self.losses, "step_seconds": self.step_seconds,
+        return {"first_step": self.first_step, "losses": self.losses, "step_seconds": self.step_seconds,
                 "eval": [{"step": step, "loss": loss} for step, loss in self.evals],
                 "skipped_steps": self.skipped_steps,
                 "sent_bytes": self.sent_bytes, "stage_times": self.stage_times,
@@ -131,7 +137,7 @@ class DriverResult:
     def truncate(self, steps: int) -> None:
         """Forget the steps after ``steps`` (they are run again after a restart)."""
         for series in (self.losses, self.step_seconds, self.sent_bytes, self.stage_times):
-            del series[steps:]
+            del series[max(steps - self.first_step, 0):]
         self.evals = [(step, loss) for step, loss in self.evals if step <= steps]
 
 
@@ -321,7 +327,7 @@ class Reporter:
         """The report of ``result`` so far, in ``phase``."""
         last = result.step_seconds[-1] if result.step_seconds else None
         return Progress(
-            phase=phase, step=len(result.losses), steps=self.options.steps,
+            phase=phase, step=result.step, steps=self.options.steps,
             loss=result.losses[-1] if result.losses else None, eval_loss=result.eval_loss,
             skipped_steps=result.skipped_steps if self.scaled else None,
             samples_per_second=self.batch / last if last else None,
@@ -391,6 +397,8 @@ def drive(
                                       options.transport)
                     start = saves.resume(group, say) if saves else 0
                     result.checkpoint_step = start or None
+                    if not result.resumed_from:  # this driver's first attempt: a resumed job's start
+                        result.first_step = start
                     result.truncate(start)
                     result.resumed_from.append(start)
                     training = True

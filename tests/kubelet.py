@@ -1,0 +1,225 @@
+"""A kubelet for tests: runs the pods of a Kubernetes API as local processes.
+
+It plays the node agent for the pods the operator creates, against whatever API its
+client talks to (the tests' KMock emulator, or a real cluster's fake nodes), so that
+an AlpaJob really trains from the pods' own commands and environment:
+
+- it lists the namespace's pods every ``interval`` seconds; a new pod (not yet
+  started, not being deleted) gets a folder of its own, where each ConfigMap volume
+  is written as files and each PersistentVolumeClaim volume is a folder shared by
+  every pod that mounts the claim (the job's checkpoint volume);
+- its container's ``command`` and ``args`` run as a process with the pod's ``env``,
+  where every mount path is replaced by the local folder behind it and every cluster
+  DNS name (``*.svc``) by 127.0.0.1: every pod of the test shares the loopback
+  address, as pods of one node would share the node's (so two pods cannot bind one
+  port: one job at a time); ``alpajob`` runs as ``python -m alpajob``;
+- it reports the pod Running (with ``podIP`` 127.0.0.1), then Succeeded or Failed
+  with the exit code and, as ``terminationMessagePolicy: FallbackToLogsOnError``
+  asks, the log's tail as the termination message;
+- with ``stagger``, pods start one every ``stagger`` seconds (on 2 cores, Ray's
+  raylets started together time out; on a cluster they start on separate nodes);
+- a pod deleted from the API (or marked for deletion) has its process group killed,
+  and :meth:`Kubelet.kill` kills one pod's processes as a lost node would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+_SERVICE_HOST = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?\.svc(\.cluster\.local)?")
+
+
+@dataclass
+class RunningPod:
+    """One pod's process and where it lives."""
+
+    name: str
+    folder: Path
+    process: subprocess.Popen
+    log: Path
+    tracked: set[int] = field(default_factory=set)  # every process seen below it
+
+
+class Kubelet:
+    """Runs the pods of ``namespace`` (module docstring) until :meth:`stop`."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, root: Path, env: dict[str, str] | None = None,
+                 interval: float = 0.3, stagger: float = 0.0) -> None:
+        self.core = client.CoreV1Api(api)
+        self.namespace, self.root, self.interval, self.stagger = namespace, root, interval, stagger
+        self._last_start = 0.0
+        self.env = {**os.environ, **(env or {})}
+        self.pods: dict[str, RunningPod] = {}
+        self.finished: dict[str, int] = {}  # pod name -> exit code
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
+        self.errors: list[str] = []
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> Kubelet:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        for name in list(self.pods):
+            self._kill(name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL pod ``name``'s processes (a lost node); the pod is then reported
+        Failed like any other exit."""
+        pod = self.pods.get(name)
+        if pod is not None:
+            self._end(pod, signal.SIGKILL)
+
+    # ------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as error:  # noqa: BLE001 - a test's kubelet keeps going, and tells
+                self.errors.append(f"{type(error).__name__}: {error}")
+            self._stop.wait(self.interval)
+
+    def _sync(self) -> None:
+        seen = {p.metadata.name: p for p in self.core.list_namespaced_pod(self.namespace).items}
+        for name in list(self.pods):
+            pod = seen.get(name)
+            if pod is None or pod.metadata.deletion_timestamp:
+                self._kill(name)
+                if pod is not None:  # the kubelet confirms the deletion once the process is gone
+                    with contextlib.suppress(client.ApiException):
+                        self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+        for name, pod in seen.items():
+            if name in self.pods or name in self.finished or pod.metadata.deletion_timestamp:
+                continue
+            if (pod.status and pod.status.phase) in ("Succeeded", "Failed"):
+                continue
+            if time.monotonic() - self._last_start < self.stagger:
+                break  # one pod per ``stagger`` seconds: the rest start on later passes
+            self._start(pod)
+            self._last_start = time.monotonic()
+        from alpajob.trainer_image.distributed.loopback import descendants
+
+        for running in list(self.pods.values()):
+            running.tracked |= descendants([running.process.pid])
+            code = running.process.poll()
+            if code is not None:
+                self._end(running)  # what it left behind goes with the container
+                self._report_exit(running, code)
+
+    # ------------------------------------------------------------ one pod
+    def _start(self, pod: Any) -> None:
+        name = pod.metadata.name
+        folder = self.root / "pods" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        mounts = self._volumes(pod, folder)
+        [container] = pod.spec.containers
+        env = {e.name: self._local(e.value or "", mounts) for e in container.env or []}
+        command = list(container.command or []) + list(container.args or [])
+        if command and command[0] == "alpajob":
+            command = [sys.executable, "-m", "alpajob", *command[1:]]
+        log = folder / "log.txt"
+        with open(log, "ab") as out:
+            process = subprocess.Popen(command, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                       cwd=folder, start_new_session=True)
+        self.pods[name] = RunningPod(name, folder, process, log)
+        self._status(name, {"phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1",
+                            "containerStatuses": [self._container(container.name, {"running": {}})]})
+
+    def _volumes(self, pod: Any, folder: Path) -> list[tuple[str, Path]]:
+        """Each volume's contents as a local folder; (mount path, folder), longest first."""
+        local: dict[str, Path] = {}
+        for volume in pod.spec.volumes or []:
+            if volume.config_map is not None:
+                where = folder / "volumes" / volume.name
+                where.mkdir(parents=True, exist_ok=True)
+                data = self.core.read_namespaced_config_map(volume.config_map.name, self.namespace).data or {}
+                for key, text in data.items():
+                    (where / key).write_text(text)
+                local[volume.name] = where
+            elif volume.persistent_volume_claim is not None:
+                where = self.root / "claims" / volume.persistent_volume_claim.claim_name
+                where.mkdir(parents=True, exist_ok=True)
+                local[volume.name] = where
+            elif volume.empty_dir is not None:
+                where = folder / "volumes" / volume.name
+                where.mkdir(parents=True, exist_ok=True)
+                local[volume.name] = where
+        [container] = pod.spec.containers
+        mounts = [(m.mount_path.rstrip("/"), local[m.name]) for m in container.volume_mounts or []
+                  if m.name in local]
+        return sorted(mounts, key=lambda m: -len(m[0]))
+
+    @staticmethod
+    def _local(value: str, mounts: list[tuple[str, Path]]) -> str:
+        """An env value as this machine reads it: mount paths to their folders, cluster
+        DNS names to the loopback address."""
+        for path, folder in mounts:
+            if value == path or value.startswith(path + "/"):
+                value = str(folder) + value[len(path):]
+                break
+        return _SERVICE_HOST.sub("127.0.0.1", value)
+
+    def _report_exit(self, running: RunningPod, code: int) -> None:
+        del self.pods[running.name]
+        self.finished[running.name] = code
+        text = running.log.read_text(errors="replace") if running.log.exists() else ""
+        state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                "message": text[-2000:] if code else ""}}
+        with contextlib.suppress(client.ApiException):
+            pod = self.core.read_namespaced_pod(running.name, self.namespace)
+            self._status(running.name, {"phase": "Succeeded" if code == 0 else "Failed",
+                                        "containerStatuses": [self._container(pod.spec.containers[0].name, state)]})
+
+    @staticmethod
+    def _container(name: str, state: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "ready": "running" in state, "restartCount": 0, "image": "local",
+                "imageID": "local", "state": state}
+
+    def _status(self, name: str, status: dict[str, Any]) -> None:
+        with contextlib.suppress(client.ApiException):
+            self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status})
+
+    def _kill(self, name: str) -> None:
+        running = self.pods.pop(name, None)
+        if running is None:
+            return
+        self._end(running, signal.SIGTERM)
+        try:
+            running.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self._end(running, signal.SIGKILL)
+            running.process.wait(10)
+        self._end(running, signal.SIGKILL)
+        self.finished[name] = running.process.returncode
+
+    @staticmethod
+    def _end(running: RunningPod, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the pod's process and everything it started (Ray's daemons
+        leave its process group and outlive their parent: seen from /proc all along)."""
+        from alpajob.trainer_image.distributed.loopback import descendants
+
+        running.tracked |= descendants([running.process.pid])
+        for pid in [running.process.pid, *running.tracked]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def log(self, name: str) -> str:
+        """Pod ``name``'s output so far."""
+        path = self.root / "pods" / name / "log.txt"
+        return path.read_text(errors="replace") if path.exists() else ""
+

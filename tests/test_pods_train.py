@@ -1,0 +1,157 @@
+"""`kubectl apply` to a trained model: the operator's own pods train an AlpaJob.
+
+The operator runs as a process against the test's Kubernetes API (KMock, with the
+admission and pruning of a real API server: ``kube_emulator``); the test's kubelet
+(``kubelet``) runs every pod the operator creates from the pod's own command and
+environment: the planner pod plans into the plan ConfigMap, the head pod starts the
+Ray head and the driver, each mesh pod joins as a Ray worker with its forced CPU
+devices. Nothing is played by hand: the job goes Planning -> Starting -> Running ->
+Succeeded, and its status shows the trainer's progress, a real text's loss falling.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kube_emulator import Emulator
+from kubelet import Kubelet
+from kubernetes import client
+
+pytest.importorskip("ray")
+#: Minutes each (Ray's processes start one after another on 2 cores): behind the slow
+#: marker, run by .ci/run on its own.
+pytestmark = pytest.mark.slow
+
+NS = "ml"
+ROOT = Path(__file__).resolve().parent.parent
+GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path]]:
+    (tmp_path / "kmock").mkdir()
+    emu = Emulator(tmp_path / "kmock").start()
+    emu.restricted.add(NS)
+    core = client.CoreV1Api(emu.api())
+    core.create_namespaced_service_account(NS, {"apiVersion": "v1", "kind": "ServiceAccount",
+                                                "metadata": {"name": "alpajob-trainer", "namespace": NS}})
+    core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": "node-0", "labels": {"kubernetes.io/hostname": "node-0"}},
+        "status": {"allocatable": {"nvidia.com/gpu": "8"}, "conditions": [{"type": "Ready", "status": "True"}]}})
+    env = {"KUBECONFIG": str(emu.kubeconfig), "RAY_AUTH_MODE": "disabled"}
+    kubelet = Kubelet(emu.api(), NS, tmp_path / "kubelet", env=env, stagger=6.0)
+    kubelet.env.pop("XLA_FLAGS", None)  # each pod forces its own device count (ALPAJOB_DEVICES)
+    kubelet.start()
+    log = tmp_path / "operator.log"
+    with open(log, "w") as out:
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "alpajob", "operator", "--namespace", NS, "--interval", "0.3", "--no-scanning"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    try:
+        yield emu, kubelet, log
+    finally:
+        operator.send_signal(signal.SIGTERM)
+        try:
+            operator.wait(15)
+        except subprocess.TimeoutExpired:
+            operator.kill()
+        kubelet.stop()
+        emu.stop()
+
+
+def _job(name: str, **spec: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "manifests" / "examples" / "manual-gpt.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1,
+                       "resourceVersion": "1"}
+    doc["spec"]["data"] = {"train": str(ROOT / "planner" / "**" / "*.py"), "eval": str(ROOT / "operator" / "*.py")}
+    doc["spec"]["training"] = {"globalBatchSize": 16, "steps": 24, "evalEvery": 12, "evalSteps": 2,
+                               "optimizer": {"name": "adamw", "learningRate": 3e-3, "warmupSteps": 4}}
+    doc["spec"].update(spec)
+    return doc
+
+
+def _wait(what: str, check: Callable[[], Any], kubelet: Kubelet, log: Path, timeout: float = 300) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.5)
+    folder = kubelet.root / "pods"
+    names = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+    pods = "\n".join(f"--- {name}\n{kubelet.log(name)[-2500:]}" for name in names)
+    raise AssertionError(f"timed out waiting for {what}\nkubelet errors: {kubelet.errors}\n"
+                         f"operator:\n{log.read_text()[-2000:]}\n{pods}")
+
+
+def test_kubectl_apply_trains_a_gpt_on_real_text_in_the_operators_pods(
+        world: tuple[Emulator, Kubelet, Path]) -> None:
+    emu, kubelet, log = world
+    custom = client.CustomObjectsApi(emu.api())
+    custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, _job("gpt-real"))
+
+    def status() -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-real").get("status") or {}
+
+    phases: list[str] = []
+
+    def done() -> bool:
+        phase = status().get("phase")
+        if phase and (not phases or phases[-1] != phase):
+            phases.append(phase)
+        return phase in ("Succeeded", "Failed")
+
+    _wait("the job to finish", done, kubelet, log, timeout=600)
+    final = status()
+    assert final["phase"] == "Succeeded", (final, phases)
+    assert phases[0] in ("Pending", "Planning") and "Running" in phases, phases
+    progress = final["progress"]
+    assert progress["step"] == 24 and progress["phase"] == "Succeeded"
+    assert progress["loss"] < math.log(256) - 0.5, progress  # chance is ln 256 = 5.55 nats per byte
+    assert progress["evalLoss"] < math.log(256) - 0.5, progress
+    assert kubelet.finished["gpt-real-0-head"] == 0
+
+
+def test_a_killed_mesh_pod_restarts_every_mesh_from_the_last_checkpoint(
+        world: tuple[Emulator, Kubelet, Path]) -> None:
+    """A mesh pod's processes are killed mid-run (its node is lost): the driver fails,
+    the operator restarts every mesh as attempt 1, which resumes from the newest
+    checkpoint on the job's volume (so at most the checkpoint interval is lost), and
+    the job still succeeds."""
+    emu, kubelet, log = world
+    custom = client.CustomObjectsApi(emu.api())
+    doc = _job("gpt-kill", checkpoint={"volume": "ckpt", "intervalSteps": 5})
+    doc["spec"]["training"].update(steps=40, evalEvery=None)
+    doc["spec"]["training"].pop("evalEvery")
+    custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, doc)
+
+    def status() -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-kill").get("status") or {}
+
+    def saved() -> int | None:
+        step = (status().get("progress") or {}).get("lastCheckpointStep")
+        return step if step and step >= 10 else None
+
+    before = _wait("a checkpoint of step 10 or later", saved, kubelet, log, timeout=400)
+    kubelet.kill("gpt-kill-0-m1-h0")
+    _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, timeout=400)
+    final = status()
+    assert final["phase"] == "Succeeded", final
+    assert final["restarts"] == 1 and final["children"]["attempt"] == 1
+    assert final["progress"]["step"] == 40
+    resumed = [line for line in kubelet.log("gpt-kill-1-head").splitlines()
+               if "restoring every mesh from the checkpoint of step" in line]
+    assert resumed, kubelet.log("gpt-kill-1-head")[-3000:]
+    step = int(resumed[0].rsplit(" ", 1)[1])
+    assert step >= before  # the checkpoint there when the pod died, or a newer one
+    assert (kubelet.root / "claims" / "ckpt" / "gpt-kill").is_dir()
