@@ -21,6 +21,8 @@ in order (the first that has something to wait for ends the pass):
    holds the job up. When the node pool has changed since the plan was made (nodes
    lost or added, fewer GPUs), the new attempt is **planned again** for the pool as
    it is, instead of failing;
+   a Running job whose trainer reports no progress for ``progressDeadlineSeconds``
+   is restarted the same way (reason ``ProgressDeadlineExceeded``);
 6. **children**: the Services, the PodGroup (when a gang scheduler is installed:
    before the pods), the head pod and every mesh pod, named in ``status.children``
    before they are created;
@@ -32,14 +34,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from alpajob.api.errors import AlpaJobError, PlanFormatError
 from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, PLAN_KEY, PROGRESS_KEY, Role
 from alpajob.api.plan import Plan, plan_from_json
 from alpajob.api.progress import progress_from_json
-from alpajob.api.status import MeshStatus, Phase, PlanSummary, Status
+from alpajob.api.status import (
+    ConditionStatus,
+    ConditionType,
+    MeshStatus,
+    Phase,
+    PlanSummary,
+    Status,
+)
 from alpajob.operator import children
 from alpajob.operator.names import ChildNames
 from alpajob.operator.pool import PoolError, PoolNode, assign_nodes, pool_cluster
@@ -289,19 +298,50 @@ class _Pass:
             return False
         what = ", ".join([f"{n} failed: {_pod_message(current[n])}" for n in failed]
                          + [f"{n} is gone" for n in missing])
+        self.restart_attempt(current, "PodFailed", what)
+        return True
+
+    def restart_attempt(self, current: Mapping[str, Mapping[str, Any]], reason: str, what: str) -> None:
+        """Delete the attempt's pods and start the next attempt (every mesh, from the
+        last checkpoint), or fail once ``backoffLimit`` restarts are spent."""
         limit = int(self.run_policy.get("backoffLimit", 3))
         self.delete_pods(current)
         if self.status.restarts >= limit:
             self.phase(Phase.FAILED, "BackoffLimitExceeded",
                        f"{what}; the job restarted {self.status.restarts} times (backoffLimit {limit})")
-            return True
+            return
         self.status.restarts += 1
         self.next_attempt()
-        self.phase(Phase.RESTARTING, "PodFailed",
+        self.phase(Phase.RESTARTING, reason,
                    f"{what}; restarting every mesh from the last checkpoint "
                    f"(restart {self.status.restarts} of {limit})")
         if self.pool_changed():
             self.replan("the node pool changed since the plan was made")
+
+    def hung(self, current: Mapping[str, Mapping[str, Any]]) -> bool:
+        """A Running job whose trainer has reported no progress for
+        ``progressDeadlineSeconds`` (since its last report, or since it started running
+        if none came this attempt) is restarted like a failed one; True if it was.
+        The report's time is the driver's clock: keep the deadline well above the
+        step time plus the driver's report interval (5 s)."""
+        limit = self.run_policy.get("progressDeadlineSeconds")
+        if not limit:
+            return False
+        since = next((c.last_transition_time for c in self.status.conditions
+                      if c.type is ConditionType.RUNNING and c.status is ConditionStatus.TRUE), None)
+        started = _parse_time(since)
+        if started is None:
+            return False
+        last = started.replace(tzinfo=UTC).timestamp()
+        progress = self.status.progress
+        if progress is not None and progress.updated is not None:
+            last = max(last, progress.updated)
+        quiet = self.seen.now.timestamp() - last
+        if quiet < limit:
+            return False
+        step = progress.step if progress is not None and progress.step is not None else 0
+        self.restart_attempt(current, "ProgressDeadlineExceeded",
+                             f"no progress for {quiet:.0f} s (progressDeadlineSeconds {limit}; last step {step})")
         return True
 
     def pool_changed(self) -> bool:
@@ -388,6 +428,7 @@ class _Pass:
             m.ready_pods == m.total_pods for m in meshes.values())
         if running:
             self.phase(Phase.RUNNING, "Training", "every mesh is running", meshes_ready=True)
+            self.hung(current)
         else:
             ready = sum(m.ready_pods for m in meshes.values())
             total = sum(m.total_pods for m in meshes.values())

@@ -337,3 +337,38 @@ def test_every_pod_the_operator_creates_passes_pod_security_restricted(plan_json
         "manual-gpt-planner", "manual-gpt-0-head", "manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0"}
     for pod in pods:
         assert restricted_violations(pod) == [], pod["metadata"]["name"]
+
+
+def test_a_job_without_progress_past_its_deadline_is_restarted_as_hung(plan_json: str) -> None:
+    """progressDeadlineSeconds: reports keep a Running job alive; once none has come
+    for the deadline (the driver hung), every mesh restarts, counted against
+    backoffLimit, with the reason ProgressDeadlineExceeded and the quiet time."""
+    from alpajob.api.names import PROGRESS_KEY
+    from alpajob.api.progress import Progress, TrainerPhase
+
+    world = World({"runPolicy": {"progressDeadlineSeconds": 60, "backoffLimit": 1}})
+    _running(world, plan_json)
+
+    def report(step: int, seconds_ago: float) -> None:
+        progress = Progress(phase=TrainerPhase.RUNNING, step=step, steps=100,
+                            updated=world.now.timestamp() - seconds_ago)
+        world.objects["ConfigMap", "manual-gpt-progress"]["data"] = {PROGRESS_KEY: progress.to_json()}
+
+    world.step(50)
+    assert world.status["phase"] == "Running"  # 51 s since it started running: not yet
+    report(7, seconds_ago=0)
+    world.step(50)
+    assert world.status["phase"] == "Running"  # 50 s since the last report
+    world.step(15)
+    assert world.status["phase"] == "Restarting" and world.status["restarts"] == 1
+    message = next(c for c in world.status["conditions"] if c["type"] == "Ready")["message"]
+    assert "no progress for 65 s (progressDeadlineSeconds 60; last step 7)" in message
+    assert ("Warning", "ProgressDeadlineExceeded") in [(k, r) for k, r, _ in world.events]
+    assert not [n for n in world.pods() if n.startswith("manual-gpt-0-")]  # attempt 0's pods deleted
+    world.step()
+    world.set_pods("Running")
+    world.step()
+    assert world.status["phase"] == "Running" and world.status["children"]["attempt"] == 1
+    world.step(61)  # the new attempt hangs too: backoffLimit 1 is spent
+    assert world.status["phase"] == "Failed"
+    assert next(c for c in world.status["conditions"] if c["type"] == "Failed")["reason"] == "BackoffLimitExceeded"

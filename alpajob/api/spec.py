@@ -375,7 +375,7 @@ class RunPolicy(Contract):
 
     model_config = Contract.model_config | {"json_schema_extra": k8s(unchanged(
         "backoffLimit", "spec.runPolicy.backoffLimit is immutable once the AlpaJob exists; only "
-        "suspend, activeDeadlineSeconds and ttlSecondsAfterFinished may change"))}
+        "suspend, activeDeadlineSeconds, progressDeadlineSeconds and ttlSecondsAfterFinished may change"))}
 
     backoff_limit: int = Field(3, ge=0, json_schema_extra=INT32, description=(
         "Restarts of the whole job (every mesh, from the last checkpoint) before it fails."))
@@ -387,6 +387,10 @@ class RunPolicy(Contract):
     suspend: bool = Field(False, description=(
         "true deletes the job's pods and holds it (Kueue sets it); false resumes it from the "
         "last checkpoint."))
+    progress_deadline_seconds: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
+        "Seconds a Running job may go without a progress report from its trainer before it is "
+        "restarted as a hung job (reason ProgressDeadlineExceeded, counted against "
+        "backoffLimit). Keep it well above a step's time."))
 
 
 def _scheduling_immutable(key: str) -> dict[str, Any]:
