@@ -88,6 +88,23 @@ def test_the_head_pod_starts_its_ray_head_and_drives_with_checkpoints_and_progre
     assert options.transport is Transport.OBJECT_STORE
 
 
+def test_host_0_of_a_mesh_coordinates_at_the_address_its_pod_was_given() -> None:
+    """The mesh actor on host 0 of the pod's own mesh uses the contract's coordinator
+    (the headless Service's name, the port the pod declares); the other hosts, other
+    meshes' actors, the collective transport's job-wide group and actors outside such a
+    pod choose an address at run time."""
+    pytest.importorskip("ray")
+    from alpajob.trainer_image.distributed.mesh_host import contract_coordinator
+
+    env = env_of(PODS["mesh"]())  # mesh 1, host 1 of 2
+    host0 = {**env, "ALPAJOB_HOST": "0", "ALPAJOB_PROCESS_ID": "0"}
+    assert contract_coordinator(host0, Transport.OBJECT_STORE, 1, 0) == "m1-h0.gpt-hosts.ml.svc:8476"
+    assert contract_coordinator(env, Transport.OBJECT_STORE, 1, 1) is None  # not host 0
+    assert contract_coordinator(host0, Transport.OBJECT_STORE, 0, 0) is None  # another mesh's actor
+    assert contract_coordinator(host0, Transport.COLLECTIVE, 1, 0) is None
+    assert contract_coordinator({}, Transport.OBJECT_STORE, 1, 0) is None
+
+
 @pytest.mark.parametrize(("kind", "mesh", "host", "devices"), [("mesh", 1, 1, None), ("cpu-mesh", 0, 0, 4)])
 def test_a_mesh_pod_joins_its_mesh_at_the_head(kind: str, mesh: int, host: int, devices: int | None) -> None:
     pod = PODS[kind]()

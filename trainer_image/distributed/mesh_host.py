@@ -40,7 +40,7 @@ import dataclasses
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -50,7 +50,7 @@ import yaml
 
 from alpajob.api.plan import plan_from_json
 from alpajob.api.resource import parse_job
-from alpajob.api.runtime import Transport
+from alpajob.api.runtime import TrainerRuntime, Transport
 from alpajob.api.spec import Schedule
 from alpajob.trainer_image.checkpoint.names import load_stage, stage_arrays, targets
 from alpajob.trainer_image.checkpoint.store import DamagedCheckpoint, PartWriter, mesh_part, restore
@@ -162,6 +162,21 @@ class RayLink:
         return assemble(merge(parcels), destination_sharding(self.split, self.stage, key))
 
 
+def contract_coordinator(env: Mapping[str, str], transport: Transport, mesh: int, host: int) -> str | None:
+    """The JAX coordinator the operator gave this pod (``ALPAJOB_COORDINATOR``: host 0's
+    name under the job's headless Service, and the port its pod declares), if this
+    actor is the one it is meant for: host 0 of the pod's own mesh, each mesh in its own
+    process group (the object store transport). The collective transport's job-wide
+    group has no address in the contract (its coordinator is mesh 0 host 0's, chosen
+    at run time), and an actor placed outside such a pod (a local run) chooses too."""
+    if Transport(transport) is not Transport.OBJECT_STORE or host != 0:
+        return None
+    runtime = TrainerRuntime.from_env(env)
+    if runtime.coordinator and runtime.mesh == mesh and runtime.host == 0:
+        return runtime.coordinator
+    return None
+
+
 class MeshHost:
     """One mesh host's actor (see the module docstring). Plain class: the driver wraps
     it with ``ray.remote``; tests may also drive it in-process."""
@@ -187,7 +202,12 @@ class MeshHost:
 
     def coordinator(self) -> str:
         """An address for this mesh's JAX coordinator (called on host 0 only; with the
-        collective transport, on mesh 0 host 0 only, for the job's group)."""
+        collective transport, on mesh 0 host 0 only, for the job's group): the runtime
+        contract's when this actor runs in the pod it names (:func:`contract_coordinator`),
+        else a free port of this node, chosen now."""
+        given = contract_coordinator(os.environ, self.transport, self.index, self.host)
+        if given is not None:
+            return given
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
