@@ -11,6 +11,8 @@ planner pod appears, and the planner pod is marked Succeeded.
 2. **Scale**: ``--jobs`` AlpaJobs created at once: the time until every job has all
    its children, and until every job is Running (the script marks pods Running as
    they appear), and the operator's peak memory (VmHWM).
+3. **At rest**: with every job Running and nothing changing, the API requests the
+   operator makes per minute (``--rest`` seconds counted), by method and resource.
 
     python benchmarks/operator_scale.py [--jobs 100] [--interval 1.0]
 """
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=100)
     parser.add_argument("--latency-jobs", type=int, default=5)
     parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--rest", type=float, default=60.0, help="seconds of the at-rest window")
     args = parser.parse_args()
 
     import os
@@ -142,6 +145,11 @@ def main() -> None:
                 if all(p == "Running" for p in phases):
                     all_running = time.perf_counter() - began
             time.sleep(0.2)
+        # At rest: every job Running, nothing changes; what does the operator ask?
+        time.sleep(5)
+        before = emu.served.copy()
+        time.sleep(args.rest)
+        at_rest = emu.served - before
     finally:
         stop.set()
         operator.terminate()
@@ -159,6 +167,14 @@ def main() -> None:
           f"{all_running if all_running is None else f'{all_running:.1f} s'} |")
     print(f"| operator peak memory (VmHWM) | {peak[0] / 1024:.0f} MiB |")
     print(f"| reconcile interval | {args.interval} s |")
+    per_minute = 60.0 / args.rest
+    total = sum(at_rest.values())
+    print(f"\nAPI requests at rest ({args.jobs + args.latency_jobs} jobs Running, nothing changing; "
+          f"{args.rest:.0f} s window), per minute: {total * per_minute:,.0f}")
+    print("\n| method | addressed | per minute |")
+    print("| --- | --- | --- |")
+    for (method, kind), count in at_rest.most_common():
+        print(f"| {method} | {kind} | {count * per_minute:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ structural schema, as the API server prunes it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 from collections.abc import Mapping
@@ -52,6 +53,10 @@ class Emulator:
         self._thread = threading.Thread(target=self._serve, name="kmock", daemon=True)
         self.restricted: set[str] = set()  # namespaces labelled enforce=restricted
         self._schema: dict[str, Any] | None = None
+        #: Requests served, by method and what they addressed (``_kind``); counted
+        #: twice a second, so read it after a pause.
+        self.served: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._counted = 0
 
     def _serve(self) -> None:
         asyncio.run(self._main())
@@ -80,8 +85,12 @@ class Emulator:
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             while not self._stop.is_set():
+                log = emulator._requests  # kmock internals: its request log
+                for request in log[self._counted:]:
+                    self.served[request.method.upper(), _kind(str(request.url))] += 1
                 if not self.keep_history:
-                    del emulator._requests[:-16]  # kmock internals: its request log
+                    del log[:-16]
+                self._counted = len(log)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 0.5)
 
@@ -194,3 +203,20 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     return value
+
+
+def _kind(url: str) -> str:
+    """What a request addressed: ``alpajobs``, ``alpajobs/status``, ``pods (list)``, ...
+    (the resource after the API group and version and the namespace; a subresource
+    after the name; ``(list)`` when there is no name)."""
+    from urllib.parse import urlparse
+
+    path = urlparse(url).path.strip("/").split("/")
+    rest = path[2:] if path[:1] == ["api"] else path[3:]
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    if not rest:
+        return "discovery"
+    if len(rest) == 1:
+        return f"{rest[0]} (list)"
+    return f"{rest[0]}/{rest[2]}" if len(rest) > 2 else rest[0]
