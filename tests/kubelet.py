@@ -63,6 +63,7 @@ class Kubelet:
         self.env = {**os.environ, **(env or {})}
         self.pods: dict[str, RunningPod] = {}
         self.finished: dict[str, int] = {}  # pod name -> exit code
+        self.envs: dict[str, dict[str, str]] = {}  # pod name -> its env as the pod spec gave it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
         self.errors: list[str] = []
@@ -128,7 +129,8 @@ class Kubelet:
         folder.mkdir(parents=True, exist_ok=True)
         mounts = self._volumes(pod, folder)
         [container] = pod.spec.containers
-        env = {e.name: self._local(e.value or "", mounts) for e in container.env or []}
+        self.envs[name] = {e.name: e.value or "" for e in container.env or []}
+        env = {k: self._local(v, mounts) for k, v in self.envs[name].items()}
         command = list(container.command or []) + list(container.args or [])
         if command and command[0] == "alpajob":
             command = [sys.executable, "-m", "alpajob", *command[1:]]

@@ -109,3 +109,18 @@ def test_manifests_that_are_not_alpajobs(capsys: pytest.CaptureFixture[str], tmp
 ])
 def test_bad_plan_flags(capsys: pytest.CaptureFixture[str], flags: list[str], expected: list[str]) -> None:
     _refused(capsys, ["plan", str(JOB), *flags], *expected)
+
+
+def test_an_error_message_with_brackets_prints_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Messages are plain text: a suggestion such as "[n, 8]" is not taken for markup."""
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).resolve().parent.parent / "manifests" / "examples" / "manual-gpt.yaml").read_text())
+    doc["spec"]["cluster"] = {"gpu": "cpu", "nodes": 2, "gpusPerNode": 8}
+    doc["spec"]["parallelism"]["stages"][1]["submeshShape"] = [2, 2]
+    doc["spec"]["parallelism"]["stages"][1].pop("logicalMeshShape", None)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "or [n, 8] with n <= 2" in err and len(err.strip().splitlines()) == 1

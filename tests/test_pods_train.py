@@ -45,9 +45,10 @@ def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path]]:
     core = client.CoreV1Api(emu.api())
     core.create_namespaced_service_account(NS, {"apiVersion": "v1", "kind": "ServiceAccount",
                                                 "metadata": {"name": "alpajob-trainer", "namespace": NS}})
-    core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
-        "name": "node-0", "labels": {"kubernetes.io/hostname": "node-0"}},
-        "status": {"allocatable": {"nvidia.com/gpu": "8"}, "conditions": [{"type": "Ready", "status": "True"}]}})
+    for i in range(4):
+        core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+            "name": f"node-{i}", "labels": {"kubernetes.io/hostname": f"node-{i}"}},
+            "status": {"allocatable": {"nvidia.com/gpu": "8"}, "conditions": [{"type": "Ready", "status": "True"}]}})
     env = {"KUBECONFIG": str(emu.kubeconfig), "RAY_AUTH_MODE": "disabled"}
     kubelet = Kubelet(emu.api(), NS, tmp_path / "kubelet", env=env, stagger=6.0)
     kubelet.env.pop("XLA_FLAGS", None)  # each pod forces its own device count (ALPAJOB_DEVICES)
@@ -155,3 +156,31 @@ def test_a_killed_mesh_pod_restarts_every_mesh_from_the_last_checkpoint(
     step = int(resumed[0].rsplit(" ", 1)[1])
     assert step >= before  # the checkpoint there when the pod died, or a newer one
     assert (kubelet.root / "claims" / "ckpt" / "gpt-kill").is_dir()
+
+
+def test_a_mesh_on_two_hosts_forms_its_process_group_at_the_contracts_coordinator(
+        world: tuple[Emulator, Kubelet, Path]) -> None:
+    """Mesh 1 spans two pods (nodes): its hosts join one JAX process group at the
+    coordinator the operator wrote into their environment (``ALPAJOB_COORDINATOR``,
+    host 0's name under the headless Service), and the job trains to Succeeded."""
+    emu, kubelet, log = world
+    custom = client.CustomObjectsApi(emu.api())
+    doc = _job("gpt-wide")
+    doc["spec"]["cluster"] = {"gpu": "cpu", "nodes": 4, "gpusPerNode": 2}
+    doc["spec"]["parallelism"]["stages"] = [{"layers": [0, 2], "submeshShape": [1, 2]},
+                                            {"layers": [2, 4], "submeshShape": [2, 2]}]
+    doc["spec"]["training"].update(steps=8)
+    doc["spec"]["training"].pop("evalEvery")
+    custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, doc)
+
+    def status() -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-wide").get("status") or {}
+
+    _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, timeout=600)
+    final = status()
+    assert final["phase"] == "Succeeded" and final["restarts"] == 0, final
+    assert final["progress"]["step"] == 8
+    for host in (0, 1):  # both hosts were told host 0's name under the headless Service
+        env = kubelet.envs[f"gpt-wide-0-m1-h{host}"]
+        assert env["ALPAJOB_COORDINATOR"] == "m1-h0.gpt-wide-hosts.ml.svc:8476", env
+        assert (env["ALPAJOB_PROCESS_ID"], env["ALPAJOB_PROCESS_COUNT"]) == (str(host), "2")

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.text import Text
 
 from alpajob.api.errors import AlpaJobError
 from alpajob.cli import data, planning, ray, training
@@ -100,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, out, err)
     except AlpaJobError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        # The message is plain text: "[n, 4]" in it must not be read as rich markup.
+        err.print(Text.assemble(("error:", "bold red"), f" {error}"), highlight=False, soft_wrap=True)
         return error.exit_code
     except KeyboardInterrupt:
         err.print("interrupted")
