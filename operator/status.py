@@ -8,6 +8,8 @@ and a condition's ``lastTransitionTime`` changes only when its status flips.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from alpajob.api.status import Condition, ConditionStatus, ConditionType, Phase, Status
 
 
@@ -24,9 +26,33 @@ def set_condition(status: Status, kind: ConditionType, value: bool, reason: str,
     status.conditions = sorted([*others, condition], key=lambda c: order.index(c.type))
 
 
+#: ``status.time``'s bucket of each phase (Succeeded and Failed end the clock).
+TIME_BUCKETS = {Phase.PENDING: "planning_seconds", Phase.PLANNING: "planning_seconds",
+                Phase.STARTING: "starting_seconds", Phase.RUNNING: "running_seconds",
+                Phase.RESTARTING: "restarting_seconds", Phase.SUSPENDED: "suspended_seconds"}
+
+
+def _seconds(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def account_time(status: Status, phase: Phase, now: str) -> None:
+    """On a change of phase, add the time spent in the phase that ends to its bucket
+    of ``status.time``, and start the clock of the new one."""
+    if phase is status.phase and status.time.phase_since is not None:
+        return
+    clock = status.time
+    bucket = TIME_BUCKETS.get(status.phase)
+    if clock.phase_since is not None and bucket is not None:
+        spent = max(0.0, _seconds(now) - _seconds(clock.phase_since))
+        setattr(clock, bucket, round(getattr(clock, bucket) + spent, 3))
+    clock.phase_since = now
+
+
 def set_phase(status: Status, phase: Phase, reason: str, message: str, generation: int, now: str,
               meshes_ready: bool) -> None:
     """Put ``status`` in ``phase`` and set every condition to agree with it."""
+    account_time(status, phase, now)
     status.phase = phase
     status.observed_generation = generation
 

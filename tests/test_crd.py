@@ -42,7 +42,7 @@ from alpajob.api.spec import (
     Schedule,
     TrainingSpec,
 )
-from alpajob.api.status import Children, MeshStatus, Phase, PlanSummary, Status
+from alpajob.api.status import Children, JobTime, MeshStatus, Phase, PlanSummary, Status
 from alpajob.cli import operator as operator_main
 from alpajob.operator.admission import validate_alpajob
 from alpajob.operator.status import set_phase
@@ -149,6 +149,8 @@ def test_the_crd_declares_every_status_field_the_operator_writes() -> None:
         children=Children(attempt=1, config="c", plan="p", progress="q", planner="pl",
                           service="s", hosts_service="h", head="hd", pod_group="g",
                           mesh_pods=["m"], created=1),
+        time=JobTime(phase_since="2026-11-24T10:00:00Z", planning_seconds=1.5, starting_seconds=2.0,
+                     running_seconds=3.0, restarting_seconds=4.0, suspended_seconds=5.0),
     )
     set_phase(status, Phase.RUNNING, "Training", "running", 3, "2026-11-24T10:00:00Z", True)
     written = status.to_dict()

@@ -372,3 +372,27 @@ def test_a_job_without_progress_past_its_deadline_is_restarted_as_hung(plan_json
     world.step(61)  # the new attempt hangs too: backoffLimit 1 is spent
     assert world.status["phase"] == "Failed"
     assert next(c for c in world.status["conditions"] if c["type"] == "Failed")["reason"] == "BackoffLimitExceeded"
+
+
+def test_the_status_accounts_the_jobs_time_by_phase(plan_json: str) -> None:
+    """status.time: planning, waiting for pods, running and restarting, each from the
+    phase changes (the World's clock moves a second per pass unless told), and the
+    job's goodput from them; a pass that changes nothing changes none of it."""
+    world = World()
+    world.step()                      # Planning from now
+    world.planned(plan_json)
+    world.step(30)                    # 30 s planning; Starting
+    world.step(20)
+    world.set_pods("Running")
+    world.step(20)                    # 40 s starting; Running
+    unchanged = copy.deepcopy(world.status["time"])
+    world.step(100)
+    assert world.status["time"] == unchanged  # nothing changed: nothing written
+    world.objects["Pod", "manual-gpt-0-head"]["status"] = {"phase": "Succeeded"}
+    world.step(50)                    # 150 s running; Succeeded
+    clock = world.status["time"]
+    assert clock["planningSeconds"] == 30 and clock["startingSeconds"] == 40
+    assert clock["runningSeconds"] == 150 and clock["restartingSeconds"] == 0
+    from alpajob.api.status import Status
+
+    assert Status.model_validate(world.status).time.goodput() == pytest.approx(150 / 220)

@@ -134,6 +134,28 @@ class Children(_Status):
         "The attempt whose pods have all been seen: from then on a vanished pod is a failure."))
 
 
+class JobTime(_Status):
+    """``status.time``: where the job's wall time went, by phase, as the operator saw it
+    (goodput's badput buckets at the job's level: planning, waiting for pods, restarts).
+    Each bucket holds the phases that have ended; the phase in progress began at
+    ``phaseSince``. Written on phase changes only, never at rest."""
+
+    phase_since: str | None = Field(None, json_schema_extra=DATE_TIME,
+                                    description="When the current phase began.")
+    planning_seconds: float = Field(0.0, ge=0, description="In Pending and Planning (the planner pod).")
+    starting_seconds: float = Field(0.0, ge=0, description="In Starting: waiting for every pod to run.")
+    running_seconds: float = Field(0.0, ge=0, description="In Running: training (the trainer's own "
+                                   "compile and checkpoint time included; status.progress has those).")
+    restarting_seconds: float = Field(0.0, ge=0, description="In Restarting, after a failure.")
+    suspended_seconds: float = Field(0.0, ge=0, description="In Suspended.")
+
+    def goodput(self) -> float | None:
+        """Running time over the time of every ended phase (None before any ended)."""
+        total = (self.planning_seconds + self.starting_seconds + self.running_seconds
+                 + self.restarting_seconds)
+        return self.running_seconds / total if total > 0 else None
+
+
 class Status(_Status):
     """``status`` of an AlpaJob."""
 
@@ -154,6 +176,9 @@ class Status(_Status):
     observed_generation: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"))
     children: Children = Field(default_factory=Children, description=(
         "Names of the children the operator made, saved before it creates them."))
+    time: JobTime = Field(default_factory=JobTime, description=(
+        "Where the job's wall time went, by phase: planning, waiting for pods, running, "
+        "restarting."))
 
     def to_dict(self) -> dict[str, object]:
         """The status as the API stores it: camelCase, unset fields left out."""
