@@ -46,7 +46,7 @@ def main() -> None:
     from kube_emulator import Emulator  # tests/kube_emulator.py
     from kubernetes import client
 
-    from alpajob.api.names import GPU_RESOURCE, GROUP, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
+    from alpajob.api.names import GROUP, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
 
     root = Path(tempfile.mkdtemp(prefix="alpajob-operator-bench-"))
     plan_path = root / "plan.json"
@@ -56,12 +56,7 @@ def main() -> None:
     emu = Emulator(root, keep_history=False).start()
     api = emu.api()
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    core.create_namespaced_service_account("ml", {"apiVersion": "v1", "kind": "ServiceAccount",
-                                                  "metadata": {"name": "alpajob-trainer", "namespace": "ml"}})
-    for i in range(2):
-        core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"node-{i}"},
-                          "status": {"allocatable": {GPU_RESOURCE: "8"},
-                                     "conditions": [{"type": "Ready", "status": "True"}]}})
+    emu.cluster_of("ml", nodes=2)
     log = open(root / "operator.log", "w")  # noqa: SIM115
     operator = subprocess.Popen(
         [sys.executable, "-m", "alpajob.cli.main", "operator", "--namespace", "ml", "--no-scanning",

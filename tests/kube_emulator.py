@@ -161,6 +161,23 @@ class Emulator:
             self._schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
         return self._schema
 
+    def cluster_of(self, namespace: str, nodes: int, gpus: int = 8) -> None:
+        """What the chart and the nodes give a real cluster: ``namespace`` enforcing Pod
+        Security "restricted", with the trainer's ServiceAccount, and ``nodes`` Ready
+        nodes ``node-<i>`` of ``gpus`` allocatable GPUs."""
+        from alpajob.api.names import GPU_RESOURCE
+
+        self.restricted.add(namespace)
+        core = client.CoreV1Api(self.api())
+        core.create_namespaced_service_account(namespace, {
+            "apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": "alpajob-trainer", "namespace": namespace}})
+        for i in range(nodes):
+            core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+                "name": f"node-{i}", "labels": {"kubernetes.io/hostname": f"node-{i}"}},
+                "status": {"allocatable": {GPU_RESOURCE: str(gpus)},
+                           "conditions": [{"type": "Ready", "status": "True"}]}})
+
     def start(self) -> Emulator:
         self._thread.start()
         if not self._ready.wait(30):

@@ -41,15 +41,7 @@ GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     emu = Emulator(Path(str(tmp_path_factory.mktemp("kmock")))).start()
-    emu.restricted.add(NS)  # as the chart's namespaces are: Pod Security "restricted" enforced
-    core = client.CoreV1Api(emu.api())
-    core.create_namespaced_service_account(NS, {"apiVersion": "v1", "kind": "ServiceAccount",
-                                                "metadata": {"name": "alpajob-trainer", "namespace": NS}})
-    for i in range(2):
-        core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
-            "name": f"node-{i}", "labels": {"kubernetes.io/hostname": f"node-{i}"}},
-            "status": {"allocatable": {"nvidia.com/gpu": "8"},
-                       "conditions": [{"type": "Ready", "status": "True"}]}})
+    emu.cluster_of(NS, nodes=2)
     yield emu
     emu.stop()
 

@@ -41,14 +41,7 @@ GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
 def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path]]:
     (tmp_path / "kmock").mkdir()
     emu = Emulator(tmp_path / "kmock").start()
-    emu.restricted.add(NS)
-    core = client.CoreV1Api(emu.api())
-    core.create_namespaced_service_account(NS, {"apiVersion": "v1", "kind": "ServiceAccount",
-                                                "metadata": {"name": "alpajob-trainer", "namespace": NS}})
-    for i in range(4):
-        core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
-            "name": f"node-{i}", "labels": {"kubernetes.io/hostname": f"node-{i}"}},
-            "status": {"allocatable": {"nvidia.com/gpu": "8"}, "conditions": [{"type": "Ready", "status": "True"}]}})
+    emu.cluster_of(NS, nodes=4)
     env = {"KUBECONFIG": str(emu.kubeconfig), "RAY_AUTH_MODE": "disabled"}
     kubelet = Kubelet(emu.api(), NS, tmp_path / "kubelet", env=env, stagger=6.0)
     kubelet.env.pop("XLA_FLAGS", None)  # each pod forces its own device count (ALPAJOB_DEVICES)
