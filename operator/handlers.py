@@ -1,12 +1,18 @@
-"""The kopf operator: one daemon per AlpaJob runs the reconciliation loop.
+"""The kopf operator: one daemon per AlpaJob runs its reconciliation passes, on events.
 
 :func:`build_registry` registers, on a registry of its own (no global state):
 
-- a **daemon** per AlpaJob: every ``interval`` seconds it reads the job and its world
-  (:class:`~.kube.Kube`), decides (:func:`~.reconcile.reconcile`) and applies the
-  decision; the loop is level-based, so any pass may be interrupted and the next
-  (or a restarted operator's first) carries on. kopf stops the daemon when the job
-  is deleted; its children go with it (owner references);
+- the **watches** of the jobs' children and of the nodes (:mod:`.world`): kopf
+  indexes that keep them in memory, and wake-ups of the job a change concerns;
+- a **daemon** per AlpaJob: it sleeps until the job or its world changes, then runs
+  one pass: read the job, decide (:func:`~.reconcile.reconcile`) on the world's
+  snapshot, apply the decision (:class:`~.kube.Kube`). Changes that come within
+  ``interval`` seconds of a pass are coalesced into the next one. A rule that fires
+  with time alone (a deadline, a TTL) asks for its pass in the decision, and a slow
+  ``resync`` (minutes) is only a safety net. An idle job therefore costs the API
+  server nothing but the watches. The passes are level-based, so any pass may be
+  interrupted and the next (or a restarted operator's first) carries on. kopf stops
+  the daemon when the job is deleted; its children go with it (owner references);
 - the **validating webhook** for AlpaJobs (:func:`~.admission.validate_alpajob`):
   what the CRD's schema and CEL rules cannot judge;
 - **login** through the ``kubernetes`` client's configuration (in-cluster, or
@@ -30,16 +36,19 @@ import kopf
 
 from alpajob.api.names import ANNOTATION_PREFIX, CRD_NAME, FINALIZER, GROUP, PLURAL, VERSION
 from alpajob.api.status import Phase
+from alpajob.operator import world
 from alpajob.operator.kube import Kube
 from alpajob.operator.metrics import OperatorMetrics
 from alpajob.operator.reconcile import reconcile
+from alpajob.operator.world import Wakers, World
 
 
 @dataclass(frozen=True)
 class OperatorOptions:
-    """How often to reconcile, and where the API is."""
+    """How often a job may be reconciled, and the webhook."""
 
-    interval: float = 1.0
+    interval: float = 0.5  # the least time between two passes of one job (bursts of changes coalesce)
+    resync: float = 600.0  # a pass at least this often, changed or not (a safety net)
     scanning: bool = True  # list namespaces and watch CRDs (kopf's scanning)
     webhook_port: int | None = None  # serve the validating webhook here (None: no webhook)
     webhook_host: str | None = None  # the name the API server calls it by (its Service)
@@ -52,15 +61,17 @@ class OperatorOptions:
 
 @dataclass(frozen=True)
 class PassResult:
-    """What one pass left: the job's phase (None: it is gone), and whether the API
-    server refused to create a child (the next pass then waits longer)."""
+    """What one pass left: the job's phase (None: it is gone), whether the API server
+    refused to create a child (the next pass then waits longer), and when a rule
+    that fires with time alone wants the next pass (seconds; None: on a change)."""
 
     phase: Phase | None
     refused: bool = False
+    wake_after: float | None = None
 
 
-def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str) -> PassResult:
-    """One pass over job ``namespace/name``."""
+def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: str, world: World) -> PassResult:
+    """One pass over job ``namespace/name``, whose children and nodes are ``world``."""
     began = time.perf_counter()
     job = kube.job(namespace, name)
     if job is None or job["metadata"].get("deletionTimestamp"):
@@ -68,7 +79,7 @@ def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: s
         metrics.phase(f"{namespace}/{name}", None)
         return PassResult(None)
     before = (job.get("status") or {}).get("phase")
-    decision = reconcile(kube.observe(job, datetime.now(UTC)))
+    decision = reconcile(kube.observe(job, datetime.now(UTC), world))
     refusals = kube.apply(job, decision)
     phase = decision.status.phase
     if phase is Phase.RESTARTING and before != Phase.RESTARTING:
@@ -80,14 +91,26 @@ def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: s
             metrics.planning.observe((datetime.now(UTC) - then).total_seconds())
     metrics.reconcile.observe(time.perf_counter() - began)
     metrics.phase(f"{namespace}/{name}", None if decision.delete_job else phase)
-    return PassResult(None if decision.delete_job else phase, bool(refusals))
+    return PassResult(None if decision.delete_job else phase, bool(refusals), decision.wake_after)
 
 
 def next_wait(interval: float, refused_in_a_row: int, limit: float = 300.0) -> float:
-    """Seconds until the next pass: ``interval``, doubled for every pass in a row whose
-    creations the API server refused (up to ``limit``), as the Job controller backs
-    off; the first pass after a refusal comes after ``2 x interval``."""
+    """Seconds until the next pass after refused creations: ``interval``, doubled for
+    every pass in a row whose creations the API server refused (up to ``limit``), as
+    the Job controller backs off; the first pass after a refusal comes after
+    ``2 x interval``. (Nothing the operator watches changes when, say, the missing
+    ServiceAccount is created, so these passes are timed.)"""
     return min(interval * 2.0 ** refused_in_a_row, max(limit, interval))
+
+
+async def sleep_until(woken: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    """Return when ``woken`` is set, the daemon is stopped, or after ``seconds``."""
+    waits = [asyncio.ensure_future(woken.wait()), asyncio.ensure_future(stopped.wait())]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOptions) -> kopf.OperatorRegistry:
@@ -120,23 +143,45 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
             if options.webhook_managed:
                 settings.admission.managed = CRD_NAME
 
+    wakers = Wakers()
+    world.register(registry, wakers)
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="job-changed")
+    def job_changed(**kwargs: Any) -> None:
+        """The job itself changed (its spec, or the status a pass wrote): pass again."""
+        wakers.wake(kwargs["namespace"], kwargs["name"])
+
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
     async def run_job(**kwargs: Any) -> None:
         namespace, name = kwargs["namespace"], kwargs["name"]
         stopped: kopf.DaemonStopped = kwargs["stopped"]
         logger: logging.Logger = kwargs["logger"]
+        woken = wakers.of(namespace, name)
         refused = 0  # passes in a row whose creations were refused
-        while not stopped:
-            try:
-                result = await asyncio.to_thread(reconcile_once, kube, metrics, namespace, name)
-            except Exception as error:  # noqa: BLE001 (one bad pass must not end the loop)
-                metrics.errors.inc()
-                logger.warning(f"reconcile of {namespace}/{name} failed: {error}")
-            else:
-                if result.phase is None:  # the job is gone
-                    return
-                refused = refused + 1 if result.refused else 0
-            await stopped.wait(next_wait(options.interval, refused))
+        try:
+            while not stopped:
+                woken.clear()  # a change from now on asks for another pass
+                snapshot = World.of(kwargs, namespace, name)
+                wait = options.resync
+                try:
+                    result = await asyncio.to_thread(reconcile_once, kube, metrics, namespace, name, snapshot)
+                except Exception as error:  # noqa: BLE001 (one bad pass must not end the loop)
+                    metrics.errors.inc()
+                    logger.warning(f"reconcile of {namespace}/{name} failed: {error}")
+                    wait = next_wait(options.interval, 1)  # the API server may be back in a moment
+                else:
+                    if result.phase is None:  # the job is gone
+                        return
+                    refused = refused + 1 if result.refused else 0
+                    if refused:  # back off: wait it out, whatever changes
+                        await stopped.wait(next_wait(options.interval, refused))
+                        continue
+                    if result.wake_after is not None:
+                        wait = min(wait, result.wake_after)
+                await sleep_until(woken, stopped, wait)
+                await stopped.wait(options.interval)  # coalesce a burst of changes into one pass
+        finally:
+            wakers.forget(namespace, name)
 
     if options.webhook_port is not None:
         from alpajob.operator.admission import validate_alpajob

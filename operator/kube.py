@@ -1,17 +1,11 @@
-"""The operator's side of the Kubernetes API: read a job's world, apply a decision.
+"""The operator's side of the Kubernetes API: read a job, apply a decision.
 
-A thin adapter over the ``kubernetes`` client, so :mod:`.reconcile` stays pure. The
-job's pods are found by listing the namespace's pods with the job label (and the
-label checked again here: some API emulators ignore selectors). Creating what
-already exists and deleting what is gone are not errors: every pass may repeat the
-last one's work.
-
-Lists shared by every job are cached for a short time (:class:`Cached`): the
-namespace's AlpaJob pods, the nodes, and which gang scheduler is installed. One list
-then serves every job's pass in that window instead of one list per job, which is
-what lets one operator follow hundreds of jobs. A stale list is harmless: a snapshot
-never loses a pod that an earlier one had, unless it was deleted, and creating what
-exists is refused by the API server (409) and ignored here.
+A thin adapter over the ``kubernetes`` client, so :mod:`.reconcile` stays pure. A
+pass reads the job itself fresh (its status is what the last pass wrote); its
+children and the nodes come from the watches' snapshot (:class:`~.world.World`), so
+a pass lists nothing. Creating what already exists and deleting what is gone are
+not errors: a snapshot may lag a creation by a moment, and every pass may repeat
+the last one's work.
 """
 
 from __future__ import annotations
@@ -28,12 +22,13 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from alpajob.api.names import API_VERSION, GROUP, KIND, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
+from alpajob.api.names import API_VERSION, GROUP, KIND, PLAN_KEY, PLURAL, VERSION
 from alpajob.api.status import ConditionType, Status
 from alpajob.operator.names import ChildNames
 from alpajob.operator.pool import pool_nodes
 from alpajob.operator.reconcile import Decision, Observed
 from alpajob.operator.status import set_condition
+from alpajob.operator.world import World
 
 #: CRDs whose presence means a gang scheduler is installed.
 GANG_CRDS = {"volcano": "podgroups.scheduling.volcano.sh", "coscheduling": "podgroups.scheduling.x-k8s.io"}
@@ -103,21 +98,16 @@ class Cached:
             self._values[key] = (time.monotonic(), value)
             return value
 
-    def forget(self, key: object) -> None:
-        with self._lock:
-            self._values.pop(key, None)
-
 
 class Kube:
     """Reads and writes for the operator, on one ``ApiClient``."""
 
-    def __init__(self, api: client.ApiClient, ttl: float = 0.5, default_image: str | None = None) -> None:
+    def __init__(self, api: client.ApiClient, default_image: str | None = None) -> None:
         self.api = api
         self.default_image = default_image
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.extensions = client.ApiextensionsV1Api(api)
-        self.lists = Cached(ttl)  # pods by namespace, nodes
         self.gangs = Cached(60.0)  # installed gang schedulers change rarely
 
     def _dict(self, obj: Any) -> dict[str, Any]:
@@ -155,31 +145,16 @@ class Kube:
 
         return self.gangs.get("gang", installed)  # type: ignore[return-value]
 
-    def _owned(self, kind: str, namespace: str) -> dict[str, list[dict[str, Any]]]:
-        """The namespace's pods, config maps or services of AlpaJobs, by job (cached)."""
-        lister = {"pods": self.core.list_namespaced_pod, "configmaps": self.core.list_namespaced_config_map,
-                  "services": self.core.list_namespaced_service}[kind]
-
-        def fetch() -> dict[str, list[dict[str, Any]]]:
-            by_job: dict[str, list[dict[str, Any]]] = {}
-            for item in lister(namespace, label_selector=LABEL_JOB).items:
-                body = self._dict(item)
-                job = (body["metadata"].get("labels") or {}).get(LABEL_JOB)
-                if job:
-                    by_job.setdefault(job, []).append(body)
-            return by_job
-
-        return self.lists.get((kind, namespace), fetch)  # type: ignore[return-value]
-
-    def observe(self, job: Mapping[str, Any], now: datetime) -> Observed:
-        """Everything :func:`~.reconcile.reconcile` needs about ``job``."""
+    def observe(self, job: Mapping[str, Any], now: datetime, world: World) -> Observed:
+        """Everything :func:`~.reconcile.reconcile` needs about ``job``, its children and
+        the nodes from ``world``."""
         meta = job["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         attempt = Status.model_validate(job.get("status") or {}).children.attempt
         names = ChildNames(name, attempt)
-        pods = {pod["metadata"]["name"]: pod for pod in self._owned("pods", namespace).get(name, [])}
-        configmaps = {cm["metadata"]["name"]: cm for cm in self._owned("configmaps", namespace).get(name, [])}
-        services = frozenset(s["metadata"]["name"] for s in self._owned("services", namespace).get(name, []))
+        pods = {pod["metadata"]["name"]: pod for pod in world.pods}
+        configmaps = {cm["metadata"]["name"]: cm for cm in world.configmaps}
+        services = frozenset(s["metadata"]["name"] for s in world.services)
         gang = self.gang(job)
         groups: frozenset[str] = frozenset()
         if gang:
@@ -190,8 +165,7 @@ class Kube:
             except client.ApiException as error:
                 if error.status != 404:
                     raise
-        nodes: list[dict[str, Any]] = self.lists.get(  # type: ignore[assignment]
-            "nodes", lambda: [self._dict(n) for n in self.core.list_node().items])
+        nodes = world.nodes
         spec = job.get("spec") or {}
         cluster = spec.get("cluster") or {}
         pool = pool_nodes(nodes, cluster.get("nodeSelector") or {}, cpu=cluster.get("gpu") == "cpu")
@@ -221,9 +195,6 @@ class Kube:
         self.refused(job, decision.status, status, refusals, bool(decision.create))
         for kind, child, grace in decision.delete:
             self.delete(kind, namespace, child, grace)
-        if decision.create or decision.delete or decision.clear_plan:  # the next pass must see it
-            for kind in ("pods", "configmaps", "services"):
-                self.lists.forget((kind, namespace))
         for kind, reason, message in decision.events:
             self.event(job, kind, reason, message)
         if decision.delete_job:

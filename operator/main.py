@@ -8,6 +8,8 @@ be restarted at any moment.
 
 from __future__ import annotations
 
+import logging
+
 import kopf
 
 from alpajob.operator.handlers import OperatorOptions, build_registry
@@ -21,6 +23,8 @@ def run_operator(options: OperatorOptions, *, namespaces: tuple[str, ...] = (), 
                  metrics_bind_address: str = "0.0.0.0") -> int:
     """Run until interrupted; the exit status."""
     kopf.configure(verbose=verbose)
+    if not verbose:  # kopf logs every watch event's handler at INFO: one line per pod change
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics = OperatorMetrics()
     if metrics_port is not None:
         metrics.serve(metrics_port, metrics_bind_address)

@@ -28,6 +28,11 @@ in order (the first that has something to wait for ends the pass):
    before they are created;
 7. **observe**: Starting until every pod runs, then Running; the head pod's
    success is the job's.
+
+The handlers run a pass when the job or one of its children changes; a rule that
+fires with time alone (``ttlSecondsAfterFinished``, ``activeDeadlineSeconds``,
+``progressDeadlineSeconds``) says when in :attr:`Decision.wake_after`, so nothing
+needs polling.
 """
 
 from __future__ import annotations
@@ -82,6 +87,14 @@ class Decision:
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
     delete_job: bool = False
     clear_plan: bool = False  # empty the plan ConfigMap: the job is planned again
+    #: Seconds until a rule may fire with no change in the world (a deadline, a TTL);
+    #: None: only a change can alter the decision.
+    wake_after: float | None = None
+
+    def wake(self, seconds: float) -> None:
+        """Ask for a pass ``seconds`` from now (the earliest of the asked)."""
+        seconds = max(seconds, 0.0)
+        self.wake_after = seconds if self.wake_after is None else min(self.wake_after, seconds)
 
 
 def _time(now: datetime) -> str:
@@ -192,8 +205,12 @@ class _Pass:
         self.delete_pods(dict(self.seen.pods))
         ttl = self.run_policy.get("ttlSecondsAfterFinished")
         done = _parse_time(self.status.completion_time)
-        if ttl is not None and done is not None and (self.seen.now.replace(tzinfo=None) - done).total_seconds() >= ttl:
-            self.decision.delete_job = True
+        if ttl is not None and done is not None:
+            left = ttl - (self.seen.now.replace(tzinfo=None) - done).total_seconds()
+            if left <= 0:
+                self.decision.delete_job = True
+            else:
+                self.decision.wake(left)
         return True
 
     def deadline(self) -> bool:
@@ -201,7 +218,9 @@ class _Pass:
         started = _parse_time(self.status.start_time)
         if limit is None or started is None:
             return False
-        if (self.seen.now.replace(tzinfo=None) - started).total_seconds() < limit:
+        left = limit - (self.seen.now.replace(tzinfo=None) - started).total_seconds()
+        if left > 0:
+            self.decision.wake(left)
             return False
         self.delete_pods(self.seen.pods)
         self.phase(Phase.FAILED, "DeadlineExceeded",
@@ -338,6 +357,7 @@ class _Pass:
             last = max(last, progress.updated)
         quiet = self.seen.now.timestamp() - last
         if quiet < limit:
+            self.decision.wake(limit - quiet)
             return False
         step = progress.step if progress is not None and progress.step is not None else 0
         self.restart_attempt(current, "ProgressDeadlineExceeded",

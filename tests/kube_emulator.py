@@ -11,10 +11,12 @@ resources the operator and kopf use are declared up front (kopf waits for
 namespaces to be discoverable). kmock cannot list namespaces, so the operator runs
 with ``--no-scanning`` (only the namespaces named).
 
-Pod creation is admitted as a real API server admits it (:meth:`Emulator._admit_pod`,
-with the messages in ``data/apiserver-observed``): a pod whose ServiceAccount does not
-exist is refused with 403 (``default`` always exists, as the ServiceAccount controller
-makes it), and so is a pod that breaks Pod Security "restricted" in a namespace of
+Writes pass an admission step in front of kmock's storage (:class:`_Admitting`), as
+they do in a real API server, so a refused write is never stored nor announced to
+watchers, and watchers see only what was kept (with the messages in
+``data/apiserver-observed``): a pod whose ServiceAccount does not exist is refused
+with 403 (``default`` always exists, as the ServiceAccount controller makes it), and
+so is a pod that breaks Pod Security "restricted" in a namespace of
 :attr:`Emulator.restricted` (kmock cannot store namespaces, so their
 ``pod-security.kubernetes.io/enforce=restricted`` label is kept here). Every AlpaJob
 written (created, patched or replaced, status included) is pruned by the CRD's
@@ -27,13 +29,76 @@ import asyncio
 import collections
 import contextlib
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import kmock
 import yaml
+from kmock._internal.k8s import KubernetesError  # kmock's API-error response
 from kubernetes import client
+
+
+@attrs.define(kw_only=True)
+class _Admitting(kmock.KubernetesEmulator):
+    """kmock's emulator made closer to the API server where the operator relies on it.
+
+    - **Admission before storage**: ``admit(request)`` may change the request's body
+      in place (pruning) or return the error to answer instead; a refused write is
+      never stored nor announced to watchers.
+    - A creation is answered ``201 Created`` (kmock says 200, and the kubernetes
+      client then returns None for a custom object).
+    - **Resource versions**: every write stamps the object with the next version; a
+      list answers the current one; a watch that continues from a version (as kopf's
+      does when a watch times out and reconnects) is sent only what changed since,
+      then the live events. kmock sends every object again as ADDED on every watch,
+      so a watcher sees a burst of changes that never happened each time it
+      reconnects. (Deletions during the gap between two watches are not replayed.)
+    """
+
+    admit: Any = None
+    version: int = 0  # the last resource version given
+
+    async def _handle(self, request: Any) -> Any:
+        refusal = self.admit(request) if self.admit is not None and request.resource is not None else None
+        if refusal is not None:
+            return await self._render_error(refusal)
+        if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
+            self.version += 1
+            request.data.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        response = await super()._handle(request)
+        if request.action == kmock.action.CREATE and response.status == 200 and not response.prepared:
+            response.set_status(201)
+        return response
+
+    async def _serve_list(self, request: Any) -> Any:
+        listed = await super()._serve_list(request)
+        listed["metadata"]["resourceVersion"] = str(self.version)
+        return listed
+
+    async def _serve_watch(self, request: Any) -> Any:
+        since = _version(request.params.get("resourceVersion"))
+        if since is None:  # a watch from the start: every object, then the changes
+            async for event in super()._serve_watch(request):
+                yield event
+            return
+        yield b""  # the headers: the stream is open
+        objects = self._KubernetesEmulator__get_objs  # kmock's own selection of the request's objects
+        matches = self._KubernetesEmulator__check
+        async with self._lock:
+            changed = [{"type": "MODIFIED", "object": obj.raw} for obj in objects(request, strict=False)
+                       if not obj.deleted and (_version(obj.raw.get("metadata", {}).get("resourceVersion")) or 0) > since]
+        for event in changed:
+            yield event
+        async for event in self._buses[request.resource]:
+            meta = event.get("object", {}).get("metadata", {})
+            if matches(request, request.resource, meta.get("namespace"), meta.get("name"), strict=False):
+                yield event
+
+
+def _version(text: str | None) -> int | None:
+    """A resource version as a number (None: absent, or not one this server gave)."""
+    return int(text) if text and text.isdigit() and text != "0" else None
 
 
 class Emulator:
@@ -64,7 +129,7 @@ class Emulator:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        async with _Admitting(admit=self._admit) as emulator, kmock.Server(emulator) as server:
             emulator.resources["alpajob.io/v1alpha1/alpajobs"] = kmock.ResourceInfo(
                 kind="AlpaJob", singular="alpajob", namespaced=True, shortnames={"aj"},
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
@@ -78,9 +143,6 @@ class Emulator:
                 emulator.resources[key] = kmock.ResourceInfo(
                     kind=kind, namespaced=namespaced, subresources={"status"},
                     verbs={"get", "list", "watch", "create", "update", "patch", "delete"})
-            emulator[kmock.method.POST, kmock.resource("v1", "pods")] << self._admit_pod
-            for verb in (kmock.method.POST, kmock.method.PUT, kmock.method.PATCH):
-                emulator[verb, kmock.resource("alpajob.io", "v1alpha1", "alpajobs")] << self._prune_job
             self.kmock = emulator
             self.url = str(server.url).rstrip("/")
             self._ready.set()
@@ -94,23 +156,22 @@ class Emulator:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 0.5)
 
-    def _admit_pod(self, request: Any) -> Any:
-        """403 for a pod a real API server refuses (module docstring). An admitted pod
-        raises ``NotImplementedError``: kmock then answers with its emulator's reaction
-        and keeps this one for the next request (returning ``NotImplemented`` would
-        retire it)."""
-        pod = request.data if isinstance(request.data, dict) else {}
-        parts = str(request.url).split("?")[0].split("/")
-        namespace = parts[parts.index("namespaces") + 1] if "namespaces" in parts else "default"
-        name = (pod.get("metadata") or {}).get("name", "")
-        account = (pod.get("spec") or {}).get("serviceAccountName") or "default"
-        refusal = self._refusal(namespace, name, account, pod)
-        if refusal is None:
-            raise NotImplementedError
-        # kmock has stored the pod before its reactions run: take it back out.
-        with contextlib.suppress(KeyError):
-            del self.kmock.objects[kmock.resource("v1", "pods"), namespace, name]
-        return _forbidden(refusal)
+    def _admit(self, request: Any) -> KubernetesError | None:
+        """The API server's admission of a write (module docstring): the error to
+        answer with, or None to store the request's (possibly pruned) body."""
+        resource, action = request.resource, request.action
+        if resource.plural == "pods" and resource.group == "" and action == kmock.action.CREATE:
+            pod = request.data if isinstance(request.data, dict) else {}
+            name = (pod.get("metadata") or {}).get("name", "")
+            namespace = request.namespace or (pod.get("metadata") or {}).get("namespace") or "default"
+            account = (pod.get("spec") or {}).get("serviceAccountName") or "default"
+            refusal = self._refusal(namespace, name, account, pod)
+            if refusal is not None:
+                return KubernetesError(status=403, reason="Forbidden", message=refusal,
+                                       details={"name": name, "kind": "pods"})
+        if resource.plural == "alpajobs" and action in (kmock.action.CREATE, kmock.action.UPDATE):
+            self._prune_job(request.data)
+        return None
 
     def _refusal(self, namespace: str, name: str, account: str, pod: dict[str, Any]) -> str | None:
         """The API server's message refusing ``pod``, or None if it is admitted."""
@@ -124,34 +185,18 @@ class Emulator:
             return f'pods "{name}" is forbidden: violates PodSecurity "restricted:latest": ' + ", ".join(problems)
         return None
 
-    def _prune_job(self, request: Any) -> Any:
-        """Prune the AlpaJob just written (its status too) by the CRD's structural
-        schema, as the API server does, and answer with what is kept. kmock has
-        stored the object before its reactions run, so the pruned one replaces it;
-        when nothing was pruned, kmock's own answer stands (``NotImplementedError``)."""
+    def _prune_job(self, body: Any) -> None:
+        """Prune an AlpaJob written (a whole object, or a merge patch of one; status
+        too) by the CRD's structural schema, in place, before it is stored. Pruning a
+        merge patch is pruning its result: what is stored was pruned already."""
         from kube_schema import prune
 
-        parts = str(request.url).split("?")[0].split("/")
-        if "namespaces" not in parts:
-            raise NotImplementedError
-        namespace = parts[parts.index("namespaces") + 1]
-        if len(parts) > parts.index("alpajobs") + 1:
-            name = parts[parts.index("alpajobs") + 1]
-        elif isinstance(request.data, Mapping):  # a create: the name is in the body
-            name = (request.data.get("metadata") or {}).get("name")
-        else:
-            raise NotImplementedError
-        key = (kmock.resource("alpajob.io", "v1alpha1", "alpajobs"), namespace, name)
-        try:
-            stored = _plain(self.kmock.objects[key])
-        except KeyError:
-            raise NotImplementedError from None
+        if not isinstance(body, dict):
+            return
         root = self.schema["properties"]
-        kept = {k: prune(v, root[k]) if k in ("spec", "status") and k in root else v for k, v in stored.items()}
-        if kept == stored:
-            raise NotImplementedError
-        self.kmock.objects[key] = kept
-        return kmock.Response(status=201 if request.method.upper() == "POST" else 200, payload=kept)
+        kept = {k: prune(v, root[k]) if k in ("spec", "status") and k in root else v for k, v in body.items()}
+        body.clear()
+        body.update(kept)
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -204,22 +249,6 @@ class Emulator:
     def requests(self, method: str, path_part: str) -> int:
         """How many ``method`` requests whose path contains ``path_part`` were served."""
         return sum(1 for r in list(self.kmock) if r.method.upper() == method.upper() and path_part in str(r.url))
-
-
-def _forbidden(message: str) -> Any:
-    """The API server's 403 ``Status`` for a refused pod."""
-    return kmock.Response(status=403, payload={
-        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-        "reason": "Forbidden", "details": {"kind": "pods"}, "code": 403})
-
-
-def _plain(value: Any) -> Any:
-    """kmock's stored object (its mappings are its own types) as plain dicts and lists."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _kind(url: str) -> str:

@@ -205,11 +205,16 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
                      and cluster.job("gpt-a")["status"]["progress"], op=operator)
     assert progress["lastCheckpointStep"] == 40 and progress["samplesPerSecond"] == 812.5
     # At rest (nothing changes): no status writes, though the fixture prunes every one
-    # as the API server does (a controller writing undeclared fields would loop here).
+    # as the API server does (a controller writing undeclared fields would loop here),
+    # and no reads either: passes run on changes, which the watches bring.
     time.sleep(1.0)
     writes = cluster.emu.requests("PATCH", "/alpajobs/gpt-a/status")
-    time.sleep(3.0)  # 10 passes of the operator (--interval 0.3)
+    reads = cluster.emu.requests("GET", "/alpajobs/gpt-a")
+    lists = cluster.emu.requests("GET", "/namespaces/ml/pods?")
+    time.sleep(3.0)  # 10 passes of a polling operator (--interval 0.3)
     assert cluster.emu.requests("PATCH", "/alpajobs/gpt-a/status") == writes
+    assert cluster.emu.requests("GET", "/alpajobs/gpt-a") == reads
+    assert cluster.emu.requests("GET", "/namespaces/ml/pods?") == lists
     cluster.set_phase("gpt-a-0-head", "Succeeded")
     _wait("phase Succeeded", lambda: cluster.phase("gpt-a") == "Succeeded", op=operator)
     _wait("the pods cleaned up", lambda: not cluster.pods("gpt-a"), op=operator)

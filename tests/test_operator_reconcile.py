@@ -235,6 +235,36 @@ def test_the_deadline_fails_the_job(plan_json: str) -> None:
     assert next(c for c in world.status["conditions"] if c["type"] == "Failed")["reason"] == "DeadlineExceeded"
 
 
+@pytest.mark.parametrize(("policy", "fired"), [
+    ({"activeDeadlineSeconds": 30}, lambda w: w.status["phase"] == "Failed"),
+    ({"progressDeadlineSeconds": 45}, lambda w: w.status["phase"] == "Restarting"),
+])
+def test_a_rule_that_fires_with_time_alone_asks_for_its_pass(plan_json: str, policy: dict[str, Any],
+                                                             fired: Any) -> None:
+    """The operator runs passes on changes; a rule that needs none (a deadline) says
+    when its pass is due (``wake_after``), and a pass then fires it, not a moment before."""
+    world = World({"runPolicy": policy})
+    _running(world, plan_json)
+    due = world.step(0).wake_after
+    assert due is not None and 0 < due <= 45
+    world.step(due - 0.5)
+    assert not fired(world)
+    world.step(0.5)
+    assert fired(world)
+
+
+def test_a_finished_job_asks_for_its_ttl_pass_and_an_idle_job_for_none(plan_json: str) -> None:
+    world = World({"runPolicy": {"ttlSecondsAfterFinished": 60}})
+    _running(world, plan_json)
+    assert world.step().wake_after is None  # running, no deadline: only a change matters
+    world.set_pods("Succeeded", role="head")
+    world.step()
+    due = world.step(10).wake_after
+    assert due == pytest.approx(50)
+    world.step(due)
+    assert world.deleted_job
+
+
 def test_no_matching_nodes_fails_naming_the_selector() -> None:
     world = World()
     world.pool = []

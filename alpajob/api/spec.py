@@ -370,6 +370,76 @@ class CheckpointSpec(Contract):
         "for every save)."))
 
 
+class FailureAction(StrEnum):
+    """What a pod failure that matches a rule does to the job."""
+
+    FAIL_JOB = "FailJob"  # fail at once: restarting cannot help (a configuration error)
+    IGNORE = "Ignore"  # restart from the last checkpoint, not counted against backoffLimit
+    COUNT = "Count"  # restart from the last checkpoint, counted against backoffLimit
+
+
+class ExitCodeOperator(StrEnum):
+    IN = "In"
+    NOT_IN = "NotIn"
+
+
+class OnExitCodes(Contract):
+    """A failed pod's exit code (of its one container) in, or not in, ``values``."""
+
+    operator: ExitCodeOperator = Field(description="In or NotIn.")
+    values: list[Annotated[int, Field(ge=1, le=255)]] = Field(
+        min_length=1, max_length=255, json_schema_extra=k8s(x_kubernetes_list_type="set"),
+        description="Exit codes (1-255; 0 is success, never a failure).")
+
+
+class OnPodCondition(Contract):
+    """A failed pod's condition, e.g. ``DisruptionTarget`` (preempted, evicted, its
+    node lost); a pod that vanished counts as having ``DisruptionTarget=True``."""
+
+    type: str = Field(min_length=1, max_length=316, description="The condition type.")
+    status: Literal["True", "False", "Unknown"] = Field("True", description="Its status (default True).")
+
+
+class PodFailureRule(Contract):
+    """One rule: an action and what a failed pod must show for it (exactly one of
+    ``onExitCodes`` and ``onPodConditions``)."""
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        cel("has(self.onExitCodes) != has(self.onPodConditions)",
+            "set exactly one of onExitCodes and onPodConditions in a podFailurePolicy rule"))}
+
+    action: FailureAction = Field(description="FailJob, Ignore or Count.")
+    on_exit_codes: OnExitCodes | None = Field(None, description="Match by the container's exit code.")
+    on_pod_conditions: list[OnPodCondition] | None = Field(
+        None, min_length=1, max_length=20, description="Match when the pod has any of these conditions.")
+
+    @model_validator(mode="after")
+    def _one_match(self) -> PodFailureRule:
+        if (self.on_exit_codes is None) == (self.on_pod_conditions is None):
+            raise ValueError("set exactly one of onExitCodes and onPodConditions in a podFailurePolicy rule")
+        return self
+
+
+#: The rules of a job that sets none: every AlpaJob configuration error exits 2
+#: (restarting cannot fix it), and preemption, eviction or a lost node is no fault of
+#: the job's.
+DEFAULT_FAILURE_RULES = (
+    PodFailureRule(action=FailureAction.FAIL_JOB,
+                   on_exit_codes=OnExitCodes(operator=ExitCodeOperator.IN, values=[2])),
+    PodFailureRule(action=FailureAction.IGNORE, on_pod_conditions=[OnPodCondition(type="DisruptionTarget")]),
+)
+
+
+class PodFailurePolicy(Contract):
+    """``spec.runPolicy.podFailurePolicy``: what a failed pod of the current attempt
+    does, as in a Kubernetes Job: the first rule a failed pod matches decides; a pod
+    no rule matches counts. With several failed pods FailJob beats Count beats Ignore."""
+
+    rules: list[PodFailureRule] = Field(max_length=20, description=(
+        "Checked in order; unset podFailurePolicy means: FailJob on exit code 2 (a "
+        "configuration error), Ignore on DisruptionTarget (preemption, eviction, node loss)."))
+
+
 class RunPolicy(Contract):
     """``spec.runPolicy``: restarts, deadlines, clean-up and suspension."""
 
@@ -391,6 +461,15 @@ class RunPolicy(Contract):
         "Seconds a Running job may go without a progress report from its trainer before it is "
         "restarted as a hung job (reason ProgressDeadlineExceeded, counted against "
         "backoffLimit). Keep it well above a step's time."))
+    pod_failure_policy: PodFailurePolicy | None = Field(None, description=(
+        "What a failed pod does: fail the job at once, restart without counting, or restart "
+        "counted against backoffLimit (unset: FailJob on exit code 2, Ignore on DisruptionTarget)."))
+
+    def failure_rules(self) -> tuple[PodFailureRule, ...]:
+        """The rules in force (the job's, else :data:`DEFAULT_FAILURE_RULES`)."""
+        if self.pod_failure_policy is None:
+            return DEFAULT_FAILURE_RULES
+        return tuple(self.pod_failure_policy.rules)
 
 
 def _scheduling_immutable(key: str) -> dict[str, Any]:

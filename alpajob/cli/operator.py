@@ -1,7 +1,7 @@
 """``alpajob operator``: run the kopf operator for AlpaJobs.
 
     alpajob operator --all-namespaces --liveness http://0.0.0.0:8080/healthz --metrics-port 9090
-    alpajob operator --namespace ml --interval 1
+    alpajob operator --namespace ml --interval 0.5 --resync 600
 
 The flags become one :class:`~alpajob.operator.handlers.OperatorOptions`; the operator
 talks to the API server of the pod's service account (in a cluster) or of
@@ -23,8 +23,12 @@ def add_parser(sub: Any) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--namespace", "-n", action="append", help="watch this namespace (repeatable)")
     where.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
-    parser.add_argument("--interval", type=float, default=1.0,
-                        help="seconds between two reconciliations of a job (default 1)")
+    parser.add_argument("--interval", type=float, default=0.5,
+                        help="the least seconds between two passes of one job: changes that come "
+                             "closer are handled in one pass (default 0.5)")
+    parser.add_argument("--resync", type=float, default=600.0,
+                        help="pass over every job at least this often in seconds, changed or not "
+                             "(a safety net: passes run on changes; default 600)")
     parser.add_argument("--liveness", help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
     parser.add_argument("--metrics-bind-address", default="0.0.0.0",
@@ -57,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.interval <= 0:
         raise ManifestError("--interval", f"must be positive, got {args.interval}")
+    if args.resync < args.interval:
+        raise ManifestError("--resync", f"must be at least --interval ({args.interval}), got {args.resync}")
     for flag, port in (("--metrics-port", args.metrics_port), ("--webhook-port", args.webhook_port)):
         if port is not None and not 1 <= port <= 65535:
             raise ManifestError(flag, f"must be a port number from 1 to 65535, got {port}")
@@ -68,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             raise ManifestError(flag, f"must be an IP address to listen on (0.0.0.0, ::, 127.0.0.1, ...), "
                                       f"got {address!r}") from None
     options = OperatorOptions(
-        interval=args.interval, scanning=not args.no_scanning, webhook_port=args.webhook_port,
+        interval=args.interval, resync=args.resync, scanning=not args.no_scanning, webhook_port=args.webhook_port,
         webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,
         webhook_key=args.webhook_key, webhook_insecure=args.webhook_insecure,
         webhook_managed=args.webhook_managed, webhook_bind_address=args.webhook_bind_address)

@@ -1,0 +1,73 @@
+"""What the operator keeps of the watched world (alpajob/operator/world.py).
+
+The watches themselves run in the operator process against the test API server
+(tests/test_operator_e2e.py: a job reacts to its pods' changes, and costs nothing at
+rest); here, the parts that decide what a change means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+from alpajob.api.names import GPU_RESOURCE
+from alpajob.operator.pool import pool_nodes
+from alpajob.operator.world import NODES, Wakers, World, node_signature, slim_node
+
+NODE: dict[str, Any] = {
+    "apiVersion": "v1", "kind": "Node",
+    "metadata": {"name": "gpu-1", "labels": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
+                 "resourceVersion": "41", "managedFields": [{"manager": "kubelet"}]},
+    "spec": {"podCIDR": "10.0.1.0/24"},
+    "status": {"allocatable": {GPU_RESOURCE: "8", "cpu": "96"},
+               "conditions": [{"type": "MemoryPressure", "status": "False"},
+                              {"type": "Ready", "status": "True", "lastHeartbeatTime": "2026-11-26T10:00:00Z"}],
+               "images": [{"names": ["trainer:1"], "sizeBytes": 10**10}]},
+}
+
+
+def test_a_slim_node_keeps_what_the_pool_is_made_of() -> None:
+    slim = slim_node(NODE)
+    assert pool_nodes([slim], {}) == pool_nodes([NODE], {})
+    assert "images" not in slim["status"] and "managedFields" not in slim["metadata"]
+
+
+def test_a_heartbeat_wakes_no_job_but_readiness_gpus_labels_and_cordoning_do() -> None:
+    before = node_signature(slim_node(NODE))
+    beat = copy.deepcopy(NODE)
+    beat["metadata"]["resourceVersion"] = "42"
+    beat["status"]["conditions"][1]["lastHeartbeatTime"] = "2026-11-26T10:05:00Z"
+    assert node_signature(slim_node(beat)) == before
+    for change in ({"status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+                   {"status": {"allocatable": {GPU_RESOURCE: "7"}}},
+                   {"metadata": {"labels": {"pool": "b"}}},
+                   {"spec": {"unschedulable": True}}):
+        changed = copy.deepcopy(NODE)
+        for part, fields in change.items():
+            changed[part].update(fields)
+        assert node_signature(slim_node(changed)) != before, change
+
+
+def test_the_snapshot_is_the_jobs_own_children_and_every_node() -> None:
+    pod = {"metadata": {"name": "a-0-head"}}
+    indexes = {"pods": {("ml", "a"): [pod], ("ml", "b"): [{"metadata": {"name": "b-0-head"}}]},
+               "configmaps": {}, "services": {}, NODES: {NODES: [slim_node(NODE)]}}
+    world = World.of(indexes, "ml", "a")
+    assert world.pods == (pod,) and world.configmaps == () and len(world.nodes) == 1
+    assert World.of(indexes, "other", "a").pods == ()
+
+
+def test_a_change_wakes_its_job_only_and_a_forgotten_job_is_not_woken() -> None:
+    async def scenario() -> None:
+        wakers = Wakers()
+        a, b = wakers.of("ml", "a"), wakers.of("ml", "b")
+        wakers.wake("ml", "a")
+        wakers.wake("ml", "unknown")  # a job without a daemon (yet): nothing to wake
+        assert a.is_set() and not b.is_set()
+        wakers.wake_all()
+        assert b.is_set()
+        wakers.forget("ml", "a")
+        assert list(wakers.jobs()) == [("ml", "b")]
+
+    asyncio.run(scenario())
