@@ -16,7 +16,11 @@ in order (the first that has something to wait for ends the pass):
    planner's message;
 5. **restart**: a failed pod of the attempt (head or mesh), or one gone missing
    after it ran, restarts the *whole* job as a new attempt (every mesh, resuming
-   from the last complete checkpoint), counted against ``backoffLimit``; a pod of
+   from the last complete checkpoint). ``runPolicy.podFailurePolicy`` judges each
+   failed pod (:func:`failure_action`): FailJob fails the job at once (by default:
+   exit code 2, a configuration error), Ignore restarts without counting against
+   ``backoffLimit`` (by default: preemption, eviction, a lost node), Count restarts
+   counted (everything else); a pod of
    an old attempt stuck terminating on a lost node is force-deleted, so it never
    holds the job up. When the node pool has changed since the plan was made (nodes
    lost or added, fewer GPUs), the new attempt is **planned again** for the pool as
@@ -45,6 +49,7 @@ from typing import Any
 from alpajob.api.errors import AlpaJobError, PlanFormatError
 from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, PLAN_KEY, PROGRESS_KEY, Role
 from alpajob.api.plan import Plan, plan_from_json
+from alpajob.api.spec import ExitCodeOperator, FailureAction, PodFailureRule, RunPolicy
 from alpajob.api.progress import progress_from_json
 from alpajob.api.status import (
     ConditionStatus,
@@ -125,6 +130,46 @@ def _pod_message(pod: Mapping[str, Any]) -> str:
         if terminated.get("reason"):
             return f"{terminated['reason']} (exit code {terminated.get('exitCode')})"
     return str(status.get("message") or status.get("reason") or "the pod failed")
+
+
+def _exit_code(pod: Mapping[str, Any]) -> int | None:
+    """The exit code of the pod's container that terminated with a failure, if any."""
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        code = ((container.get("state") or {}).get("terminated") or {}).get("exitCode")
+        if code:
+            return int(code)
+    return None
+
+
+#: The condition Kubernetes gives a pod it disrupts (preemption, eviction, its node
+#: lost); the operator also gives it to a pod that vanished or whose node is not Ready.
+DISRUPTION = ("DisruptionTarget", "True")
+
+
+def failure_action(rules: Sequence[PodFailureRule], pod: Mapping[str, Any] | None,
+                   ready_nodes: frozenset[str]) -> tuple[FailureAction, int | None]:
+    """What a failed pod (None: one that vanished) does, by the first rule it matches
+    (Count when none does), and that rule's index."""
+    conditions: set[tuple[str, str]] = set()
+    code = None
+    if pod is None:
+        conditions.add(DISRUPTION)
+    else:
+        conditions |= {(str(c.get("type")), str(c.get("status"))) for c in (pod.get("status") or {}).get("conditions") or []}
+        node = (pod.get("spec") or {}).get("nodeName")
+        if node and node not in ready_nodes:
+            conditions.add(DISRUPTION)
+        code = _exit_code(pod)
+    for index, rule in enumerate(rules):
+        if rule.on_exit_codes is not None:
+            if code is None:
+                continue
+            inside = code in rule.on_exit_codes.values
+            if inside == (rule.on_exit_codes.operator is ExitCodeOperator.IN):
+                return rule.action, index
+        elif any((c.type, c.status) in conditions for c in rule.on_pod_conditions or []):
+            return rule.action, index
+    return FailureAction.COUNT, None
 
 
 def _data(configmap: Mapping[str, Any] | None, key: str) -> str | None:
@@ -317,23 +362,42 @@ class _Pass:
             return False
         what = ", ".join([f"{n} failed: {_pod_message(current[n])}" for n in failed]
                          + [f"{n} is gone" for n in missing])
-        self.restart_attempt(current, "PodFailed", what)
+        rules = RunPolicy.model_validate(self.run_policy).failure_rules()
+        judged = [failure_action(rules, current[n], self.seen.ready_nodes) for n in failed]
+        judged += [failure_action(rules, None, self.seen.ready_nodes) for _ in missing]
+        actions = {action for action, _ in judged}
+        if FailureAction.FAIL_JOB in actions:
+            index = next(i for a, i in judged if a is FailureAction.FAIL_JOB)
+            self.delete_pods(current)
+            self.phase(Phase.FAILED, "PodFailurePolicy",
+                       f"{what}; podFailurePolicy rule {index} says FailJob: restarting cannot help, "
+                       "fix the cause and create the job again")
+            return True
+        if FailureAction.COUNT in actions:
+            self.restart_attempt(current, "PodFailed", what)
+        else:
+            self.restart_attempt(current, "PodDisrupted", what, counted=False)
         return True
 
-    def restart_attempt(self, current: Mapping[str, Mapping[str, Any]], reason: str, what: str) -> None:
+    def restart_attempt(self, current: Mapping[str, Mapping[str, Any]], reason: str, what: str,
+                        counted: bool = True) -> None:
         """Delete the attempt's pods and start the next attempt (every mesh, from the
-        last checkpoint), or fail once ``backoffLimit`` restarts are spent."""
+        last checkpoint), or fail once ``backoffLimit`` counted restarts are spent. A
+        restart not ``counted`` (a disruption) is booked in ``status.disruptions``."""
         limit = int(self.run_policy.get("backoffLimit", 3))
         self.delete_pods(current)
-        if self.status.restarts >= limit:
+        if counted and self.status.restarts >= limit:
             self.phase(Phase.FAILED, "BackoffLimitExceeded",
                        f"{what}; the job restarted {self.status.restarts} times (backoffLimit {limit})")
             return
-        self.status.restarts += 1
+        if counted:
+            self.status.restarts += 1
+            tally = f"restart {self.status.restarts} of {limit}"
+        else:
+            self.status.disruptions += 1
+            tally = f"disruption {self.status.disruptions}, not counted against backoffLimit {limit}"
         self.next_attempt()
-        self.phase(Phase.RESTARTING, reason,
-                   f"{what}; restarting every mesh from the last checkpoint "
-                   f"(restart {self.status.restarts} of {limit})")
+        self.phase(Phase.RESTARTING, reason, f"{what}; restarting every mesh from the last checkpoint ({tally})")
         if self.pool_changed():
             self.replan("the node pool changed since the plan was made")
 

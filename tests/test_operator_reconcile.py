@@ -212,6 +212,93 @@ def test_a_pod_lost_with_its_node_restarts_the_job_and_never_hangs_it(plan_json:
     assert "manual-gpt-1-m0-h0" in world.pods()
 
 
+def _fail(world: World, pod: str, code: int, **status: Any) -> None:
+    world.objects["Pod", pod]["status"] = {
+        "phase": "Failed", **status,
+        "containerStatuses": [{"state": {"terminated": {"exitCode": code, "reason": "Error",
+                                                        "message": f"exit {code}"}}}]}
+
+
+def test_a_configuration_error_exit_code_fails_the_job_at_once(plan_json: str) -> None:
+    """Every AlpaJob configuration error exits 2; restarting cannot fix one, so by
+    default (no podFailurePolicy) the job fails at once, with no restart spent."""
+    world = World({"runPolicy": {"backoffLimit": 5}})
+    _running(world, plan_json)
+    _fail(world, "manual-gpt-0-m1-h0", 2)
+    world.step()
+    assert world.status["phase"] == "Failed" and world.status["restarts"] == 0
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "PodFailurePolicy"
+    assert "manual-gpt-0-m1-h0 failed: exit 2" in failed["message"] and "rule 0 says FailJob" in failed["message"]
+    world.step()
+    assert not world.pods()
+
+
+def test_preemption_and_a_lost_node_restart_without_spending_the_backoff_limit(plan_json: str) -> None:
+    """A pod Kubernetes disrupted (DisruptionTarget: preempted, evicted), one that
+    vanished, and one on a node that is no longer Ready restart the job as
+    disruptions; backoffLimit 0 is left for the job's own failures."""
+    world = World({"runPolicy": {"backoffLimit": 0}}, nodes=2)
+    _running(world, plan_json)
+    _fail(world, "manual-gpt-0-m0-h0", 137, conditions=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}])
+    world.step()
+    assert world.status["phase"] == "Restarting"
+    assert (world.status["restarts"], world.status["disruptions"]) == (0, 1)
+    assert ("Warning", "PodDisrupted") in [(k, r) for k, r, _ in world.events]
+    world.step()
+    world.set_pods("Running")
+    world.step()
+    del world.objects["Pod", "manual-gpt-1-m1-h0"]  # gone, with its node
+    world.step()
+    assert (world.status["restarts"], world.status["disruptions"]) == (0, 2)
+    world.step()
+    world.set_pods("Running")
+    world.step()
+    pod = world.objects["Pod", "manual-gpt-2-m0-h0"]
+    pod["spec"]["nodeName"] = "node-1"
+    world.ready = frozenset({"node-0"})  # node-1 went NotReady; the pod failed with it
+    _fail(world, "manual-gpt-2-m0-h0", 1)
+    world.step()
+    assert (world.status["restarts"], world.status["disruptions"]) == (0, 3)
+    world.ready = frozenset({"node-0", "node-1"})
+    world.step()
+    world.set_pods("Running")
+    world.step()
+    _fail(world, "manual-gpt-3-head", 1)  # the job's own failure: counted, and none is left
+    world.step()
+    assert world.status["phase"] == "Failed"
+    assert next(c for c in world.status["conditions"] if c["type"] == "Failed")["reason"] == "BackoffLimitExceeded"
+
+
+@pytest.mark.parametrize(("code", "phase", "restarts", "disruptions"), [
+    (137, "Restarting", 0, 1),  # Ignore: an OOM kill here is the cluster's doing
+    (3, "Restarting", 1, 0),  # matches no rule: Count
+    (2, "Restarting", 1, 0),  # the defaults are replaced: exit 2 now counts
+    (42, "Failed", 0, 0),  # NotIn [1, 2, 3, 137]: FailJob
+])
+def test_a_jobs_own_rules_replace_the_defaults_first_match_deciding(
+        plan_json: str, code: int, phase: str, restarts: int, disruptions: int) -> None:
+    rules = [{"action": "Ignore", "onExitCodes": {"operator": "In", "values": [137]}},
+             {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [1, 2, 3, 137]}},
+             {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [137]}}]  # never reached
+    world = World({"runPolicy": {"podFailurePolicy": {"rules": rules}}})
+    _running(world, plan_json)
+    _fail(world, "manual-gpt-0-m0-h0", code)
+    world.step()
+    assert world.status["phase"] == phase
+    assert (world.status["restarts"], world.status.get("disruptions", 0)) == (restarts, disruptions)
+
+
+def test_of_several_failed_pods_failjob_beats_count_beats_ignore(plan_json: str) -> None:
+    world = World()
+    _running(world, plan_json)
+    _fail(world, "manual-gpt-0-m0-h0", 1, conditions=[{"type": "DisruptionTarget", "status": "True"}])
+    _fail(world, "manual-gpt-0-m1-h0", 1)
+    world.step()
+    assert (world.status["restarts"], world.status["disruptions"]) == (1, 0)
+
+
 def test_suspend_deletes_the_pods_and_resume_starts_a_new_attempt(plan_json: str) -> None:
     world = World()
     _running(world, plan_json)

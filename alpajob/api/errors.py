@@ -52,3 +52,12 @@ class PlanFormatError(AlpaJobError):
 
 class SolverError(AlpaJobError):
     """The ILP solver failed for a reason other than infeasibility (e.g. its time limit)."""
+
+
+class TransientError(AlpaJobError):
+    """The run failed for a reason a restart may fix (a mesh host never joined, the
+    driver's own restarts are spent). It exits 3, not 2: the operator's default
+    ``podFailurePolicy`` fails a job at once on exit code 2 (a configuration error,
+    which no restart fixes) and restarts it on anything else."""
+
+    exit_code = 3

@@ -406,7 +406,7 @@ class PodFailureRule(Contract):
 
     model_config = Contract.model_config | {"json_schema_extra": k8s(
         cel("has(self.onExitCodes) != has(self.onPodConditions)",
-            "set exactly one of onExitCodes and onPodConditions in a podFailurePolicy rule"))}
+            "set exactly one of onExitCodes and onPodConditions in each spec.runPolicy.podFailurePolicy rule"))}
 
     action: FailureAction = Field(description="FailJob, Ignore or Count.")
     on_exit_codes: OnExitCodes | None = Field(None, description="Match by the container's exit code.")
@@ -416,7 +416,7 @@ class PodFailureRule(Contract):
     @model_validator(mode="after")
     def _one_match(self) -> PodFailureRule:
         if (self.on_exit_codes is None) == (self.on_pod_conditions is None):
-            raise ValueError("set exactly one of onExitCodes and onPodConditions in a podFailurePolicy rule")
+            raise ValueError("set exactly one of onExitCodes and onPodConditions in each spec.runPolicy.podFailurePolicy rule")
         return self
 
 
@@ -443,9 +443,10 @@ class PodFailurePolicy(Contract):
 class RunPolicy(Contract):
     """``spec.runPolicy``: restarts, deadlines, clean-up and suspension."""
 
-    model_config = Contract.model_config | {"json_schema_extra": k8s(unchanged(
-        "backoffLimit", "spec.runPolicy.backoffLimit is immutable once the AlpaJob exists; only "
-        "suspend, activeDeadlineSeconds, progressDeadlineSeconds and ttlSecondsAfterFinished may change"))}
+    model_config = Contract.model_config | {"json_schema_extra": k8s(*(unchanged(
+        key, f"spec.runPolicy.{key} is immutable once the AlpaJob exists; only suspend, "
+        "activeDeadlineSeconds, progressDeadlineSeconds and ttlSecondsAfterFinished may change")
+        for key in ("backoffLimit", "podFailurePolicy")))}
 
     backoff_limit: int = Field(3, ge=0, json_schema_extra=INT32, description=(
         "Restarts of the whole job (every mesh, from the last checkpoint) before it fails."))

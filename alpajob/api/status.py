@@ -170,7 +170,11 @@ class Status(_Status):
         default_factory=list, max_length=1024,
         json_schema_extra=k8s(x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"]))
     progress: Progress | None = Field(None, description="The trainer's last report.")
-    restarts: int = Field(0, ge=0, json_schema_extra=k8s(format="int32"))
+    restarts: int = Field(0, ge=0, json_schema_extra=k8s(format="int32"), description=(
+        "Restarts counted against spec.runPolicy.backoffLimit."))
+    disruptions: int = Field(0, ge=0, json_schema_extra=k8s(format="int32"), description=(
+        "Restarts not counted against backoffLimit (podFailurePolicy Ignore: by default "
+        "preemption, eviction, a lost node)."))
     start_time: str | None = Field(None, json_schema_extra=DATE_TIME)
     completion_time: str | None = Field(None, json_schema_extra=DATE_TIME)
     observed_generation: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"))

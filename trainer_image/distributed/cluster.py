@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from alpajob.api.errors import AlpaJobError
+from alpajob.api.errors import AlpaJobError, TransientError
 from alpajob.api.plan import Plan
 from alpajob.trainer_image.devices import with_host_devices
 
 
-class JoinTimeoutError(AlpaJobError):
+class JoinTimeoutError(TransientError):
     """Some mesh host never joined the job's Ray cluster."""
 
 

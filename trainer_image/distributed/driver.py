@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from alpajob.api.errors import AlpaJobError, ManifestError
+from alpajob.api.errors import AlpaJobError, ManifestError, TransientError
 from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress, TrainerPhase
 from alpajob.api.resource import parse_job
@@ -71,7 +71,7 @@ from alpajob.trainer_image.precision import LossScale
 from alpajob.trainer_image.stopping import StopRequest
 
 
-class JobFailedError(AlpaJobError):
+class JobFailedError(TransientError):
     """The job failed more often than ``max_restarts`` allows."""
 
 
