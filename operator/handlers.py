@@ -77,6 +77,7 @@ def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: s
     if job is None or job["metadata"].get("deletionTimestamp"):
         # Gone, or going: its children go with it (owner references).
         metrics.phase(f"{namespace}/{name}", None)
+        metrics.job_time(namespace, name, None, None)
         return PassResult(None)
     before = (job.get("status") or {}).get("phase")
     decision = reconcile(kube.observe(job, datetime.now(UTC), world))
@@ -91,6 +92,7 @@ def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: s
             metrics.planning.observe((datetime.now(UTC) - then).total_seconds())
     metrics.reconcile.observe(time.perf_counter() - began)
     metrics.phase(f"{namespace}/{name}", None if decision.delete_job else phase)
+    metrics.job_time(namespace, name, None if decision.delete_job else phase, decision.status.time)
     return PassResult(None if decision.delete_job else phase, bool(refusals), decision.wake_after)
 
 

@@ -5,16 +5,61 @@
     alpajob_operator_planning_seconds                 histogram: job start to plan ready
     alpajob_operator_restarts_total                   whole-job restarts it ordered
     alpajob_operator_reconcile_errors_total           passes that raised
+    alpajob_job_phase_seconds{namespace,job,phase}    a job's wall time by phase (status.time,
+                                                      the phase in progress counted to now)
+    alpajob_job_goodput{namespace,job}                its Running time over all of it but Suspended
+
+The per-job series carry the AlpaJob's own ``namespace`` and ``job`` labels (the
+chart's ServiceMonitor honours them, as the trainers' PodMonitor does), and are
+computed when Prometheus scrapes, from the status each pass saw: nothing is written
+to the API server to keep them current.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from alpajob.api.errors import AlpaJobError
-from alpajob.api.status import Phase
+from alpajob.api.status import JobTime, Phase
+
+#: ``status.time``'s bucket of each phase (Pending is booked with Planning).
+_BUCKETS = {Phase.PENDING: "planning", Phase.PLANNING: "planning", Phase.STARTING: "starting",
+            Phase.RUNNING: "running", Phase.RESTARTING: "restarting", Phase.SUSPENDED: "suspended"}
+
+
+class JobTimes(Collector):
+    """``alpajob_job_phase_seconds`` and ``alpajob_job_goodput`` of every job, from the
+    :class:`~alpajob.api.status.JobTime` its last pass saw, the phase in progress
+    counted up to the scrape."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[tuple[str, str], tuple[Phase, JobTime]] = {}
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        seconds = GaugeMetricFamily("alpajob_job_phase_seconds", "an AlpaJob's wall time by phase",
+                                    labels=["namespace", "job", "phase"])
+        goodput = GaugeMetricFamily("alpajob_job_goodput", "an AlpaJob's Running time over its "
+                                    "planning, starting, running and restarting time", labels=["namespace", "job"])
+        now = time.time()
+        for (namespace, job), (phase, books) in sorted(dict(self.jobs).items()):  # a copy: passes add to it
+            spent = {bucket: float(getattr(books, f"{bucket}_seconds")) for bucket in set(_BUCKETS.values())}
+            if phase in _BUCKETS and books.phase_since:
+                since = datetime.strptime(books.phase_since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+                spent[_BUCKETS[phase]] += max(now - since, 0.0)
+            for bucket in sorted(spent):
+                seconds.add_metric([namespace, job, bucket], spent[bucket])
+            total = sum(v for k, v in spent.items() if k != "suspended")
+            if total > 0:
+                goodput.add_metric([namespace, job], spent["running"] / total)
+        yield seconds
+        yield goodput
 
 
 class OperatorMetrics:
@@ -30,6 +75,8 @@ class OperatorMetrics:
         self.restarts = Counter("alpajob_operator_restarts", "whole-job restarts ordered", registry=r)
         self.errors = Counter("alpajob_operator_reconcile_errors", "reconciliation passes that raised", registry=r)
         self._phases: dict[str, str] = {}  # job key -> its phase
+        self.times = JobTimes()
+        r.register(self.times)
         for phase in Phase:
             self.jobs.labels(phase.value).set(0)
         self._server: Any = None
@@ -42,6 +89,13 @@ class OperatorMetrics:
             self._phases[key] = phase
         for name in Phase:
             self.jobs.labels(name.value).set(sum(1 for p in self._phases.values() if p == name))
+
+    def job_time(self, namespace: str, job: str, phase: Phase | None, books: JobTime | None) -> None:
+        """Record the job's ``status.time`` as a pass left it (None: the job is gone)."""
+        if phase is None or books is None:
+            self.times.jobs.pop((namespace, job), None)
+        else:
+            self.times.jobs[namespace, job] = (phase, books)
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         """Serve ``/metrics`` on ``address:port``; a port that cannot be had is an

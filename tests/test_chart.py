@@ -369,7 +369,7 @@ def test_service_monitor_scrapes_the_operator_metrics(full: list[dict[str, Any]]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s", "honorLabels": True}
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
 
 
@@ -425,14 +425,18 @@ def exposed_metric_names() -> set[str]:
     from prometheus_client import generate_latest
 
     from alpajob.api.progress import Progress
+    from alpajob.api.status import JobTime, Phase
     from alpajob.operator.metrics import OperatorMetrics
     from alpajob.trainer_image.metrics import TrainingMetrics
 
     trainer = TrainingMetrics("demo", predicted_step_seconds=0.5)
     report = Progress(step=10, loss=2.5, samples_per_second=80.0, last_checkpoint_step=10)
     trainer.record(report, 0.4, [SimpleNamespace(compute=0.3, idle=0.08, communication=0.02)])
+    trainer.predicted_idle.labels("demo", "0").set(0.1)
+    trainer.books({"goodput": 0.8, "wall_seconds": 10.0, "productive_seconds": 8.0, "compile_seconds": 2.0})
     operator = OperatorMetrics()
     operator.phase("ml/demo", "Running")
+    operator.job_time("ml", "demo", Phase.RUNNING, JobTime(phase_since="2026-11-26T10:00:00Z", planning_seconds=5.0))
     operator.reconcile.observe(0.01)
     operator.planning.observe(12.0)
     operator.restarts.inc()
@@ -488,6 +492,9 @@ def test_dashboard_has_the_panels_users_look_for() -> None:
         "Step and last checkpoint step": "alpajob_checkpoint_step",
         "Restarts": "alpajob_restarts_total",
         "AlpaJobs by phase": "alpajob_operator_jobs",
+        "Goodput": "alpajob_job_goodput",
+        "Badput by bucket": "alpajob_badput_seconds",
+        "Bubble share per stage, measured and predicted": "alpajob_stage_predicted_idle_share",
     }
     for title, metric in wanted.items():
         assert any(re.search(rf"\b{metric}\b", e) for e in by_title[title]), title
@@ -540,6 +547,37 @@ def test_per_stage_utilization_on_synthetic_counters(promtool: str, tmp_path: Pa
         ]}],
     }]}
     path = tmp_path / "utilization_test.yaml"
+    path.write_text(yaml.safe_dump(test))
+    done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_bubble_share_per_stage_on_synthetic_counters(promtool: str, tmp_path: Path) -> None:
+    """Stage 1 idles 24 s of every 60 (the bubble: 40%), stage 0 idles 15 (25%); the
+    measured query gives those shares, the predicted one the plan's gauge."""
+    measured, predicted = [e for t, e in targets() if t == "Bubble share per stage, measured and predicted"]
+    per_minute = {"0": (42, 15, 3), "1": (30, 24, 6)}
+    series = [{"series": f'alpajob_stage_predicted_idle_share{{namespace="ml", job="gpt", stage="{stage}"}}',
+               "values": f"{share}x10"} for stage, share in (("0", 0.1), ("1", 0.35))]
+    for stage, seconds in per_minute.items():
+        for part, step in zip(("compute", "idle", "communication"), seconds, strict=True):
+            series.append({
+                "series": f'alpajob_stage_{part}_seconds_total{{namespace="ml", job="gpt", stage="{stage}"}}',
+                "values": f"0+{step}x10",
+            })
+    test = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [
+            {"expr": grafana_to_promql(measured), "eval_time": "10m", "exp_samples": [
+                {"labels": '{namespace="ml", job="gpt", stage="0"}', "value": 0.25},
+                {"labels": '{namespace="ml", job="gpt", stage="1"}', "value": 0.4}]},
+            {"expr": grafana_to_promql(predicted), "eval_time": "10m", "exp_samples": [
+                {"labels": '{namespace="ml", job="gpt", stage="0"}', "value": 0.1},
+                {"labels": '{namespace="ml", job="gpt", stage="1"}', "value": 0.35}]},
+        ],
+    }]}
+    path = tmp_path / "bubble_test.yaml"
     path.write_text(yaml.safe_dump(test))
     done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
                           timeout=60)

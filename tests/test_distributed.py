@@ -223,6 +223,12 @@ class _KillMesh1AtStep3:
             thread.join()
 
 
+def _sample(text: str, series: str) -> float:
+    """The value of ``series`` (name and labels, as exposed) in a scrape."""
+    [line] = [line for line in text.splitlines() if line.startswith(series + " ")]
+    return float(line.split()[-1])
+
+
 def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Mesh 1's worker (its node) is killed after step 3, checkpoints every 2 steps: the
     driver restarts every mesh once the worker is back (as its pod would be), resumes
@@ -254,8 +260,16 @@ def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster:
         assert f'alpajob_stage_step_compute_seconds{{job="ray-gpt",stage="{stage}"}}' in metrics
     assert 'alpajob_step{job="ray-gpt"} 3.0' in metrics
     assert 'alpajob_checkpoint_step{job="ray-gpt"} 2.0' in metrics
+    # Goodput's books: building the stages, saving and restoring are badput.
+    for bucket in ("planning", "checkpoint", "restore", "compile", "other"):
+        assert f'alpajob_badput_seconds{{bucket="{bucket}",job="ray-gpt"}}' in metrics, bucket
+    assert _sample(metrics, 'alpajob_badput_seconds{bucket="planning",job="ray-gpt"}') > 0
+    assert 0 < _sample(metrics, 'alpajob_goodput{job="ray-gpt"}') < 1
+    for stage in ("0", "1"):
+        assert 0 <= _sample(metrics, f'alpajob_stage_predicted_idle_share{{job="ray-gpt",stage="{stage}"}}') < 1
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["phase"] == "Succeeded" and status["step"] == steps
+    assert 0 < status["goodput"] < 1
     assert status["restarts"] == 1 and status["lastCheckpointStep"] == steps
     assert status["samplesPerSecond"] > 0
 

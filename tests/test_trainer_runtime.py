@@ -252,6 +252,10 @@ def test_metrics_json_and_prometheus(tmp_path: Path) -> None:
     compute = [line for line in text.splitlines()
                if line.startswith('alpajob_stage_step_compute_seconds{job="rt",stage="0"}')]
     assert compute and float(compute[0].split()[-1]) > 0
+    goodput = [line for line in text.splitlines() if line.startswith('alpajob_goodput{job="rt"}')]
+    assert goodput and 0 < float(goodput[0].split()[-1]) < 1
+    assert 'alpajob_badput_seconds{bucket="planning",job="rt"}' in text
+    assert 'alpajob_stage_predicted_idle_share{job="rt",stage="0"}' in text
 
 
 def test_plan_for_another_model_is_refused(tmp_path: Path) -> None:

@@ -225,7 +225,7 @@ def run(
         with books.timing(Badput.PLANNING):
             runner, plan, throughput = _prepare(job, model, options, say, on_plan)
         if plan is not None:
-            metrics.predicted.labels(metrics.job).set(plan.predicted_step_seconds)
+            metrics.plan(plan)
         start = 0
         if checkpoints is not None and options.resume and checkpoints.last is not None:
             say(f"restoring step {checkpoints.last}")
@@ -270,14 +270,16 @@ def run(
                 every = options.checkpoint_every
                 if (every and done % every == 0) or done == steps:
                     save(done)
+                summary = books.summary(result.step_seconds, feed.wait_seconds)
                 report = Progress(
                     phase=TrainerPhase.RUNNING, step=done, steps=steps, loss=loss, eval_loss=eval_loss,
                     data=feed.source, skipped_steps=runner.scale.skipped if runner.scale else None,
                     samples_per_second=training.global_batch_size / seconds,
                     tokens_per_second=throughput.tokens_per_second(seconds), mfu=throughput.mfu(seconds),
-                    goodput=books.summary(result.step_seconds, feed.wait_seconds)["goodput"],
+                    goodput=summary["goodput"],
                     last_checkpoint_step=checkpoints.poll() if checkpoints else None, updated=time.time())
                 metrics.record(report, seconds, stages)
+                metrics.books(summary)
                 if on_step:
                     on_step(report)
                 if stop.requested:

@@ -18,9 +18,15 @@ timed steps' utilization::
     alpajob_predicted_step_seconds                the plan's prediction
     alpajob_checkpoint_step                       the last complete checkpoint's step
     alpajob_restarts_total                        restarts from a checkpoint (Ray runtime)
+    alpajob_goodput                               productive step time / wall time so far
+    alpajob_badput_seconds{bucket="compile"}      the rest of the wall time, by bucket
+                                                  (trainer/goodput.py: planning, compile, data,
+                                                  eval, checkpoint, restore, other)
     alpajob_stage_step_compute_seconds{stage="0"}        per stage, last step
     alpajob_stage_step_idle_seconds{stage="0"}           (waiting: the bubble)
     alpajob_stage_step_communication_seconds{stage="0"}
+    alpajob_stage_predicted_idle_share{stage="0"}        the plan's bubble: 1 - (its micro-batches'
+                                                         fwd+bwd + its update) / predicted step
     alpajob_stage_compute_seconds_total{stage="0"}       running totals: a
     alpajob_stage_idle_seconds_total{stage="0"}          dashboard's utilization is
     alpajob_stage_communication_seconds_total{stage="0"} rate(compute) / rate(all three)
@@ -35,9 +41,21 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from alpajob.api.errors import AlpaJobError
+from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress
 
 _LABELS = ("job", "stage")
+
+
+def predicted_idle_shares(plan: Plan) -> list[float]:
+    """Each stage's predicted idle share of a step: what is left of the plan's step
+    time after the stage's own work (forward and backward of every micro-batch, and
+    its optimizer update); the pipeline's bubble as the cost model sees it."""
+    step = plan.predicted_step_seconds
+    if step <= 0:
+        return [0.0 for _ in plan.stages]
+    return [max(0.0, 1.0 - (s.predicted_seconds * plan.num_micro_batches + s.update_seconds) / step)
+            for s in plan.stages]
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:
@@ -76,10 +94,30 @@ class TrainingMetrics:
         self.comm_total = Counter("alpajob_stage_communication_seconds", "stage communication seconds", _LABELS, registry=r)
         self.checkpoint = Gauge("alpajob_checkpoint_step", "step of the last complete checkpoint", ["job"], registry=r)
         self.restarts = Counter("alpajob_restarts", "restarts of every mesh from the last checkpoint", ["job"], registry=r)
+        self.predicted_idle = Gauge("alpajob_stage_predicted_idle_share",
+                                    "the plan's predicted idle (bubble) share of a step", _LABELS, registry=r)
+        self.goodput = Gauge("alpajob_goodput", "productive step time over the run's wall time so far",
+                             ["job"], registry=r)
+        self.badput = Gauge("alpajob_badput_seconds", "wall seconds not training, by bucket",
+                            ["job", "bucket"], registry=r)
         self.restarts.labels(job)
         if predicted_step_seconds is not None:
             self.predicted.labels(job).set(predicted_step_seconds)
         self._server: Any = None
+
+    def plan(self, plan: Plan) -> None:
+        """The plan's predictions: its step time, and each stage's idle share of it
+        (:func:`predicted_idle_shares`), to set beside the measured ones."""
+        self.predicted.labels(self.job).set(plan.predicted_step_seconds)
+        for index, share in enumerate(predicted_idle_shares(plan)):
+            self.predicted_idle.labels(self.job, str(index)).set(share)
+
+    def books(self, summary: dict[str, float]) -> None:
+        """Record :meth:`~.goodput.Goodput.summary`: goodput and each badput bucket."""
+        self.goodput.labels(self.job).set(summary["goodput"])
+        for key, value in summary.items():
+            if key.endswith("_seconds") and key not in ("wall_seconds", "productive_seconds"):
+                self.badput.labels(self.job, key[: -len("_seconds")]).set(value)
 
     def record(self, progress: Progress, seconds: float, stages: Any = ()) -> None:
         """Record one step: the trainer's ``progress`` report after it, its wall

@@ -67,6 +67,7 @@ from alpajob.trainer_image.distributed.mesh_host import MeshHost, stage_times
 from alpajob.trainer_image.distributed.pieces import assemble_pieces
 from alpajob.trainer_image.distributed.saving import MeshCheckpoints
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json, write_text_atomically
+from alpajob.trainer_image.goodput import Badput, Goodput
 from alpajob.trainer_image.precision import LossScale
 from alpajob.trainer_image.stopping import StopRequest
 
@@ -322,16 +323,19 @@ class Reporter:
     def __init__(self, options: DriverOptions, batch: int, scaled: bool = False, interval: float = 5.0) -> None:
         self.options, self.batch, self.scaled, self.interval = options, batch, scaled, interval
         self._last: tuple[str, float] | None = None  # phase and time of the last ConfigMap write
+        self.goodput: float | None = None  # the last step's
 
-    def progress(self, result: DriverResult, phase: TrainerPhase, message: str = "") -> Progress:
-        """The report of ``result`` so far, in ``phase``."""
+    def progress(self, result: DriverResult, phase: TrainerPhase, message: str = "",
+                 goodput: float | None = None) -> Progress:
+        """The report of ``result`` so far, in ``phase`` (with the last ``goodput`` given)."""
+        self.goodput = goodput if goodput is not None else self.goodput
         last = result.step_seconds[-1] if result.step_seconds else None
         return Progress(
             phase=phase, step=result.step, steps=self.options.steps,
             loss=result.losses[-1] if result.losses else None, eval_loss=result.eval_loss,
             skipped_steps=result.skipped_steps if self.scaled else None,
             samples_per_second=self.batch / last if last else None,
-            last_checkpoint_step=result.checkpoint_step, restarts=result.restarts,
+            last_checkpoint_step=result.checkpoint_step, restarts=result.restarts, goodput=self.goodput,
             message=message[:4096] or None, updated=time.time())
 
     def __call__(self, result: DriverResult, phase: TrainerPhase, message: str = "") -> None:
@@ -370,7 +374,8 @@ def drive(
     name = job.name
     hosts = mesh_hosts(plan)
     batch = plan.global_batch_size
-    metrics = TrainingMetrics(name, plan.predicted_step_seconds)
+    metrics = TrainingMetrics(name)
+    metrics.plan(plan)
     scale = LossScale.for_dtype(job.spec.training.dtype)  # float16: kept here, across restarts
     status = Reporter(options, batch, scaled=scale is not None)
     if options.metrics_port is not None:
@@ -382,6 +387,7 @@ def drive(
         saves = MeshCheckpoints(root, options.checkpoint_keep_last, options.checkpoint_async,
                                 {"model": plan.model.name, "plan_hash": plan.content_hash()})
     result = DriverResult()
+    books = Goodput()  # badput: building stages, restoring, evaluating, saving; the rest is "other"
     ray.init(address=options.address, log_to_driver=False, logging_level=logging.WARNING)
     with StopRequest() as stop:
         try:
@@ -393,9 +399,11 @@ def drive(
                     status(result, TrainerPhase.STARTING)
                     left = options.join_timeout - (time.monotonic() - recovering_since)
                     wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
-                    group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
-                                      options.transport)
-                    start = saves.resume(group, say) if saves else 0
+                    with books.timing(Badput.PLANNING):
+                        group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
+                                          options.transport)
+                    with books.timing(Badput.RESTORE):
+                        start = saves.resume(group, say) if saves else 0
                     result.checkpoint_step = start or None
                     if not result.resumed_from:  # this driver's first attempt: a resumed job's start
                         result.first_step = start
@@ -417,14 +425,18 @@ def drive(
                         result.stage_times.append([g[0]["times"] for g in replies])
                         done = step + 1
                         if evaluating and (done % evaluating == 0 or done == options.steps):
-                            result.evals.append((done, group.evaluate(job.spec.training.eval_steps)))
+                            with books.timing(Badput.EVAL):
+                                result.evals.append((done, group.evaluate(job.spec.training.eval_steps)))
                         every = options.checkpoint_every
                         if saves and ((every and done % every == 0) or done == options.steps or stop.requested):
-                            saves.save(group, done)
+                            with books.timing(Badput.CHECKPOINT):
+                                saves.save(group, done)
                         if saves:
                             result.checkpoint_step = saves.poll()
-                        report = status.progress(result, TrainerPhase.RUNNING)
+                        summary = books.summary(result.step_seconds, 0.0)  # the hosts read their own data
+                        report = status.progress(result, TrainerPhase.RUNNING, goodput=summary["goodput"])
                         metrics.record(report, seconds, [stage_times(g[0]) for g in replies])
+                        metrics.books(summary)
                         if on_step:
                             on_step(report)
                         if stop.requested:
@@ -432,7 +444,8 @@ def drive(
                             say(f"{stop.requested} after step {done}: stopping")
                             break
                     if saves:
-                        result.checkpoint_step = saves.finish(group)
+                        with books.timing(Badput.CHECKPOINT):
+                            result.checkpoint_step = saves.finish(group)
                     result.params = group.params()
                     break
                 except _recoverable() as failure:
