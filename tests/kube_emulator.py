@@ -29,6 +29,7 @@ import asyncio
 import collections
 import contextlib
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ class _Admitting(kmock.KubernetesEmulator):
     version: int = 0  # the last resource version given
 
     async def _handle(self, request: Any) -> Any:
-        refusal = self.admit(request) if self.admit is not None and request.resource is not None else None
+        refusal = await self.admit(request) if self.admit is not None and request.resource is not None else None
         if refusal is not None:
             return await self._render_error(refusal)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
@@ -117,6 +118,9 @@ class Emulator:
         self.url = ""
         self._thread = threading.Thread(target=self._serve, name="kmock", daemon=True)
         self.restricted: set[str] = set()  # namespaces labelled enforce=restricted
+        #: The URL of a validating webhook for AlpaJob creates and updates (plain HTTP),
+        #: called as the API server calls it: with the whole new object and the old one.
+        self.webhook: str | None = None
         self._schema: dict[str, Any] | None = None
         #: Requests served, by method and what they addressed (``_kind``); counted
         #: twice a second, so read it after a pause.
@@ -156,7 +160,7 @@ class Emulator:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 0.5)
 
-    def _admit(self, request: Any) -> KubernetesError | None:
+    async def _admit(self, request: Any) -> KubernetesError | None:
         """The API server's admission of a write (module docstring): the error to
         answer with, or None to store the request's (possibly pruned) body."""
         resource, action = request.resource, request.action
@@ -171,7 +175,47 @@ class Emulator:
                                        details={"name": name, "kind": "pods"})
         if resource.plural == "alpajobs" and action in (kmock.action.CREATE, kmock.action.UPDATE):
             self._prune_job(request.data)
+            if self.webhook is not None:
+                return await self._review(request)
         return None
+
+    async def _review(self, request: Any) -> KubernetesError | None:
+        """Ask :attr:`webhook` about an AlpaJob write, as the API server asks a
+        validating webhook: the object as it would be stored (a patch applied to the
+        stored one: status and finalizers included) and, on UPDATE, the stored one.
+        A denial is the API server's 4xx naming the webhook; an unreachable webhook
+        fails the request (``failurePolicy: Fail``)."""
+        import aiohttp
+
+        data = request.data if isinstance(request.data, dict) else {}
+        name = request.name or (data.get("metadata") or {}).get("name")
+        namespace = request.namespace or (data.get("metadata") or {}).get("namespace")
+        key = (kmock.resource("alpajob.io", "v1alpha1", "alpajobs"), namespace, name)
+        old = _plain(self.kmock.objects[key]) if key in self.kmock.objects and not self.kmock.objects[key].deleted else None
+        update = request.action == kmock.action.UPDATE
+        if update and old is None:
+            return None  # kmock answers 404
+        new = _merged(old, data) if update else data
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": f"review-{self.kmock.version}", "name": name, "namespace": namespace,
+            "kind": {"group": "alpajob.io", "version": "v1alpha1", "kind": "AlpaJob"},
+            "resource": {"group": "alpajob.io", "version": "v1alpha1", "resource": "alpajobs"},
+            **({"subResource": request.subresource} if request.subresource else {}),
+            "operation": "UPDATE" if update else "CREATE", "object": new,
+            "oldObject": old if update else None, "userInfo": {"username": "kmock"}, "dryRun": False}}
+        webhook = 'admission webhook "validate-alpajob.alpajobs.alpajob.io"'
+        try:
+            async with aiohttp.ClientSession() as session, session.post(self.webhook, json=review,
+                                                                          timeout=aiohttp.ClientTimeout(10)) as reply:
+                answer = (await reply.json())["response"]
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as error:
+            return KubernetesError(status=500, reason="InternalError",
+                                   message=f"Internal error occurred: failed calling webhook {webhook}: {error}")
+        if answer.get("allowed"):
+            return None
+        status = answer.get("status") or {}
+        return KubernetesError(status=int(status.get("code") or 400), reason=str(status.get("reason") or "Invalid"),
+                               message=f"{webhook} denied the request: {status.get('message', '')}")
 
     def _refusal(self, namespace: str, name: str, account: str, pod: dict[str, Any]) -> str | None:
         """The API server's message refusing ``pod``, or None if it is admitted."""
@@ -249,6 +293,28 @@ class Emulator:
     def requests(self, method: str, path_part: str) -> int:
         """How many ``method`` requests whose path contains ``path_part`` were served."""
         return sum(1 for r in list(self.kmock) if r.method.upper() == method.upper() and path_part in str(r.url))
+
+
+def _plain(value: Any) -> Any:
+    """kmock's stored object (its mappings are its own types) as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _merged(old: Any, patch: Any) -> Any:
+    """``patch`` applied to ``old`` as a JSON merge patch (RFC 7386: None removes)."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(old) if isinstance(old, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merged(out.get(key), value)
+    return out
 
 
 def _kind(url: str) -> str:

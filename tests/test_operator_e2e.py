@@ -29,7 +29,7 @@ from kubernetes import client  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from kube_emulator import Emulator  # noqa: E402
 
-from alpajob.api.names import LABEL_JOB, MANIFEST_KEY  # noqa: E402
+from alpajob.api.names import FINALIZER, LABEL_JOB, MANIFEST_KEY  # noqa: E402
 from alpajob.api.progress import Progress, TrainerPhase  # noqa: E402
 from alpajob.api.runtime import MANIFEST_PATH, TrainerRuntime  # noqa: E402
 
@@ -369,6 +369,62 @@ def test_the_webhook_refuses_bad_specs_naming_the_field(emulator: Emulator, tmp_
             assert answer["allowed"] is False and field in answer["status"]["message"], (field, answer)
     finally:
         op.stop()
+
+
+def test_with_the_webhook_called_as_the_api_server_calls_it_a_job_runs_suspends_and_deletes(
+        emulator: Emulator, cluster: Cluster, tmp_path: Path) -> None:
+    """F1 and F2 end to end: the test API server calls the operator's webhook on every
+    AlpaJob write, with the whole object (status and finalizers) as kube-apiserver does.
+    The job's status writes, kopf's finalizer, a suspend and the deletion all pass;
+    a change of an immutable field is refused naming it."""
+    from alpajob.trainer_image.distributed.loopback import free_port
+
+    port = free_port()
+    op = Operator(emulator, tmp_path / "operator.log")
+    op.args = ["--webhook-port", str(port), "--webhook-insecure"]
+    op.start()
+    url = f"http://127.0.0.1:{port}/validate-alpajob"
+    try:
+        from test_crd import BASE
+
+        _wait("the webhook serving", lambda: _serving(url, BASE), op=op)
+        emulator.webhook = url
+        with pytest.raises(client.ApiException) as refused:  # the webhook judges creations
+            cluster.create_job("gpt-w0", model={"zoo": "gpt", "config": "no-such-size"})
+        assert refused.value.status == 422 and "spec.model.config" in refused.value.body
+        cluster.create_job("gpt-w")
+        cluster.run_planner("gpt-w", tmp_path)
+        _to_running(cluster, op, "gpt-w", tmp_path)
+        assert FINALIZER in cluster.job("gpt-w")["metadata"]["finalizers"]
+        with pytest.raises(client.ApiException) as immutable:
+            cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-w",
+                                                          {"spec": {"training": {"steps": 7}}})
+        assert immutable.value.status == 422 and "spec.training" in immutable.value.body
+        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-w",
+                                                      {"spec": {"runPolicy": {"suspend": True}}})
+        _wait("phase Suspended", lambda: cluster.phase("gpt-w") == "Suspended", op=op)
+        cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-w")
+
+        def gone() -> bool:
+            try:
+                cluster.job("gpt-w")
+            except client.ApiException as error:
+                return error.status == 404
+            return False
+
+        _wait("the job gone: kopf removed its finalizer through the webhook", gone, op=op)
+    finally:
+        emulator.webhook = None
+        op.stop()
+    reviews = [r for r in emulator.kmock if "alpajobs/gpt-w" in str(r.url) and r.method.upper() == "PATCH"]
+    assert any("status" in str(r.url) for r in reviews)  # status writes were reviewed too
+
+
+def _serving(url: str, body: dict[str, Any]) -> bool:
+    try:
+        return bool(_review(url, body)["allowed"])
+    except OSError:
+        return False
 
 
 def test_a_model_that_cannot_fit_the_pool_fails_with_the_planners_message(
