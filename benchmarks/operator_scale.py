@@ -79,8 +79,7 @@ def main() -> None:
     threading.Thread(target=watch_memory, daemon=True).start()
 
     def create(name: str) -> None:
-        body = {**doc, "metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}", "generation": 1,
-                                    "resourceVersion": "1"}}
+        body = {**doc, "metadata": {"name": name, "namespace": "ml"}}
         custom.create_namespaced_custom_object(GROUP, VERSION, "ml", PLURAL, body)
 
     def pods() -> dict[str, object]:

@@ -5,7 +5,7 @@ The emulator serves HTTP on a free local port from its own event loop, so the te
 (and the operator subprocess, through a kubeconfig file) use it like an API server.
 Known gaps of kmock 0.8 are worked around here, never in the operator: the AlpaJob
 resource is declared (kmock learns a custom resource's kind only that way), objects
-created by the test carry the uid and generation an API server would set, and label
+get the uid and generation an API server would set, and label
 selectors are ignored by kmock (the operator filters by label itself), and the core
 resources the operator and kopf use are declared up front (kopf waits for
 namespaces to be discoverable). kmock cannot list namespaces, so the operator runs
@@ -29,6 +29,8 @@ import asyncio
 import collections
 import contextlib
 import threading
+import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,10 @@ class _Admitting(kmock.KubernetesEmulator):
       in place (pruning) or return the error to answer instead; a refused write is
       never stored nor announced to watchers.
     - A creation is answered ``201 Created`` (kmock says 200, and the kubernetes
-      client then returns None for a custom object).
+      client then returns None for a custom object), and the server sets the new
+      object's ``uid``, ``generation`` and ``creationTimestamp`` (a client's
+      ``resourceVersion`` is refused); an update that changes ``spec`` adds one to
+      ``generation``.
     - **Resource versions**: every write stamps the object with the next version; a
       list answers the current one; a watch that continues from a version (as kopf's
       does when a watch times out and reconnects) is sent only what changed since,
@@ -65,12 +70,32 @@ class _Admitting(kmock.KubernetesEmulator):
         if refusal is not None:
             return await self._render_error(refusal)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if request.action == kmock.action.CREATE:
+                if meta.get("resourceVersion"):
+                    return await self._render_error(KubernetesError(
+                        status=500, reason="InternalError",
+                        message="resourceVersion should not be set on objects to be created"))
+                meta.update(uid=str(uuid.uuid4()), generation=1,
+                            creationTimestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            elif request.subresource is None and "spec" in request.data:
+                meta["generation"] = self._generation(request)
             self.version += 1
-            request.data.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+            meta["resourceVersion"] = str(self.version)
         response = await super()._handle(request)
         if request.action == kmock.action.CREATE and response.status == 200 and not response.prepared:
             response.set_status(201)
         return response
+
+    def _generation(self, request: Any) -> int:
+        """The generation after an update of ``spec``: one more when it changes it."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            return 1
+        stored = self._objects[key].raw
+        old = stored.get("metadata", {}).get("generation") or 1
+        changed = any(stored.get("spec", {}).get(k) != v for k, v in (request.data.get("spec") or {}).items())
+        return int(old) + (1 if changed else 0)
 
     async def _serve_list(self, request: Any) -> Any:
         listed = await super()._serve_list(request)
@@ -140,6 +165,7 @@ class Emulator:
                 subresources={"status"})
             for key, kind, namespaced in [("v1/pods", "Pod", True), ("v1/configmaps", "ConfigMap", True),
                                           ("v1/serviceaccounts", "ServiceAccount", True),
+                                          ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True),
                                           ("v1/services", "Service", True), ("v1/events", "Event", True),
                                           ("v1/nodes", "Node", False), ("v1/namespaces", "Namespace", False),
                                           ("apiextensions.k8s.io/v1/customresourcedefinitions",
@@ -266,6 +292,13 @@ class Emulator:
                 "name": f"node-{i}", "labels": {"kubernetes.io/hostname": f"node-{i}"}},
                 "status": {"allocatable": {GPU_RESOURCE: str(gpus)},
                            "conditions": [{"type": "Ready", "status": "True"}]}})
+
+    def claim(self, namespace: str, name: str) -> None:
+        """A PersistentVolumeClaim ``name``, as a user makes one for the checkpoints
+        (kmock binds nothing: the test kubelet gives its mounts one shared folder)."""
+        client.CoreV1Api(self.api()).create_namespaced_persistent_volume_claim(namespace, {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
 
     def start(self) -> Emulator:
         self._thread.start()

@@ -19,7 +19,12 @@ an AlpaJob really trains from the pods' own commands and environment:
 - with ``stagger``, pods start one every ``stagger`` seconds (on 2 cores, Ray's
   raylets started together time out; on a cluster they start on separate nodes);
 - a pod deleted from the API (or marked for deletion) has its process group killed,
-  and :meth:`Kubelet.kill` kills one pod's processes as a lost node would.
+  and :meth:`Kubelet.kill` kills one pod's processes as a lost node would;
+- on a real cluster (``nodes``: the fake nodes the test registered) it runs only the
+  pods the scheduler bound to those nodes, and keeps the nodes alive as a kubelet
+  does: every 10 s it renews each node's Lease in ``kube-node-lease`` and reports
+  the node Ready (the node lifecycle controller marks a node whose Lease stops
+  being renewed NotReady after 40 s, and evicts its pods).
 """
 
 from __future__ import annotations
@@ -56,8 +61,11 @@ class Kubelet:
     """Runs the pods of ``namespace`` (module docstring) until :meth:`stop`."""
 
     def __init__(self, api: client.ApiClient, namespace: str, root: Path, env: dict[str, str] | None = None,
-                 interval: float = 0.3, stagger: float = 0.0) -> None:
+                 interval: float = 0.3, stagger: float = 0.0, nodes: frozenset[str] | None = None) -> None:
         self.core = client.CoreV1Api(api)
+        self.leases = client.CoordinationV1Api(api)
+        self.nodes = nodes  # None: run every pod (an API without a scheduler)
+        self._beat = 0.0
         self.namespace, self.root, self.interval, self.stagger = namespace, root, interval, stagger
         self._last_start = 0.0
         self.env = {**os.environ, **(env or {})}
@@ -96,7 +104,10 @@ class Kubelet:
             self._stop.wait(self.interval)
 
     def _sync(self) -> None:
-        seen = {p.metadata.name: p for p in self.core.list_namespaced_pod(self.namespace).items}
+        if self.nodes is not None and time.monotonic() - self._beat >= 10.0:
+            self._heartbeat()
+        seen = {p.metadata.name: p for p in self.core.list_namespaced_pod(self.namespace).items
+                if self.nodes is None or p.spec.node_name in self.nodes}
         for name in list(self.pods):
             pod = seen.get(name)
             if pod is None or pod.metadata.deletion_timestamp:
@@ -121,6 +132,28 @@ class Kubelet:
             if code is not None:
                 self._end(running)  # what it left behind goes with the container
                 self._report_exit(running, code)
+
+    def _heartbeat(self) -> None:
+        """Renew every node's Lease and report it Ready, as a kubelet does."""
+        from datetime import UTC, datetime
+
+        now = datetime.now(UTC)
+        for node in sorted(self.nodes or ()):
+            lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                     "metadata": {"name": node, "namespace": "kube-node-lease"},
+                     "spec": {"holderIdentity": node, "leaseDurationSeconds": 40,
+                              "renewTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}}
+            try:
+                self.leases.replace_namespaced_lease(node, "kube-node-lease", lease)
+            except client.ApiException as error:
+                if error.status != 404:
+                    raise
+                self.leases.create_namespaced_lease("kube-node-lease", lease)
+            stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+            self.core.patch_node_status(node, {"status": {"conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "test kubelet",
+                 "lastHeartbeatTime": stamp}]}})
+        self._beat = time.monotonic()
 
     # ------------------------------------------------------------ one pod
     def _start(self, pod: Any) -> None:
@@ -177,6 +210,7 @@ class Kubelet:
         return _SERVICE_HOST.sub("127.0.0.1", value)
 
     def _report_exit(self, running: RunningPod, code: int) -> None:
+        code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as container runtimes say
         del self.pods[running.name]
         self.finished[running.name] = code
         text = running.log.read_text(errors="replace") if running.log.exists() else ""

@@ -1,7 +1,8 @@
 """`kubectl apply` to a trained model: the operator's own pods train an AlpaJob.
 
 The operator runs as a process against the test's Kubernetes API (KMock, with the
-admission and pruning of a real API server: ``kube_emulator``); the test's kubelet
+admission and pruning of a real API server: ``kube_emulator``; or a real cluster
+named by ``ALPAJOB_E2E_KUBECONFIG``: ``e2e_cluster``); the test's kubelet
 (``kubelet``) runs every pod the operator creates from the pod's own command and
 environment: the planner pod plans into the plan ConfigMap, the head pod starts the
 Ray head and the driver, each mesh pod joins as a Ray worker with its forced CPU
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from e2e_cluster import open_cluster
 from kube_emulator import Emulator
 from kubelet import Kubelet
 from kubernetes import client
@@ -40,10 +42,11 @@ GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path]]:
     (tmp_path / "kmock").mkdir()
-    emu = Emulator(tmp_path / "kmock").start()
+    emu = open_cluster(tmp_path / "kmock")  # KMock, or the cluster of $ALPAJOB_E2E_KUBECONFIG
     emu.cluster_of(NS, nodes=4)
     env = {"KUBECONFIG": str(emu.kubeconfig), "RAY_AUTH_MODE": "disabled"}
-    kubelet = Kubelet(emu.api(), NS, tmp_path / "kubelet", env=env, stagger=6.0)
+    fake_nodes = frozenset(emu.nodes) if getattr(emu, "real", False) else None  # a real scheduler binds pods
+    kubelet = Kubelet(emu.api(), NS, tmp_path / "kubelet", env=env, stagger=6.0, nodes=fake_nodes)
     kubelet.env.pop("XLA_FLAGS", None)  # each pod forces its own device count (ALPAJOB_DEVICES)
     kubelet.start()
     log = tmp_path / "operator.log"
@@ -65,8 +68,7 @@ def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path]]:
 
 def _job(name: str, **spec: Any) -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / "manifests" / "examples" / "manual-gpt.yaml").read_text())
-    doc["metadata"] = {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1,
-                       "resourceVersion": "1"}
+    doc["metadata"] = {"name": name, "namespace": NS}
     doc["spec"]["data"] = {"train": str(ROOT / "planner" / "**" / "*.py"), "eval": str(ROOT / "operator" / "*.py")}
     doc["spec"]["training"] = {"globalBatchSize": 16, "steps": 24, "evalEvery": 12, "evalSteps": 2,
                                "optimizer": {"name": "adamw", "learningRate": 3e-3, "warmupSteps": 4}}
@@ -124,6 +126,7 @@ def test_a_killed_mesh_pod_restarts_every_mesh_from_the_last_checkpoint(
     the job still succeeds."""
     emu, kubelet, log = world
     custom = client.CustomObjectsApi(emu.api())
+    emu.claim(NS, "ckpt")  # the job's checkpoint volume, as a user makes it
     doc = _job("gpt-kill", checkpoint={"volume": "ckpt", "intervalSteps": 5})
     doc["spec"]["training"].update(steps=40, evalEvery=None)
     doc["spec"]["training"].pop("evalEvery")

@@ -1,0 +1,169 @@
+"""Where the end-to-end tests run: KMock (the default), or a real cluster.
+
+``ALPAJOB_E2E_KUBECONFIG=/path/to/kubeconfig`` points the end-to-end tests
+(``test_operator_e2e.py``, ``test_pods_train.py``) at a real kube-apiserver, as kopf's
+and KubeRay's e2e suites run: the same tests, the same assertions. :func:`open_cluster`
+gives either an :class:`~kube_emulator.Emulator` or a :class:`RealCluster`, which offer
+what the tests use: ``kubeconfig``, ``api()``, ``cluster_of()``, ``claim()`` and ``stop()``.
+
+On a real cluster :meth:`RealCluster.cluster_of` applies the CRD, labels the namespace
+Pod Security ``restricted``, creates the trainer's ServiceAccount and registers fake
+GPU nodes, which the test kubelet (``kubelet.Kubelet(nodes=...)``) keeps alive and
+whose bound pods it runs. Use a throwaway cluster (kind, k3d) whose own nodes take no
+pods from the test namespace (cordon them: ``kubectl cordon --all``), so that every
+pod the operator creates lands on a fake node; the operator runs as a process with
+the kubeconfig's credentials. Tests that read the emulator's own records (requests
+counted, kmock resources declared) say so and are skipped there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client, config
+
+E2E_KUBECONFIG = "ALPAJOB_E2E_KUBECONFIG"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def real_kubeconfig() -> Path | None:
+    """The kubeconfig of a real cluster to test against, if one is named."""
+    path = os.environ.get(E2E_KUBECONFIG)
+    return Path(path) if path else None
+
+
+def open_cluster(root: Path) -> Any:
+    """A started test cluster: the real one named by ``$ALPAJOB_E2E_KUBECONFIG``, else KMock."""
+    real = real_kubeconfig()
+    if real is not None:
+        return RealCluster(real).start()
+    from kube_emulator import Emulator
+
+    return Emulator(root).start()
+
+
+def emulator_only(cluster: Any, why: str) -> None:
+    """Skip a test that reads the emulator's own records on a real cluster."""
+    if isinstance(cluster, RealCluster):
+        pytest.skip(f"reads the test API server's records ({why}); not available on a real cluster")
+
+
+class RealCluster:
+    """A real Kubernetes API, used the way the tests use the emulator."""
+
+    real = True
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.nodes: list[str] = []
+        self.namespaces: list[str] = []
+        self.restricted: set[str] = set()
+        self.volumes: list[str] = []
+
+    def api(self) -> client.ApiClient:
+        return config.new_client_from_config(str(self.kubeconfig))
+
+    def start(self) -> RealCluster:
+        """Apply the CRD (manifests/crd.yaml) and wait until it is served."""
+        extensions = client.ApiextensionsV1Api(self.api())
+        crd = yaml.safe_load((ROOT / "manifests" / "crd.yaml").read_text())
+        name = crd["metadata"]["name"]
+        try:
+            current = extensions.read_custom_resource_definition(name)
+            crd["metadata"]["resourceVersion"] = current.metadata.resource_version
+            extensions.replace_custom_resource_definition(name, crd)
+        except client.ApiException as error:
+            if error.status != 404:
+                raise
+            extensions.create_custom_resource_definition(crd)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            conditions = extensions.read_custom_resource_definition(name).status.conditions or []
+            if any(c.type == "Established" and c.status == "True" for c in conditions):
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(f"CRD {name} not Established after 60 s")
+
+    def cluster_of(self, namespace: str, nodes: int, gpus: int = 8) -> None:
+        """As :meth:`kube_emulator.Emulator.cluster_of`: ``namespace`` enforcing Pod Security
+        "restricted" with the trainer's ServiceAccount, and ``nodes`` fake Ready nodes
+        ``node-<i>`` offering ``gpus`` GPUs (a test kubelet must keep them alive)."""
+        from alpajob.api.names import GPU_RESOURCE
+
+        core = client.CoreV1Api(self.api())
+        labels = {"pod-security.kubernetes.io/enforce": "restricted"}
+        try:
+            core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
+                                   "metadata": {"name": namespace, "labels": labels}})
+            self.namespaces.append(namespace)
+        except client.ApiException as error:
+            if error.status != 409:
+                raise
+            core.patch_namespace(namespace, {"metadata": {"labels": labels}})
+        self.restricted.add(namespace)
+        try:
+            core.create_namespaced_service_account(namespace, {
+                "apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": "alpajob-trainer", "namespace": namespace}})
+        except client.ApiException as error:
+            if error.status != 409:
+                raise
+        for i in range(nodes):
+            name = f"node-{i}"
+            capacity = {GPU_RESOURCE: str(gpus), "cpu": "64", "memory": "512Gi", "pods": "110"}
+            try:
+                core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+                    "name": name, "labels": {"kubernetes.io/hostname": name, "alpajob.io/e2e": "fake"}}})
+            except client.ApiException as error:
+                if error.status != 409:
+                    raise
+            core.patch_node_status(name, {"status": {"capacity": capacity, "allocatable": capacity,
+                                                     "conditions": [{"type": "Ready", "status": "True",
+                                                                     "reason": "KubeletReady"}]}})
+            self.nodes.append(name)
+
+    def claim(self, namespace: str, name: str) -> None:
+        """A ReadWriteMany PersistentVolumeClaim ``name``, bound to a volume made for it
+        (the test kubelet gives every pod that mounts it one shared folder)."""
+        core = client.CoreV1Api(self.api())
+        volume = f"alpajob-e2e-{namespace}-{name}"
+        core.create_persistent_volume({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+                                       "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                                                "persistentVolumeReclaimPolicy": "Delete", "storageClassName": "",
+                                                "hostPath": {"path": f"/tmp/{volume}"}}})
+        core.create_namespaced_persistent_volume_claim(namespace, {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": volume,
+                     "resources": {"requests": {"storage": "1Gi"}}}})
+        self.volumes.append(volume)
+
+    def stop(self) -> None:
+        """Remove what :meth:`cluster_of` made: the jobs first (their finalizers
+        released, the operator being gone), then the namespaces and the fake nodes."""
+        api = self.api()
+        custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+        from alpajob.api.names import GROUP, PLURAL, VERSION
+
+        for namespace in self.namespaces:
+            for job in custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]:
+                name = job["metadata"]["name"]
+                custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                      {"metadata": {"finalizers": None}})
+            core.delete_namespace(namespace)
+        for node in self.nodes:
+            try:
+                core.delete_node(node)
+            except client.ApiException as error:
+                if error.status != 404:
+                    raise
+        for volume in self.volumes:
+            try:
+                core.delete_persistent_volume(volume)
+            except client.ApiException as error:
+                if error.status != 404:
+                    raise
