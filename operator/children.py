@@ -219,6 +219,16 @@ def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: Role, gang:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
+def _driver_restarts(job: Mapping[str, Any]) -> int:
+    """How often the driver restarts the stages itself: never when the operator restarts
+    the job (restartScope Job), else up to backoffLimit (the operator replaces the
+    failed mesh pods; the driver waits for them to join again)."""
+    policy = job["spec"].get("runPolicy") or {}
+    if policy.get("restartScope", "Job") != "FailedPods":
+        return 0
+    return int(policy.get("backoffLimit", 3))
+
+
 def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None) -> dict[str, Any]:
     """Attempt ``a``'s head: the Ray head and the driver, which resumes from the last
     complete checkpoint; the pod succeeds when training is done."""
@@ -231,7 +241,7 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None) -> dic
                        metrics_port=METRICS_PORT,
                        progress_configmap=f"{job['metadata']['namespace']}/{names.progress}", **saves)
     container = {"name": "driver", "image": _image(job),
-                 "command": ["alpajob", "driver", "--max-restarts", "0"],
+                 "command": ["alpajob", "driver", "--max-restarts", str(_driver_restarts(job))],
                  "ports": [{"name": "gcs", "containerPort": RAY_PORT},
                            {"name": "metrics", "containerPort": METRICS_PORT}],
                  "env": _env(runtime),

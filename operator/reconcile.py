@@ -20,7 +20,9 @@ in order (the first that has something to wait for ends the pass):
    failed pod (:func:`failure_action`): FailJob fails the job at once (by default:
    exit code 2, a configuration error), Ignore restarts without counting against
    ``backoffLimit`` (by default: preemption, eviction, a lost node), Count restarts
-   counted (everything else); a pod of
+   counted (everything else). With ``runPolicy.restartScope: FailedPods`` a failed
+   mesh pod is replaced alone while the head runs on (its driver restarts every
+   stage from the checkpoint in place); a pod of
    an old attempt stuck terminating on a lost node is force-deleted, so it never
    holds the job up. When the node pool has changed since the plan was made (nodes
    lost or added, fewer GPUs), the new attempt is **planned again** for the pool as
@@ -355,6 +357,13 @@ class _Pass:
         failed = [n for n, p in current.items() if _phase(p) == "Failed"]
         missing = [n for n in expected if created and n not in self.seen.pods]
         head_done = _phase(current.get(self.names.head)) == "Succeeded"
+        # restartScope FailedPods: while the head runs, a failed mesh pod is replaced
+        # alone, and a missing one is simply created again (ensure_children).
+        in_place = (self.run_policy.get("restartScope") == "FailedPods"
+                    and _phase(current.get(self.names.head)) == "Running"
+                    and self.names.head not in failed + missing)
+        if in_place:
+            missing = []
         # Old attempts' pods: deleted, forced when stuck on a lost node.
         self.delete_pods({n: p for n, p in self.seen.pods.items()
                           if n not in current and n != self.names.planner})
@@ -362,7 +371,8 @@ class _Pass:
             return False
         what = ", ".join([f"{n} failed: {_pod_message(current[n])}" for n in failed]
                          + [f"{n} is gone" for n in missing])
-        rules = RunPolicy.model_validate(self.run_policy).failure_rules()
+        policy = RunPolicy.model_validate(self.run_policy)
+        rules = policy.failure_rules()
         judged = [failure_action(rules, current[n], self.seen.ready_nodes) for n in failed]
         judged += [failure_action(rules, None, self.seen.ready_nodes) for _ in missing]
         actions = {action for action, _ in judged}
@@ -373,11 +383,36 @@ class _Pass:
                        f"{what}; podFailurePolicy rule {index} says FailJob: restarting cannot help, "
                        "fix the cause and create the job again")
             return True
-        if FailureAction.COUNT in actions:
+        counted = FailureAction.COUNT in actions
+        if in_place:
+            self.replace_pods({n: current[n] for n in failed}, what, counted)
+        elif counted:
             self.restart_attempt(current, "PodFailed", what)
         else:
             self.restart_attempt(current, "PodDisrupted", what, counted=False)
         return True
+
+    def replace_pods(self, pods: Mapping[str, Mapping[str, Any]], what: str, counted: bool) -> None:
+        """restartScope FailedPods: delete the failed mesh pods (the next passes create
+        them again, same names, same attempt) while the head pod's driver waits for
+        their hosts and restarts every stage from the last checkpoint; or fail once
+        ``backoffLimit`` counted restarts are spent."""
+        limit = int(self.run_policy.get("backoffLimit", 3))
+        if counted and self.status.restarts >= limit:
+            self.delete_pods(self.pods_of(self.attempt))
+            self.phase(Phase.FAILED, "BackoffLimitExceeded",
+                       f"{what}; the job restarted {self.status.restarts} times (backoffLimit {limit})")
+            return
+        self.delete_pods(pods)
+        if counted:
+            self.status.restarts += 1
+            tally = f"restart {self.status.restarts} of {limit}"
+        else:
+            self.status.disruptions += 1
+            tally = f"disruption {self.status.disruptions}, not counted against backoffLimit {limit}"
+        self.phase(Phase.RESTARTING, "MeshPodReplaced",
+                   f"{what}; replacing {', '.join(sorted(pods))} while the driver restarts every stage "
+                   f"from the last checkpoint ({tally})")
 
     def restart_attempt(self, current: Mapping[str, Mapping[str, Any]], reason: str, what: str,
                         counted: bool = True) -> None:

@@ -54,6 +54,7 @@ class RunningPod:
     folder: Path
     process: subprocess.Popen
     log: Path
+    uid: str = ""
     tracked: set[int] = field(default_factory=set)  # every process seen below it
 
 
@@ -70,7 +71,9 @@ class Kubelet:
         self._last_start = 0.0
         self.env = {**os.environ, **(env or {})}
         self.pods: dict[str, RunningPod] = {}
-        self.finished: dict[str, int] = {}  # pod name -> exit code
+        self.finished: dict[str, int] = {}  # pod name -> exit code (of the last pod of that name)
+        self.ended: set[str] = set()  # uids of the pods that ran: a pod runs once, a new one of its name anew
+        self.started: list[str] = []  # pod names, in the order they started
         self.envs: dict[str, dict[str, str]] = {}  # pod name -> its env as the pod spec gave it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
@@ -116,7 +119,7 @@ class Kubelet:
                     with contextlib.suppress(client.ApiException):
                         self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
         for name, pod in seen.items():
-            if name in self.pods or name in self.finished or pod.metadata.deletion_timestamp:
+            if name in self.pods or pod.metadata.uid in self.ended or pod.metadata.deletion_timestamp:
                 continue
             if (pod.status and pod.status.phase) in ("Succeeded", "Failed"):
                 continue
@@ -171,7 +174,8 @@ class Kubelet:
         with open(log, "ab") as out:
             process = subprocess.Popen(command, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
                                        cwd=folder, start_new_session=True)
-        self.pods[name] = RunningPod(name, folder, process, log)
+        self.pods[name] = RunningPod(name, folder, process, log, pod.metadata.uid)
+        self.started.append(name)
         self._status(name, {"phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1",
                             "containerStatuses": [self._container(container.name, {"running": {}})]})
 
@@ -213,6 +217,7 @@ class Kubelet:
         code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as container runtimes say
         del self.pods[running.name]
         self.finished[running.name] = code
+        self.ended.add(running.uid)
         text = running.log.read_text(errors="replace") if running.log.exists() else ""
         state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
                                 "message": text[-2000:] if code else ""}}
@@ -242,6 +247,7 @@ class Kubelet:
             running.process.wait(10)
         self._end(running, signal.SIGKILL)
         self.finished[name] = running.process.returncode
+        self.ended.add(running.uid)
 
     @staticmethod
     def _end(running: RunningPod, sig: int = signal.SIGKILL) -> None:

@@ -299,6 +299,43 @@ def test_of_several_failed_pods_failjob_beats_count_beats_ignore(plan_json: str)
     assert (world.status["restarts"], world.status["disruptions"]) == (1, 0)
 
 
+def test_with_restart_scope_failed_pods_only_the_failed_mesh_pod_is_replaced(plan_json: str) -> None:
+    """restartScope FailedPods: a failed mesh pod is deleted and created again (same
+    attempt, same name) while the head runs on (its driver restarts the stages from the
+    checkpoint, up to backoffLimit times); a failed head restarts the whole job."""
+    world = World({"runPolicy": {"restartScope": "FailedPods", "backoffLimit": 2}})
+    _running(world, plan_json)
+    head = world.objects["Pod", "manual-gpt-0-head"]
+    assert head["spec"]["containers"][0]["command"][-2:] == ["--max-restarts", "2"]
+    _fail(world, "manual-gpt-0-m1-h0", 137)
+    world.step()
+    assert world.status["phase"] == "Restarting" and world.status["restarts"] == 1
+    assert world.status["children"]["attempt"] == 0
+    assert sorted(world.pods()) == ["manual-gpt-0-head", "manual-gpt-0-m0-h0"]  # only the failed one went
+    assert ("Warning", "MeshPodReplaced") in [(k, r) for k, r, _ in world.events]
+    world.step()
+    assert sorted(world.pods()) == ["manual-gpt-0-head", "manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0"]
+    assert world.objects["Pod", "manual-gpt-0-head"] is head  # never restarted
+    world.objects["Pod", "manual-gpt-0-m1-h0"]["status"] = {"phase": "Running"}
+    world.step()
+    assert world.status["phase"] == "Running"
+    del world.objects["Pod", "manual-gpt-0-m0-h0"]  # vanished: simply made again
+    world.step()
+    assert "manual-gpt-0-m0-h0" in world.pods() and world.status["restarts"] == 1
+    world.set_pods("Running")
+    world.step()
+    _fail(world, "manual-gpt-0-head", 1)  # the head: the whole job, as a new attempt
+    world.step()
+    assert world.status["children"]["attempt"] == 1 and world.status["restarts"] == 2
+
+
+def test_with_the_default_restart_scope_the_driver_never_restarts_itself(plan_json: str) -> None:
+    world = World()
+    _running(world, plan_json)
+    assert world.objects["Pod", "manual-gpt-0-head"]["spec"]["containers"][0]["command"][-2:] == \
+        ["--max-restarts", "0"]
+
+
 def test_suspend_deletes_the_pods_and_resume_starts_a_new_attempt(plan_json: str) -> None:
     world = World()
     _running(world, plan_json)

@@ -118,6 +118,44 @@ def test_kubectl_apply_trains_a_gpt_on_real_text_in_the_operators_pods(
     assert kubelet.finished["gpt-real-0-head"] == 0
 
 
+def test_with_restart_scope_failed_pods_only_the_killed_mesh_pod_is_replaced(
+        world: tuple[Emulator, Kubelet, Path]) -> None:
+    """restartScope FailedPods: a killed mesh pod is replaced alone (same attempt); the
+    head pod's driver keeps its Ray cluster, waits for the new pod's host and restarts
+    every stage from the last checkpoint; the job succeeds with one restart and its
+    head pod and the other mesh pod never restarted."""
+    emu, kubelet, log = world
+    custom = client.CustomObjectsApi(emu.api())
+    emu.claim(NS, "ckpt")
+    doc = _job("gpt-swap", checkpoint={"volume": "ckpt", "intervalSteps": 5},
+               runPolicy={"restartScope": "FailedPods", "backoffLimit": 2})
+    steps = 150  # long enough that the kill lands mid-run (progress is reported every 5 s)
+    doc["spec"]["training"].update(steps=steps)
+    doc["spec"]["training"].pop("evalEvery")
+    custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, doc)
+
+    def status() -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-swap").get("status") or {}
+
+    def saved() -> dict[str, Any] | None:
+        progress = status().get("progress") or {}
+        return progress if (progress.get("lastCheckpointStep") or 0) >= 5 else None
+
+    at_kill = _wait("a checkpoint", saved, kubelet, log, timeout=400)
+    kubelet.kill("gpt-swap-0-m1-h0")
+    assert at_kill["step"] < steps - 20, at_kill  # mid-run
+    _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, timeout=500)
+    final = status()
+    print(f"\nstatus.time: {final.get('time')}")  # the restart's cost, for RESULTS.md
+    assert final["phase"] == "Succeeded", final
+    assert final["children"]["attempt"] == 0 and final["restarts"] == 1
+    assert final["progress"]["step"] == steps
+    assert kubelet.started.count("gpt-swap-0-m1-h0") == 2  # replaced once
+    assert kubelet.started.count("gpt-swap-0-head") == 1 and kubelet.started.count("gpt-swap-0-m0-h0") == 1
+    assert not [n for n in kubelet.started if n.startswith("gpt-swap-1-")]
+    assert "restart 1/2" in kubelet.log("gpt-swap-0-head")
+
+
 def test_a_killed_mesh_pod_restarts_every_mesh_from_the_last_checkpoint(
         world: tuple[Emulator, Kubelet, Path]) -> None:
     """A mesh pod's processes are killed mid-run (its node is lost): the driver fails,
@@ -143,6 +181,7 @@ def test_a_killed_mesh_pod_restarts_every_mesh_from_the_last_checkpoint(
     kubelet.kill("gpt-kill-0-m1-h0")
     _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, timeout=400)
     final = status()
+    print(f"\nstatus.time: {final.get('time')}")  # the restart's cost, for RESULTS.md
     assert final["phase"] == "Succeeded", final
     assert final["restarts"] == 1 and final["children"]["attempt"] == 1
     assert final["progress"]["step"] == 40

@@ -440,6 +440,13 @@ class PodFailurePolicy(Contract):
         "configuration error), Ignore on DisruptionTarget (preemption, eviction, node loss)."))
 
 
+class RestartScope(StrEnum):
+    """What restarts after a pod of the job fails."""
+
+    JOB = "Job"  # every pod, as a new attempt, from the last checkpoint
+    FAILED_PODS = "FailedPods"  # only a failed mesh pod; the driver restarts the stages in place
+
+
 class RunPolicy(Contract):
     """``spec.runPolicy``: restarts, deadlines, clean-up and suspension."""
 
@@ -462,6 +469,11 @@ class RunPolicy(Contract):
         "Seconds a Running job may go without a progress report from its trainer before it is "
         "restarted as a hung job (reason ProgressDeadlineExceeded, counted against "
         "backoffLimit). Keep it well above a step's time."))
+    restart_scope: RestartScope = Field(RestartScope.JOB, description=(
+        "Job: a failure restarts every pod as a new attempt. FailedPods: a failed mesh pod is "
+        "replaced alone while the head pod's driver keeps the Ray cluster and restarts every "
+        "stage from the last checkpoint (no rescheduling of the other pods); a failed head pod "
+        "still restarts the job. Both count against backoffLimit."))
     pod_failure_policy: PodFailurePolicy | None = Field(None, description=(
         "What a failed pod does: fail the job at once, restart without counting, or restart "
         "counted against backoffLimit (unset: FailJob on exit code 2, Ignore on DisruptionTarget)."))
