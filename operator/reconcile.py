@@ -51,8 +51,8 @@ from typing import Any
 from alpajob.api.errors import AlpaJobError, PlanFormatError
 from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, PLAN_KEY, PROGRESS_KEY, Role
 from alpajob.api.plan import Plan, plan_from_json
-from alpajob.api.spec import ExitCodeOperator, FailureAction, PodFailureRule, RunPolicy
 from alpajob.api.progress import progress_from_json
+from alpajob.api.spec import ExitCodeOperator, FailureAction, PodFailureRule, RunPolicy
 from alpajob.api.status import (
     ConditionStatus,
     ConditionType,

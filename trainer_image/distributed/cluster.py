@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from alpajob.api.errors import AlpaJobError, TransientError
+from alpajob.api.errors import TransientError
 from alpajob.api.plan import Plan
 from alpajob.trainer_image.devices import with_host_devices
 

@@ -66,8 +66,8 @@ from alpajob.trainer_image.distributed.cluster import MeshHostSpec, mesh_hosts, 
 from alpajob.trainer_image.distributed.mesh_host import MeshHost, stage_times
 from alpajob.trainer_image.distributed.pieces import assemble_pieces
 from alpajob.trainer_image.distributed.saving import MeshCheckpoints
-from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json, write_text_atomically
 from alpajob.trainer_image.goodput import Badput, Goodput
+from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json, write_text_atomically
 from alpajob.trainer_image.precision import LossScale
 from alpajob.trainer_image.stopping import StopRequest
 
