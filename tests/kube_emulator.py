@@ -59,11 +59,13 @@ class _Admitting(kmock.KubernetesEmulator):
       does when a watch times out and reconnects) is sent only what changed since,
       then the live events. kmock sends every object again as ADDED on every watch,
       so a watcher sees a burst of changes that never happened each time it
-      reconnects. (Deletions during the gap between two watches are not replayed.)
+      reconnects. A deletion gets a version too, and a continued watch is sent the
+      deletions since its version, as the API server's watch cache sends them.
     """
 
     admit: Any = None
     version: int = 0  # the last resource version given
+    deletions: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list)  # version, resource, last state
 
     async def _handle(self, request: Any) -> Any:
         refusal = await self.admit(request) if self.admit is not None and request.resource is not None else None
@@ -82,9 +84,16 @@ class _Admitting(kmock.KubernetesEmulator):
                 meta["generation"] = self._generation(request)
             self.version += 1
             meta["resourceVersion"] = str(self.version)
+        key = (request.resource, request.namespace, request.name)
+        existed = request.name is not None and key in self._objects and not self._objects[key].deleted
+        before = _plain(self._objects[key].raw) if existed else None
         response = await super()._handle(request)
         if request.action == kmock.action.CREATE and response.status == 200 and not response.prepared:
             response.set_status(201)
+        if existed and self._objects[key].deleted:  # a delete, or the last finalizer removed
+            self.version += 1
+            before["metadata"]["resourceVersion"] = str(self.version)
+            self.deletions = [*self.deletions[-9999:], (self.version, request.resource, before)]
         return response
 
     def _generation(self, request: Any) -> int:
@@ -114,6 +123,10 @@ class _Admitting(kmock.KubernetesEmulator):
         async with self._lock:
             changed = [{"type": "MODIFIED", "object": obj.raw} for obj in objects(request, strict=False)
                        if not obj.deleted and (_version(obj.raw.get("metadata", {}).get("resourceVersion")) or 0) > since]
+        changed += [{"type": "DELETED", "object": last} for version, resource, last in list(self.deletions)
+                    if version > since and resource == request.resource
+                    and matches(request, resource, last["metadata"].get("namespace"), last["metadata"].get("name"),
+                                strict=False)]
         for event in changed:
             yield event
         async for event in self._buses[request.resource]:

@@ -402,7 +402,8 @@ def test_with_the_webhook_called_as_the_api_server_calls_it_a_job_runs_suspends_
         cluster.create_job("gpt-w")
         cluster.run_planner("gpt-w", tmp_path)
         _to_running(cluster, op, "gpt-w", tmp_path)
-        assert FINALIZER in cluster.job("gpt-w")["metadata"]["finalizers"]
+        _wait("kopf's finalizer, added through the webhook",
+              lambda: FINALIZER in (cluster.job("gpt-w")["metadata"].get("finalizers") or []), op=op)
         with pytest.raises(client.ApiException) as immutable:
             cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-w",
                                                           {"spec": {"training": {"steps": 7}}})
