@@ -53,7 +53,8 @@ class _Admitting(kmock.KubernetesEmulator):
       client then returns None for a custom object), and the server sets the new
       object's ``uid``, ``generation`` and ``creationTimestamp`` (a client's
       ``resourceVersion`` is refused); an update that changes ``spec`` adds one to
-      ``generation``.
+      ``generation``. A JSON patch whose ``test`` fails is answered 422, as the
+      API server answers it (kmock says 500, which kopf retries with the stale patch).
     - **Resource versions**: every write stamps the object with the next version; a
       list answers the current one; a watch that continues from a version (as kopf's
       does when a watch times out and reconnects) is sent only what changed since,
@@ -85,6 +86,14 @@ class _Admitting(kmock.KubernetesEmulator):
             self.version += 1
             meta["resourceVersion"] = str(self.version)
         key = (request.resource, request.namespace, request.name)
+        if request.action == kmock.action.UPDATE and isinstance(request.data, list):  # a JSON patch
+            failed = self._failed_test(key, request.data)
+            if failed is not None:
+                return await self._render_error(KubernetesError(
+                    status=422, reason="Invalid",
+                    message=f"the server rejected our request due to an error in our request: {failed}"))
+            self.version += 1
+            request.data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": str(self.version)})
         existed = request.name is not None and key in self._objects and not self._objects[key].deleted
         before = _plain(self._objects[key].raw) if existed else None
         response = await super()._handle(request)
@@ -95,6 +104,23 @@ class _Admitting(kmock.KubernetesEmulator):
             before["metadata"]["resourceVersion"] = str(self.version)
             self.deletions = [*self.deletions[-9999:], (self.version, request.resource, before)]
         return response
+
+    def _failed_test(self, key: Any, ops: list[Any]) -> str | None:
+        """The first ``test`` operation of a JSON patch that the stored object fails,
+        as the API server says it (it answers 422, and kopf, testing the resource
+        version, then waits for the newer object instead of retrying)."""
+        if key not in self._objects or self._objects[key].deleted:
+            return None
+        stored = self._objects[key].raw
+        for op in ops:
+            if not isinstance(op, dict) or op.get("op") != "test":
+                continue
+            value: Any = stored
+            for part in str(op.get("path", "")).split("/")[1:]:
+                value = value.get(part) if isinstance(value, dict) else None
+            if value != op.get("value"):
+                return f"testing value {op.get('path')} failed"
+        return None
 
     def _generation(self, request: Any) -> int:
         """The generation after an update of ``spec``: one more when it changes it."""
