@@ -17,7 +17,6 @@ to the API server to keep them current.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -28,10 +27,7 @@ from prometheus_client.registry import Collector
 
 from alpajob.api.errors import AlpaJobError
 from alpajob.api.status import JobTime, Phase
-
-#: ``status.time``'s bucket of each phase (Pending is booked with Planning).
-_BUCKETS = {Phase.PENDING: "planning", Phase.PLANNING: "planning", Phase.STARTING: "starting",
-            Phase.RUNNING: "running", Phase.RESTARTING: "restarting", Phase.SUSPENDED: "suspended"}
+from alpajob.operator.status import TIME_BUCKETS, close_phase
 
 
 class JobTimes(Collector):
@@ -47,17 +43,16 @@ class JobTimes(Collector):
                                     labels=["namespace", "job", "phase"])
         goodput = GaugeMetricFamily("alpajob_job_goodput", "an AlpaJob's Running time over its "
                                     "planning, starting, running and restarting time", labels=["namespace", "job"])
-        now = time.time()
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        buckets = sorted(set(TIME_BUCKETS.values()))
         for (namespace, job), (phase, books) in sorted(dict(self.jobs).items()):  # a copy: passes add to it
-            spent = {bucket: float(getattr(books, f"{bucket}_seconds")) for bucket in set(_BUCKETS.values())}
-            if phase in _BUCKETS and books.phase_since:
-                since = datetime.strptime(books.phase_since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
-                spent[_BUCKETS[phase]] += max(now - since, 0.0)
-            for bucket in sorted(spent):
-                seconds.add_metric([namespace, job, bucket], spent[bucket])
-            total = sum(v for k, v in spent.items() if k != "suspended")
-            if total > 0:
-                goodput.add_metric([namespace, job], spent["running"] / total)
+            so_far = books.model_copy()
+            close_phase(so_far, phase, now)  # the phase in progress, counted up to now
+            for bucket in buckets:
+                seconds.add_metric([namespace, job, bucket.removesuffix("_seconds")], getattr(so_far, bucket))
+            share = so_far.goodput()
+            if share is not None:
+                goodput.add_metric([namespace, job], share)
         yield seconds
         yield goodput
 

@@ -397,19 +397,11 @@ class _Pass:
         them again, same names, same attempt) while the head pod's driver waits for
         their hosts and restarts every stage from the last checkpoint; or fail once
         ``backoffLimit`` counted restarts are spent."""
-        limit = int(self.run_policy.get("backoffLimit", 3))
-        if counted and self.status.restarts >= limit:
+        tally = self.book_restart(what, counted)
+        if tally is None:
             self.delete_pods(self.pods_of(self.attempt))
-            self.phase(Phase.FAILED, "BackoffLimitExceeded",
-                       f"{what}; the job restarted {self.status.restarts} times (backoffLimit {limit})")
             return
         self.delete_pods(pods)
-        if counted:
-            self.status.restarts += 1
-            tally = f"restart {self.status.restarts} of {limit}"
-        else:
-            self.status.disruptions += 1
-            tally = f"disruption {self.status.disruptions}, not counted against backoffLimit {limit}"
         self.phase(Phase.RESTARTING, "MeshPodReplaced",
                    f"{what}; replacing {', '.join(sorted(pods))} while the driver restarts every stage "
                    f"from the last checkpoint ({tally})")
@@ -417,24 +409,30 @@ class _Pass:
     def restart_attempt(self, current: Mapping[str, Mapping[str, Any]], reason: str, what: str,
                         counted: bool = True) -> None:
         """Delete the attempt's pods and start the next attempt (every mesh, from the
-        last checkpoint), or fail once ``backoffLimit`` counted restarts are spent. A
-        restart not ``counted`` (a disruption) is booked in ``status.disruptions``."""
-        limit = int(self.run_policy.get("backoffLimit", 3))
+        last checkpoint), or fail once ``backoffLimit`` counted restarts are spent."""
         self.delete_pods(current)
-        if counted and self.status.restarts >= limit:
-            self.phase(Phase.FAILED, "BackoffLimitExceeded",
-                       f"{what}; the job restarted {self.status.restarts} times (backoffLimit {limit})")
+        tally = self.book_restart(what, counted)
+        if tally is None:
             return
-        if counted:
-            self.status.restarts += 1
-            tally = f"restart {self.status.restarts} of {limit}"
-        else:
-            self.status.disruptions += 1
-            tally = f"disruption {self.status.disruptions}, not counted against backoffLimit {limit}"
         self.next_attempt()
         self.phase(Phase.RESTARTING, reason, f"{what}; restarting every mesh from the last checkpoint ({tally})")
         if self.pool_changed():
             self.replan("the node pool changed since the plan was made")
+
+    def book_restart(self, what: str, counted: bool) -> str | None:
+        """Book a restart in ``status.restarts`` (``counted`` against ``backoffLimit``)
+        or ``status.disruptions``, and say which; None, with the job Failed, once the
+        counted restarts are spent."""
+        limit = int(self.run_policy.get("backoffLimit", 3))
+        if counted and self.status.restarts >= limit:
+            self.phase(Phase.FAILED, "BackoffLimitExceeded",
+                       f"{what}; the job restarted {self.status.restarts} times (backoffLimit {limit})")
+            return None
+        if counted:
+            self.status.restarts += 1
+            return f"restart {self.status.restarts} of {limit}"
+        self.status.disruptions += 1
+        return f"disruption {self.status.disruptions}, not counted against backoffLimit {limit}"
 
     def hung(self, current: Mapping[str, Mapping[str, Any]]) -> bool:
         """A Running job whose trainer has reported no progress for

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from alpajob.api.status import Condition, ConditionStatus, ConditionType, Phase, Status
+from alpajob.api.status import Condition, ConditionStatus, ConditionType, JobTime, Phase, Status
 
 
 def set_condition(status: Status, kind: ConditionType, value: bool, reason: str, message: str,
@@ -36,17 +36,22 @@ def _seconds(text: str) -> float:
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
 
 
+def close_phase(clock: JobTime, phase: Phase, now: str) -> None:
+    """Add the time from ``clock.phase_since`` to ``now`` to ``phase``'s bucket (a
+    finished phase has none)."""
+    bucket = TIME_BUCKETS.get(phase)
+    if clock.phase_since is not None and bucket is not None:
+        spent = max(0.0, _seconds(now) - _seconds(clock.phase_since))
+        setattr(clock, bucket, round(getattr(clock, bucket) + spent, 3))
+
+
 def account_time(status: Status, phase: Phase, now: str) -> None:
     """On a change of phase, add the time spent in the phase that ends to its bucket
     of ``status.time``, and start the clock of the new one."""
     if phase is status.phase and status.time.phase_since is not None:
         return
-    clock = status.time
-    bucket = TIME_BUCKETS.get(status.phase)
-    if clock.phase_since is not None and bucket is not None:
-        spent = max(0.0, _seconds(now) - _seconds(clock.phase_since))
-        setattr(clock, bucket, round(getattr(clock, bucket) + spent, 3))
-    clock.phase_since = now
+    close_phase(status.time, status.phase, now)
+    status.time.phase_since = now
 
 
 def set_phase(status: Status, phase: Phase, reason: str, message: str, generation: int, now: str,

@@ -53,6 +53,18 @@ def emulator_only(cluster: Any, why: str) -> None:
         pytest.skip(f"reads the test API server's records ({why}); not available on a real cluster")
 
 
+def _unless(status: int, call: Any, *args: Any) -> bool:
+    """``call(*args)``; False instead of the API's error ``status`` (409: it exists
+    already, 404: it is gone), which is then no failure."""
+    try:
+        call(*args)
+    except client.ApiException as error:
+        if error.status != status:
+            raise
+        return False
+    return True
+
+
 class RealCluster:
     """A real Kubernetes API, used the way the tests use the emulator."""
 
@@ -97,31 +109,20 @@ class RealCluster:
 
         core = client.CoreV1Api(self.api())
         labels = {"pod-security.kubernetes.io/enforce": "restricted"}
-        try:
-            core.create_namespace({"apiVersion": "v1", "kind": "Namespace",
-                                   "metadata": {"name": namespace, "labels": labels}})
+        if _unless(409, core.create_namespace, {"apiVersion": "v1", "kind": "Namespace",
+                                                 "metadata": {"name": namespace, "labels": labels}}):
             self.namespaces.append(namespace)
-        except client.ApiException as error:
-            if error.status != 409:
-                raise
+        else:
             core.patch_namespace(namespace, {"metadata": {"labels": labels}})
         self.restricted.add(namespace)
-        try:
-            core.create_namespaced_service_account(namespace, {
-                "apiVersion": "v1", "kind": "ServiceAccount",
-                "metadata": {"name": "alpajob-trainer", "namespace": namespace}})
-        except client.ApiException as error:
-            if error.status != 409:
-                raise
+        _unless(409, core.create_namespaced_service_account, namespace, {
+            "apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": "alpajob-trainer", "namespace": namespace}})
         for i in range(nodes):
             name = f"node-{i}"
             capacity = {GPU_RESOURCE: str(gpus), "cpu": "64", "memory": "512Gi", "pods": "110"}
-            try:
-                core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
-                    "name": name, "labels": {"kubernetes.io/hostname": name, "alpajob.io/e2e": "fake"}}})
-            except client.ApiException as error:
-                if error.status != 409:
-                    raise
+            _unless(409, core.create_node, {"apiVersion": "v1", "kind": "Node", "metadata": {
+                "name": name, "labels": {"kubernetes.io/hostname": name, "alpajob.io/e2e": "fake"}}})
             core.patch_node_status(name, {"status": {"capacity": capacity, "allocatable": capacity,
                                                      "conditions": [{"type": "Ready", "status": "True",
                                                                      "reason": "KubeletReady"}]}})
@@ -156,14 +157,6 @@ class RealCluster:
                                                       {"metadata": {"finalizers": None}})
             core.delete_namespace(namespace)
         for node in self.nodes:
-            try:
-                core.delete_node(node)
-            except client.ApiException as error:
-                if error.status != 404:
-                    raise
+            _unless(404, core.delete_node, node)
         for volume in self.volumes:
-            try:
-                core.delete_persistent_volume(volume)
-            except client.ApiException as error:
-                if error.status != 404:
-                    raise
+            _unless(404, core.delete_persistent_volume, volume)

@@ -527,11 +527,9 @@ def test_every_dashboard_query_is_valid_promql(promtool: str, tmp_path: Path) ->
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_per_stage_utilization_on_synthetic_counters(promtool: str, tmp_path: Path) -> None:
-    """Stage 0 computes 48 s a minute, idles 9 and communicates 3: 80% busy; stage 1
-    computes 30, idles 24 (the pipeline bubble) and communicates 6: 50%."""
-    (utilization,) = [e for t, e in targets() if t == "Per-stage utilization"]
-    per_minute = {"0": (48, 9, 3), "1": (30, 24, 6)}
+def _stage_counters(per_minute: dict[str, tuple[int, int, int]]) -> list[dict[str, str]]:
+    """promtool input series: each stage's compute, idle and communication seconds
+    counters, growing by the given seconds every minute for 10 minutes."""
     series = []
     for stage, seconds in per_minute.items():
         for part, step in zip(("compute", "idle", "communication"), seconds, strict=True):
@@ -539,46 +537,42 @@ def test_per_stage_utilization_on_synthetic_counters(promtool: str, tmp_path: Pa
                 "series": f'alpajob_stage_{part}_seconds_total{{namespace="ml", job="gpt", stage="{stage}"}}',
                 "values": f"0+{step}x10",
             })
+    return series
+
+
+def _by_stage(values: tuple[float, float]) -> list[dict[str, Any]]:
+    return [{"labels": f'{{namespace="ml", job="gpt", stage="{stage}"}}', "value": value}
+            for stage, value in enumerate(values)]
+
+
+def _promtool_test(promtool: str, path: Path, series: list[dict[str, str]],
+                   expected: list[tuple[str, tuple[float, float]]]) -> None:
+    """Evaluate each (query, per-stage values) at 10 minutes on ``series`` with promtool."""
     test = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series,
-        "promql_expr_test": [{"expr": grafana_to_promql(utilization), "eval_time": "10m", "exp_samples": [
-            {"labels": '{namespace="ml", job="gpt", stage="0"}', "value": 0.8},
-            {"labels": '{namespace="ml", job="gpt", stage="1"}', "value": 0.5},
-        ]}],
+        "promql_expr_test": [{"expr": grafana_to_promql(expr), "eval_time": "10m", "exp_samples": _by_stage(values)}
+                             for expr, values in expected],
     }]}
-    path = tmp_path / "utilization_test.yaml"
     path.write_text(yaml.safe_dump(test))
     done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_per_stage_utilization_on_synthetic_counters(promtool: str, tmp_path: Path) -> None:
+    """Stage 0 computes 48 s a minute, idles 9 and communicates 3: 80% busy; stage 1
+    computes 30, idles 24 (the pipeline bubble) and communicates 6: 50%."""
+    (utilization,) = [e for t, e in targets() if t == "Per-stage utilization"]
+    series = _stage_counters({"0": (48, 9, 3), "1": (30, 24, 6)})
+    _promtool_test(promtool, tmp_path / "utilization_test.yaml", series, [(utilization, (0.8, 0.5))])
 
 
 def test_bubble_share_per_stage_on_synthetic_counters(promtool: str, tmp_path: Path) -> None:
     """Stage 1 idles 24 s of every 60 (the bubble: 40%), stage 0 idles 15 (25%); the
     measured query gives those shares, the predicted one the plan's gauge."""
     measured, predicted = [e for t, e in targets() if t == "Bubble share per stage, measured and predicted"]
-    per_minute = {"0": (42, 15, 3), "1": (30, 24, 6)}
     series = [{"series": f'alpajob_stage_predicted_idle_share{{namespace="ml", job="gpt", stage="{stage}"}}',
                "values": f"{share}x10"} for stage, share in (("0", 0.1), ("1", 0.35))]
-    for stage, seconds in per_minute.items():
-        for part, step in zip(("compute", "idle", "communication"), seconds, strict=True):
-            series.append({
-                "series": f'alpajob_stage_{part}_seconds_total{{namespace="ml", job="gpt", stage="{stage}"}}',
-                "values": f"0+{step}x10",
-            })
-    test = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
-        "interval": "1m", "input_series": series,
-        "promql_expr_test": [
-            {"expr": grafana_to_promql(measured), "eval_time": "10m", "exp_samples": [
-                {"labels": '{namespace="ml", job="gpt", stage="0"}', "value": 0.25},
-                {"labels": '{namespace="ml", job="gpt", stage="1"}', "value": 0.4}]},
-            {"expr": grafana_to_promql(predicted), "eval_time": "10m", "exp_samples": [
-                {"labels": '{namespace="ml", job="gpt", stage="0"}', "value": 0.1},
-                {"labels": '{namespace="ml", job="gpt", stage="1"}', "value": 0.35}]},
-        ],
-    }]}
-    path = tmp_path / "bubble_test.yaml"
-    path.write_text(yaml.safe_dump(test))
-    done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
+    series += _stage_counters({"0": (42, 15, 3), "1": (30, 24, 6)})
+    _promtool_test(promtool, tmp_path / "bubble_test.yaml", series,
+                   [(measured, (0.25, 0.4)), (predicted, (0.1, 0.35))])
