@@ -178,22 +178,39 @@ def test_collectives_one_axis_closed_forms():
     assert all_reduce_seconds(mesh, (), nbytes) == 0.0
 
 
-def test_collectives_over_both_axes_compose_sequentially():
+def test_collectives_over_both_axes_are_one_ring_paced_by_the_slowest_link():
+    """Alpa's ``AllReduceCost(bytes, 0, 1)`` and what NCCL runs for one collective
+    over all 8 devices: max(alpha) + factor * max(beta) * (N-1)/N * bytes."""
     mesh = toy_mesh()
     nbytes = 1e6
-    # All-gather: first stage gathers nbytes / n_second, the second all of it.
-    order_a = (ALPHA0 + BETA0 * 0.5 * nbytes / 4) + (ALPHA1 + BETA1 * 0.75 * nbytes)
-    order_b = (ALPHA1 + BETA1 * 0.75 * nbytes / 2) + (ALPHA0 + BETA0 * 0.5 * nbytes)
-    assert all_gather_seconds(mesh, (0, 1), nbytes) == pytest.approx(min(order_a, order_b))
-    # All-reduce: first axis on everything, the second on its share.
-    order_a = (ALPHA0 + BETA0 * nbytes * 0.5 * 2) + (ALPHA1 + BETA1 * 2 * 0.75 * nbytes / 2)
-    order_b = (ALPHA1 + BETA1 * 2 * 0.75 * nbytes) + (ALPHA0 + BETA0 * 2 * 0.5 * nbytes / 4)
-    assert all_reduce_seconds(mesh, (0, 1), nbytes) == pytest.approx(min(order_a, order_b))
+    slow = max(ALPHA0, ALPHA1), max(BETA0, BETA1)
+    assert all_gather_seconds(mesh, (0, 1), nbytes) == pytest.approx(
+        slow[0] + slow[1] * 7 / 8 * nbytes)
+    assert reduce_scatter_seconds(mesh, (0, 1), nbytes) == pytest.approx(
+        slow[0] + slow[1] * 7 / 8 * nbytes)
+    assert all_reduce_seconds(mesh, (0, 1), nbytes) == pytest.approx(
+        slow[0] + 2 * slow[1] * 7 / 8 * nbytes)
+    # Dearer than the slow axis alone: every byte crosses the slow link 7/8 of the way.
+    assert all_reduce_seconds(mesh, (0, 1), nbytes) > all_reduce_seconds(mesh, (0,), nbytes)
     # A size-1 axis costs nothing.
     flat = toy_mesh((1, 8))
     assert all_gather_seconds(flat, (0, 1), nbytes) == pytest.approx(
         all_gather_seconds(flat, (1,), nbytes)
     )
+
+
+def test_a_ring_over_both_axes_has_the_nic_to_itself():
+    """On 2 nodes x 8 GPUs as (2, 8), axis 0's beta is 1/8 of the NIC (8 groups cross
+    at once); the one ring over all 16 devices gets the whole NIC."""
+    cluster = cluster_from_preset("a100-40gb", 2)
+    cal = load_calibration("a100-40gb")
+    mesh = make_logical_mesh(cluster, (2, 8), (2, 8), cal)
+    outer, inner = mesh.axes
+    assert outer.link_sharers == 8 and inner.link_sharers == 1
+    nbytes = 1e8
+    whole_nic = max(outer.beta_seconds_per_byte / 8, inner.beta_seconds_per_byte)
+    assert all_reduce_seconds(mesh, (0, 1), nbytes) == pytest.approx(
+        max(outer.alpha_seconds, inner.alpha_seconds) + 2 * whole_nic * 15 / 16 * nbytes)
 
 
 def test_p2p():

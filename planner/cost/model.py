@@ -24,11 +24,20 @@ Collectives (alpha-beta, ``B`` = bytes of the whole gathered tensor in one group
     all-reduce      alpha + 2 beta (n-1)/n B
     all-to-all      (alpha + beta (n-1)/n^2 B) * penalty
 
-Over both axes at once we compose sequentially (hierarchically), the second stage
-moving only its share of the data, and take the cheaper axis order. Example:
-all-gather over (0, 1) of ``B`` bytes = all-gather over the first axis of
-``B / n_second`` bytes, then over the second axis of ``B`` bytes. The total bytes
-moved equal a flat ring's; the latencies and bandwidths are the per-axis ones.
+Over both axes at once (``N = a * b`` devices) a collective is one NCCL ring over
+all of them, as XLA runs it (one collective whose replica groups span both axes), so
+the slowest link paces it::
+
+    all-reduce over (0, 1)   max(alpha) + 2 max(beta) (N-1)/N B     (likewise the others)
+
+This is Alpa's ``AllReduceCost(bytes, mesh_dim, mesh_dim_another)``. A hierarchical
+schedule (reduce-scatter on the fast axis, all-reduce the 1/b share on the slow one,
+all-gather back) would move only ``B/b`` over the slow links, ~0.6 B beta_slow on a
+2 x 2 mesh against the ring's 1.5 B beta_slow; pricing that, which nothing here runs,
+made the ILP prefer data parallelism over both axes where Megatron on the fast one
+is faster. An inter-node axis' ``beta`` is its share of the NIC when each of the
+node's devices runs its own group along it (``MeshAxis.link_sharers`` groups); the
+one ring over both axes has the NIC to itself.
 
 Compute (roofline)
 ------------------
@@ -164,6 +173,10 @@ class MeshAxis:
     size: int
     alpha_seconds: float
     beta_seconds_per_byte: float
+    #: Groups along this axis that share its slowest link at once (the devices of a
+    #: node on an inter-node axis, each in its own group); ``beta`` is already one
+    #: group's share.
+    link_sharers: int = 1
 
 
 @dataclass(frozen=True)
@@ -250,6 +263,7 @@ def make_logical_mesh(
             size,
             latency + cal.collective_overhead_seconds,
             1.0 / (bandwidth * cal.comm_bandwidth_efficiency),
+            groups_per_node if inter_node else 1,
         )
 
     inner = axis(b, inter_node=b > m, groups_per_node=1)
@@ -296,49 +310,35 @@ def _axis_cost(mesh: LogicalMesh, k: int, nbytes: float, factor: float) -> float
     return axis.alpha_seconds + axis.beta_seconds_per_byte * factor * (n - 1) / n * nbytes
 
 
-def _two_stage(
-    mesh: LogicalMesh,
-    axes: Sequence[int],
-    nbytes: float,
-    single: Any,
-    first_full: bool,
-) -> float:
-    """Cheapest order of a collective over two axes composed as two one-axis stages.
-
-    ``first_full``: the first stage sees all ``nbytes`` and the second ``nbytes / n1``
-    (reduce-scatter, all-reduce); otherwise the first sees ``nbytes / n2`` and the
-    second all of them (all-gather).
-    """
+def _collective(mesh: LogicalMesh, axes: Sequence[int], nbytes: float, factor: float) -> float:
+    """``alpha + factor * beta (n-1)/n * nbytes`` over ``axes``: the axis' own alpha
+    and beta for one live axis; for two, one ring over all their devices paced by the
+    slowest link (module docstring)."""
     live = [k for k in axes if mesh.axes[k].size > 1]
     if not live:
         return 0.0
     if len(live) == 1:
-        return float(single(mesh, live[0], nbytes))
-    best = float("inf")
-    for first, second in (live, live[::-1]):
-        n1, n2 = mesh.axes[first].size, mesh.axes[second].size
-        if first_full:
-            cost = single(mesh, first, nbytes) + single(mesh, second, nbytes / n1)
-        else:
-            cost = single(mesh, first, nbytes / n2) + single(mesh, second, nbytes)
-        best = min(best, cost)
-    return best
+        return _axis_cost(mesh, live[0], nbytes, factor)
+    n = mesh.size_of(live)
+    alpha = max(mesh.axes[k].alpha_seconds for k in live)
+    beta = max(mesh.axes[k].beta_seconds_per_byte / mesh.axes[k].link_sharers for k in live)
+    return alpha + beta * factor * (n - 1) / n * nbytes
 
 
 def all_gather_seconds(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
     """All-gather over ``axes``; ``nbytes`` is the gathered tensor in one group."""
-    return _two_stage(mesh, axes, nbytes, lambda m, k, b: _axis_cost(m, k, b, 1.0), False)
+    return _collective(mesh, axes, nbytes, 1.0)
 
 
 def reduce_scatter_seconds(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
     """Reduce-scatter over ``axes``; ``nbytes`` is the unreduced tensor on each device."""
-    return _two_stage(mesh, axes, nbytes, lambda m, k, b: _axis_cost(m, k, b, 1.0), True)
+    return _collective(mesh, axes, nbytes, 1.0)
 
 
 def all_reduce_seconds(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:
-    """All-reduce over ``axes`` of a ``nbytes`` tensor (hierarchical over two axes:
-    all-reduce the first axis, then the second on its 1/n1 share)."""
-    return _two_stage(mesh, axes, nbytes, lambda m, k, b: _axis_cost(m, k, b, 2.0), True)
+    """All-reduce over ``axes`` of a ``nbytes`` tensor (over two axes: one ring over
+    both, paced by the slowest link, as Alpa and NCCL)."""
+    return _collective(mesh, axes, nbytes, 2.0)
 
 
 def all_to_all_seconds(mesh: LogicalMesh, axes: Sequence[int], nbytes: float) -> float:

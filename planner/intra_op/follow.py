@@ -33,10 +33,9 @@ from collections.abc import Sequence
 from alpajob.planner.cost.cluster import DeviceSpec
 from alpajob.planner.cost.model import Calibration, LogicalMesh, all_reduce_seconds
 from alpajob.planner.graph.opgraph import Op, OpGraph
+from alpajob.planner.intra_op.collectives import Collective, CollectiveKind
 from alpajob.planner.intra_op.sharding import ShardSpec, replicated, shard_factor, tensor_bytes
 from alpajob.planner.intra_op.strategies import (
-    Collective,
-    CollectiveKind,
     OpKind,
     Strategy,
     named_dims,

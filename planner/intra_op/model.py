@@ -241,6 +241,7 @@ def build_model(
     input_hints: Mapping[int, ShardSpec] | None = None,
     *,
     context: SolveContext | None = None,
+    fixed_inputs: Mapping[int, ShardSpec] | None = None,
 ) -> IntraOpModel:
     """The cost tables of ``op_ids`` on ``mesh`` (see module docstring).
 
@@ -259,7 +260,26 @@ def build_model(
             f"{graph.name!r} object; make one per graph with SolveContext(graph)"
         )
     model = context.model(op_ids, mesh, device, calibration, mode)
-    return _with_hints(model, input_hints) if input_hints else model
+    if input_hints:
+        model = _with_hints(model, input_hints)
+    return _with_fixed(model, fixed_inputs) if fixed_inputs else model
+
+
+def _with_fixed(model: IntraOpModel, fixed: Mapping[int, ShardSpec]) -> IntraOpModel:
+    """``model`` with each fixed boundary input's other specs forbidden (a copy)."""
+    nodes = list(model.nodes)
+    for t, spec in fixed.items():
+        if t not in model.boundary_inputs:
+            raise ValueError(f"tensor {t} is not a boundary input of these ops: only "
+                             f"those can be fixed")
+        specs = model.tensor_specs[t]
+        if spec not in specs.values:
+            raise ValueError(f"tensor {t} cannot take spec {spec} on this mesh; its specs "
+                             f"are {sorted(set(specs.values))}")
+        v = model.tensor_node[t]
+        row = specs.take([0.0 if s == spec else INF for s in specs.values])
+        nodes[v] = dataclasses.replace(nodes[v], comm=nodes[v].comm + row)
+    return dataclasses.replace(model, nodes=tuple(nodes))
 
 
 def _with_hints(model: IntraOpModel, input_hints: Mapping[int, ShardSpec]) -> IntraOpModel:
@@ -354,6 +374,11 @@ class _Nodes:
         self.op_node: dict[int, int] = {}
         self.op_strategies: dict[int, PerStrategy[Strategy]] = {}
         self.op_table: dict[int, OpTable] = {}
+        #: Tensors computed from captured constants alone (the zeros a ReLU's backward
+        #: selects from): any layout of them is free to make, so none is worth copying.
+        self.constant: set[int] = {
+            t for t in subset.boundary_inputs if graph.tensor(t).role is TensorRole.CONSTANT
+        }
         mesh = tables.mesh
         data = mode is not ShardingMode.AUTO
         experts = tables.expert_dims if mode is ShardingMode.EXPERT_ZERO2 else {}
@@ -380,6 +405,8 @@ class _Nodes:
         for op_id in subset.op_ids:
             op = graph.ops[op_id]
             kind = op_kind(op.primitive)
+            if all(t in self.constant for t in op.inputs):
+                self.constant.update(op.outputs)
             if kind.is_follower and op.inputs and op.outputs:
                 operand = self._pick_operand(op, kind, graph, subset.produced,
                                              wanted(op.outputs[0]) if data else None)
@@ -418,9 +445,11 @@ class _Nodes:
         wanted: ShardSpec | None = None,
     ) -> int:
         """Which operand a follower copies: the first for layout ops and reductions; for
-        elementwise ops (and concatenate) the same-shaped, largest operand whose node
-        still has a choice, in the update phase preferably the parameter's (so that
-        ``p - lr * u`` keeps ``p``'s spec), else the latest produced.
+        elementwise ops (and concatenate) one not made of constants alone (copying the
+        replicated layout of a broadcast of zeros would gather the real operand), then
+        the same-shaped, largest operand whose node still has a choice, in the update
+        phase preferably the parameter's (so that ``p - lr * u`` keeps ``p``'s spec),
+        else the latest produced.
 
         In the restricted modes (``wanted``: the output's one spec there) an operand
         that can have the wanted spec comes first: following a replicated broadcast
@@ -431,11 +460,12 @@ class _Nodes:
             return 0
         out = graph.tensor(op.outputs[0])
 
-        def key(position: int) -> tuple[bool, bool, int, bool, bool, int]:
+        def key(position: int) -> tuple[bool, bool, bool, int, bool, bool, int]:
             tensor = graph.tensor(op.inputs[position])
             node = self.tensor_node[tensor.id]
             return (
                 wanted is None or wanted in self.tensor_specs[tensor.id].values,
+                tensor.id not in self.constant,
                 tensor.shape == out.shape,
                 math.prod(tensor.shape),
                 len(self.names[node]) > 1,

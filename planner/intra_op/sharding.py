@@ -19,8 +19,8 @@ decided per mesh axis ``k``:
 - ``k`` splits a dimension in ``src`` but not in ``dst`` (or at another position
   within the same dimension): all-gather over ``k`` (then slice, free).
 
-All-to-alls run first (on the most sharded layout), then the all-gathers in the
-cheaper axis order; each collective's bytes are those of one group of devices.
+All-to-alls run first (on the most sharded layout), then one all-gather over the
+gathered axes; each collective's bytes are those of one group of devices.
 Example, a 1024 x 1024 float32 tensor (4 MiB) on a 2 x 4 mesh:
 ``((0,), ()) -> ((), ())`` all-gathers 4 MiB over axis 0;
 ``((0,), ()) -> ((), (0,))`` is one all-to-all over axis 0;
@@ -40,6 +40,7 @@ from alpajob.planner.cost.model import (
     all_to_all_seconds,
 )
 from alpajob.planner.graph.opgraph import DTYPE_BYTES
+from alpajob.planner.intra_op.collectives import Collective, CollectiveKind
 
 #: Per tensor dimension, the mesh axes that split it (major first).
 ShardSpec = tuple[tuple[int, ...], ...]
@@ -188,21 +189,39 @@ def reshard_plan(src: ShardSpec, dst: ShardSpec, mesh: LogicalMesh) -> ReshardPl
     return tuple(moved), tuple(gathered), tuple(src_pos)
 
 
+def plan_collectives(plan: ReshardPlan, nbytes: float, mesh: LogicalMesh) -> list[Collective]:
+    """The collectives of a :func:`reshard_plan` on a tensor of ``nbytes`` (whole):
+    one all-to-all per moved axis, then one all-gather over the gathered axes. Each
+    works on one group's data: the tensor divided by the axes that still split it,
+    other than the collective's own."""
+    moved, gathered, current = plan
+    out = []
+    for k in moved:
+        share = nbytes / mesh.size_of([j for j in current if j != k])
+        out.append(Collective(CollectiveKind.ALL_TO_ALL, (k,), share,
+                              all_to_all_seconds(mesh, (k,), share)))
+    if gathered:
+        share = nbytes / mesh.size_of([j for j in current if j not in gathered])
+        out.append(Collective(CollectiveKind.ALL_GATHER, tuple(gathered), share,
+                              all_gather_seconds(mesh, gathered, share)))
+    return out
+
+
 def plan_seconds(plan: ReshardPlan, nbytes: float, mesh: LogicalMesh) -> float:
     """Seconds of a :func:`reshard_plan` on a tensor of ``nbytes`` (whole)."""
-    moved, gathered, current = plan
+    moved, gathered, _ = plan
     if not moved and not gathered:
         return 0.0
-    cost = 0.0
-    # Every collective works on one group's data: the tensor divided by the axes that
-    # still split it, other than the collective's own.
-    for k in moved:
-        others = [j for j in current if j != k]
-        cost += all_to_all_seconds(mesh, (k,), nbytes / mesh.size_of(others))
-    if gathered:
-        remaining = [j for j in current if j not in gathered]
-        cost += all_gather_seconds(mesh, gathered, nbytes / mesh.size_of(remaining))
-    return cost
+    return sum(c.seconds for c in plan_collectives(plan, nbytes, mesh))
+
+
+def reshard_collectives(
+    tensor_shape: Sequence[int], dtype: str, src: ShardSpec, dst: ShardSpec, mesh: LogicalMesh
+) -> list[Collective]:
+    """The collectives that turn a tensor laid out as ``src`` into ``dst``."""
+    if src == dst:
+        return []
+    return plan_collectives(reshard_plan(src, dst, mesh), tensor_bytes(tensor_shape, dtype), mesh)
 
 
 @lru_cache(maxsize=65536)

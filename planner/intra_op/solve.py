@@ -58,6 +58,7 @@ from alpajob.planner.cost.model import (
 )
 from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole
 from alpajob.planner.graph.subset import GraphIndex
+from alpajob.planner.intra_op.collectives import Collective, CollectiveKind, PlannedCollective
 from alpajob.planner.intra_op.ilp import brute_force, solve
 from alpajob.planner.intra_op.milp import SolveStatus
 from alpajob.planner.intra_op.model import (
@@ -69,13 +70,13 @@ from alpajob.planner.intra_op.model import (
 from alpajob.planner.intra_op.sharding import (
     ShardSpec,
     is_valid_spec,
+    reshard_collectives,
     resharding_seconds,
     shard_factor,
     spec_axes,
     tensor_bytes,
     to_partition_spec,
 )
-from alpajob.planner.intra_op.strategies import Collective, CollectiveKind
 
 __all__ = [
     "IntraOpResult",
@@ -121,7 +122,9 @@ class IntraOpResult:
     ``objective`` is the ILP optimum (before weight-update sharding), in seconds per
     micro-batch: ``compute + comm + update / B + (memory_weight + 1e-18) * memory``.
     ``specs`` holds every tensor the subset touches (optimizer state as rewritten by
-    weight-update sharding); ``weight_update_sharded`` the rewritten parameters.
+    weight-update sharding); ``weight_update_sharded`` the rewritten parameters;
+    ``collectives`` every collective the sharding performs (after the rewrite), for
+    :func:`~alpajob.planner.intra_op.collectives.count_collectives`.
     """
 
     compute_seconds: float
@@ -136,6 +139,7 @@ class IntraOpResult:
     weight_update_sharded: tuple[int, ...]
     stats: IntraOpStats
     mesh: LogicalMesh
+    collectives: tuple[PlannedCollective, ...] = field(default=(), hash=False)
 
     def memory_bytes(self, activation_multiplier: int = 1) -> float:
         """Per-device bytes with ``activation_multiplier`` micro-batches in flight."""
@@ -157,6 +161,8 @@ class _Realised:
     weight_bytes: float
     activation_bytes: float
     syncs: dict[int, list[Collective]]
+    #: Every collective, and for a gradient's synchronisation the parameter's index.
+    collectives: list[tuple[PlannedCollective, int | None]]
 
 
 def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
@@ -168,6 +174,7 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
     }
     compute = comm = update = 0.0
     syncs: dict[int, list[Collective]] = {}
+    planned: list[tuple[PlannedCollective, int | None]] = []
     for op_id in model.op_ids:
         op = graph.ops[op_id]
         per = model.op_strategies[op_id]
@@ -182,8 +189,15 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
             update += strategy.comm_seconds
         else:
             comm += strategy.comm_seconds
-        if grad:
-            syncs.setdefault(model.grad_param[op.outputs[0]], []).extend(strategy.collectives)
+        param_k = model.grad_param[op.outputs[0]] if grad else None
+        if param_k is not None:
+            syncs.setdefault(param_k, []).extend(strategy.collectives)
+        if strategy.collectives:
+            elements = tensors[op.outputs[0]].size
+            planned.extend(
+                (PlannedCollective(c, op_id, None, per_step or grad, elements), param_k)
+                for c in strategy.collectives
+            )
         for t, need in zip(op.inputs, strategy.input_specs, strict=True):
             have = specs[t]
             if have == need:
@@ -194,10 +208,19 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
                 update += seconds
             else:
                 comm += seconds
+            planned.extend(
+                (PlannedCollective(c, op_id, t, per_step, tensor.size), None)
+                for c in reshard_collectives(tensor.shape, tensor.dtype, have, need, mesh)
+            )
     for lonely in model.lonely_grads:
         param = graph.params[graph.grads.index(lonely)]
         tensor = graph.tensor(lonely)
         update += resharding_seconds(tensor.shape, tensor.dtype, specs[lonely], specs[param], mesh)
+        planned.extend(
+            (PlannedCollective(c, None, lonely, True, tensor.size), None)
+            for c in reshard_collectives(tensor.shape, tensor.dtype, specs[lonely],
+                                         specs[param], mesh)
+        )
 
     def total(ids: Sequence[int]) -> float:
         return sum(
@@ -206,7 +229,8 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
         )
 
     return _Realised(
-        specs, compute, comm, update, total(model.weights), total(model.residuals), syncs
+        specs, compute, comm, update, total(model.weights), total(model.residuals), syncs,
+        planned,
     )
 
 
@@ -232,7 +256,7 @@ def _weight_update_sharding(
     num_micro_batches: int,
     memory_weight: float,
     index: GraphIndex | None,
-) -> tuple[float, float, dict[int, ShardSpec], tuple[int, ...]]:
+) -> tuple[float, float, dict[int, ShardSpec], tuple[int, ...], dict[int, list[Collective]]]:
     """Rewrite gradient all-reduces over axes where the parameter is replicated.
 
     Per parameter: the all-reduce over the rewritten axes becomes a reduce-scatter,
@@ -242,7 +266,8 @@ def _weight_update_sharding(
     only where it does not worsen the objective (per-step seconds / B + memory weight
     x bytes): on tiny parameters the extra collective latency outweighs the savings.
     ``index`` (of the graph; built here when None) finds the update ops' writers.
-    Returns (update seconds delta, weight bytes delta, new opt-state specs, params).
+    Returns (update seconds delta, weight bytes delta, new opt-state specs, params,
+    the collectives that replace each rewritten parameter's all-reduces).
     """
     graph, mesh = model.graph, model.mesh
     specs = realised.specs
@@ -252,6 +277,7 @@ def _weight_update_sharding(
     seconds_total = bytes_total = 0.0
     new_specs: dict[int, ShardSpec] = {}
     rewritten = []
+    replaced: dict[int, list[Collective]] = {}
     for k, param in enumerate(graph.params):
         if param not in specs or k not in realised.syncs:
             continue
@@ -265,15 +291,22 @@ def _weight_update_sharding(
         option, dim = layout
         factor = mesh.size_of(option)
         seconds = 0.0
+        instead: list[Collective] = []
         for c in reduces:
             scattered = tuple(a for a in c.axes if a in option)
             rest = tuple(a for a in c.axes if a not in option)
-            new = reduce_scatter_seconds(mesh, scattered, c.nbytes) + all_reduce_seconds(
-                mesh, rest, c.nbytes / mesh.size_of(scattered)
-            )
-            seconds += new - c.seconds
+            instead.append(Collective(CollectiveKind.REDUCE_SCATTER, scattered, c.nbytes,
+                                      reduce_scatter_seconds(mesh, scattered, c.nbytes)))
+            if rest:
+                share = c.nbytes / mesh.size_of(scattered)
+                instead.append(Collective(CollectiveKind.ALL_REDUCE, rest, share,
+                                          all_reduce_seconds(mesh, rest, share)))
+            seconds += sum(n.seconds for n in instead[-1 - bool(rest):]) - c.seconds
         nbytes = tensor_bytes(tensor.shape, tensor.dtype)  # == tensor.nbytes, faster
-        seconds += all_gather_seconds(mesh, option, nbytes / shard_factor(specs[param], mesh))
+        gathered = nbytes / shard_factor(specs[param], mesh)
+        instead.append(Collective(CollectiveKind.ALL_GATHER, tuple(option), gathered,
+                                  all_gather_seconds(mesh, option, gathered)))
+        seconds += instead[-1].seconds
         # The elementwise update ops of this parameter (graph-wide: some may sit in
         # another subset) and the optimizer state they read.
         if writer is None:
@@ -320,7 +353,8 @@ def _weight_update_sharding(
         bytes_total += saved
         new_specs.update(state_specs)
         rewritten.append(param)
-    return seconds_total, bytes_total, new_specs, tuple(rewritten)
+        replaced[k] = instead
+    return seconds_total, bytes_total, new_specs, tuple(rewritten), replaced
 
 
 def _validate(
@@ -379,11 +413,13 @@ def solve_intra_op(
     presolve: bool = True,
     input_hints: Mapping[int, ShardSpec] | None = None,
     context: SolveContext | None = None,
+    fixed_inputs: Mapping[int, ShardSpec] | None = None,
 ) -> IntraOpResult:
     """Shard ``op_ids`` of ``graph`` on ``mesh`` (see the module docstring).
 
     ``input_hints``: the spec each boundary input arrives in; another choice pays
-    its resharding (see :func:`~alpajob.planner.intra_op.model.build_model`).
+    its resharding; ``fixed_inputs``: boundary inputs pinned to one spec each (see
+    :func:`~alpajob.planner.intra_op.model.build_model`).
 
     ``memory_budget_bytes`` bounds ``weight + activation_multiplier * activation``
     bytes per device; when no sharding fits, raises :class:`InfeasibleError` with the
@@ -402,7 +438,7 @@ def solve_intra_op(
     if context is None:  # this solve's own: its index serves the model and the rewrite
         context = SolveContext(graph, max_models=0)
     model = build_model(graph, op_ids, mesh, device, calibration, mode, input_hints,
-                        context=context)
+                        context=context, fixed_inputs=fixed_inputs)
     built = time.perf_counter()
     problem = model.problem(
         num_micro_batches, activation_multiplier, memory_weight, memory_budget_bytes
@@ -421,8 +457,9 @@ def solve_intra_op(
     update = realised.update
     weight_bytes = realised.weight_bytes
     rewritten: tuple[int, ...] = ()
+    replaced: dict[int, list[Collective]] = {}
     if mode is not ShardingMode.DATA:
-        seconds_delta, bytes_delta, state_specs, rewritten = _weight_update_sharding(
+        seconds_delta, bytes_delta, state_specs, rewritten, replaced = _weight_update_sharding(
             model,
             solution.choice,
             realised,
@@ -434,6 +471,16 @@ def solve_intra_op(
         update += seconds_delta
         weight_bytes += bytes_delta
         specs.update(state_specs)
+    collectives = [
+        planned for planned, k in realised.collectives
+        if k not in replaced or planned.collective.kind is not CollectiveKind.ALL_REDUCE
+    ]
+    for k, instead in replaced.items():
+        param = model.graph.params[k]
+        collectives.extend(
+            PlannedCollective(c, None, param, True, model.graph.tensor(param).size)
+            for c in instead
+        )
     stats = IntraOpStats(
         num_ops=len(model.op_ids),
         num_nodes=len(model.nodes),
@@ -459,6 +506,7 @@ def solve_intra_op(
         weight_update_sharded=rewritten,
         stats=stats,
         mesh=mesh,
+        collectives=tuple(collectives),
     )
 
 

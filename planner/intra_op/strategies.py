@@ -49,6 +49,7 @@ from alpajob.planner.cost.model import (
     reduce_scatter_seconds,
 )
 from alpajob.planner.graph.opgraph import Op, OpGraph, Phase, Tensor
+from alpajob.planner.intra_op.collectives import Collective, CollectiveKind
 from alpajob.planner.intra_op.sharding import ShardSpec, replicated, shard_factor, tensor_bytes
 
 
@@ -86,7 +87,7 @@ _ELEMENTWISE = frozenset(
 _RESHAPE = frozenset({"reshape", "squeeze", "expand_dims"})
 _RESIZE = frozenset(
     {
-        "slice", "pad", "concatenate", "dynamic_slice", "dynamic_update_slice", "rev",
+        "slice", "split", "pad", "concatenate", "dynamic_slice", "dynamic_update_slice", "rev",
         "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
     }
 )
@@ -124,23 +125,6 @@ def op_kind(primitive: str) -> OpKind:
     if primitive in _REDUCE:
         return OpKind.REDUCE
     return OpKind.OTHER
-
-
-class CollectiveKind(StrEnum):
-    """A collective an op's strategy performs."""
-
-    ALL_REDUCE = "all_reduce"
-    REDUCE_SCATTER = "reduce_scatter"
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective of a strategy: over ``axes``, ``nbytes`` per device group."""
-
-    kind: CollectiveKind
-    axes: tuple[int, ...]
-    nbytes: float
-    seconds: float
 
 
 @dataclass(frozen=True)
