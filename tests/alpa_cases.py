@@ -221,3 +221,22 @@ def bert_layers(num_layers: int, seq_len: int, hidden: int, heads: int, *,
         return batch
 
     return Model("alpa-bert-layers", init, loss, shapes)
+
+
+def dense_dropout_dense() -> Model:
+    """``test_basic.test_dropout``'s model: Dense(16), dropout 0.1, Dense(16), no bias,
+    on ``x [32, 32, 16]``."""
+
+    def init(key: jax.Array) -> Any:
+        return {"Dense_0": {"kernel": jnp.zeros((16, 16))},
+                "Dense_1": {"kernel": jnp.zeros((16, 16))}}
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        x = batch["x"] @ params["Dense_0"]["kernel"]
+        x = _dropout(x, batch["rng"], 0.1)
+        x = x @ params["Dense_1"]["kernel"]
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    return Model("alpa-dropout", init, loss, lambda n: {
+        "x": _f32(n, 32, 16), "y": _f32(n, 32, 16),
+        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)})

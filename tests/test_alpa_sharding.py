@@ -20,12 +20,14 @@ from alpa_cases import (
     all_reduce_cost,
     alpa_mesh,
     bert_layers,
+    dense_dropout_dense,
     mlp,
     plan,
 )
 
 from alpajob.planner.cost.model import LogicalMesh
 from alpajob.planner.intra_op.collectives import CollectiveKind
+from alpajob.planner.intra_op.sharding import shard_factor
 from alpajob.planner.intra_op.solve import ShardingMode
 
 AR = CollectiveKind.ALL_REDUCE
@@ -151,3 +153,21 @@ def test_bert_layers_2d_mesh_beats_alpas_answer_at_its_own_costs():
     assert planned.result.compute_seconds == pytest.approx(
         fully_split.result.compute_seconds, rel=1e-9)
     assert math.isclose(planned.result.update_seconds, 0.0, abs_tol=1e-12)
+
+
+# ------------------------------------------------------------------- test_basic
+
+
+def test_dropout_makes_its_random_bits_sharded_and_stays_data_parallel():
+    """Alpa asserts its RNG runs partitioned (``u64[1024] iota``: 32 x 32 x 16 / 4 / 4
+    per device) and one all-reduce: each device draws only its own part of the mask.
+    (The scalar loss, an output of our step, is all-reduced too; Alpa's step does not
+    return it.)"""
+    mesh = alpa_mesh((1, 4), [1, 1], [1, 1])
+    planned = plan(dense_dropout_dense(), 32, mesh, optimizer="sgd")
+    graph = planned.graph
+    bits = [op for op in graph.ops if op.primitive == "random_bits"]
+    assert bits
+    for op in bits:
+        assert shard_factor(planned.result.specs[op.outputs[0]], mesh) == 4
+    assert planned.counts(ignore_scalar_all_reduce=True) == {AR: 1}

@@ -18,7 +18,11 @@ Strategy roots, each an ILP node with its own one-hot variable ``s_v``:
   ((), (1,)), output ((), (), (1,))) and row split "y->k0" (all-reduce).
 - ``conv_general_dilated``: the same over the slots N (batch), O (output feature)
   and I (input feature, contracting); spatial dims are never split.
-- anything else (gather, scatter, sort, iota, ...): replicated, plus "split the batch
+- generators (``random_bits``, ``iota``): their output in any tiling, each device
+  making its own part (JAX's partitionable threefry gives the same bits as one
+  device would), inputs (the key) replicated, compute divided; dropout masks then
+  come sharded like the activations they mask instead of replicated;
+- anything else (gather, scatter, sort, ...): replicated, plus "split the batch
   dim over axis 0 / axis 1 / both" when every output has a batch dim and the op does
   not name the batch dim as its axis (so it acts elementwise along the batch).
 
@@ -50,7 +54,13 @@ from alpajob.planner.cost.model import (
 )
 from alpajob.planner.graph.opgraph import Op, OpGraph, Phase, Tensor
 from alpajob.planner.intra_op.collectives import Collective, CollectiveKind
-from alpajob.planner.intra_op.sharding import ShardSpec, replicated, shard_factor, tensor_bytes
+from alpajob.planner.intra_op.sharding import (
+    ShardSpec,
+    replicated,
+    shard_factor,
+    tensor_bytes,
+    tiling_specs,
+)
 
 
 class OpKind(StrEnum):
@@ -75,6 +85,7 @@ class OpKind(StrEnum):
 _ELEMENTWISE = frozenset(
     {
         "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2",
+        "bitcast_convert_type",
         "atanh", "cbrt", "ceil", "clamp", "conj", "convert_element_type", "copy", "copy_p",
         "cos", "cosh", "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2",
         "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lgamma",
@@ -97,6 +108,8 @@ _REDUCE = frozenset(
         "argmax", "argmin",
     }
 )
+#: Ops whose output depends on no operand's layout: each device can make any part.
+_GENERATORS = frozenset({"random_bits", "iota"})
 #: Op params that name the dimensions an op works along.
 _AXIS_PARAMS = ("axis", "axes", "dimension", "dimensions")
 
@@ -316,7 +329,27 @@ def _conv_slots(op: Op, lhs: Tensor, rhs: Tensor, out: Tensor) -> list[_Slot]:
     return slots
 
 
+def _generator_strategies(op: Op, graph: OpGraph, mesh: LogicalMesh,
+                          base: float) -> list[Strategy]:
+    """Every tiling of a generator's one output; its inputs replicated."""
+    out = graph.tensor(op.outputs[0])
+    ins = tuple(replicated(len(graph.tensor(t).shape)) for t in op.inputs)
+    return [
+        Strategy(_spec_name(spec, mesh), (spec,), ins, 0.0, base / shard_factor(spec, mesh))
+        for spec in tiling_specs(out.shape, mesh)
+    ]
+
+
+def _spec_name(spec: ShardSpec, mesh: LogicalMesh) -> str:
+    """``"x->0,y->1"`` for a spec splitting dim 0 over x and dim 1 over y."""
+    parts = [f"{''.join(mesh.axis_names[k] for k in axes)}->{d}"
+             for d, axes in enumerate(spec) if axes]
+    return ",".join(parts) or "replicated"
+
+
 def _other_strategies(op: Op, graph: OpGraph, mesh: LogicalMesh, base: float) -> list[Strategy]:
+    if op.primitive in _GENERATORS and len(op.outputs) == 1:
+        return _generator_strategies(op, graph, mesh, base)
     ins = [graph.tensor(t) for t in op.inputs]
     outs = [graph.tensor(t) for t in op.outputs]
     rep = Strategy(
