@@ -27,7 +27,6 @@ the one that leaves the most room for later stages; both are the same device cou
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
