@@ -295,13 +295,14 @@ def _weight_update_sharding(
         for c in reduces:
             scattered = tuple(a for a in c.axes if a in option)
             rest = tuple(a for a in c.axes if a not in option)
-            instead.append(Collective(CollectiveKind.REDUCE_SCATTER, scattered, c.nbytes,
-                                      reduce_scatter_seconds(mesh, scattered, c.nbytes)))
+            new = [Collective(CollectiveKind.REDUCE_SCATTER, scattered, c.nbytes,
+                              reduce_scatter_seconds(mesh, scattered, c.nbytes))]
             if rest:
                 share = c.nbytes / mesh.size_of(scattered)
-                instead.append(Collective(CollectiveKind.ALL_REDUCE, rest, share,
-                                          all_reduce_seconds(mesh, rest, share)))
-            seconds += sum(n.seconds for n in instead[-1 - bool(rest):]) - c.seconds
+                new.append(Collective(CollectiveKind.ALL_REDUCE, rest, share,
+                                      all_reduce_seconds(mesh, rest, share)))
+            seconds += sum(n.seconds for n in new) - c.seconds
+            instead.extend(new)
         nbytes = tensor_bytes(tensor.shape, tensor.dtype)  # == tensor.nbytes, faster
         gathered = nbytes / shard_factor(specs[param], mesh)
         instead.append(Collective(CollectiveKind.ALL_GATHER, tuple(option), gathered,
