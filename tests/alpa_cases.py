@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from alpajob.planner.cost.cluster import DeviceSpec
 from alpajob.planner.cost.model import LogicalMesh, MeshAxis, load_calibration
@@ -97,7 +98,7 @@ class Planned:
 
     def counts(self, *, ignore_scalar_all_reduce: bool = False) -> dict[CollectiveKind, int]:
         """Collectives by kind, as Alpa's ``count_communication_primitives``."""
-        return dict(count_collectives(self.result.collectives,
+        return dict(count_collectives(self.result.collectives, self.graph,
                                       ignore_scalar_all_reduce=ignore_scalar_all_reduce))
 
     @property
@@ -107,7 +108,8 @@ class Planned:
 
 
 def plan(model: Model, batch_size: int, mesh: LogicalMesh, *,
-         mode: ShardingMode = ShardingMode.AUTO, optimizer: str = "adam") -> Planned:
+         mode: ShardingMode = ShardingMode.AUTO,
+         optimizer: str | optax.GradientTransformation = "adam") -> Planned:
     """Our sharding of ``model``'s whole training step on ``mesh`` at Alpa's costs."""
     graph = graph_of(model, batch_size, optimizer)
     result = solve_intra_op(graph, range(len(graph.ops)), mesh, ALPA_DEVICE,
@@ -223,6 +225,70 @@ def bert_layers(num_layers: int, seq_len: int, hidden: int, heads: int, *,
     return Model("alpa-bert-layers", init, loss, shapes)
 
 
+def tied_embedding(vocab: int, hidden: int, seq_len: int) -> Model:
+    """``test_bert.test_embedding_2d_mesh``'s model: ids looked up in an embedding
+    whose transpose also projects back to the vocabulary; summed cross-entropy."""
+
+    def init(key: jax.Array) -> Any:
+        return {"embed": {"embedding": jnp.zeros((vocab, hidden))}}
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        table = params["embed"]["embedding"]
+        logits = jnp.take(table, batch["x"], axis=0) @ table.T
+        labels = jax.nn.one_hot(batch["y"], vocab)
+        return -jnp.sum(labels * jax.nn.log_softmax(logits, axis=-1), axis=-1).sum()
+
+    ids = jax.ShapeDtypeStruct
+    return Model("alpa-tied-embedding", init, loss, lambda n: {
+        "x": ids((n, seq_len), jnp.int32), "y": ids((n, seq_len), jnp.int32)})
+
+
+def bert_mlm(num_layers: int, seq_len: int, hidden: int, heads: int, vocab: int) -> Model:
+    """``test_bert``'s masked-LM BERT: word, position and token-type embeddings,
+    LayerNorm, dropout, the layer stack, the LM head's transform (dense, GELU,
+    LayerNorm) and a decoder tied to the word embedding; Alpa's masked loss."""
+
+    def init(key: jax.Array) -> Any:
+        def norm() -> Any:
+            return {"scale": jnp.ones((hidden,)), "bias": jnp.zeros((hidden,))}
+
+        return {
+            "embeddings": {"word": jnp.zeros((vocab, hidden)),
+                           "position": jnp.zeros((seq_len, hidden)),
+                           "token_type": jnp.zeros((2, hidden)), "ln": norm()},
+            "encoder": {str(i): _bert_layer_params(hidden) for i in range(num_layers)},
+            "cls": {"transform": {"kernel": jnp.zeros((hidden, hidden)),
+                                  "bias": jnp.zeros((hidden,))},
+                    "ln": norm(), "bias": jnp.zeros((vocab,))},
+        }
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        emb = params["embeddings"]
+        keys = jax.random.split(batch["rng"], num_layers + 1)
+        x = (jnp.take(emb["word"], batch["input_ids"], axis=0)
+             + jnp.take(emb["position"], batch["position_ids"], axis=0)
+             + jnp.take(emb["token_type"], batch["token_type_ids"], axis=0))
+        x = _dropout(_layer_norm(x, emb["ln"]), keys[0], 0.1)
+        for i in range(num_layers):
+            x = bert_layer(x, batch["attention_mask"], params["encoder"][str(i)], heads,
+                           keys[i + 1])
+        head = params["cls"]
+        x = _layer_norm(jax.nn.gelu(_dense(x, head["transform"])), head["ln"])
+        logits = x @ emb["word"].T + head["bias"]
+        mask = jnp.where(batch["labels"] > 0, 1.0, 0.0)
+        labels = jax.nn.one_hot(batch["labels"], vocab)
+        per_token = -jnp.sum(labels * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        return (mask * per_token).sum() / mask.sum() * 0.1234
+
+    def shapes(n: int) -> Any:
+        ids = jax.ShapeDtypeStruct((n, seq_len), jnp.int32)
+        return {"input_ids": ids, "attention_mask": ids, "token_type_ids": ids,
+                "position_ids": ids, "labels": ids,
+                "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
+
+    return Model("alpa-bert-mlm", init, loss, shapes)
+
+
 def dense_dropout_dense() -> Model:
     """``test_basic.test_dropout``'s model: Dense(16), dropout 0.1, Dense(16), no bias,
     on ``x [32, 32, 16]``."""
@@ -240,3 +306,71 @@ def dense_dropout_dense() -> Model:
     return Model("alpa-dropout", init, loss, lambda n: {
         "x": _f32(n, 32, 16), "y": _f32(n, 32, 16),
         "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)})
+
+
+#: ``test_conv``'s optimizer.
+SGD_MOMENTUM = optax.sgd(0.1, momentum=0.9)
+
+
+def _batch_norm(x: jax.Array, p: Any) -> jax.Array:
+    """Flax's ``BatchNorm`` in training mode over every dim but the channels: the mean
+    and the mean of squares from the batch (two independent reductions)."""
+    axes = tuple(range(x.ndim - 1))
+    mean = x.mean(axes)
+    var = jnp.maximum(0.0, (x * x).mean(axes) - mean * mean)
+    return (x - mean) * (jax.lax.rsqrt(var + 1e-5) * p["scale"]) + p["bias"]
+
+
+def _conv(x: jax.Array, kernel: jax.Array, stride: int, groups: int = 1) -> jax.Array:
+    return jax.lax.conv_general_dilated(x, kernel, (stride, stride), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                        feature_group_count=groups)
+
+
+def _max_pool(x: jax.Array) -> jax.Array:
+    """2 x 2 max-pool, stride 1, SAME (its backward is ``select_and_scatter_add``)."""
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 1, 1, 1), "SAME")
+
+
+def conv_net(num_layers: int, image: int, channel: int) -> Model:
+    """``test_conv``'s net: ``num_layers`` x (3 x 3 conv stride 2 without bias,
+    BatchNorm, ReLU, 2 x 2 max-pool), MSE against ``y``."""
+
+    def init(key: jax.Array) -> Any:
+        return {**{f"Conv_{i}": {"kernel": jnp.zeros((3, 3, channel, channel))}
+                   for i in range(num_layers)},
+                **{f"BatchNorm_{i}": {"scale": jnp.ones(channel), "bias": jnp.zeros(channel)}
+                   for i in range(num_layers)}}
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        x = batch["x"]
+        for i in range(num_layers):
+            x = _conv(x, params[f"Conv_{i}"]["kernel"], 2)
+            x = _max_pool(jax.nn.relu(_batch_norm(x, params[f"BatchNorm_{i}"])))
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    out = image // 2 ** num_layers
+    return Model("alpa-conv", init, loss, lambda n: {
+        "x": _f32(n, image, image, channel), "y": _f32(n, out, out, channel)})
+
+
+def depthwise_conv_net(image: int, channel: int) -> Model:
+    """``test_conv``'s depthwise net: conv to 8 x channels, depthwise 3 x 3 conv
+    (``feature_group_count`` = 8 x channels), conv back to channels, ReLU, BatchNorm."""
+    wide = 8 * channel
+
+    def init(key: jax.Array) -> Any:
+        return {"Conv_0": {"kernel": jnp.zeros((3, 3, channel, wide))},
+                "Conv_1": {"kernel": jnp.zeros((3, 3, 1, wide))},
+                "Conv_2": {"kernel": jnp.zeros((3, 3, wide, channel))},
+                "BatchNorm_0": {"scale": jnp.ones(channel), "bias": jnp.zeros(channel)}}
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        x = _conv(batch["x"], params["Conv_0"]["kernel"], 1)
+        x = _conv(x, params["Conv_1"]["kernel"], 1, groups=wide)
+        x = _conv(x, params["Conv_2"]["kernel"], 1)
+        x = _batch_norm(jax.nn.relu(x), params["BatchNorm_0"])
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    return Model("alpa-depthwise-conv", init, loss, lambda n: {
+        "x": _f32(n, image, image, channel), "y": _f32(n, image, image, channel)})

@@ -68,6 +68,7 @@ from alpajob.planner.intra_op.op_tables import (
     distinct,
     expert_spec,
 )
+from alpajob.planner.intra_op.reassociate import Pair, find_pairs, refund
 from alpajob.planner.intra_op.sharding import (
     ShardSpec,
     replicated,
@@ -131,6 +132,8 @@ class IntraOpModel:
     weights: tuple[int, ...]
     residuals: tuple[int, ...]
     lonely_grads: tuple[int, ...] = field(default=())
+    #: Sums whose two partial-sum operands XLA reduces once (:mod:`reassociate`).
+    reassociated: tuple[Pair, ...] = field(default=())
 
     def problem(
         self,
@@ -310,6 +313,13 @@ def _build(graph: OpGraph, subset: Subset, tables: TableCache, mode: ShardingMod
     compute, comm, update = _charge_ops(graph, subset, nodes, tables, builder, sizes)
     allowed = [np.ones(k, dtype=bool) for k in sizes]
     _constrain_params(graph, subset, nodes, tables, builder, update, allowed)
+    pairs = find_pairs(graph, subset.op_ids, nodes)
+    for pair in pairs:
+        u, v, seconds, u_class, v_class = refund(pair, nodes)
+        second = graph.ops[pair.roots[1]]
+        per_step = second.phase is Phase.UPDATE or second.outputs[0] in subset.grad_param
+        builder.contribute(u, v, seconds, np.ones(seconds.shape, dtype=bool), u_class, v_class,
+                           per_step)
     weight_bytes = [np.zeros(k) for k in sizes]
     activation_bytes = [np.zeros(k) for k in sizes]
     for bucket, tensors in ((weight_bytes, subset.weights),
@@ -348,6 +358,7 @@ def _build(graph: OpGraph, subset: Subset, tables: TableCache, mode: ShardingMod
         weights=subset.weights,
         residuals=subset.residuals,
         lonely_grads=subset.lonely_grads,
+        reassociated=tuple(pairs),
     )
 
 
@@ -379,6 +390,9 @@ class _Nodes:
         self.constant: set[int] = {
             t for t in subset.boundary_inputs if graph.tensor(t).role is TensorRole.CONSTANT
         }
+        #: Tensors a broadcast made bigger (a BatchNorm mean spread over the batch): their
+        #: new dims are never split, so copying their layout would gather the others.
+        self.broadcast: set[int] = set()
         mesh = tables.mesh
         data = mode is not ShardingMode.AUTO
         experts = tables.expert_dims if mode is ShardingMode.EXPERT_ZERO2 else {}
@@ -407,6 +421,10 @@ class _Nodes:
             kind = op_kind(op.primitive)
             if all(t in self.constant for t in op.inputs):
                 self.constant.update(op.outputs)
+            if kind is OpKind.BROADCAST and op.inputs and (
+                graph.tensor(op.outputs[0]).size > graph.tensor(op.inputs[0]).size
+            ):
+                self.broadcast.update(op.outputs)
             if kind.is_follower and op.inputs and op.outputs:
                 operand = self._pick_operand(op, kind, graph, subset.produced,
                                              wanted(op.outputs[0]) if data else None)
@@ -447,6 +465,7 @@ class _Nodes:
         """Which operand a follower copies: the first for layout ops and reductions; for
         elementwise ops (and concatenate) one not made of constants alone (copying the
         replicated layout of a broadcast of zeros would gather the real operand), then
+        one no broadcast enlarged (its new dims are replicated; ``x - mean`` copies x), then
         the same-shaped, largest operand whose node still has a choice, in the update
         phase preferably the parameter's (so that ``p - lr * u`` keeps ``p``'s spec),
         else the latest produced.
@@ -460,12 +479,13 @@ class _Nodes:
             return 0
         out = graph.tensor(op.outputs[0])
 
-        def key(position: int) -> tuple[bool, bool, bool, int, bool, bool, int]:
+        def key(position: int) -> tuple[bool, bool, bool, bool, int, bool, bool, int]:
             tensor = graph.tensor(op.inputs[position])
             node = self.tensor_node[tensor.id]
             return (
                 wanted is None or wanted in self.tensor_specs[tensor.id].values,
                 tensor.id not in self.constant,
+                tensor.id not in self.broadcast,
                 tensor.shape == out.shape,
                 math.prod(tensor.shape),
                 len(self.names[node]) > 1,

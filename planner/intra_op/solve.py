@@ -43,6 +43,7 @@ once; results are identical with and without it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ from alpajob.planner.intra_op.model import (
     SolveContext,
     build_model,
 )
+from alpajob.planner.intra_op.reassociate import merged_reduction
 from alpajob.planner.intra_op.sharding import (
     ShardSpec,
     is_valid_spec,
@@ -77,6 +79,7 @@ from alpajob.planner.intra_op.sharding import (
     tensor_bytes,
     to_partition_spec,
 )
+from alpajob.planner.intra_op.strategies import Strategy
 
 __all__ = [
     "IntraOpResult",
@@ -165,6 +168,14 @@ class _Realised:
     collectives: list[tuple[PlannedCollective, int | None]]
 
 
+def _without(strategy: Strategy, collective: Collective) -> Strategy:
+    """``strategy`` without its last ``collective`` (folded into another's)."""
+    kept = list(strategy.collectives)
+    kept.pop(len(kept) - 1 - kept[::-1].index(collective))
+    return dataclasses.replace(strategy, comm_seconds=strategy.comm_seconds - collective.seconds,
+                               collectives=tuple(kept))
+
+
 def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
     graph, mesh = model.graph, model.mesh
     tensors = graph.tensors
@@ -175,10 +186,22 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
     compute = comm = update = 0.0
     syncs: dict[int, list[Collective]] = {}
     planned: list[tuple[PlannedCollective, int | None]] = []
+
+    def chosen(op_id: int) -> Strategy:
+        per = model.op_strategies[op_id]
+        return per.values[per.index[choice[model.op_node[op_id]]]]
+
+    folded = {}  # root op -> its reduction, run once on the sum (reassociate.py)
+    for pair in model.reassociated:
+        (a, b), (ta, tb) = pair.roots, pair.tensors
+        merged = merged_reduction(chosen(a), chosen(b), specs[ta], specs[tb])
+        if merged is not None:
+            folded[b] = merged
     for op_id in model.op_ids:
         op = graph.ops[op_id]
-        per = model.op_strategies[op_id]
-        strategy = per.values[per.index[choice[model.op_node[op_id]]]]
+        strategy = chosen(op_id)
+        if op_id in folded:
+            strategy = _without(strategy, folded[op_id])
         per_step = op.phase is Phase.UPDATE
         grad = bool(op.outputs) and op.outputs[0] in model.grad_param
         if per_step:

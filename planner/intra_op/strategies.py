@@ -17,12 +17,18 @@ Strategy roots, each an ILP node with its own one-hot variable ``s_v``:
   among them data parallelism "xy->l0", Megatron's column split "y->r0" (W
   ((), (1,)), output ((), (), (1,))) and row split "y->k0" (all-reduce).
 - ``conv_general_dilated``: the same over the slots N (batch), O (output feature)
-  and I (input feature, contracting); spatial dims are never split.
+  and I (input feature, contracting); spatial dims are never split. A grouped or
+  depthwise conv (``feature_group_count`` G) has N and G: whole groups per device,
+  their input features, kernels and output features split together; its kernel
+  gradient (``batch_group_count`` G) has G and I.
 - generators (``random_bits``, ``iota``): their output in any tiling, each device
   making its own part (JAX's partitionable threefry gives the same bits as one
   device would), inputs (the key) replicated, compute divided; dropout masks then
   come sharded like the activations they mask instead of replicated;
-- anything else (gather, scatter, sort, ...): replicated, plus "split the batch
+- ``gather`` / ``scatter-add`` of one indexed dim (an embedding lookup and its
+  gradient): the slots vocab, batch and hidden (:func:`_take_slots`); a split
+  vocabulary is Megatron's vocabulary-parallel embedding;
+- anything else (other gathers, scatter, sort, ...): replicated, plus "split the batch
   dim over axis 0 / axis 1 / both" when every output has a batch dim and the op does
   not name the batch dim as its axis (so it acts elementwise along the batch).
 
@@ -100,6 +106,9 @@ _RESIZE = frozenset(
     {
         "slice", "split", "pad", "concatenate", "dynamic_slice", "dynamic_update_slice", "rev",
         "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+        # Windowed ops (pooling and its backward): only their windowed dims resize.
+        "reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window",
+        "select_and_scatter_add", "select_and_gather_add", "select_and_scatter",
     }
 )
 _REDUCE = frozenset(
@@ -110,13 +119,27 @@ _REDUCE = frozenset(
 )
 #: Ops whose output depends on no operand's layout: each device can make any part.
 _GENERATORS = frozenset({"random_bits", "iota"})
+#: Embedding lookups and their gradients, by number of inputs (see :func:`_take_slots`).
+_TAKES = {"gather": 2, "scatter-add": 3, "scatter_add": 3}
 #: Op params that name the dimensions an op works along.
 _AXIS_PARAMS = ("axis", "axes", "dimension", "dimensions")
 
 
 def named_dims(op: Op) -> set[int]:
-    """The dims an op's params name as its working axes (``axes=(1,)``, ``axis=0``...)."""
-    return set().union(*(_int_values(op.param(p)) for p in _AXIS_PARAMS))
+    """The dims an op's params name as its working axes (``axes=(1,)``, ``axis=0``...),
+    and for a windowed op (pooling) the dims its window spans, strides, dilates or pads:
+    a 2 x 2 max-pool over ``[N, H, W, C]`` works along H and W, not N or C."""
+    named = set().union(*(_int_values(op.param(p)) for p in _AXIS_PARAMS))
+    window = op.param("window_dimensions")
+    if window is None:
+        return named
+    trivial = {"window_dimensions": 1, "window_strides": 1, "window_dilation": 1,
+               "base_dilation": 1, "padding": (0, 0)}
+    for name, unit in trivial.items():
+        for d, value in enumerate(op.param(name) or ()):
+            if (tuple(value) if isinstance(value, (list, tuple)) else value) != unit:
+                named.add(d)
+    return named
 
 
 def op_kind(primitive: str) -> OpKind:
@@ -184,19 +207,18 @@ def op_base_seconds(
 
 @dataclass(frozen=True)
 class _Slot:
-    """A dimension class of a dot or conv: its dim in lhs, rhs and output, and size."""
+    """A dimension class of a dot, conv, gather or scatter: its dim in each input
+    (None: not there) and in the output (None: contracted, partial sums), and size."""
 
     label: str
-    lhs: int | None
-    rhs: int | None
+    ins: tuple[int | None, ...]
     out: int | None
     size: int
 
 
 def _slot_strategies(
     slots: Sequence[_Slot],
-    lhs: Tensor,
-    rhs: Tensor,
+    ins: Sequence[Tensor],
     out: Tensor,
     mesh: LogicalMesh,
     base: float,
@@ -205,7 +227,7 @@ def _slot_strategies(
     """Every assignment of the active mesh axes to slots (or none), as strategies.
 
     Each device's compute is ``base`` over the devices that split it, plus
-    ``operand_byte_seconds`` per byte of its lhs and rhs shards.
+    ``operand_byte_seconds`` per byte of its input shards.
     """
     active = mesh.active_axes
     strategies = []
@@ -216,8 +238,7 @@ def _slot_strategies(
                 slot_axes[s].append(k)
         if any(slot.size % mesh.size_of(axes) for slot, axes in zip(slots, slot_axes, strict=True)):
             continue
-        lhs_spec: list[tuple[int, ...]] = [()] * len(lhs.shape)
-        rhs_spec: list[tuple[int, ...]] = [()] * len(rhs.shape)
+        in_specs: list[list[tuple[int, ...]]] = [[()] * len(t.shape) for t in ins]
         out_spec: list[tuple[int, ...]] = [()] * len(out.shape)
         contract: list[int] = []
         used: list[int] = []
@@ -227,21 +248,20 @@ def _slot_strategies(
                 continue
             names.append(f"{''.join(mesh.axis_names[k] for k in axes)}->{slot.label}")
             used.extend(axes)
-            if slot.lhs is not None:
-                lhs_spec[slot.lhs] = tuple(axes)
-            if slot.rhs is not None:
-                rhs_spec[slot.rhs] = tuple(axes)
+            for spec, dim in zip(in_specs, slot.ins, strict=True):
+                if dim is not None:
+                    spec[dim] = tuple(axes)
             if slot.out is None:
                 contract.extend(axes)
             else:
                 out_spec[slot.out] = tuple(axes)
         name = ",".join(names) or "replicated"
-        inputs = (tuple(lhs_spec), tuple(rhs_spec))
+        inputs = tuple(tuple(spec) for spec in in_specs)
         compute = base / mesh.size_of(used)
         if operand_byte_seconds:
-            compute += operand_byte_seconds * (
-                tensor_bytes(lhs.shape, lhs.dtype) / shard_factor(inputs[0], mesh)
-                + tensor_bytes(rhs.shape, rhs.dtype) / shard_factor(inputs[1], mesh)
+            compute += operand_byte_seconds * sum(
+                tensor_bytes(t.shape, t.dtype) / shard_factor(spec, mesh)
+                for t, spec in zip(ins, inputs, strict=True)
             )
         out_t = tuple(out_spec)
         if not contract:
@@ -298,14 +318,14 @@ def _dot_slots(op: Op, lhs: Tensor, rhs: Tensor, mesh: LogicalMesh) -> list[_Slo
     lf = [d for d in range(len(lhs.shape)) if d not in lc and d not in lb]
     rf = [d for d in range(len(rhs.shape)) if d not in rc and d not in rb]
     devices = mesh.size_of(mesh.active_axes)
-    slots = [_Slot(f"b{i}", lb[i], rb[i], i, lhs.shape[lb[i]]) for i in range(len(lb))]
+    slots = [_Slot(f"b{i}", (lb[i], rb[i]), i, lhs.shape[lb[i]]) for i in range(len(lb))]
     for j in _leading(range(len(lf)), [lhs.shape[d] for d in lf], devices):
-        slots.append(_Slot(f"l{j}", lf[j], None, len(lb) + j, lhs.shape[lf[j]]))
+        slots.append(_Slot(f"l{j}", (lf[j], None), len(lb) + j, lhs.shape[lf[j]]))
     offset = len(lb) + len(lf)
     for j in _leading(range(len(rf)), [rhs.shape[d] for d in rf], devices):
-        slots.append(_Slot(f"r{j}", None, rf[j], offset + j, rhs.shape[rf[j]]))
+        slots.append(_Slot(f"r{j}", (None, rf[j]), offset + j, rhs.shape[rf[j]]))
     for j in _leading(range(len(lc)), [lhs.shape[d] for d in lc], devices):
-        slots.append(_Slot(f"k{j}", lc[j], rc[j], None, lhs.shape[lc[j]]))
+        slots.append(_Slot(f"k{j}", (lc[j], rc[j]), None, lhs.shape[lc[j]]))
     return slots
 
 
@@ -320,12 +340,87 @@ def _conv_slots(op: Op, lhs: Tensor, rhs: Tensor, out: Tensor) -> list[_Slot]:
         lhs_spec = op.param("lhs_spec", default)
         rhs_spec = op.param("rhs_spec", default)
         out_spec = op.param("out_spec", default)
+    features = op.param("feature_group_count", 1)
+    batches = op.param("batch_group_count", 1)
+    lhs_n, lhs_c = lhs_spec[0], lhs_spec[1]
+    rhs_o, rhs_i = rhs_spec[0], rhs_spec[1]
+    out_n, out_c = out_spec[0], out_spec[1]
     slots = []
-    if op.param("batch_group_count", 1) == 1:
-        slots.append(_Slot("N", lhs_spec[0], None, out_spec[0], lhs.shape[lhs_spec[0]]))
-        if op.param("feature_group_count", 1) == 1:
-            slots.append(_Slot("O", None, rhs_spec[0], out_spec[1], rhs.shape[rhs_spec[0]]))
-            slots.append(_Slot("I", lhs_spec[1], rhs_spec[1], None, lhs.shape[lhs_spec[1]]))
+    if batches == 1:
+        slots.append(_Slot("N", (lhs_n, None), out_n, lhs.shape[lhs_n]))
+    if features == 1 and batches == 1:
+        slots.append(_Slot("O", (None, rhs_o), out_c, rhs.shape[rhs_o]))
+    if features > 1:
+        # Grouped (depthwise) conv: whole groups per device, their input features,
+        # kernels and output features together.
+        slots.append(_Slot("G", (lhs_c, rhs_o), out_c, features))
+    if batches > 1:
+        # A grouped conv's kernel gradient: batch group g makes output features g.
+        slots.append(_Slot("G", (lhs_n, rhs_o), out_c, batches))
+    if features == 1:
+        slots.append(_Slot("I", (lhs_c, rhs_i), None, lhs.shape[lhs_c]))
+    return slots
+
+
+def _take_dims(op: Op, operand: Tensor) -> tuple[int, list[int]] | None:
+    """(the indexed dim, the operand dims taken whole) of a gather or scatter that
+    indexes one operand dim with one index per position (``table[ids]``,
+    ``jnp.take(table, ids, axis=0)`` and its transposed scatter-add); None otherwise."""
+    indexed = op.param("start_index_map", op.param("scatter_dims_to_operand_dims"))
+    removed = op.param("collapsed_slice_dims", op.param("inserted_window_dims"))
+    if (op.param("operand_batching_dims", ()) or not indexed or len(indexed) != 1
+            or tuple(removed or ()) != tuple(indexed)):
+        return None
+    sizes = op.param("slice_sizes")
+    whole = [d for d in range(len(operand.shape)) if d != indexed[0]]
+    if sizes is not None and any(sizes[d] != operand.shape[d] for d in whole):
+        return None
+    return indexed[0], whole
+
+
+def _take_slots(op: Op, ins: Sequence[Tensor], out: Tensor,
+                mesh: LogicalMesh) -> list[_Slot] | None:
+    """Slots of an embedding lookup (``gather``) or its gradient (``scatter-add``).
+
+    Gather ``out[i..., w...] = table[ids[i...], w...]`` (inputs table, ids):
+
+    - ``vocab``: the table's indexed dim. Each device looks up the ids in its rows
+      (zeros elsewhere) and the partial outputs are all-reduced: Megatron's
+      vocabulary-parallel embedding;
+    - ``i{j}``: the ids' dim j and the output's j-th batch dim (data parallel);
+    - ``w{k}``: a dim taken whole (the hidden dim) and its output dim.
+
+    Scatter-add ``grad[ids[i...], w...] += upd[i..., w...]`` (inputs zeros, ids,
+    updates): ``vocab`` splits the table's rows (each device adds the updates of its
+    ids: no collective); ``i{j}`` splits the updates' batch, leaving partial sums to
+    all-reduce (a gradient's data-parallel sync); ``w{k}`` as for gather.
+    """
+    operand, ids = ins[0], ins[1]
+    taken = _take_dims(op, operand)
+    if taken is None or len(ids.shape) < 1 or ids.shape[-1] != 1:
+        return None
+    vocab, whole = taken
+    devices = mesh.size_of(mesh.active_axes)
+    batch_ids = _leading(range(len(ids.shape) - 1), ids.shape[:-1], devices)
+    if op.primitive == "gather":
+        windows = tuple(op.param("offset_dims", ()))
+        batch_out = [d for d in range(len(out.shape)) if d not in windows]
+        if len(windows) != len(whole) or len(batch_out) != len(ids.shape) - 1:
+            return None
+        slots = [_Slot("vocab", (vocab, None), None, operand.shape[vocab])]
+        slots += [_Slot(f"i{j}", (None, j), batch_out[j], ids.shape[j]) for j in batch_ids]
+        slots += [_Slot(f"w{k}", (d, None), windows[k], operand.shape[d])
+                  for k, d in enumerate(whole)]
+        return slots
+    updates = ins[2]
+    windows = tuple(op.param("update_window_dims", ()))
+    batch_upd = [d for d in range(len(updates.shape)) if d not in windows]
+    if len(windows) != len(whole) or len(batch_upd) != len(ids.shape) - 1:
+        return None
+    slots = [_Slot("vocab", (vocab, None, None), vocab, operand.shape[vocab])]
+    slots += [_Slot(f"i{j}", (None, j, batch_upd[j]), None, ids.shape[j]) for j in batch_ids]
+    slots += [_Slot(f"w{k}", (d, None, windows[k]), d, operand.shape[d])
+              for k, d in enumerate(whole)]
     return slots
 
 
@@ -414,10 +509,16 @@ def op_strategies(
         slots = _dot_slots(op, lhs, rhs, mesh)
         # Once per execution: a dot inside a scan runs (and pays) once per trip.
         per_byte = matmul_operand_seconds(1.0, device, calibration) * op.multiplier
-        return tuple(_slot_strategies(slots, lhs, rhs, out, mesh, base, per_byte))
+        return tuple(_slot_strategies(slots, (lhs, rhs), out, mesh, base, per_byte))
     if kind is OpKind.CONV and len(op.inputs) == 2 and len(op.outputs) == 1:
         lhs, rhs = graph.tensor(op.inputs[0]), graph.tensor(op.inputs[1])
         out = graph.tensor(op.outputs[0])
         slots = _conv_slots(op, lhs, rhs, out)
-        return tuple(_slot_strategies(slots, lhs, rhs, out, mesh, base))
+        return tuple(_slot_strategies(slots, (lhs, rhs), out, mesh, base))
+    if op.primitive in _TAKES and len(op.inputs) == _TAKES[op.primitive] and len(op.outputs) == 1:
+        ins = [graph.tensor(t) for t in op.inputs]
+        out = graph.tensor(op.outputs[0])
+        take_slots = _take_slots(op, ins, out, mesh)
+        if take_slots is not None:
+            return tuple(_slot_strategies(take_slots, ins, out, mesh, base))
     return tuple(_other_strategies(op, graph, mesh, base))
