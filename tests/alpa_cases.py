@@ -289,6 +289,116 @@ def bert_mlm(num_layers: int, seq_len: int, hidden: int, heads: int, vocab: int)
     return Model("alpa-bert-mlm", init, loss, shapes)
 
 
+def moe_layer(seq_len: int, hidden: int, heads: int, group: int, experts: int) -> Model:
+    """``test_moe``'s layer: BERT self-attention (fused QKV, output projection,
+    residual + LayerNorm), then a GShard mixture-of-experts MLP (4x wide, top-2
+    routing in groups of ``group`` tokens, capacity factor 2: the zoo's
+    :func:`~alpajob.trainer_image.zoo.moe.moe_mlp`), residual + LayerNorm; MSE."""
+    from alpajob.trainer_image.zoo.moe import moe_mlp
+
+    config = {"expertGroupSize": group, "experts": experts, "capacityFactor": 2.0}
+
+    def init(key: jax.Array) -> Any:
+        def dense(i: int, o: int) -> Any:
+            return {"kernel": jnp.zeros((i, o)), "bias": jnp.zeros((o,))}
+
+        def norm() -> Any:
+            return {"scale": jnp.ones((hidden,)), "bias": jnp.zeros((hidden,))}
+
+        ffn = 4 * hidden
+        return {"qkv": dense(hidden, 3 * hidden), "attn_out": dense(hidden, hidden),
+                "ln1": norm(), "ln2": norm(),
+                "moe": {"gate": jnp.zeros((hidden, experts)),
+                        "wi": jnp.zeros((experts, hidden, ffn)), "bi": jnp.zeros((experts, ffn)),
+                        "wo": jnp.zeros((experts, ffn, hidden)),
+                        "bo": jnp.zeros((experts, hidden))}}
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        x, mask = batch["hidden_states"], batch["attention_mask"]
+        b, s, h = x.shape
+        d = h // heads
+        qkv = _dense(x, params["qkv"]).reshape(b, s, h, 3)
+        q, v, k = (t.reshape(b, s, heads, d) for t in jnp.split(qkv, 3, axis=3))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+        scores = scores + jnp.where(mask[:, None, None, :] > 0, 0.0, -1e9)
+        attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        x = _layer_norm(x + _dense(attn.reshape(b, s, h), params["attn_out"]), params["ln1"])
+        y, _ = moe_mlp(params["moe"], x, config)
+        x = _layer_norm(x + y, params["ln2"])
+        return jnp.mean((x - batch["labels"]) ** 2)
+
+    return Model("alpa-moe-layer", init, loss, lambda n: {
+        "hidden_states": _f32(n, seq_len, hidden),
+        "attention_mask": jax.ShapeDtypeStruct((n, seq_len), jnp.int32),
+        "labels": _f32(n, seq_len, hidden)})
+
+
+def mixed_experts(experts: int = 4, width: int = 16) -> Model:
+    """``test_mixed_2d``'s model: two dense layers, the features viewed as
+    ``[B, E, M/E]``, two expert einsums (``BEM,EMH->EBH`` and ``EBH,EHM->BEM``, H = 8M),
+    back to ``[B, M]``, two dense layers; no biases, MSE."""
+    part, inner = width // experts, 8 * width
+
+    def init(key: jax.Array) -> Any:
+        return {**{f"Dense_{i}": {"kernel": jnp.zeros((width, width))} for i in range(4)},
+                "wi": jnp.zeros((experts, part, inner)), "wo": jnp.zeros((experts, inner, part))}
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        x = batch["x"] @ params["Dense_0"]["kernel"] @ params["Dense_1"]["kernel"]
+        x = x.reshape(-1, experts, part)
+        x = jnp.einsum("BEM,EMH->EBH", x, params["wi"])
+        x = jnp.einsum("EBH,EHM->BEM", x, params["wo"]).reshape(-1, width)
+        x = x @ params["Dense_2"]["kernel"] @ params["Dense_3"]["kernel"]
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    return Model("alpa-mixed-2d", init, loss,
+                 lambda n: {"x": _f32(n, width), "y": _f32(n, width)})
+
+
+def dense_gather_dense() -> Model:
+    """``test_basic.test_gather``'s model: Dense(32), the first 16 columns picked by an
+    index array (a gather), Dense(16), no biases, on ``x [256, 32]``."""
+
+    def init(key: jax.Array) -> Any:
+        return {"Dense_0": {"kernel": jnp.zeros((32, 32))},
+                "Dense_1": {"kernel": jnp.zeros((16, 16))}}
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        x = batch["x"] @ params["Dense_0"]["kernel"]
+        x = jnp.take(x, jnp.arange(16) * 2, axis=1)  # every other column: a real gather
+        x = x @ params["Dense_1"]["kernel"]
+        return jnp.mean((x - batch["y"]) ** 2)
+
+    return Model("alpa-gather", init, loss, lambda n: {"x": _f32(n, 32), "y": _f32(n, 16)})
+
+
+def gemv() -> Model:
+    """``test_basic.test_gemv``: a vector ``a [128]`` times a matrix ``b [128, 256]``,
+    both trained here (the squared product, scaled by the batch's mean, is the loss)."""
+
+    def init(key: jax.Array) -> Any:
+        return {"a": jnp.zeros((128,)), "b": jnp.zeros((128, 256))}
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        return jnp.mean((params["a"] @ params["b"]) ** 2) * batch["scale"].mean()
+
+    return Model("alpa-gemv", init, loss, lambda n: {"scale": _f32(n)})
+
+
+def argmax_over_rows() -> Model:
+    """``test_basic.test_argmax``: ``argmax(a, axis=0)`` of ``a [144, 144]`` (here
+    weighting a trained vector, so the step has a loss)."""
+
+    def init(key: jax.Array) -> Any:
+        return {"w": jnp.zeros((144,))}
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        picked = jnp.argmax(batch["a"], axis=0).astype(jnp.float32)
+        return jnp.mean(params["w"] * picked)
+
+    return Model("alpa-argmax", init, loss, lambda n: {"a": _f32(n, 144)})
+
+
 def dense_dropout_dense() -> Model:
     """``test_basic.test_dropout``'s model: Dense(16), dropout 0.1, Dense(16), no bias,
     on ``x [32, 32, 16]``."""

@@ -15,25 +15,32 @@ import math
 
 import pytest
 from alpa_cases import (
+    ALPA_CALIBRATION,
+    ALPA_DEVICE,
     BERT_WEIGHTS,
     SGD_MOMENTUM,
     Planned,
     all_reduce_cost,
     alpa_mesh,
+    argmax_over_rows,
     bert_layers,
     bert_mlm,
     conv_net,
     dense_dropout_dense,
+    dense_gather_dense,
     depthwise_conv_net,
+    gemv,
+    mixed_experts,
     mlp,
+    moe_layer,
     plan,
     tied_embedding,
 )
 
 from alpajob.planner.cost.model import LogicalMesh
-from alpajob.planner.intra_op.collectives import CollectiveKind
+from alpajob.planner.intra_op.collectives import CollectiveKind, count_collectives
 from alpajob.planner.intra_op.sharding import shard_factor
-from alpajob.planner.intra_op.solve import ShardingMode
+from alpajob.planner.intra_op.solve import ShardingMode, solve_intra_op
 
 AR = CollectiveKind.ALL_REDUCE
 RS = CollectiveKind.REDUCE_SCATTER
@@ -320,3 +327,91 @@ def test_depthwise_conv_splits_whole_channel_groups(shape, axis):
     assert planned.spec("Conv_0/kernel") == ((), (), (), (axis,))
     assert planned.spec("Conv_1/kernel") == ((), (), (), (axis,))
     assert planned.spec("Conv_2/kernel") == ((), (), (axis,), ())
+
+
+# ------------------------------------------------------------------- test_basic
+
+
+def test_gather_of_columns_stays_data_parallel():
+    """``test_gather``: Dense(32), a gather of 16 columns, Dense(16) on a batch of 256:
+    the gather and its scatter-add gradient split along the batch (Alpa asserts
+    ``gather(f32[64,32]``), so the step's only collective is the gradients' one
+    all-reduce."""
+    mesh = alpa_mesh((4, 1), [1, 1], [1, 1])
+    planned = plan(dense_gather_dense(), 256, mesh, optimizer="sgd")
+    graph = planned.graph
+    assert all(not any(spec) for spec in planned.param_specs.values())
+    for op in graph.ops:
+        if op.primitive in ("gather", "scatter-add"):
+            data = op.outputs[0] if op.primitive == "gather" else op.inputs[2]
+            assert planned.result.specs[data][0] == (0,), op.primitive
+    assert planned.counts(ignore_scalar_all_reduce=True) == {AR: 1}
+
+
+def test_gemv_splits_the_matrix_columns():
+    """``test_gemv``: ``a [128] @ b [128, 256]`` on four devices: ``b`` split along its
+    256 columns (Alpa asserts ``f32[128,64]``); no collective on the product itself."""
+    mesh = alpa_mesh((4, 1), [1, 1], [1, 1])
+    planned = plan(gemv(), 8, mesh, optimizer="sgd")
+    assert planned.spec("b") == ((), (0,))
+
+
+def test_argmax_over_rows_needs_no_communication():
+    """``test_argmax``: ``argmax(a, axis=0)`` of ``a [144, 144]`` costs nothing to
+    shard (Alpa asserts objective 0); ours moves nothing either, and if it splits ``a``
+    it is along the kept dim, as Alpa's ``f32[144,36]``."""
+    mesh = alpa_mesh((4, 1), [1, 1], [1, 1])
+    planned = plan(argmax_over_rows(), 144, mesh, optimizer="sgd")
+    assert planned.counts(ignore_scalar_all_reduce=True) == {}
+    assert planned.result.comm_seconds + planned.result.update_seconds < 1e-9
+    (a,) = planned.graph.batch
+    assert planned.result.specs[a][0] == ()
+
+
+# ------------------------------------------------------------------- test_moe
+
+
+@pytest.mark.parametrize(("shape", "axis"), ONE_D)
+def test_moe_layer_partitions_the_experts(shape, axis):
+    """``test_moe_layer``: batch 64, sequence 16, hidden 64, 16 heads, 16 experts in
+    groups of 32 tokens. Alpa's answer: the experts' weights split along the expert
+    dim, everything else (attention, LayerNorms, the gate) data parallel; four
+    all-to-alls (tokens to experts and back, forward and backward) and one combined
+    all-reduce of the replicated weights' gradients. Ours is that answer. (Our
+    objective charges the expert outputs' all-to-all again for the gate's gradient,
+    which reads them too; XLA reuses the forward's, so the step runs four.)"""
+    mesh = alpa_mesh(shape, [1, 1], [1, 1])
+    planned = plan(moe_layer(16, 64, 16, 32, 16), 64, mesh)
+    for name, spec in planned.param_specs.items():
+        if name.startswith("moe/") and name != "moe/gate":
+            assert spec[0] == (axis,) and not any(spec[1:]), name
+        else:
+            assert not any(spec), name
+    assert planned.counts(ignore_scalar_all_reduce=True) == {AR: 1, A2A: 4}
+
+
+# ------------------------------------------------------------------- test_mixed_2d
+
+
+def test_mixed_2d_experts_split_without_all_to_alls():
+    """``test_dot_all_to_all``: four dense layers around two expert einsums on a 2 x 2
+    mesh, mesh_beta [1, 0.1]. Alpa keeps the dense layers data parallel and moves the
+    activations to the expert split with all-to-alls (it asserts some). Ours splits
+    the experts over the fast axis too, but also the dense layers' features (Megatron),
+    so the ``[B, E, M/E]`` view of a feature-split activation is already split by
+    expert and no all-to-all is needed. Under the same costs that is cheaper than
+    both data parallelism and the best answer with the dense layers data parallel."""
+    mesh = alpa_mesh((2, 2), [1, 1], [1, 0.1])
+    planned = plan(mixed_experts(), 256, mesh, optimizer="sgd")
+    graph = planned.graph
+    for name in ("wi", "wo"):
+        assert planned.spec(name) == ((1,), (), ())
+    data = plan(mixed_experts(), 256, mesh, mode=ShardingMode.DATA, optimizer="sgd")
+    dense = {p: ((), ()) for p, n in zip(graph.params, graph.param_names, strict=True)
+             if n.startswith("Dense")}
+    alpa_like = solve_intra_op(graph, range(len(graph.ops)), mesh, ALPA_DEVICE, ALPA_CALIBRATION,
+                               fixed_inputs=dense)
+    assert planned.result.objective < data.result.objective
+    assert planned.result.objective <= alpa_like.objective
+    assert A2A not in planned.counts()
+    assert set(count_collectives(alpa_like.collectives, graph)) <= {AR, AG, RS, A2A}

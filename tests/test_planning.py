@@ -200,6 +200,32 @@ def test_infeasible_memory(gpt_graph, cpu8):
     assert "GiB per device" in str(error) and "does not fit" in str(error)
 
 
+def test_manual_stage_that_does_not_fit_is_named(gpt_graph, cpu8):
+    """A manual plan whose stage does not fit names that stage: its index, layers,
+    submesh and memory need (split into weights and activations), not a whole-cluster
+    figure. Stage 0 (one layer on 4 devices) is given just enough memory; stage 1
+    (three layers on one device) then is the one named."""
+    stages = (ManualStageOption(0, 1, (1, 4)), ManualStageOption(1, 4, (1, 1)))
+    options = SearchOptions(method=Method.MANUAL, num_layers=4, manual_stages=stages)
+
+    def fail(memory_bytes):
+        device = dataclasses.replace(cpu8.device, memory_bytes=memory_bytes)
+        with pytest.raises(InfeasibleError) as info:
+            make_plan(gpt_graph, dataclasses.replace(cpu8, device=device), options)
+        return info.value
+
+    tiny = fail(64 * 1024)
+    assert str(tiny).startswith("spec.parallelism.stages[0]: layers [0, 1) on submesh 1x4")
+    fraction = tiny.available_bytes / (64 * 1024)
+    second = fail(int(tiny.required_bytes * 1.05 / fraction))
+    text = str(second)
+    assert text.startswith("spec.parallelism.stages[1]: layers [1, 4) on submesh 1x1 "
+                           "(logical mesh 1x1) need at least")
+    assert second.required_bytes > second.available_bytes > tiny.required_bytes
+    assert "weights and optimizer state" in text and "in-flight micro-batches" in text
+    assert "submeshShape" in text
+
+
 @pytest.mark.parametrize("family", ["mlp", "moe", "wresnet"])
 def test_other_families_plan(family, cpu8):
     model = resolve_model(family, "tiny")

@@ -103,3 +103,35 @@ def test_rescaled_graph_costs_less_per_micro_batch(gpt, cpu8):
     b = half_dp.evaluate_stage(0, len(layers) - 1, (1, 8), (1, 8), 0, 1)
     assert b.activation_bytes < a.activation_bytes
     assert b.weight_bytes == pytest.approx(a.weight_bytes)
+
+
+def test_tied_embedding_crosses_once_per_step(gpt, cpu8):
+    """GPT's token embedding is read by the first layer (the lookup) and the last (the
+    LM head). Its uses and partial gradients are not activations: no cut carries them
+    per micro-batch, and a stage holding the LM head but not the embedding receives the
+    embedding's values once per step, as does the home stage the head's partial
+    gradient, whatever the number of cuts between."""
+    from alpajob.planner.graph.subset import gradient_flow, parameter_derived
+
+    graph, layers = gpt
+    coster = _coster(graph, layers, cpu8)
+    n = coster.num_layers
+    table = graph.params[graph.param_names.index("embed/tokens")]
+    step_wise = set(gradient_flow(graph)) | parameter_derived(graph)
+    shared = [(t, s, d) for t, s, d in coster.crossing_tensors(n - 1) if t in step_wise]
+    assert shared, "the LM head's partial gradient of the tied embedding crosses the last cut"
+    for cut in range(1, n):
+        per_batch = sum(graph.tensors[t].nbytes for t, s, d in coster.crossing_tensors(cut)
+                        if t not in step_wise)
+        assert coster.boundary_bytes()[cut] == pytest.approx(per_batch)
+    step = coster.step_transfer_table()
+    vocab_bytes = graph.tensors[table].nbytes
+    # Layers 0..k (the embedding's home) get the head's gradient back once per step.
+    home = step[0, n - 2]
+    assert home >= coster.transfer_seconds(vocab_bytes) * 0.99
+    assert step[0, n - 1] == 0.0  # one stage: nothing crosses
+    # Splitting at any cut costs the home the same per step, not once per cut.
+    assert step[0, 0] == pytest.approx(step[0, n - 2])
+    seconds_one, update_one, *_ = coster.range_table((1, 8), (2, 4), 0)
+    whole = coster.evaluate_stage(0, n - 2, (1, 8), (2, 4), 0, 1)
+    assert whole.update == pytest.approx(update_one[0, n - 2])

@@ -208,3 +208,22 @@ def test_pruned_cap_search_equals_trying_every_cap():
         else:
             assert result.total_seconds == pytest.approx(scan, rel=1e-12)
             assert result.tmax_tried < np.unique(cand.cost).size
+
+
+def test_alpa_stage_construction_case_is_optimal():
+    """Alpa's ``test_dynamic_programming`` case: 8 layers, one host of 8 devices, 16
+    micro-batches, Alpa's submesh choices (1, 2, 4 and 8 devices) and one random cost
+    per (layers, submesh, sharding config) from ``np.random.seed(42)``, memory never
+    binding. Alpa checks its two DP implementations agree; ours is checked against
+    every possible plan (the best config of each stage is its cheapest)."""
+    np.random.seed(42)
+    configs = 1 + sum(1 for i in range(1, 9) if 8 % i == 0)
+    cost = np.random.rand(8, 8, 4, configs).min(axis=3)
+    cost[np.tril_indices(8, -1)] = np.inf
+    max_succ = np.full(cost.shape, 4096)
+    devices = [n * m for n, m in submesh_choices(1, 8)]
+    args = (cost, max_succ, devices, 8, 16)
+    got, want = stage_dp(*args, epsilon_tmax=0.0), stage_dp_brute_force(*args)
+    assert got is not None and want is not None
+    assert got.total_seconds == pytest.approx(want.total_seconds, rel=1e-12)
+    _check_plan(got, cost, max_succ, devices, 8, 16)

@@ -18,7 +18,9 @@ One pass, top to bottom:
    costs a step: :mod:`.runtime.driver`), checkpointing every ``checkpoint_every``
    steps and at the end (in the background unless told otherwise), and reporting each
    step's :class:`~alpajob.api.progress.Progress` (Prometheus, ``on_step``), with
-   tokens/s, MFU (:mod:`.throughput`) and goodput (:mod:`.goodput`). SIGTERM or Ctrl-C
+   tokens/s, MFU (:mod:`.throughput`) and goodput (:mod:`.goodput`); with ``trace``
+   the last step is timed and written beside the plan's prediction (:mod:`.tracing`).
+   SIGTERM or Ctrl-C
    stops the loop after the step in progress (:mod:`.stopping`): a checkpoint of that
    step is saved and waited for, and the result says which signal stopped it.
 """
@@ -56,6 +58,7 @@ from alpajob.trainer_image.runtime.meshes import DeviceError, devices_needed, lo
 from alpajob.trainer_image.step import training_optimizer
 from alpajob.trainer_image.stopping import StopRequest
 from alpajob.trainer_image.throughput import Throughput
+from alpajob.trainer_image.tracing import write_trace
 from alpajob.trainer_image.zoo import ModelDef
 
 
@@ -256,7 +259,8 @@ def run(
                 batch = feed.batch(step)
                 done = step + 1
                 began = time.perf_counter()
-                loss, stages = runner.step(batch, done % options.stage_times_every == 0)
+                timed = done % options.stage_times_every == 0 or bool(options.trace and done == steps)
+                loss, stages = runner.step(batch, timed)
                 seconds = time.perf_counter() - began
                 result.losses.append(loss)
                 result.step_seconds.append(seconds)
@@ -299,6 +303,9 @@ def run(
                          for name, value in runner.named_arrays().items() if name.startswith("params/")}
         if options.metrics_out:
             write_metrics_json(options.metrics_out, result.to_json())
+        if options.trace and plan is not None and result.stage_times:
+            write_trace(options.trace, plan, result.stage_times[-1], result.stage_time_steps[-1],
+                        result.step_seconds[result.stage_time_steps[-1] - start - 1])
         if options.metrics_port is not None and options.metrics_linger and not result.stopped:
             say(f"serving the last metrics for {options.metrics_linger:g} s")
             time.sleep(options.metrics_linger)

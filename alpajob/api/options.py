@@ -54,6 +54,9 @@ class TrainOptions(Contract):
         "'auto': if there is one, else start fresh"))
     exact_stage_times: bool = Field(False, description="timed steps wait for every instruction")
     stage_times_every: int = Field(10, ge=1, description="time every N-th step per stage")
+    trace: str | None = Field(None, description=(
+        "write the last step's measured timeline beside the plan's predicted one here "
+        "(Chrome trace JSON: open it in ui.perfetto.dev)"))
     metrics_linger: float = Field(0.0, ge=0, description=(
         "seconds /metrics stays up after the last step, for the final scrape"))
     prefetch: int = Field(2, ge=0, le=64, description="batches a loader thread keeps ready (0: none)")
@@ -62,6 +65,9 @@ class TrainOptions(Contract):
     def _consistent(self) -> TrainOptions:
         if self.plan_file and (self.serial or self.planning.method is not None):
             raise ValueError("method: a plan file already fixes the method; pass one of the two")
+        if self.trace and self.serial:
+            raise ValueError("trace: a serial run has no pipeline stages to trace; drop one of "
+                             "--trace and --method serial")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume: needs a checkpoint directory to resume from (checkpoint_dir, --checkpoint-dir)")
         return self

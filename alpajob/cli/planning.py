@@ -2,7 +2,8 @@
 
 Traces the manifest's model, plans it on ``spec.cluster`` (or ``--nodes``,
 ``--gpus-per-node``, ``--gpu``), prints one row per stage and the predicted step
-time, optionally the schedule (``--schedule``) and the baselines (``--baselines``),
+time, optionally the schedule (``--schedule``), the baselines (``--baselines``) and
+a picture of the plan (``--svg``: :mod:`alpajob.cli.picture`),
 and writes the Plan document (``--output``, or ``--output-configmap`` in a job's
 planning pod). In a planning pod every flag defaults to the runtime contract
 (:class:`~alpajob.api.runtime.TrainerRuntime`: the manifest's path, the node pool the
@@ -43,6 +44,9 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--schedule", action="store_true",
                       help="also print every stage's instruction list (F3: forward of micro-batch "
                            "3, B: backward, U: the update)")
+    plan.add_argument("--svg", metavar="FILE",
+                      help="also draw the plan as an SVG picture: the submesh map and the "
+                           "predicted timeline of one step (open it in a browser)")
     plan.add_argument("--baselines", action="store_true",
                       help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
     plan.add_argument("--ilp-time-limit", type=float, default=10.0,
@@ -71,6 +75,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     options = plan_options(args, runtime)
     if args.output:
         writable_file(args.output, "--output")
+    if args.svg:
+        writable_file(args.svg, "--svg")
     target = args.output_configmap or runtime.plan_configmap
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
@@ -86,6 +92,13 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(schedule_table(plan))
     if plan.baselines is not None:
         out.print(baseline_table(plan))
+    if args.svg:
+        from alpajob.cli.picture import plan_svg
+        from alpajob.planner.plan.timeline import predicted_timeline
+
+        with open(args.svg, "w", encoding="utf-8") as f:
+            f.write(plan_svg(plan, predicted_timeline(plan)))
+        out.print(f"picture written to {args.svg}")
     if args.output:
         write_plan(plan, args.output)
         out.print(f"plan written to {args.output}")

@@ -67,17 +67,70 @@ def plan_summary(plan: Plan) -> str:
     )
 
 
+#: Up to this many micro-batches the schedule is printed instruction by instruction.
+FULL_SCHEDULE_MICRO_BATCHES = 8
+
+
+def _name(instruction: tuple[Direction, int]) -> str:
+    direction, j = instruction
+    return f"{'F' if direction is Direction.FORWARD else 'B'}{j}"
+
+
+def _pairs_at(program: Sequence[tuple[Direction, int]], k: int) -> int:
+    """How many forward/backward pairs, both micro-batches counting up, start at ``k``."""
+    pairs = 0
+    while (k + 2 * pairs + 1 < len(program)
+           and program[k + 2 * pairs][0] is Direction.FORWARD
+           and program[k + 2 * pairs + 1][0] is Direction.BACKWARD
+           and program[k + 2 * pairs][1] == program[k][1] + pairs
+           and program[k + 2 * pairs + 1][1] == program[k + 1][1] + pairs):
+        pairs += 1
+    return pairs
+
+
+def summarise_program(program: Sequence[tuple[Direction, int]]) -> str:
+    """A stage's instruction list in a few words: runs of forwards or backwards of
+    consecutive micro-batches as ``F0…F6``, a steady one-forward-one-backward phase
+    as ``F7/B0 … F255/B248 (249 pairs)``. 1F1B on stage 0 of 8 with 256
+    micro-batches: ``F0…F6  F7/B0 … F255/B248 (249 pairs)  B249…B255``."""
+    words, k = [], 0
+    while k < len(program):
+        pairs = _pairs_at(program, k)
+        if pairs >= 3:
+            last = k + 2 * pairs - 2
+            words.append(f"{_name(program[k])}/{_name(program[k + 1])} … "
+                         f"{_name(program[last])}/{_name(program[last + 1])} ({pairs} pairs)")
+            k += 2 * pairs
+            continue
+        run = 1
+        while (k + run < len(program) and program[k + run][0] is program[k][0]
+               and program[k + run][1] == program[k][1] + run
+               and _pairs_at(program, k + run) < 3):
+            run += 1
+        if run >= 3:
+            words.append(f"{_name(program[k])}…{_name(program[k + run - 1])}")
+        else:
+            words.extend(_name(x) for x in program[k:k + run])
+        k += run
+    return "  ".join(words)
+
+
 def schedule_table(plan: Plan) -> Table:
-    """Each stage's instruction list, in the order the stage runs it."""
+    """Each stage's instruction list, in the order the stage runs it: in full up to
+    :data:`FULL_SCHEDULE_MICRO_BATCHES` micro-batches, else summarised
+    (:func:`summarise_program`), so 64 stages x 64 micro-batches stay 64 short rows."""
     p, m = len(plan.stages), plan.num_micro_batches
+    full = m <= FULL_SCHEDULE_MICRO_BATCHES
     table = Table(title=f"{plan.schedule} schedule, {m} micro-batches",
-                  caption="Fj / Bj: forward / backward of micro-batch j; U: the optimizer update")
+                  caption="Fj / Bj: forward / backward of micro-batch j; U: the optimizer update"
+                          + ("" if full else "; Fi…Fj: forwards i to j; Fi/Bj: a forward then "
+                             "a backward, repeated with both counting up"))
     table.add_column("stage", justify="right")
     table.add_column("instructions")
     for i in range(p):
         program = instruction_list(Schedule(plan.schedule), i, p, m)
-        names = [f"{'F' if d is Direction.FORWARD else 'B'}{j}" for d, j in program]
-        table.add_row(str(i), " ".join([*names, "U"]))
+        text = " ".join(_name(x) for x in program) if full else summarise_program(program)
+        table.add_row(str(i), f"{text}  U" if not full else f"{text} U")
     return table
 
 

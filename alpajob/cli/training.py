@@ -54,6 +54,9 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--exact-stage-times", action="store_true",
                      help="timed steps wait for every instruction before issuing the next: exact "
                           "per-stage compute, communication and idle times, but no overlap (slower)")
+    run.add_argument("--trace", metavar="FILE",
+                     help="time the last step and write its measured timeline beside the plan's "
+                          "predicted one (Chrome trace JSON: open it in ui.perfetto.dev)")
     run.add_argument("--checkpoint-dir", help="save sharded checkpoints here")
     run.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end)")
     run.add_argument("--keep-last", type=int, metavar="N",
@@ -90,11 +93,14 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         "metrics_linger": args.metrics_linger if args.metrics_port is not None else None,
         "exact_stage_times": args.exact_stage_times or None,
         "stage_times_every": args.stage_times_every, "prefetch": args.prefetch,
+        "trace": args.trace,
     })
     if options.plan_file:
         existing_file(options.plan_file, "--plan")
     if options.metrics_out:
         writable_file(options.metrics_out, "--metrics-out")
+    if options.trace:
+        writable_file(options.trace, "--trace")
     if options.checkpoint_dir:
         directory(options.checkpoint_dir, "--checkpoint-dir")
     return options

@@ -106,6 +106,29 @@ class GraphIndex:
         return read
 
 
+def gradient_flow(graph: OpGraph) -> dict[int, int]:
+    """Tensor -> index into ``graph.params`` of the gradient it flows into linearly
+    (the partial gradients a shared parameter's uses make, and their sums), over
+    the whole step."""
+    return _grad_flow(graph, dict(enumerate(graph.ops)), graph.producers())
+
+
+def parameter_derived(graph: OpGraph) -> set[int]:
+    """Tensors computed from parameters (and constants) alone: a cast of a tied
+    embedding, a reshape of a scale. A stage reading one computes it itself from the
+    shared parameter, so it crosses between stages once per step, not per batch."""
+    params = set(graph.params)
+    constant = {t.id for t in graph.tensors if t.role is TensorRole.CONSTANT}
+    derived: set[int] = set()
+    for op in graph.ops:
+        if op.phase is Phase.UPDATE or not op.inputs:
+            continue
+        sources = [t in params or t in derived for t in op.inputs]
+        if any(sources) and all(s or t in constant for s, t in zip(sources, op.inputs, strict=True)):
+            derived.update(op.outputs)
+    return derived
+
+
 def _grad_flow(graph: OpGraph, ops: dict[int, Op], produced: dict[int, int]) -> dict[int, int]:
     flow: dict[int, int] = {}
     stack = [(g, k) for k, g in enumerate(graph.grads) if g in produced]

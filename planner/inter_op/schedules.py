@@ -137,11 +137,13 @@ class SimulationResult:
     ``makespan``: seconds from the first forward to the last backward.
     ``peak_in_flight[i]``: most micro-batches forwarded but not yet backwarded on stage i.
     ``bubble_fraction``: idle share of all stages' time, ``1 - busy / (p * makespan)``.
+    ``runs``: every instruction as ``(stage, direction, micro_batch, start, end)``.
     """
 
     makespan: float
     peak_in_flight: tuple[int, ...]
     bubble_fraction: float
+    runs: tuple[tuple[int, Direction, int, float, float], ...] = ()
 
 
 def simulate(
@@ -199,6 +201,7 @@ def replay(
     cursor = [0] * p
     stage_free = [0.0] * p
     done: dict[tuple[int, Direction, int], float] = {}
+    runs: list[tuple[int, Direction, int, float, float]] = []
     remaining = sum(len(program) for program in programs)
     while remaining:
         progressed = False
@@ -212,6 +215,7 @@ def replay(
                 start = max(stage_free[i], done[dep] if dep is not None else 0.0)
                 stage_free[i] = start + seconds
                 done[(i, direction, j)] = stage_free[i]
+                runs.append((i, direction, j, start, stage_free[i]))
                 cursor[i] += 1
                 remaining -= 1
                 progressed = True
@@ -227,4 +231,5 @@ def replay(
     makespan = max(stage_free)
     busy = sum(map(sum, forward_seconds)) + sum(map(sum, backward_seconds))
     bubble = 1.0 - busy / (p * makespan) if makespan > 0 else 0.0
-    return SimulationResult(makespan=makespan, peak_in_flight=tuple(peaks), bubble_fraction=bubble)
+    return SimulationResult(makespan=makespan, peak_in_flight=tuple(peaks), bubble_fraction=bubble,
+                            runs=tuple(runs))

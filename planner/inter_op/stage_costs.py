@@ -14,7 +14,12 @@ stage. Alpa compiles and profiles every candidate; we compose it from ILP soluti
    A stage's latency is the sum of its layers' latencies, plus the resharding of the
    gradients flowing back between its layers where their solutions disagree, plus the
    point-to-point transfer of the tensors that enter it from the previous stage
-   (activations forward, gradients backward). The first layer of a stage is still
+   (activations forward, gradients backward), per micro-batch. A shared parameter
+   (a tied embedding) is not an activation: a value made from parameters alone is
+   recomputed by the stage that reads it, and its partial gradients are summed
+   locally and sent home once per step, so those crossings cost one transfer per
+   step to the stage that receives them (:meth:`LayerCoster.step_transfer_table`).
+   The first layer of a stage is still
    charged the resharding from its predecessor's layout, which the transfer from the
    previous mesh makes moot: a small overestimate.
 3. Memory: weights (params, grads, optimizer state) plus activations per in-flight
@@ -38,6 +43,7 @@ import numpy as np
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import Calibration, LogicalMesh, make_logical_mesh
 from alpajob.planner.graph.opgraph import OpGraph, Phase, local_tensor_order, subgraph_signature
+from alpajob.planner.graph.subset import gradient_flow, parameter_derived
 from alpajob.planner.intra_op.sharding import ShardSpec, resharding_seconds, shard_factor
 from alpajob.planner.intra_op.solve import IntraOpResult, ShardingMode, SolveContext, solve_intra_op
 
@@ -180,12 +186,20 @@ class LayerCoster:
         for index, ops in enumerate(self.layers):
             self._layer_of_op[list(ops)] = index
         self._crossings = self._find_crossings()
-        # Bytes crossing the cut before each layer (a tensor passing several cuts counts
-        # at each): fixed by the graph, so computed once.
+        # Values made from parameters alone and partial gradients of shared parameters
+        # cross once per step (a stage recomputes the former from the shared parameter;
+        # the latter are summed locally, then sent home): see step_transfer_table.
+        step_wise = set(gradient_flow(self.graph)) | parameter_derived(self.graph)
+        self._step_crossings = [c for c in self._crossings if c[0] in step_wise]
+        # Bytes crossing the cut before each layer per micro-batch (a tensor passing
+        # several cuts counts at each): fixed by the graph, so computed once.
         self._boundary_bytes = np.zeros(self.num_layers + 1)
         for tensor, src, dst in self._crossings:
+            if tensor in step_wise:
+                continue
             low, high = min(src, dst), max(src, dst)
             self._boundary_bytes[low + 1 : high + 1] += self.graph.tensors[tensor].nbytes
+        self._step_table: np.ndarray | None = None
         self._incoming: list[list[tuple[int, int]]] = [[] for _ in self.layers]
         for tensor, src, dst in self._crossings:
             if src < dst:
@@ -367,6 +381,28 @@ class LayerCoster:
             return cluster.inter_node_latency + nbytes / cluster.inter_node_bandwidth
         return cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
 
+    def step_transfer_table(self) -> np.ndarray:
+        """[L, L]: per-step seconds a stage of layers i..j spends receiving values that
+        cross once per step: each tensor whose producer is outside the range and some
+        reader inside arrives once (a shared parameter's copy going out, or a partial
+        gradient going home), whatever the number of cuts between (GPT-39B's tied
+        embedding gradient, 839 MB, was charged at every cut for every micro-batch)."""
+        if self._step_table is None:
+            n = self.num_layers
+            i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+            readers: dict[tuple[int, int], list[int]] = {}
+            for tensor, src, dst in self._step_crossings:
+                readers.setdefault((tensor, src), []).append(dst)
+            table = np.zeros((n, n))
+            for (tensor, src), dsts in readers.items():
+                inside = np.zeros((n, n), dtype=bool)
+                for dst in dsts:
+                    inside |= (i <= dst) & (dst <= j)
+                arrives = inside & ~((i <= src) & (src <= j))
+                table += np.where(arrives, self.transfer_seconds(self.graph.tensors[tensor].nbytes), 0.0)
+            self._step_table = np.triu(table)
+        return self._step_table
+
     def crossing_tensors(self, cut: int) -> list[tuple[int, int, int]]:
         """Crossings (tensor, producer layer, consumer layer) that pass the cut before ``cut``."""
         return [c for c in self._crossings if min(c[1], c[2]) < cut <= max(c[1], c[2])]
@@ -397,7 +433,7 @@ class LayerCoster:
             compute=compute,
             comm=comm,
             transfer=transfer,
-            update=float(a.update[span].sum()),
+            update=float(a.update[span].sum()) + float(self.step_transfer_table()[first, last]),
             weight_bytes=float(a.weight[span].sum()),
             activation_bytes=float(a.activation[span].sum()),
             transient_bytes=float(a.transient[span].max()),
@@ -434,7 +470,7 @@ class LayerCoster:
             np.where(upper, np.broadcast_to(a.transient[None, :], (n, n)), 0.0), axis=1
         )
         weight = ranged(a.weight) + np.where(upper, transient, 0.0)
-        return seconds, ranged(a.update), weight, ranged(a.activation)
+        return seconds, ranged(a.update) + self.step_transfer_table(), weight, ranged(a.activation)
 
 
 def forward_range(graph: OpGraph, ops: Sequence[int]) -> tuple[int, int]:

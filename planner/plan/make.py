@@ -215,6 +215,45 @@ def _memory_error(context: CostContext, micro_batches: Sequence[int], method: Me
     )
 
 
+def _manual_memory_error(
+    context: CostContext, micro_batches: Sequence[int], manual: Sequence[StageRequest]
+) -> InfeasibleError:
+    """The first manual stage that fits at no micro-batch count, named with its layers,
+    submesh and the least memory it needs (its leanest level and logical mesh at the
+    count that needs least), split into weights and in-flight activations."""
+    budget = context.memory_budget
+    for index, request in enumerate(manual):
+        least, least_count = None, 0
+        for count in micro_batches:
+            coster = context.coster(count, ShardingMode.AUTO)
+            in_flight = context.in_flight(index, len(manual), count)
+            shapes = [request.shape] if request.shape else context.shapes(request.submesh)
+            for shape in shapes:
+                for level in range(len(MEMORY_LEVELS)):
+                    stage = coster.evaluate_stage(request.first, request.last, request.submesh,
+                                                  shape, level, in_flight)
+                    if least is None or stage.peak_memory < least.peak_memory:
+                        least, least_count = stage, count
+        if least is None or least.peak_memory <= budget:
+            continue
+        n, m = request.submesh
+        return InfeasibleError(
+            f"spec.parallelism.stages[{index}]: layers [{request.first}, {request.last + 1}) on "
+            f"submesh {n}x{m} (logical mesh {least.shape[0]}x{least.shape[1]}) need at least "
+            f"{least.peak_memory / GIB:.2f} GiB per device (weights and optimizer state "
+            f"{least.weight_bytes / GIB:.2f} GiB, activations "
+            f"{least.in_flight * least.activation_bytes / GIB:.2f} GiB for {least.in_flight} "
+            f"in-flight micro-batches of {least_count}"
+            f"{', rematerialised' if least.remat else ''}), and each "
+            f"{context.cluster.device.name} offers {budget / GIB:.2f} GiB; give this stage more "
+            "devices (submeshShape) or fewer layers, or use more micro-batches "
+            "(numMicroBatches) or float16/bfloat16",
+            required_bytes=least.peak_memory,
+            available_bytes=budget,
+        )
+    return _memory_error(context, micro_batches, Method.MANUAL)
+
+
 def _candidates_at(
     context: CostContext, count: int, method: Method, manual: Sequence[StageRequest]
 ) -> list[Candidate | None]:
@@ -422,6 +461,8 @@ def make_plan(
     candidates = _coarse_to_fine(context, micro_batches, method, manual)
     best = best_of(candidates)
     if best is None:
+        if method is Method.MANUAL:
+            raise _manual_memory_error(context, micro_batches, manual)
         raise _memory_error(context, micro_batches, method)
     searched = sorted({c.num_micro_batches for c in candidates if c is not None})
     search_seconds = time.perf_counter() - start

@@ -422,7 +422,8 @@ def drive(
                         result.losses.append(loss)
                         result.step_seconds.append(seconds)
                         result.sent_bytes.append(sum(int(r["sent_bytes"]) for g in replies for r in g))
-                        result.stage_times.append([g[0]["times"] for g in replies])
+                        result.stage_times.append([{k: v for k, v in g[0]["times"].items() if k != "spans"}
+                                                   for g in replies])
                         done = step + 1
                         if evaluating and (done % evaluating == 0 or done == options.steps):
                             with books.timing(Badput.EVAL):

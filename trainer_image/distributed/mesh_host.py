@@ -52,6 +52,7 @@ from alpajob.api.plan import plan_from_json
 from alpajob.api.resource import parse_job
 from alpajob.api.runtime import TrainerRuntime, Transport
 from alpajob.api.spec import Schedule
+from alpajob.api.timeline import Span, SpanKind
 from alpajob.trainer_image.checkpoint.names import load_stage, stage_arrays, targets
 from alpajob.trainer_image.checkpoint.store import DamagedCheckpoint, PartWriter, mesh_part, restore
 from alpajob.trainer_image.data.feed import open_feed
@@ -373,4 +374,6 @@ class MeshHost:
 def stage_times(reply: dict[str, Any]) -> StageTimes:
     """The :class:`StageTimes` of a :meth:`MeshHost.step` reply."""
     times = reply["times"]
-    return StageTimes(**{**times, "forward": tuple(times["forward"]), "backward": tuple(times["backward"])})
+    spans = tuple(Span(**{**span, "kind": SpanKind(span["kind"])}) for span in times.get("spans", ()))
+    return StageTimes(**{**times, "forward": tuple(times["forward"]), "backward": tuple(times["backward"]),
+                         "spans": spans})

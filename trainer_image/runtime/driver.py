@@ -71,6 +71,7 @@ import jax
 import numpy as np
 
 from alpajob.api.spec import Schedule
+from alpajob.api.timeline import Span, SpanKind
 from alpajob.planner.inter_op.schedules import Direction, instruction_list, predecessor
 from alpajob.trainer_image.runtime.executor import (
     StageTimes,
@@ -235,29 +236,41 @@ class Untimed:
 
 def stage_times(stamps: Sequence[Sequence[Stamp]], begin: float, end: float) -> tuple[StageTimes, ...]:
     """Per stage, its compute, communication and idle seconds from its stamps (the
-    module docstring gives the rule); idle is the rest of ``end - begin``."""
+    module docstring gives the rule), and each instruction and wait as a span of the
+    step; idle is the rest of ``end - begin``."""
     done = {(s, x.kind, x.micro_batch): x.done for s, stage in enumerate(stamps) for x in stage}
     out = []
-    for stage in stamps:
+    for i, stage in enumerate(stamps):
         previous = begin
         compute = communication = update = 0.0
         forward: list[float] = []
         backward: list[float] = []
+        spans: list[Span] = []
         for x in stage:
             start = max(previous, x.inputs_ready, x.issued)
             produced = max([done[src] for src in x.sources if src in done], default=x.issued)
-            communication += max(0.0, min(start, x.inputs_ready) - max(previous, produced))
+            waited_from, waited_to = max(previous, produced), min(start, x.inputs_ready)
+            communication += max(0.0, waited_to - waited_from)
             seconds = max(0.0, x.done - start)
             compute += seconds
+            micro_batch: int | None = x.micro_batch
             if x.kind == "forward":
                 forward.append(seconds)
+                kind = SpanKind.FORWARD
             elif x.kind == "backward":
                 backward.append(seconds)
+                kind = SpanKind.BACKWARD
             else:
                 update = seconds
+                kind, micro_batch = SpanKind.UPDATE, None
+            if waited_to > waited_from:
+                spans.append(Span(i, SpanKind.COMMUNICATION, micro_batch, waited_from - begin,
+                                  waited_to - begin))
+            spans.append(Span(i, kind, micro_batch, start - begin, start - begin + seconds))
             previous = max(previous, x.done)
         idle = max(0.0, (end - begin) - compute - communication)
-        out.append(StageTimes(compute, communication, idle, tuple(forward), tuple(backward), update))
+        out.append(StageTimes(compute, communication, idle, tuple(forward), tuple(backward), update,
+                              tuple(spans)))
     return tuple(out)
 
 

@@ -46,6 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from alpajob.api.spec import Schedule
+from alpajob.api.timeline import Span
 from alpajob.planner.inter_op.schedules import Direction, instruction_list
 from alpajob.trainer_image.runtime.meshes import place
 from alpajob.trainer_image.runtime.messages import (
@@ -91,7 +92,8 @@ class Mailbox:
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Seconds one stage spent in one step."""
+    """Seconds one stage spent in one step; ``spans``, where the stamps give them,
+    place each instruction (and each wait for its inputs) in the step."""
 
     compute: float
     communication: float
@@ -99,6 +101,7 @@ class StageTimes:
     forward: tuple[float, ...]  # per micro-batch
     backward: tuple[float, ...]
     update: float
+    spans: tuple[Span, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,159 @@
+"""A plan as a picture: ``alpajob plan --svg FILE``.
+
+One SVG with two panels, drawn from the Plan document and its predicted timeline
+(:func:`~alpajob.planner.plan.timeline.predicted_timeline`):
+
+- **submesh map**: one row per node, one cell per device, coloured by the stage
+  that owns it (which GPUs of which node each stage gets);
+- **timeline of one step**: one row per stage, one box per forward (``F``),
+  backward (``B``), the communication the plan predicts at the end of each pass,
+  and the update (``U``); the grey behind the boxes is the bubble, and each row's
+  label gives its share of the step.
+
+Every cell and box carries a ``<title>`` (the browser's tooltip) with the exact
+figures; rows carry ``class="stage-row"`` and ``data-stage`` so tests and scripts
+can read the picture back. The SVG is built with :mod:`xml.etree.ElementTree`, so it
+is well-formed whatever the model's name holds.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+from alpajob.api.plan import Plan
+from alpajob.api.timeline import SpanKind, Timeline
+
+SVG_NS = "http://www.w3.org/2000/svg"
+WIDTH = 1200
+LEFT = 190  # room for the row labels
+RIGHT = 20
+#: One colour per stage (cycled; ColorBrewer Set3, unlike the span colours below).
+STAGE_COLOURS = ("#8dd3c7", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69",
+                 "#fccde5", "#bc80bd", "#ccebc5", "#ffed6f")
+KIND_COLOURS = {SpanKind.FORWARD: "#4e79a7", SpanKind.BACKWARD: "#f28e2b",
+                SpanKind.COMMUNICATION: "#e15759", SpanKind.UPDATE: "#59a14f"}
+BUBBLE = "#e6e6e6"
+
+
+def _seconds(value: float, unit_of: float | None = None) -> str:
+    """``value`` in ms below a second (or when ``unit_of``, the scale, is), else in s."""
+    scale = value if unit_of is None else unit_of
+    return f"{value * 1e3:.3g} ms" if scale < 1 else f"{value:.3g} s"
+
+
+def _el(parent: ET.Element, tag: str, text: str | None = None, **attrs: object) -> ET.Element:
+    node = ET.SubElement(parent, tag, {k.rstrip("_").replace("_", "-"): str(v)
+                                       for k, v in attrs.items()})
+    if text is not None:
+        node.text = text
+    return node
+
+
+def _tip(node: ET.Element, text: str) -> None:
+    _el(node, "title", text)
+
+
+def _submesh_map(svg: ET.Element, plan: Plan, top: float) -> float:
+    """Draw the device grid from ``top``; returns the y below it."""
+    nodes = int(plan.cluster["num_nodes"])
+    per_node = int(plan.cluster["devices_per_node"])
+    owner: dict[tuple[int, int], int] = {}
+    for stage_plan in plan.stages:
+        for node, gpu in stage_plan.device_slots:
+            owner[(node, gpu)] = stage_plan.index
+    cell = max(4.0, min(36.0, (WIDTH - LEFT - RIGHT) / per_node, 480.0 / nodes))
+    _el(svg, "text", "submesh map: which devices of which node each stage gets",
+        x=10, y=top + 14, font_weight="bold")
+    top += 24
+    group = _el(svg, "g", class_="submesh-map")
+    for node in range(nodes):
+        y = top + node * cell
+        if cell >= 10:
+            _el(group, "text", f"node {node}", x=LEFT - 8, y=y + cell * 0.7,
+                text_anchor="end", font_size=min(12.0, cell * 0.7))
+        for gpu in range(per_node):
+            x = LEFT + gpu * cell
+            stage = owner.get((node, gpu))
+            colour = STAGE_COLOURS[stage % len(STAGE_COLOURS)] if stage is not None else "#ffffff"
+            rect = _el(group, "rect", x=x, y=y, width=cell - 1, height=cell - 1, fill=colour,
+                       stroke="#999999", stroke_width=0.5, class_="device",
+                       data_stage="" if stage is None else stage)
+            what = (f"stage {stage}: layers [{plan.stages[stage].layers[0]}, "
+                    f"{plan.stages[stage].layers[1]})" if stage is not None else "unused")
+            _tip(rect, f"node {node}, device {gpu}: {what}")
+            if stage is not None and cell >= 20:
+                _el(group, "text", f"S{stage}", x=x + cell / 2, y=y + cell * 0.65,
+                    text_anchor="middle", font_size=min(11.0, cell * 0.4), fill="#222222")
+    return top + nodes * cell + 16
+
+
+def _timeline(svg: ET.Element, plan: Plan, timeline: Timeline, top: float) -> float:
+    """Draw one row per stage from ``top``; returns the y below the axis."""
+    p = timeline.num_stages
+    row = max(6.0, min(26.0, 640.0 / p))
+    span = timeline.seconds or 1.0
+    scale = (WIDTH - LEFT - RIGHT) / span
+    _el(svg, "text", f"timeline of one step ({plan.schedule}, {plan.num_micro_batches} "
+        f"micro-batches): predicted {_seconds(plan.predicted_step_seconds)}",
+        x=10, y=top + 14, font_weight="bold")
+    top += 24
+    by_stage: dict[int, list] = {i: [] for i in range(p)}
+    for s in timeline.spans:
+        by_stage[s.stage].append(s)
+    for i in range(p):
+        stage = plan.stages[i]
+        y = top + i * row
+        group = _el(svg, "g", class_="stage-row", data_stage=i)
+        bubble = timeline.bubble(i) / span
+        _el(group, "rect", x=LEFT - 6, y=y, width=5, height=row - 1,
+            fill=STAGE_COLOURS[i % len(STAGE_COLOURS)])
+        if row >= 9:
+            _el(group, "text", f"stage {i} ({stage.submesh_shape[0]}x{stage.submesh_shape[1]}) "
+                f"idle {bubble:.0%}", x=LEFT - 10, y=y + row * 0.7, text_anchor="end",
+                font_size=min(12.0, row * 0.7))
+        back = _el(group, "rect", x=LEFT, y=y, width=span * scale, height=row - 1, fill=BUBBLE)
+        _tip(back, f"stage {i}: layers [{stage.layers[0]}, {stage.layers[1]}), idle "
+             f"{_seconds(timeline.bubble(i))} of {_seconds(span)} ({bubble:.1%})")
+        for s in by_stage[i]:
+            width = max(0.5, (s.end - s.start) * scale)
+            box = _el(group, "rect", x=LEFT + s.start * scale, y=y, width=width, height=row - 1,
+                      fill=KIND_COLOURS[s.kind], class_=f"span {s.kind.value}")
+            _tip(box, f"stage {i} {s.kind.value}"
+                 f"{'' if s.micro_batch is None else f' micro-batch {s.micro_batch}'}: "
+                 f"{_seconds(s.start)} to {_seconds(s.end)}")
+            if width >= 22 and row >= 12 and s.kind is not SpanKind.COMMUNICATION:
+                _el(group, "text", s.label, x=LEFT + s.start * scale + width / 2,
+                    y=y + row * 0.7, text_anchor="middle", font_size=min(10.0, row * 0.55),
+                    fill="#ffffff")
+    axis_y = top + p * row + 4
+    _el(svg, "line", x1=LEFT, y1=axis_y, x2=LEFT + span * scale, y2=axis_y, stroke="#333333")
+    for k in range(6):
+        t = span * k / 5
+        x = LEFT + t * scale
+        _el(svg, "line", x1=x, y1=axis_y, x2=x, y2=axis_y + 4, stroke="#333333")
+        _el(svg, "text", _seconds(t, span), x=x, y=axis_y + 16, text_anchor="middle",
+            font_size=11)
+    legend_y = axis_y + 34
+    x = LEFT
+    for kind, colour in (*KIND_COLOURS.items(), ("bubble (idle)", BUBBLE)):
+        _el(svg, "rect", x=x, y=legend_y - 10, width=12, height=12, fill=colour)
+        name = kind.value if isinstance(kind, SpanKind) else kind
+        _el(svg, "text", name, x=x + 16, y=legend_y, font_size=12)
+        x += 24 + 8 * len(name)
+    return legend_y + 16
+
+
+def plan_svg(plan: Plan, timeline: Timeline) -> str:
+    """The SVG document of ``plan`` and its predicted ``timeline`` (module docstring)."""
+    svg = ET.Element("svg", {"xmlns": SVG_NS, "width": str(WIDTH), "font-family": "sans-serif",
+                             "font-size": "13"})
+    cluster = plan.cluster
+    _el(svg, "text", f"{plan.model.name} on {cluster['num_nodes']}x"
+        f"{cluster['devices_per_node']} {cluster['preset']}: {len(plan.stages)} stages, "
+        f"predicted step {_seconds(plan.predicted_step_seconds)}, plan {plan.content_hash()}",
+        x=10, y=20, font_size=15, font_weight="bold")
+    y = _submesh_map(svg, plan, 34)
+    y = _timeline(svg, plan, timeline, y)
+    svg.set("height", str(int(y + 10)))
+    svg.set("viewBox", f"0 0 {WIDTH} {int(y + 10)}")
+    return ET.tostring(svg, encoding="unicode", xml_declaration=True)
