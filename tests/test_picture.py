@@ -216,3 +216,24 @@ def test_trace_and_serial_are_refused_together(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "trace" in err and "serial" in err
+
+
+def test_svg_of_many_micro_batches_merges_narrow_boxes(manual_plan):
+    """1024 micro-batches: boxes narrower than a pixel and a half are merged per pixel
+    column, drawn as high as the stage is busy there; the file stays small."""
+    plan, _ = manual_plan
+    many = plan.model_copy(update={"num_micro_batches": 1024})
+    timeline = predicted_timeline(many)
+    text = plan_svg(many, timeline)
+    assert len(text) < 200_000
+    root = ET.fromstring(text)
+    rows = [g for g in root.iter(f"{SVG}g") if g.get("class") == "stage-row"]
+    assert len(rows) == len(plan.stages)
+    for g in rows:
+        swatch, background = [r for r in g.iter(f"{SVG}rect") if r.get("class") is None]
+        spans = [r for r in g.iter(f"{SVG}rect") if (r.get("class") or "").startswith("span")]
+        assert 0 < len(spans) < 300
+        assert any("merged" in (r.findtext(f"{SVG}title") or "") for r in spans)
+        full = float(background.get("height"))
+        assert float(swatch.get("height")) == full
+        assert all(float(r.get("height")) <= full + 1e-9 for r in spans)

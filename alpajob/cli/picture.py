@@ -19,9 +19,10 @@ is well-formed whatever the model's name holds.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 
 from alpajob.api.plan import Plan
-from alpajob.api.timeline import SpanKind, Timeline
+from alpajob.api.timeline import Span, SpanKind, Timeline
 
 SVG_NS = "http://www.w3.org/2000/svg"
 WIDTH = 1200
@@ -97,7 +98,7 @@ def _timeline(svg: ET.Element, plan: Plan, timeline: Timeline, top: float) -> fl
         f"micro-batches): predicted {_seconds(plan.predicted_step_seconds)}",
         x=10, y=top + 14, font_weight="bold")
     top += 24
-    by_stage: dict[int, list] = {i: [] for i in range(p)}
+    by_stage: dict[int, list[Span]] = {i: [] for i in range(p)}
     for s in timeline.spans:
         by_stage[s.stage].append(s)
     for i in range(p):
@@ -114,17 +115,20 @@ def _timeline(svg: ET.Element, plan: Plan, timeline: Timeline, top: float) -> fl
         back = _el(group, "rect", x=LEFT, y=y, width=span * scale, height=row - 1, fill=BUBBLE)
         _tip(back, f"stage {i}: layers [{stage.layers[0]}, {stage.layers[1]}), idle "
              f"{_seconds(timeline.bubble(i))} of {_seconds(span)} ({bubble:.1%})")
-        for s in by_stage[i]:
-            width = max(0.5, (s.end - s.start) * scale)
-            box = _el(group, "rect", x=LEFT + s.start * scale, y=y, width=width, height=row - 1,
-                      fill=KIND_COLOURS[s.kind], class_=f"span {s.kind.value}")
-            _tip(box, f"stage {i} {s.kind.value}"
-                 f"{'' if s.micro_batch is None else f' micro-batch {s.micro_batch}'}: "
-                 f"{_seconds(s.start)} to {_seconds(s.end)}")
-            if width >= 22 and row >= 12 and s.kind is not SpanKind.COMMUNICATION:
-                _el(group, "text", s.label, x=LEFT + s.start * scale + width / 2,
-                    y=y + row * 0.7, text_anchor="middle", font_size=min(10.0, row * 0.55),
-                    fill="#ffffff")
+        spans = by_stage[i]
+        if all((s.end - s.start) * scale >= MIN_BOX_PX for s in spans):
+            for s in spans:
+                _box(group, s.kind, s.start, s.end, scale, row, y,
+                     f"stage {i} {s.kind.value}"
+                     f"{'' if s.micro_batch is None else f' micro-batch {s.micro_batch}'}: "
+                     f"{_seconds(s.start)} to {_seconds(s.end)}", s.label)
+        else:
+            for kind, start, end, count, busy in _pixel_runs(spans, scale, span):
+                height = (row - 1) * busy
+                _box(group, kind, start, end, scale, height + 1, y + (row - 1) - height,
+                     f"stage {i} mostly {kind.value}, busy {busy:.0%}: {count} spans from "
+                     f"{_seconds(start)} to {_seconds(end)} (merged per pixel: boxes this "
+                     "narrow would not show)", None)
     axis_y = top + p * row + 4
     _el(svg, "line", x1=LEFT, y1=axis_y, x2=LEFT + span * scale, y2=axis_y, stroke="#333333")
     for k in range(6):
@@ -135,12 +139,60 @@ def _timeline(svg: ET.Element, plan: Plan, timeline: Timeline, top: float) -> fl
             font_size=11)
     legend_y = axis_y + 34
     x = LEFT
-    for kind, colour in (*KIND_COLOURS.items(), ("bubble (idle)", BUBBLE)):
+    legend = [(kind.value, colour) for kind, colour in KIND_COLOURS.items()]
+    for name, colour in (*legend, ("bubble (idle)", BUBBLE)):
         _el(svg, "rect", x=x, y=legend_y - 10, width=12, height=12, fill=colour)
-        name = kind.value if isinstance(kind, SpanKind) else kind
         _el(svg, "text", name, x=x + 16, y=legend_y, font_size=12)
         x += 24 + 8 * len(name)
     return legend_y + 16
+
+
+#: Narrower spans are merged per pixel column (a 64-stage, 1024-micro-batch step has
+#: 200,000 spans; drawn one by one the file would be tens of megabytes).
+MIN_BOX_PX = 1.5
+
+
+def _box(group: ET.Element, kind: SpanKind, start: float, end: float, scale: float, row: float,
+         y: float, tip: str, label: str | None) -> None:
+    width = max(0.5, (end - start) * scale)
+    box = _el(group, "rect", x=LEFT + start * scale, y=y, width=width, height=row - 1,
+              fill=KIND_COLOURS[kind], class_=f"span {kind.value}")
+    _tip(box, tip)
+    if label and width >= 22 and row >= 12 and kind is not SpanKind.COMMUNICATION:
+        _el(group, "text", label, x=LEFT + start * scale + width / 2, y=y + row * 0.7,
+            text_anchor="middle", font_size=min(10.0, row * 0.55), fill="#ffffff")
+
+
+def _pixel_runs(spans: Sequence[Span], scale: float,
+                total: float) -> list[tuple[SpanKind, float, float, int, float]]:
+    """Spans merged per pixel column: a column takes the kind that covers most of it
+    and the share of it that spans cover (to a tenth; under a twentieth it shows the
+    bubble), and equal neighbouring columns join into one run ``(kind, start, end,
+    spans starting in it, busy share)``: a stage busy 58% of the time draws 58% high."""
+    columns = max(1, int(total * scale) + 1)
+    cover = [dict.fromkeys(SpanKind, 0.0) for _ in range(columns)]
+    starts = [0] * columns
+    pixel = 1.0 / scale
+    for s in spans:
+        first, last = int(s.start * scale), min(columns - 1, int(s.end * scale))
+        starts[first] += 1
+        for c in range(first, last + 1):
+            overlap = min(s.end, (c + 1) * pixel) - max(s.start, c * pixel)
+            if overlap > 0:
+                cover[c][s.kind] += overlap
+    runs: list[tuple[SpanKind, float, float, int, float]] = []
+    for c in range(columns):
+        busy = round(min(1.0, sum(cover[c].values()) / pixel), 1)
+        if busy < 0.05:
+            continue
+        kind, _ = max(cover[c].items(), key=lambda item: item[1])
+        if (runs and runs[-1][0] is kind and runs[-1][4] == busy
+                and abs(runs[-1][2] - c * pixel) < pixel / 2):
+            k, start, _, count, share = runs[-1]
+            runs[-1] = (k, start, (c + 1) * pixel, count + starts[c], share)
+        else:
+            runs.append((kind, c * pixel, (c + 1) * pixel, starts[c], busy))
+    return runs
 
 
 def plan_svg(plan: Plan, timeline: Timeline) -> str:
