@@ -370,3 +370,26 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     resumed = json.loads(second_out.read_text())
     assert resumed["start_step"] == done and len(resumed["losses"]) == 2
+
+
+def test_auto_plan_is_timed_against_one_device_and_leaves_no_trace() -> None:
+    """An auto job on forced CPU devices: a few steps of the plan and of the one-device
+    step are timed and the faster kept (device_trial). The trial's steps leave no
+    trace: the run equals, loss for loss, the run of the winner alone (``--method
+    serial``, or the plan with ``--keep-plan``)."""
+    manifest = _manifest(method="auto")
+    tried = run(manifest, _options(manifest, 3))
+    trial = tried.device_trial
+    assert trial is not None and trial.plan_seconds > 0 and trial.one_device_seconds > 0
+    if trial.one_device_wins:
+        assert tried.plan is None
+        alone = run(manifest, _options(manifest, 3, serial=True))
+    else:
+        assert tried.plan is not None
+        alone = run(manifest, _options(manifest, 3, keep_plan=True))
+    assert alone.device_trial is None
+    np.testing.assert_array_equal(tried.losses, alone.losses)
+    for name, value in alone.params.items():
+        np.testing.assert_array_equal(tried.params[name], value, err_msg=name)
+    kept = run(manifest, _options(manifest, 1, keep_plan=True))
+    assert kept.plan is not None and kept.device_trial is None

@@ -10,7 +10,9 @@ One pass, top to bottom:
    its FLOPs) and plan for the local devices (1 node x K devices of the manifest's
    preset, ``cpu`` on CPU), or read ``--plan``; hand the plan to ``on_plan``;
 4. build the runner (:mod:`.runners`: the plan's pipeline, or for ``--method serial``
-   the single-device reference every parallel run must equal);
+   the single-device reference every parallel run must equal); on forced CPU devices
+   an ``auto`` plan is timed against that one-device step and the faster kept
+   (:mod:`.device_trial`);
 5. restore the newest intact checkpoint with ``--resume`` (parameters, optimizer state
    and the loader's position; a damaged one is set aside and the one before used);
 6. train ``steps`` steps, evaluating every ``evalEvery`` (forward only, the same eval
@@ -40,12 +42,14 @@ from alpajob.api.options import TrainOptions
 from alpajob.api.plan import Plan, read_plan
 from alpajob.api.progress import Progress, TrainerPhase
 from alpajob.api.resource import AlpaJob
+from alpajob.api.spec import Method
 from alpajob.planner.cost.cluster import ClusterSpec, cluster_from_preset
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.trainer_image.checkpoint.local import LocalCheckpoints
 from alpajob.trainer_image.checkpoint.lock import CheckpointError
 from alpajob.trainer_image.checkpoint.names import targets
 from alpajob.trainer_image.data.feed import SYNTHETIC, open_feed
+from alpajob.trainer_image.device_trial import TrialResult, trial
 from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.goodput import Badput, Goodput
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json
@@ -81,6 +85,7 @@ class RunResult:
     params: dict[str, np.ndarray] = field(default_factory=dict)
     last_checkpoint_step: int | None = None  # the newest complete checkpoint at the end
     stopped: str | None = None  # the signal that stopped the run early (SIGTERM, SIGINT)
+    device_trial: TrialResult | None = None  # the plan timed against one device, if it was
 
     def median_step_seconds(self) -> float | None:
         """The median step time after the first (which compiles)."""
@@ -104,6 +109,10 @@ class RunResult:
             "stopped": self.stopped,
             "eval": [{"step": step, "loss": loss} for step, loss in self.evals],
         }
+        if self.device_trial is not None:
+            doc["device_trial"] = {"plan_seconds": self.device_trial.plan_seconds,
+                                   "one_device_seconds": self.device_trial.one_device_seconds,
+                                   "one_device_wins": self.device_trial.one_device_wins}
         if self.plan is not None:
             doc["plan_hash"] = self.plan.content_hash()
             doc["predicted_step_seconds"] = self.plan.predicted_step_seconds
@@ -148,14 +157,18 @@ def check_plan(plan: Plan, graph: OpGraph, devices: list[Any], source: str) -> N
 
 
 def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable[[str], None],
-             on_plan: Callable[[Plan], None] | None) -> tuple[Any, Plan | None, Throughput]:
-    """Trace, plan (or read the plan file), and build the runner (module docstring 3-4)."""
+             on_plan: Callable[[Plan], None] | None,
+             first_batch: Callable[[], list[np.ndarray]],
+             ) -> tuple[Any, Plan | None, Throughput, TrialResult | None]:
+    """Trace, plan (or read the plan file), and build the runner (module docstring 3-4);
+    on forced CPU devices an auto plan is timed against one device (:mod:`.device_trial`)."""
     training = job.spec.training
     devices = local_devices(options.devices)
     say(f"tracing {model.name}")
     graph = job_graph(job)
     cluster = local_cluster(job, devices)
     plan = None
+    timed: TrialResult | None = None
     if not options.serial:
         if options.plan_file:
             plan = read_plan(options.plan_file)
@@ -177,10 +190,21 @@ def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable
         say("building stages")
         runner = PipelineRunner(build_pipeline(plan, model.loss, params, model.batch_shapes, optimizer,
                                                devices, wait=options.exact_stage_times), scale)
+        method = options.planning.method or job.spec.parallelism.method
+        if (cluster.shared_host and method is Method.AUTO and not options.plan_file
+                and not options.keep_plan and scale is None and devices_needed(plan) > 1):
+            say("timing the plan against one device")
+            one = SerialRunner(model, optimizer, params, devices[0], training.global_batch_size, scale)
+            timed = trial(runner, one, first_batch())
+            say(timed.line())
+            if timed.one_device_wins:
+                runner, plan = one, None
     tokens = model.batch_shapes(training.global_batch_size).get("input_ids")
+    # One device of a shared host has the whole host's peak, not one forced device's share.
+    device = local_cluster(job, devices[:1]).device if plan is None else cluster.device
     throughput = Throughput.of(graph, int(np.prod(tokens.shape)) if tokens is not None else None,
-                               cluster.device, 1 if plan is None else devices_needed(plan), training.dtype)
-    return runner, plan, throughput
+                               device, 1 if plan is None else devices_needed(plan), training.dtype)
+    return runner, plan, throughput, timed
 
 
 def _checkpoints(job: AlpaJob, options: TrainOptions) -> LocalCheckpoints | None:
@@ -226,7 +250,8 @@ def run(
         feed = open_feed(job, model, seed=seed, prefetch=options.prefetch)
         say(f"data: {feed.source}")
         with books.timing(Badput.PLANNING):
-            runner, plan, throughput = _prepare(job, model, options, say, on_plan)
+            runner, plan, throughput, device_trial = _prepare(job, model, options, say, on_plan,
+                                                              lambda: feed.batch_at(0))
         if plan is not None:
             metrics.plan(plan)
         start = 0
@@ -238,7 +263,8 @@ def run(
                     runner.load(restored.arrays)
                     feed.restore(restored.run.get("data"))
                     start = restored.step
-        result = RunResult(plan=plan, start_step=start, data=feed.source, throughput=throughput)
+        result = RunResult(plan=plan, start_step=start, data=feed.source, throughput=throughput,
+                           device_trial=device_trial)
         saved = start or None  # the step of the last checkpoint saved (complete or in flight)
 
         def save(done: int) -> None:

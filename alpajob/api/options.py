@@ -54,6 +54,8 @@ class TrainOptions(Contract):
         "'auto': if there is one, else start fresh"))
     exact_stage_times: bool = Field(False, description="timed steps wait for every instruction")
     stage_times_every: int = Field(10, ge=1, description="time every N-th step per stage")
+    keep_plan: bool = Field(False, description=(
+        "on forced CPU devices, run the plan without timing it against one device first"))
     trace: str | None = Field(None, description=(
         "write the last step's measured timeline beside the plan's predicted one here "
         "(Chrome trace JSON: open it in ui.perfetto.dev)"))

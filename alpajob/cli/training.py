@@ -54,6 +54,9 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--exact-stage-times", action="store_true",
                      help="timed steps wait for every instruction before issuing the next: exact "
                           "per-stage compute, communication and idle times, but no overlap (slower)")
+    run.add_argument("--keep-plan", action="store_true",
+                     help="on forced CPU devices, run an auto job's plan even if one device is "
+                          "faster (by default a few steps of each are timed and the faster kept)")
     run.add_argument("--trace", metavar="FILE",
                      help="time the last step and write its measured timeline beside the plan's "
                           "predicted one (Chrome trace JSON: open it in ui.perfetto.dev)")
@@ -93,7 +96,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         "metrics_linger": args.metrics_linger if args.metrics_port is not None else None,
         "exact_stage_times": args.exact_stage_times or None,
         "stage_times_every": args.stage_times_every, "prefetch": args.prefetch,
-        "trace": args.trace,
+        "trace": args.trace, "keep_plan": args.keep_plan or None,
     })
     if options.plan_file:
         existing_file(options.plan_file, "--plan")
