@@ -8,8 +8,8 @@ would leave cores idle. Which wins depends on the model and the machine (measure
 faster on its 4-stage plan), and the cost model cannot yet rank them: it has no
 figure for how much of the host one device uses. So ``alpajob run`` measures: for an
 ``auto`` job on a shared host, without a plan file, it times a few steps of the plan
-and of the one-device step on the same batch, from the same initial state, and keeps
-the faster. Both runners are put back to that state afterwards, so training is the
+and of the one-device step on the same batch (after a warm-up: a pipeline's first
+steps run slower), from the same initial state, and keeps the faster. Both runners are put back to that state afterwards, so training is the
 same as if the winner had been the only candidate (the trial's steps do not count).
 ``--keep-plan`` skips the trial.
 """
@@ -23,7 +23,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-#: Timed steps per candidate (after one untimed step that compiles).
+#: Untimed steps per candidate first: the first compiles, and a pipeline's next few run
+#: slower while it settles (the README job's plan: 380, 346, 323 ms, then about 305).
+WARMUP_STEPS = 3
+#: Timed steps per candidate, after the warm-up.
 TRIAL_STEPS = 5
 
 
@@ -57,12 +60,14 @@ class TrialResult:
         return f"the plan measured faster than one device ({plan:.1f} against {one:.1f} ms per step)"
 
 
-def median_step_seconds(runner: Runner, batch: list[np.ndarray], steps: int = TRIAL_STEPS) -> float:
-    """Median wall seconds of ``steps`` steps on ``batch`` after one that compiles; the
-    runner's parameters and optimizer state are restored afterwards."""
+def median_step_seconds(runner: Runner, batch: list[np.ndarray], steps: int = TRIAL_STEPS,
+                        warmup: int = WARMUP_STEPS) -> float:
+    """Median wall seconds of ``steps`` steps on ``batch`` after ``warmup`` untimed ones;
+    the runner's parameters and optimizer state are restored afterwards."""
     # Copies on the arrays' own devices and shardings: a step donates the originals.
     snapshot = {name: value.copy() for name, value in runner.named_arrays().items()}
-    runner.step(batch, False)
+    for _ in range(warmup):
+        runner.step(batch, False)
     seconds = []
     for _ in range(steps):
         began = time.perf_counter()
