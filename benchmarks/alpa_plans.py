@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from plan_quality import cluster_shape  # noqa: E402  (benchmarks/ is on sys.path when run)
+
 from alpajob.api.errors import InfeasibleError  # noqa: E402
 from alpajob.api.spec import Method, Schedule  # noqa: E402
 from alpajob.planner.cost.cluster import cluster_from_preset  # noqa: E402
@@ -94,11 +96,6 @@ CASES = [
             [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 24), (24, 29), (29, 33)],
             [(8, 1), (1, 8), (8, 1), (1, 8), (8, 1), (8, 1), (1, 8), (8, 1)], strict=True))),
 ]
-
-
-def cluster_shape(gpus: int) -> tuple[int, int]:
-    """GPUs -> (nodes, GPUs per node): p3.16xlarge nodes of 8 V100s."""
-    return (1, gpus) if gpus <= 8 else (gpus // 8, 8)
 
 
 def run_case(case: AlpaCase, preset: str) -> dict:

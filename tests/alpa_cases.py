@@ -156,42 +156,53 @@ def _dropout(x: jax.Array, key: jax.Array, rate: float) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0.0)
 
 
-def bert_layer(x: jax.Array, mask: jax.Array, p: Any, heads: int, key: jax.Array | None,
-               rate: float = 0.1) -> jax.Array:
-    """One BERT encoder layer: fused QKV projection, attention, output projection,
-    residual + LayerNorm, a 4x MLP with GELU, residual + LayerNorm; dropout after the
-    attention probabilities and both projections when ``key`` is given."""
+def _self_attention(x: jax.Array, mask: jax.Array, p: Any, heads: int,
+                    keys: tuple[jax.Array | None, jax.Array | None], rate: float) -> jax.Array:
+    """BERT self-attention with residual + LayerNorm: the fused QKV projection viewed
+    as ``[b, s, h, 3]`` and split on the last dim (Alpa's layout), attention, output
+    projection; dropout after the probabilities and the projection where ``keys`` give
+    a key."""
     b, s, h = x.shape
     d = h // heads
-    # Alpa's layout: the fused projection viewed as [b, s, h, 3], split on the last dim.
     qkv = _dense(x, p["qkv"]).reshape(b, s, h, 3)
     q, v, k = (t.reshape(b, s, heads, d) for t in jnp.split(qkv, 3, axis=3))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
     scores = scores + jnp.where(mask[:, None, None, :] > 0, 0.0, -1e9)
     probs = jax.nn.softmax(scores, axis=-1)
-    keys = jax.random.split(key, 3) if key is not None else (None, None, None)
     if keys[0] is not None:
         probs = _dropout(probs, keys[0], rate)
     attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, h)
     attn = _dense(attn, p["attn_out"])
     if keys[1] is not None:
         attn = _dropout(attn, keys[1], rate)
-    x = _layer_norm(x + attn, p["ln1"])
+    return _layer_norm(x + attn, p["ln1"])
+
+
+def bert_layer(x: jax.Array, mask: jax.Array, p: Any, heads: int, key: jax.Array | None,
+               rate: float = 0.1) -> jax.Array:
+    """One BERT encoder layer: self-attention (:func:`_self_attention`), a 4x MLP with
+    GELU, residual + LayerNorm; dropout in the attention and after the MLP when
+    ``key`` is given."""
+    keys = jax.random.split(key, 3) if key is not None else (None, None, None)
+    x = _self_attention(x, mask, p, heads, (keys[0], keys[1]), rate)
     y = _dense(jax.nn.gelu(_dense(x, p["intermediate"])), p["output"])
     if keys[2] is not None:
         y = _dropout(y, keys[2], rate)
     return _layer_norm(x + y, p["ln2"])
 
 
+def _dense_params(i: int, o: int) -> Any:
+    return {"kernel": jnp.zeros((i, o)), "bias": jnp.zeros((o,))}
+
+
+def _norm_params(h: int) -> Any:
+    return {"scale": jnp.ones((h,)), "bias": jnp.zeros((h,))}
+
+
 def _bert_layer_params(h: int) -> Any:
-    def dense(i: int, o: int) -> Any:
-        return {"kernel": jnp.zeros((i, o)), "bias": jnp.zeros((o,))}
-
-    def norm() -> Any:
-        return {"scale": jnp.ones((h,)), "bias": jnp.zeros((h,))}
-
-    return {"qkv": dense(h, 3 * h), "attn_out": dense(h, h), "ln1": norm(),
-            "intermediate": dense(h, 4 * h), "output": dense(4 * h, h), "ln2": norm()}
+    return {"qkv": _dense_params(h, 3 * h), "attn_out": _dense_params(h, h),
+            "ln1": _norm_params(h), "intermediate": _dense_params(h, 4 * h),
+            "output": _dense_params(4 * h, h), "ln2": _norm_params(h)}
 
 
 #: The four matmul weights of a BERT layer, in order (Megatron: column, row, column, row).
@@ -249,17 +260,14 @@ def bert_mlm(num_layers: int, seq_len: int, hidden: int, heads: int, vocab: int)
     LayerNorm) and a decoder tied to the word embedding; Alpa's masked loss."""
 
     def init(key: jax.Array) -> Any:
-        def norm() -> Any:
-            return {"scale": jnp.ones((hidden,)), "bias": jnp.zeros((hidden,))}
-
         return {
             "embeddings": {"word": jnp.zeros((vocab, hidden)),
                            "position": jnp.zeros((seq_len, hidden)),
-                           "token_type": jnp.zeros((2, hidden)), "ln": norm()},
+                           "token_type": jnp.zeros((2, hidden)), "ln": _norm_params(hidden)},
             "encoder": {str(i): _bert_layer_params(hidden) for i in range(num_layers)},
             "cls": {"transform": {"kernel": jnp.zeros((hidden, hidden)),
                                   "bias": jnp.zeros((hidden,))},
-                    "ln": norm(), "bias": jnp.zeros((vocab,))},
+                    "ln": _norm_params(hidden), "bias": jnp.zeros((vocab,))},
         }
 
     def loss(params: Any, batch: Any) -> jax.Array:
@@ -299,30 +307,17 @@ def moe_layer(seq_len: int, hidden: int, heads: int, group: int, experts: int) -
     config = {"expertGroupSize": group, "experts": experts, "capacityFactor": 2.0}
 
     def init(key: jax.Array) -> Any:
-        def dense(i: int, o: int) -> Any:
-            return {"kernel": jnp.zeros((i, o)), "bias": jnp.zeros((o,))}
-
-        def norm() -> Any:
-            return {"scale": jnp.ones((hidden,)), "bias": jnp.zeros((hidden,))}
-
         ffn = 4 * hidden
-        return {"qkv": dense(hidden, 3 * hidden), "attn_out": dense(hidden, hidden),
-                "ln1": norm(), "ln2": norm(),
+        return {"qkv": _dense_params(hidden, 3 * hidden), "attn_out": _dense_params(hidden, hidden),
+                "ln1": _norm_params(hidden), "ln2": _norm_params(hidden),
                 "moe": {"gate": jnp.zeros((hidden, experts)),
                         "wi": jnp.zeros((experts, hidden, ffn)), "bi": jnp.zeros((experts, ffn)),
                         "wo": jnp.zeros((experts, ffn, hidden)),
                         "bo": jnp.zeros((experts, hidden))}}
 
     def loss(params: Any, batch: Any) -> jax.Array:
-        x, mask = batch["hidden_states"], batch["attention_mask"]
-        b, s, h = x.shape
-        d = h // heads
-        qkv = _dense(x, params["qkv"]).reshape(b, s, h, 3)
-        q, v, k = (t.reshape(b, s, heads, d) for t in jnp.split(qkv, 3, axis=3))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
-        scores = scores + jnp.where(mask[:, None, None, :] > 0, 0.0, -1e9)
-        attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-        x = _layer_norm(x + _dense(attn.reshape(b, s, h), params["attn_out"]), params["ln1"])
+        x = _self_attention(batch["hidden_states"], batch["attention_mask"], params, heads,
+                            (None, None), 0.0)
         y, _ = moe_mlp(params["moe"], x, config)
         x = _layer_norm(x + y, params["ln2"])
         return jnp.mean((x - batch["labels"]) ** 2)
