@@ -266,7 +266,7 @@ def test_kernel_overhead_is_charged_per_kernel_per_device(gpt_graph, cpu8, devic
     assert predicted(d) - predicted(0.0) == pytest.approx(expected, rel=1e-6)
 
 
-def test_micro_batch_counts_are_every_divisor_of_the_batch(monkeypatch):
+def test_micro_batch_counts_are_every_divisor_of_the_batch():
     """Not only powers of two: a batch of 48 can be cut into 3, 6, 12 or 24 micro-
     batches (Wide-ResNet's 1520 into 19, 20, 38 or 40). The search tries the powers of
     two coarse to fine, then the divisors between the best power's neighbours; on a
@@ -280,11 +280,45 @@ def test_micro_batch_counts_are_every_divisor_of_the_batch(monkeypatch):
     assert micro_batch_candidates(graph, 5) == []
     searched: list[int] = []
 
-    def fake_search(context, micro_batches, method, manual):
-        searched.extend(micro_batches)
-        return [Candidate("fake", None, b, (), abs(b - 6) + 1.0) for b in micro_batches]
+    class FakeSearch:
+        workers = 2
 
-    monkeypatch.setattr(make, "_search", fake_search)
-    best = make.best_of(make._coarse_to_fine(None, counts, Method.AUTO, []))
+        def run(self, micro_batches):
+            searched.extend(micro_batches)
+            return [Candidate("fake", None, b, (), abs(b - 6) + 1.0) for b in micro_batches]
+
+    best = make.best_of(make._coarse_to_fine(FakeSearch(), counts))
     assert best.num_micro_batches == 6
     assert len(searched) == len(set(searched)) < len(counts)
+
+
+def test_search_split_among_processes_equals_one_process(gpt_graph, cpu8, monkeypatch):
+    """The search's ILPs are shared among worker processes by micro-batch count and
+    submesh, and the parent builds the candidates from the merged solutions: the plan,
+    and the number of ILPs solved, are those of the search in one process."""
+    from alpajob.planner.plan import workers
+
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 2)
+    shared = make_plan(gpt_graph, cpu8, SearchOptions())
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 1)
+    alone = make_plan(gpt_graph, cpu8, SearchOptions())
+    assert shared.plan.content_hash() == alone.plan.content_hash()
+    assert shared.plan.solver.ilp_solves == alone.plan.solver.ilp_solves
+    assert shared.plan.solver.dp_calls == alone.plan.solver.dp_calls
+
+
+def test_search_tasks_cover_every_submesh_once(cpu8, gpt_graph):
+    from alpajob.planner.cost.model import load_calibration
+    from alpajob.planner.inter_op.clustering import cluster_layers
+    from alpajob.planner.inter_op.search import CostContext
+    from alpajob.planner.plan.workers import split_tasks
+
+    context = CostContext(graph=gpt_graph, layers=cluster_layers(gpt_graph, 4), cluster=cpu8,
+                          calibration=load_calibration("cpu"), schedule=Schedule.ONE_F_ONE_B,
+                          memory_budget=1e12, time_limit_s=10.0)
+    tasks = split_tasks(context, [1, 4], Method.AUTO, workers=3)
+    for count in (1, 4):
+        covered = [s for c, group in tasks if c == count for s in group]
+        assert sorted(covered) == sorted(context.submeshes())
+    assert {c for c, _ in tasks} == {1, 4}
+    assert split_tasks(context, [1, 4], Method.DATA, workers=3) == [(1, ()), (4, ())]

@@ -7,18 +7,25 @@ pod of a job on Kubernetes), ``alpajob run`` and the Python API
     spec.model ──load_model──► model ──trace_step──► TracedStep ──extract_graph──► OpGraph
     spec.cluster + PlanOptions ──cluster_for──► ClusterSpec ──┐                      │
     spec.parallelism + PlanOptions ──search_options──► SearchOptions ──► make_plan ◄─┘
+
+``PlanOptions.calibration`` (``--calibration FILE``) replaces the preset's rates and
+constants with those ``alpajob calibrate`` measured (:func:`measured_constants`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
+from alpajob.api.errors import ManifestError
 from alpajob.api.options import PlanOptions
 from alpajob.api.resource import AlpaJob
 from alpajob.planner.cost.cluster import ClusterSpec, cluster_for
+from alpajob.planner.cost.measured import check_preset, load_measured
+from alpajob.planner.cost.model import load_calibration
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.inter_op.search import Progress
-from alpajob.planner.plan.make import PlanningResult, make_plan, search_options
+from alpajob.planner.plan.make import PlanningResult, SearchOptions, make_plan, search_options
 from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.step import graph_of, training_optimizer
 
@@ -38,11 +45,28 @@ def plan_job(job: AlpaJob, options: PlanOptions | None = None, *,
     options = options or PlanOptions()
     if cluster is None:
         cluster = cluster_for(job.spec.cluster, options)
+    search = search_options(job.spec.parallelism, options)
+    if options.calibration:
+        cluster, search = measured_constants(options.calibration, cluster, search)
     start = time.perf_counter()
     if graph is None:
         if progress:
             progress(f"tracing {job.spec.model.zoo or job.spec.model.entrypoint}", 0, None)
         graph = job_graph(job)
     traced = time.perf_counter() - start
-    return make_plan(graph, cluster, search_options(job.spec.parallelism, options),
-                     progress=progress, extract_seconds=traced)
+    return make_plan(graph, cluster, search, progress=progress, extract_seconds=traced)
+
+
+def measured_constants(path: str, cluster: ClusterSpec,
+                       search: SearchOptions) -> tuple[ClusterSpec, SearchOptions]:
+    """``cluster`` and ``search`` with the constants of the file ``path`` (written by
+    ``alpajob calibrate`` for the cluster's preset)."""
+    measured = load_measured(path)
+    check_preset(measured, cluster)
+    base = search.calibration or load_calibration(cluster.preset)
+    try:
+        calibration = measured.refine_calibration(base)
+    except ValueError as error:
+        raise ManifestError("--calibration", f"{path}: {error}") from None
+    return (measured.refine_cluster(cluster),
+            dataclasses.replace(search, calibration=calibration))

@@ -30,6 +30,9 @@ class PlanOptions(Contract):
     method: Method | None = Field(None, description="override spec.parallelism.method")
     ilp_time_limit: float = Field(10.0, gt=0, description="seconds allowed to each ILP solve")
     baselines: bool = Field(False, description="also cost the baselines (never changes the plan)")
+    calibration: str | None = Field(None, description=(
+        "cost-model constants measured on a machine (a file `alpajob calibrate` wrote) "
+        "instead of the preset's stored ones"))
 
 
 class TrainOptions(Contract):

@@ -5,6 +5,8 @@ Subcommands (one module each):
 - ``alpajob plan MANIFEST`` (:mod:`.planning`): trace, plan, print the plan, write it;
 - ``alpajob run MANIFEST`` (:mod:`.training`): plan for this machine and train;
 - ``alpajob data prepare MANIFEST`` (:mod:`.data`): tokenize ``spec.data`` once;
+- ``alpajob calibrate`` (:mod:`.calibrate`): measure this machine, write the cost
+  model's constants (``plan``/``run --calibration FILE`` use them);
 - ``alpajob ray-head`` / ``mesh-worker`` / ``driver`` (:mod:`.ray`): the distributed
   runtime's processes inside a job's Ray cluster;
 - ``alpajob operator`` (:mod:`.operator`): the Kubernetes operator;
@@ -27,7 +29,7 @@ from rich.console import Console
 from rich.text import Text
 
 from alpajob.api.errors import AlpaJobError
-from alpajob.cli import data, planning, ray, training
+from alpajob.cli import calibrate, data, planning, ray, training
 from alpajob.cli import operator as operator_cli
 
 
@@ -40,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     planning.add_parser(sub)
     training.add_parser(sub)
     data.add_parser(sub)
+    calibrate.add_parser(sub)
     ray.add_parsers(sub)
     operator_cli.add_parser(sub)
     sub.add_parser("models", help="list the zoo's named model configurations")
@@ -78,6 +81,8 @@ def _dispatch(args: argparse.Namespace, out: Console, err: Console) -> int:
         return training.run(args, out, err)
     if args.command == "data":
         return data.run(args, out, err)
+    if args.command == "calibrate":
+        return calibrate.run(args, out, err)
     if args.command == "operator":
         return operator_cli.run(args)
     if args.command == "models":

@@ -25,7 +25,7 @@ from alpajob.api.options import PlanOptions, from_flags
 from alpajob.api.plan import write_plan
 from alpajob.api.resource import load_job
 from alpajob.api.runtime import TrainerRuntime
-from alpajob.cli.paths import writable_file
+from alpajob.cli.paths import existing_file, writable_file
 from alpajob.cli.tables import baseline_table, plan_summary, plan_table, schedule_table
 
 
@@ -49,6 +49,9 @@ def add_parser(sub: Any) -> None:
                            "predicted timeline of one step (open it in a browser)")
     plan.add_argument("--baselines", action="store_true",
                       help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
+    plan.add_argument("--calibration", metavar="FILE",
+                      help="plan with the constants `alpajob calibrate` measured (default: the "
+                           "preset's stored ones)")
     plan.add_argument("--ilp-time-limit", type=float, default=10.0,
                       help="seconds allowed to each intra-op ILP solve (default 10)")
 
@@ -61,6 +64,8 @@ def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptio
         "gpu": args.gpu or runtime.gpu,
         "ilp_time_limit": args.ilp_time_limit,
         "baselines": args.baselines or None,
+        "calibration": str(existing_file(args.calibration, "--calibration"))
+        if args.calibration else None,
     })
 
 
@@ -88,6 +93,12 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         plan = plan_job(job, options, progress=progress).plan
     out.print(plan_table(plan))
     out.print(plan_summary(plan))
+    if options.calibration:
+        from alpajob.planner.cost.measured import load_measured
+
+        machine = load_measured(options.calibration).machine
+        out.print(f"cost-model constants from {options.calibration}: {machine.describe()}",
+                  soft_wrap=True)
     if args.schedule:
         out.print(schedule_table(plan))
     if plan.baselines is not None:

@@ -77,6 +77,9 @@ def add_parser(sub: Any) -> None:
                           "(default 10)")
     run.add_argument("--prefetch", type=int, default=2, metavar="N",
                      help="batches of spec.data a background thread keeps ready (default 2; 0: none)")
+    run.add_argument("--calibration", metavar="FILE",
+                      help="plan with the constants `alpajob calibrate` measured (default: the "
+                           "preset's stored ones)")
     run.add_argument("--ilp-time-limit", type=float, default=10.0,
                      help="seconds allowed to each intra-op ILP solve (default 10)")
 
@@ -85,7 +88,9 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
     """The flags as :class:`TrainOptions`; an invalid one is an error naming it."""
     serial = args.method == SERIAL
     planning = from_flags(PlanOptions, {
-        "method": None if serial else args.method, "ilp_time_limit": args.ilp_time_limit})
+        "method": None if serial else args.method, "ilp_time_limit": args.ilp_time_limit,
+        "calibration": str(existing_file(args.calibration, "--calibration"))
+        if args.calibration else None})
     options = from_flags(TrainOptions, {
         "steps": args.steps, "seed": args.seed, "devices": args.devices, "serial": serial or None,
         "plan_file": args.plan, "planning": planning, "metrics_out": args.metrics_out,

@@ -5,7 +5,7 @@ in ``data/presets.json``; :func:`cluster_from_preset` builds a :class:`ClusterSp
 from one, with the node count and devices per node chosen by the caller.
 
 A preset marked ``shared_host`` (``cpu``: XLA's forced host devices) stores the whole
-host's FLOP/s and memory bandwidth, measured by ``benchmarks/calibrate_cpu.py``; its
+host's FLOP/s and memory bandwidth, measured by ``alpajob calibrate``; its
 devices share the host's cores, so each of a node's ``devices_per_node`` devices gets
 that fraction of them (in steady state every device of a plan is busy at once).
 

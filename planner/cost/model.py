@@ -106,7 +106,7 @@ class Calibration:
     #: small the op: XLA's CPU runtime dispatching the kernel on each device and
     #: waiting for the host's threads. Only ops that XLA cannot fuse into a
     #: neighbour's loop launch a kernel (:func:`launches_kernel`). Dominates models
-    #: whose ops are tiny; measured for ``cpu`` by ``calibrate_cpu.py --instructions``,
+    #: whose ops are tiny; measured for ``cpu`` by ``alpajob calibrate`` (instructions),
     #: 0 where it has not been measured (GPU presets).
     kernel_overhead_seconds: float = 0.0
     #: Layout primitives XLA fuses into their consumer; charged no time.

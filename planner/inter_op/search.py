@@ -37,8 +37,10 @@ from alpajob.api.spec import Schedule
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import Calibration, logical_mesh_shapes
 from alpajob.planner.graph.opgraph import OpGraph, with_batch_size
+from alpajob.planner.inter_op.layer_structure import LayerStructure, layer_structure
 from alpajob.planner.inter_op.stage_costs import (
     LEVEL_TIERS,
+    CosterCaches,
     LayerCoster,
     SolveCounter,
     StageEval,
@@ -97,13 +99,23 @@ class CostContext:
     counter: SolveCounter = field(default_factory=SolveCounter)
     progress: Progress | None = None
     _costers: dict[tuple[int, ShardingMode], LayerCoster] = field(default_factory=dict)
+    #: Computed on first use and shared by every coster (see layer_structure).
+    _structure: LayerStructure | None = None
+    #: The graph rescaled to each micro-batch count's micro-batch, shared by modes.
+    _graphs: dict[int, OpGraph] = field(default_factory=dict)
 
     def coster(self, num_micro_batches: int, mode: ShardingMode) -> LayerCoster:
         key = (num_micro_batches, mode)
         if key not in self._costers:
-            micro = with_batch_size(self.graph, self.graph.batch_size // num_micro_batches)
+            if self._structure is None:
+                self._structure = layer_structure(self.graph, self.layers)
+            if num_micro_batches not in self._graphs:
+                self._graphs[num_micro_batches] = with_batch_size(
+                    self.graph, self.graph.batch_size // num_micro_batches)
+            micro = self._graphs[num_micro_batches]
             self._costers[key] = LayerCoster(
                 graph=micro,
+                structure=self._structure,
                 layers=self.layers,
                 cluster=self.cluster,
                 calibration=self.calibration,
@@ -123,14 +135,11 @@ class CostContext:
         """Forget the ILP caches (a copy of this context starts afresh)."""
         self._costers = {}
 
-    def adopt(self, costers: dict[tuple[int, ShardingMode], LayerCoster],
+    def adopt(self, caches: dict[tuple[int, ShardingMode], CosterCaches],
               counter: SolveCounter) -> None:
-        """Take over ILP caches and a tally filled elsewhere (in a worker process)."""
-        for key, coster in costers.items():
-            if key not in self._costers:
-                coster.counter = self.counter
-                coster.on_solve = self._tick
-                self._costers[key] = coster
+        """Take over ILP solutions and a tally found elsewhere (in a worker process)."""
+        for (count, mode), found in caches.items():
+            self.coster(count, mode).absorb(found)
         self.counter.solves += counter.solves
         self.counter.seconds += counter.seconds
         self.counter.max_variables = max(self.counter.max_variables, counter.max_variables)
@@ -290,51 +299,84 @@ def _dp_tables(
     the option that allows the most later stages (least memory).
     """
     n = coster.num_layers
-    budget = context.memory_budget
     num_choices = 2 * len(devices)
     cost = np.full((n, n, num_choices), np.inf)
     succ = np.full((n, n, num_choices), -1, dtype=np.int64)
     origin: list[list[list[_Choice | None]]] = [
         [[None] * num_choices for _ in range(n)] for _ in range(n)
     ]
-    upper = np.triu(np.ones((n, n), dtype=bool))
     for s, submesh in enumerate(devices):
-        fastest = np.full((n, n), np.inf)
-        fastest_succ = np.full((n, n), -1, dtype=np.int64)
-        roomy = np.full((n, n), np.inf)
-        roomy_succ = np.full((n, n), -1, dtype=np.int64)
-        fastest_from: dict[tuple[int, int], _Choice] = {}
-        roomy_from: dict[tuple[int, int], _Choice] = {}
-        for level in (level for tier in LEVEL_TIERS for level in tier):
-            if level > 0 and _fits_everywhere(fastest_succ, n):
-                break  # every range already fits: no need for leaner (slower) levels
-            for shape in context.shapes(submesh):
-                seconds, update, weight, act = coster.range_table(submesh, shape, level)
-                dp_cost = seconds + update / num_micro_batches
-                n_succ = _max_successors(weight, act, budget, num_micro_batches, context, n)
-                n_succ = np.where(upper, n_succ, -1)
-                ok = n_succ >= 0
-                better = ok & (dp_cost < fastest)
-                roomier = ok & ((n_succ > roomy_succ) | ((n_succ == roomy_succ) & (dp_cost < roomy)))
-                fastest = np.where(better, dp_cost, fastest)
-                fastest_succ = np.where(better, n_succ, fastest_succ)
-                roomy = np.where(roomier, dp_cost, roomy)
-                roomy_succ = np.where(roomier, n_succ, roomy_succ)
-                choice = _Choice(submesh, shape, level)
-                for i, j in zip(*np.nonzero(better), strict=True):
-                    fastest_from[(int(i), int(j))] = choice
-                for i, j in zip(*np.nonzero(roomier), strict=True):
-                    roomy_from[(int(i), int(j))] = choice
-        cost[:, :, 2 * s] = fastest
-        succ[:, :, 2 * s] = fastest_succ
-        cost[:, :, 2 * s + 1] = roomy
-        succ[:, :, 2 * s + 1] = roomy_succ
-        for (i, j), choice in fastest_from.items():
-            origin[i][j][2 * s] = choice
-        for (i, j), choice in roomy_from.items():
-            origin[i][j][2 * s + 1] = choice
+        fastest, roomy = _submesh_tables(context, coster, num_micro_batches, submesh)
+        for k, table in ((2 * s, fastest), (2 * s + 1, roomy)):
+            cost[:, :, k] = table.cost
+            succ[:, :, k] = table.succ
+            for (i, j), choice in table.origin.items():
+                origin[i][j][k] = choice
     sizes = [n_ * m for n_, m in devices for _ in range(2)]
     return cost, succ, origin, sizes
+
+
+@dataclass
+class _Table:
+    """One DP choice of one submesh: per range, its cost, how many later stages it
+    leaves room for (-1: does not fit), and the option behind it."""
+
+    cost: np.ndarray
+    succ: np.ndarray
+    origin: dict[tuple[int, int], _Choice] = field(default_factory=dict)
+
+    def take(self, where: np.ndarray, cost: np.ndarray, succ: np.ndarray,
+             choice: _Choice) -> None:
+        self.cost = np.where(where, cost, self.cost)
+        self.succ = np.where(where, succ, self.succ)
+        for i, j in zip(*np.nonzero(where), strict=True):
+            self.origin[(int(i), int(j))] = choice
+
+
+def _submesh_tables(
+    context: CostContext, coster: LayerCoster, num_micro_batches: int, submesh: Submesh
+) -> tuple[_Table, _Table]:
+    """The fastest and the roomiest option of every layer range on ``submesh``, over
+    its logical meshes and memory levels (leaner levels only while some single layer
+    does not fit). Submeshes are independent, so their ILPs may be solved apart
+    (:func:`warm_submeshes`)."""
+    n = coster.num_layers
+    upper = np.triu(np.ones((n, n), dtype=bool))
+    fastest = _Table(np.full((n, n), np.inf), np.full((n, n), -1, dtype=np.int64))
+    roomy = _Table(np.full((n, n), np.inf), np.full((n, n), -1, dtype=np.int64))
+    for level in (level for tier in LEVEL_TIERS for level in tier):
+        if level > 0 and _fits_everywhere(fastest.succ, n):
+            break  # every range already fits: no need for leaner (slower) levels
+        for shape in context.shapes(submesh):
+            seconds, update, weight, act = coster.range_table(submesh, shape, level)
+            dp_cost = seconds + update / num_micro_batches
+            n_succ = _max_successors(
+                weight, act, context.memory_budget, num_micro_batches, context, n
+            )
+            n_succ = np.where(upper, n_succ, -1)
+            ok = n_succ >= 0
+            better = ok & (dp_cost < fastest.cost)
+            roomier = ok & (
+                (n_succ > roomy.succ) | ((n_succ == roomy.succ) & (dp_cost < roomy.cost))
+            )
+            choice = _Choice(submesh, shape, level)
+            fastest.take(better, dp_cost, n_succ, choice)
+            roomy.take(roomier, dp_cost, n_succ, choice)
+    return fastest, roomy
+
+
+def warm_submeshes(
+    context: CostContext,
+    num_micro_batches: int,
+    submeshes: Sequence[Submesh],
+    mode: ShardingMode = ShardingMode.AUTO,
+) -> None:
+    """Solve the ILPs that the DP of ``num_micro_batches`` needs on ``submeshes``
+    (they fill the coster's caches; :func:`dp_candidate` then only reads them). Lets
+    one micro-batch count's ILPs be shared among processes, by submesh."""
+    coster = context.coster(num_micro_batches, mode)
+    for submesh in submeshes:
+        _submesh_tables(context, coster, num_micro_batches, submesh)
 
 
 def _fits_everywhere(n_succ: np.ndarray, n: int) -> bool:

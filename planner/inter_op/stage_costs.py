@@ -42,8 +42,8 @@ import numpy as np
 
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import Calibration, LogicalMesh, make_logical_mesh
-from alpajob.planner.graph.opgraph import OpGraph, Phase, local_tensor_order, subgraph_signature
-from alpajob.planner.graph.subset import gradient_flow, parameter_derived
+from alpajob.planner.graph.opgraph import OpGraph, Phase
+from alpajob.planner.inter_op.layer_structure import LayerStructure, layer_structure
 from alpajob.planner.intra_op.sharding import ShardSpec, resharding_seconds, shard_factor
 from alpajob.planner.intra_op.solve import IntraOpResult, ShardingMode, SolveContext, solve_intra_op
 
@@ -144,6 +144,16 @@ class StageEval:
         return self.weight_bytes + self.in_flight * self.activation_bytes + self.transient_bytes
 
 
+@dataclass(frozen=True)
+class CosterCaches:
+    """A :class:`LayerCoster`'s solutions: ILP results per (class, mesh, memory weight,
+    input hints), per (layer, mesh, memory weight), and per-mesh layer arrays."""
+
+    results: dict[tuple, IntraOpResult]
+    layer_results: dict[tuple[int, Submesh, Shape, float], IntraOpResult]
+    arrays: dict[tuple[Submesh, Shape, int], MeshLayerArrays]
+
+
 @dataclass
 class LayerCoster:
     """Intra-op solutions of every layer at one micro-batch size, and stage costs.
@@ -161,6 +171,9 @@ class LayerCoster:
     time_limit_s: float
     counter: SolveCounter
     on_solve: Callable[[], None] | None = None
+    #: Layer classes, tensor orders and crossings; computed from ``graph`` when None
+    #: (a plan search shares one among all its costers).
+    structure: LayerStructure | None = None
     _results: dict[tuple, IntraOpResult] = field(default_factory=dict)
     _layer_results: dict[tuple[int, Submesh, Shape, float], IntraOpResult] = field(
         default_factory=dict
@@ -171,39 +184,27 @@ class LayerCoster:
     _arrays: dict[tuple[Submesh, Shape, int], MeshLayerArrays] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        signatures: dict[str, int] = {}
-        self.layer_class: list[int] = []
-        self.representative: list[int] = []
-        for index, ops in enumerate(self.layers):
-            signature = subgraph_signature(self.graph, ops)
-            if signature not in signatures:
-                signatures[signature] = len(signatures)
-                self.representative.append(index)
-            self.layer_class.append(signatures[signature])
-        self._orders = [local_tensor_order(self.graph, ops) for ops in self.layers]
-        self._position = [{t: i for i, t in enumerate(order)} for order in self._orders]
-        self._layer_of_op = np.empty(len(self.graph.ops), dtype=np.int64)
-        for index, ops in enumerate(self.layers):
-            self._layer_of_op[list(ops)] = index
-        self._crossings = self._find_crossings()
+        structure = self.structure or layer_structure(self.graph, self.layers)
+        self.structure = structure
+        self.layer_class = structure.layer_class
+        self.representative = structure.representative
+        self._orders = structure.orders
+        self._position = structure.position
+        self._crossings = structure.crossings
         # Values made from parameters alone and partial gradients of shared parameters
         # cross once per step (a stage recomputes the former from the shared parameter;
         # the latter are summed locally, then sent home): see step_transfer_table.
-        step_wise = set(gradient_flow(self.graph)) | parameter_derived(self.graph)
-        self._step_crossings = [c for c in self._crossings if c[0] in step_wise]
+        self._step_crossings = [c for c in self._crossings if c[0] in structure.step_wise]
         # Bytes crossing the cut before each layer per micro-batch (a tensor passing
         # several cuts counts at each): fixed by the graph, so computed once.
         self._boundary_bytes = np.zeros(self.num_layers + 1)
         for tensor, src, dst in self._crossings:
-            if tensor in step_wise:
+            if tensor in structure.step_wise:
                 continue
             low, high = min(src, dst), max(src, dst)
             self._boundary_bytes[low + 1 : high + 1] += self.graph.tensors[tensor].nbytes
         self._step_table: np.ndarray | None = None
-        self._incoming: list[list[tuple[int, int]]] = [[] for _ in self.layers]
-        for tensor, src, dst in self._crossings:
-            if src < dst:
-                self._incoming[dst].append((tensor, src))
+        self._incoming = structure.incoming
         forward = np.zeros(self.num_layers)
         backward = np.zeros(self.num_layers)
         for index, ops in enumerate(self.layers):
@@ -301,6 +302,20 @@ class LayerCoster:
             self._solve_context = SolveContext(self.graph, max_models=32)
         return self._solve_context
 
+    def caches(self) -> CosterCaches:
+        """The solutions found so far (to send to another process)."""
+        return CosterCaches(self._results, self._layer_results, self._arrays)
+
+    def absorb(self, caches: CosterCaches) -> None:
+        """Take the solutions another coster of the same graph, mode and micro-batch
+        count found (in another process) that this one lacks."""
+        for key, result in caches.results.items():
+            self._results.setdefault(key, result)
+        for layer_key, result in caches.layer_results.items():
+            self._layer_results.setdefault(layer_key, result)
+        for mesh_key, arrays in caches.arrays.items():
+            self._arrays.setdefault(mesh_key, arrays)
+
     def drop_solve_context(self) -> None:
         """Free the ILP precomputation (before pickling this coster to another process)."""
         self._solve_context = None
@@ -312,19 +327,6 @@ class LayerCoster:
         if position is None or position >= len(self._orders[layer]):
             return None
         return self._orders[layer][position]
-
-    def _find_crossings(self) -> list[tuple[int, int, int]]:
-        """(tensor, producer layer, consumer layer) for every tensor used across layers."""
-        producer = self.graph.producers()
-        crossings = set()
-        for op in self.graph.ops:
-            consumer_layer = int(self._layer_of_op[op.id])
-            for tensor in op.inputs:
-                if tensor in producer:
-                    producer_layer = int(self._layer_of_op[producer[tensor]])
-                    if producer_layer != consumer_layer:
-                        crossings.add((tensor, producer_layer, consumer_layer))
-        return sorted(crossings)
 
     def arrays(self, submesh: Submesh, shape: Shape, level: int) -> MeshLayerArrays:
         """Per-layer figures on one logical mesh (solving each layer class once)."""

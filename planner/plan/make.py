@@ -20,10 +20,6 @@ per device any plan would need.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import multiprocessing
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,18 +38,12 @@ from alpajob.planner.inter_op.search import (
     Progress,
     StageRequest,
     best_of,
-    dp_candidate,
-    evaluate_stages,
     micro_batch_candidates,
 )
-from alpajob.planner.inter_op.stage_costs import MEMORY_LEVELS, SolveCounter
+from alpajob.planner.inter_op.stage_costs import MEMORY_LEVELS
 from alpajob.planner.intra_op.solve import ShardingMode
-from alpajob.planner.plan.baselines import (
-    all_baselines,
-    data_parallel,
-    megatron_grid,
-    whole_cluster,
-)
+from alpajob.planner.plan.baselines import all_baselines, whole_cluster
+from alpajob.planner.plan.workers import SearchPool
 
 GIB = 1024**3
 
@@ -82,7 +72,7 @@ class SearchOptions:
     max_micro_batches: largest number of micro-batches tried (divisors of the batch); counts
         above 64 are only tried when no plan fits with fewer.
     calibration: the cost model's constants; None (the default) takes the cluster
-        preset's stored ones (``data/calibration.json``). ``calibrate_cpu.py`` passes
+        preset's stored ones (``data/calibration.json``). ``alpajob calibrate`` passes
         trial values to fit them.
     """
 
@@ -254,91 +244,7 @@ def _manual_memory_error(
     return _memory_error(context, micro_batches, Method.MANUAL)
 
 
-def _candidates_at(
-    context: CostContext, count: int, method: Method, manual: Sequence[StageRequest]
-) -> list[Candidate | None]:
-    """Every candidate the method considers with ``count`` micro-batches."""
-    found: list[Candidate | None] = []
-    last = len(context.layers) - 1
-    if method in (Method.AUTO, Method.PIPESHARD):
-        found.append(
-            dp_candidate(context, count, min_stages=2 if method is Method.PIPESHARD else 1)
-        )
-    if method is Method.AUTO:
-        found.append(megatron_grid(context, [count]))
-        found.append(data_parallel(context, [count], ShardingMode.DATA))
-        found.append(data_parallel(context, [count], ShardingMode.ZERO2))
-    if method in (Method.AUTO, Method.SHARD):
-        submesh, _ = whole_cluster(context)
-        found.append(evaluate_stages(context, [StageRequest(0, last, submesh)], count,
-                                     ShardingMode.AUTO, "shard"))
-    if method is Method.DATA:
-        found.append(data_parallel(context, [count], ShardingMode.DATA))
-    if method is Method.ZERO2:
-        found.append(data_parallel(context, [count], ShardingMode.ZERO2))
-    if method is Method.MANUAL and (count >= len(manual) or len(manual) == 1):
-        found.append(evaluate_stages(context, manual, count, ShardingMode.AUTO, "manual"))
-    return found
-
-
-def _worker(
-    context: CostContext, method: Method, manual: Sequence[StageRequest], count: int
-) -> tuple[list[Candidate | None], dict, SolveCounter]:
-    """One micro-batch count, in a worker process: its candidates, the ILP caches it
-    filled (so the parent can assemble the plan and cost baselines without re-solving),
-    and its solver tally."""
-    found = _candidates_at(context, count, method, manual)
-    costers = {}
-    for key, coster in context.costers().items():
-        coster.on_solve = None
-        coster.drop_solve_context()
-        coster.counter = SolveCounter()
-        costers[key] = coster
-    return found, costers, context.counter
-
-
-def _search(
-    context: CostContext,
-    micro_batches: Sequence[int],
-    method: Method,
-    manual: Sequence[StageRequest],
-) -> list[Candidate | None]:
-    """Candidates for every micro-batch count, in parallel processes where it pays.
-
-    Micro-batch counts are independent (each has its own ILPs), so with several cores
-    each count is planned in a worker process (``forkserver``: a clean process, never
-    a fork of this multithreaded one, which has JAX loaded); the workers' ILP caches
-    and tallies are merged back into ``context``.
-    """
-    workers = min(len(micro_batches), os.cpu_count() or 1)
-    if workers < 2:
-        found: list[Candidate | None] = []
-        for count in micro_batches:
-            found += _candidates_at(context, count, method, manual)
-        return found
-    progress = context.progress
-    quiet = dataclasses.replace(context, progress=None, counter=SolveCounter())
-    quiet.reset_costers()
-    job = functools.partial(_worker, quiet, method, manual)
-    found = []
-    with multiprocessing.get_context("forkserver").Pool(workers) as pool:
-        for done, (candidates, costers, counter) in enumerate(
-            pool.imap_unordered(job, micro_batches), start=1
-        ):
-            found += candidates
-            context.adopt(costers, counter)
-            if progress is not None:
-                progress(f"planned {done}/{len(micro_batches)} micro-batch counts",
-                         context.counter.solves, None)
-    return found
-
-
-def _coarse_to_fine(
-    context: CostContext,
-    micro_batches: Sequence[int],
-    method: Method,
-    manual: Sequence[StageRequest],
-) -> list[Candidate | None]:
+def _coarse_to_fine(search: SearchPool, micro_batches: Sequence[int]) -> list[Candidate | None]:
     """Search micro-batch counts coarsely (every other power of two up to
     :data:`USUAL_MICRO_BATCHES`, that one included), then the neighbouring powers of
     two of the best count found, then the other divisors of the batch between the
@@ -354,8 +260,8 @@ def _coarse_to_fine(
     """
     counts = sorted(micro_batches)
     if len(counts) <= 3:
-        return _search(context, counts, method, manual)
-    found = _powers_of_two_first(context, counts, method, manual)
+        return search.run(counts)
+    found = _powers_of_two_first(search, counts)
     best = best_of(found)
     if best is None:
         return found
@@ -366,41 +272,36 @@ def _coarse_to_fine(
     lo = below[-1] if below else 0
     hi = above[0] if above else counts[-1] + 1
     between = [c for c in counts if lo < c < hi and c not in tried]
-    return found + (_search(context, between, method, manual) if between else [])
+    return found + (search.run(between) if between else [])
 
 
-def _powers_of_two_first(
-    context: CostContext,
-    micro_batches: Sequence[int],
-    method: Method,
-    manual: Sequence[StageRequest],
-) -> list[Candidate | None]:
+def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> list[Candidate | None]:
     """The coarse-to-fine search over the powers of two among ``micro_batches``
     (other counts only when no power of two fits)."""
     counts = [c for c in micro_batches if c & (c - 1) == 0] or list(micro_batches)
     if len(counts) <= 3:
-        found = _search(context, counts, method, manual)
+        found = search.run(counts)
         if best_of(found) is None:
             rest = [c for c in micro_batches if c not in counts]
-            found += _search(context, rest, method, manual) if rest else []
+            found += search.run(rest) if rest else []
         return found
     usual = [c for c in counts if c <= USUAL_MICRO_BATCHES] or counts
     coarse = sorted({*usual[::2], usual[-1]})
-    found = _search(context, coarse, method, manual)
+    found = search.run(coarse)
     best = best_of(found)
     for count in counts:
         # Nothing fits: more, smaller micro-batches hold less activation memory.
         if best is not None:
             break
         if count > coarse[-1]:
-            found += _search(context, [count], method, manual)
+            found += search.run([count])
             best = best_of(found)
     if best is None:
         return found
     position = counts.index(best.num_micro_batches)
     near = [counts[k] for k in (position - 1, position + 1)
             if 0 <= k < len(counts) and counts[k] not in coarse]
-    found += _search(context, near, method, manual) if near else []
+    found += search.run(near) if near else []
     # A rematerialising plan may do better with more, smaller micro-batches that fit
     # without recomputation: keep doubling while that improves the best plan.
     best = best_of(found) or best
@@ -410,7 +311,7 @@ def _powers_of_two_first(
         if not larger:
             break
         tried.add(larger[0])
-        found += _search(context, larger[:1], method, manual)
+        found += search.run(larger[:1])
         improved = best_of(found)
         if improved is None or improved is best:
             break
@@ -458,7 +359,8 @@ def make_plan(
         if method is Method.MANUAL
         else []
     )
-    candidates = _coarse_to_fine(context, micro_batches, method, manual)
+    with SearchPool(context, method, manual) as search:
+        candidates = _coarse_to_fine(search, micro_batches)
     best = best_of(candidates)
     if best is None:
         if method is Method.MANUAL:

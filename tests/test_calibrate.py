@@ -1,0 +1,133 @@
+"""`alpajob calibrate`: measured constants, stored with their machine, planned with."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from alpajob.api.errors import ManifestError
+from alpajob.cli.main import main
+from alpajob.planner.cost.cluster import cluster_from_preset
+from alpajob.planner.cost.measured import Machine, MeasuredConstants, load_measured
+from alpajob.planner.cost.model import load_calibration
+from alpajob.planner.plan.make import SearchOptions, make_plan
+from alpajob.trainer_image.planning import measured_constants
+from alpajob.trainer_image.step import graph_of
+from alpajob.trainer_image.zoo import resolve_model
+
+MACHINE = Machine(host="test", processor="a CPU", backend="cpu", device_kind="cpu", devices=8,
+                  jax="0", measured_at="2026-11-26T00:00:00Z")
+
+
+def _stored_as_measured(factor: float = 1.0) -> MeasuredConstants:
+    """The cpu preset's stored constants, written as a measurement, every rate times
+    ``factor``."""
+    presets = Path(__file__).parent.parent / "planner" / "cost" / "data" / "presets.json"
+    data = json.loads(presets.read_text())["cpu"]
+    device = {
+        "peak_flops": {k: v * factor for k, v in data["peak_flops"].items()},
+        "memory_bandwidth": data["memory_bandwidth"] * factor,
+        "intra_node_bandwidth": data["intra_node_bandwidth"] * factor,
+        "intra_node_latency": data["intra_node_latency"] / factor,
+    }
+    stored = load_calibration("cpu")
+    calibration = {
+        "matmul_efficiency": stored.matmul_efficiency,
+        "instruction_overhead_seconds": stored.instruction_overhead_seconds / factor,
+        "kernel_overhead_seconds": stored.kernel_overhead_seconds / factor,
+    }
+    return MeasuredConstants(machine=MACHINE, preset="cpu", device=device, calibration=calibration)
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return graph_of(resolve_model("gpt", "tiny"), 32)
+
+
+def test_file_round_trip_and_shared_host_split(tmp_path):
+    measured = _stored_as_measured(2.0)
+    path = tmp_path / "cal.json"
+    path.write_text(measured.to_json())
+    again = load_measured(path)
+    assert again == measured
+    assert again.machine.describe().startswith("8 x cpu (cpu) on test")
+    cluster = again.refine_cluster(cluster_from_preset("cpu", 1, 8))
+    # The file holds the host's rates; each of the 8 forced devices gets an eighth.
+    assert cluster.device.peak("float32") == pytest.approx(
+        measured.device["peak_flops"]["float32"] / 8)
+    assert cluster.intra_node_latency == pytest.approx(measured.device["intra_node_latency"])
+    calibration = again.refine_calibration(load_calibration("cpu"))
+    assert calibration.kernel_overhead_seconds == pytest.approx(
+        measured.calibration["kernel_overhead_seconds"])
+
+
+def test_plan_uses_the_measured_constants(gpt_graph, tmp_path):
+    """The stored constants written as a measurement give the very same plan; a
+    machine twice as fast in every rate gives a step predicted faster."""
+    cluster = cluster_from_preset("cpu", 1, 8)
+    stored = make_plan(gpt_graph, cluster, SearchOptions()).plan
+    results = {}
+    for factor in (1.0, 2.0):
+        path = tmp_path / f"cal-{factor}.json"
+        path.write_text(_stored_as_measured(factor).to_json())
+        refined, search = measured_constants(str(path), cluster, SearchOptions())
+        results[factor] = make_plan(gpt_graph, refined, search).plan
+    assert results[1.0].content_hash() == stored.content_hash()
+    assert results[2.0].predicted_step_seconds < 0.75 * stored.predicted_step_seconds
+
+
+def test_wrong_preset_and_bad_values_are_named(tmp_path):
+    h100 = cluster_from_preset("h100-80gb", 1, 8)
+    path = tmp_path / "cal.json"
+    path.write_text(_stored_as_measured().to_json())
+    with pytest.raises(ManifestError, match="measured for preset 'cpu'.*plans for 'h100-80gb'"):
+        measured_constants(str(path), h100, SearchOptions())
+    bad = dataclasses.replace(_stored_as_measured(), calibration={"matmul_efficiency": 3.0})
+    path.write_text(bad.to_json())
+    with pytest.raises(ManifestError, match="matmul_efficiency must be in"):
+        measured_constants(str(path), cluster_from_preset("cpu", 1, 8), SearchOptions())
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "is not JSON"),
+    ("[1]", "expected a JSON object"),
+    ('{"machine": {}, "preset": "cpu"}', "'machine' must have exactly host"),
+    ('{"machin": {}}', "unknown keys ['machin']"),
+])
+def test_malformed_files_get_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "cal.json"
+    path.write_text(content)
+    assert main(["plan", "manifests/examples/local-gpt.yaml", "--calibration", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert "--calibration" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "--steps", "kernels,fast"], "unknown steps ['fast']"),
+    (["calibrate", "--quick", "--steps", "kernels"], "--quick already chooses"),
+    (["calibrate", "--preset", "tpu"], "unknown preset 'tpu'"),
+    (["calibrate", "--output", "/no/such/dir/cal.json"], "does not exist"),
+])
+def test_calibrate_usage_errors(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_calibrate_measures_this_machine_and_plans_with_it(tmp_path, capsys):
+    """The micro-benchmarks run on the 8 forced CPU devices and the file they write
+    is planned with: a real measurement, stored with the machine it came from."""
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--steps", "kernels", "--output", str(out)]) == 0
+    measured = load_measured(out)
+    assert measured.preset == "cpu" and measured.machine.devices == 8
+    assert measured.machine.backend == "cpu"
+    for rate in (*measured.device["peak_flops"].values(), measured.device["memory_bandwidth"],
+                 measured.device["intra_node_bandwidth"]):
+        assert rate > 0
+    assert 0 < measured.calibration["vector_flops_fraction"] <= 1
+    assert len(measured.measurements["collectives"]) == 2 * 3 * 3  # 2 ops, 3 sizes, 2/4/8
+    capsys.readouterr()
+    assert main(["plan", "manifests/examples/local-gpt.yaml", "--calibration", str(out)]) == 0
+    assert f"cost-model constants from {out}: 8 x cpu (cpu)" in capsys.readouterr().out
