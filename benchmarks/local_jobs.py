@@ -10,32 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from alpajob.api.options import PlanOptions
+from alpajob.trainer_image.calibration.overheads import PLANNING, cpu_job_document
 
-#: How the benchmarks plan: the manifest's own options, a 5 s ILP time limit, no baselines.
-FAST_PLANNING = PlanOptions(ilp_time_limit=5.0)
-
-
-def job_document(
-    name: str,
-    zoo: str,
-    config: Any,
-    parallelism: dict[str, Any],
-    *,
-    batch: int = 32,
-    optimizer: str | None = None,
-    nodes: int = 1,
-) -> dict[str, Any]:
-    """An AlpaJob document: ``zoo`` model ``config``, float32, on ``nodes`` CPU nodes
-    that share 8 devices."""
-    training: dict[str, Any] = {"globalBatchSize": batch, "dtype": "float32"}
-    if optimizer is not None:
-        training["optimizer"] = optimizer
-    return {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": name},
-            "spec": {"model": {"zoo": zoo, "config": config},
-                     "training": training,
-                     "cluster": {"gpu": "cpu", "nodes": nodes, "gpusPerNode": 8 // nodes},
-                     "parallelism": parallelism}}
+#: How the benchmarks plan: the manifest's own options, a 5 s ILP time limit, no
+#: baselines (as the calibration's training runs do). ``job_document``: an AlpaJob
+#: document on CPU nodes that share 8 devices.
+FAST_PLANNING = PLANNING
+job_document = cpu_job_document
 
 
 def job_plan_options(job: Any) -> Any:

@@ -316,9 +316,9 @@ def test_search_tasks_cover_every_submesh_once(cpu8, gpt_graph):
     context = CostContext(graph=gpt_graph, layers=cluster_layers(gpt_graph, 4), cluster=cpu8,
                           calibration=load_calibration("cpu"), schedule=Schedule.ONE_F_ONE_B,
                           memory_budget=1e12, time_limit_s=10.0)
-    tasks = split_tasks(context, [1, 4], Method.AUTO, workers=3)
+    tasks = split_tasks(context, [1, 4], Method.AUTO)
     for count in (1, 4):
         covered = [s for c, group in tasks if c == count for s in group]
         assert sorted(covered) == sorted(context.submeshes())
     assert {c for c, _ in tasks} == {1, 4}
-    assert split_tasks(context, [1, 4], Method.DATA, workers=3) == [(1, ()), (4, ())]
+    assert split_tasks(context, [1, 4], Method.DATA) == [(1, ()), (4, ())]

@@ -78,17 +78,15 @@ def candidates_at(
     return found
 
 
-def split_tasks(
-    context: CostContext, counts: Sequence[int], method: Method, workers: int
-) -> list[Task]:
-    """The ILPs of ``counts`` as tasks for ``workers`` processes.
+def split_tasks(context: CostContext, counts: Sequence[int], method: Method) -> list[Task]:
+    """The ILPs of ``counts`` as tasks for the worker processes.
 
-    With a DP, each count gives ``workers`` tasks of its submeshes, dealt largest
-    first so that every task gets big and small ones: even a single count keeps every
-    core busy. The other candidates mostly reuse those solutions (the single-stage
-    plan is the whole-cluster submesh's), so the parent builds them. Without a DP a
-    count is one task.
-    Example: 8 x 8 GPUs, 2 workers -> per count (8x8, 2x8, 1x4, 1x1) and (4x8, 1x8, 1x2).
+    With a DP, each (count, submesh) is a task, the largest submeshes of every count
+    first, so the pool's free workers take the long tasks early and the short ones
+    even out the end: even a single count keeps every core busy. The other candidates
+    mostly reuse those solutions (the single-stage plan is the whole-cluster
+    submesh's), so the parent builds them. Without a DP a count is one task.
+    Example: 8 x 8 GPUs, counts 4 and 8 -> (4, 8x8), (8, 8x8), (4, 4x8), (8, 4x8), ...
     """
     if method not in (Method.AUTO, Method.PIPESHARD):
         return [(count, ()) for count in counts]
@@ -138,7 +136,7 @@ class SearchPool:
         them as soon as its last task is back, while the workers go on."""
         built: dict[int, list[Candidate | None]] = {}
         if self._pool is not None and counts:
-            tasks = split_tasks(self.context, counts, self.method, self.workers)
+            tasks = split_tasks(self.context, counts, self.method)
             waiting = {count: sum(1 for c, _ in tasks if c == count) for count in counts}
             progress = self.context.progress
             for done, (count, caches, counter) in enumerate(

@@ -26,7 +26,7 @@ import statistics
 from typing import Any
 
 from alpajob.api.options import PlanOptions, TrainOptions
-from alpajob.api.resource import AlpaJob, parse_job
+from alpajob.api.resource import parse_job
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import Calibration
 
@@ -44,17 +44,18 @@ INSTRUCTION_MODELS: dict[str, tuple[str, Any]] = {
 FRACTION_FLOOR = 1e-3
 
 
-def cpu_job(name: str, zoo: str, config: Any, parallelism: dict[str, Any], *,
-            batch: int = 32, optimizer: str | None = None) -> AlpaJob:
-    """An AlpaJob of ``zoo`` model ``config`` in float32 on one node of 8 CPU devices."""
+def cpu_job_document(name: str, zoo: str, config: Any, parallelism: dict[str, Any], *,
+                     batch: int = 32, optimizer: str | None = None,
+                     nodes: int = 1) -> dict[str, Any]:
+    """An AlpaJob document: ``zoo`` model ``config`` in float32 on ``nodes`` CPU nodes
+    that share 8 devices (the runtime benchmarks build theirs with it too)."""
     training: dict[str, Any] = {"globalBatchSize": batch, "dtype": "float32"}
     if optimizer is not None:
         training["optimizer"] = optimizer
-    return parse_job({
-        "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": name},
-        "spec": {"model": {"zoo": zoo, "config": config}, "training": training,
-                 "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
-                 "parallelism": parallelism}})
+    return {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": name},
+            "spec": {"model": {"zoo": zoo, "config": config}, "training": training,
+                     "cluster": {"gpu": "cpu", "nodes": nodes, "gpusPerNode": 8 // nodes},
+                     "parallelism": parallelism}}
 
 
 def _instruction_plans() -> dict[str, dict[str, Any]]:
@@ -87,7 +88,7 @@ def measure_instructions(cluster: ClusterSpec, calibration: Calibration, *,
     for label, (zoo, config) in INSTRUCTION_MODELS.items():
         graph = None
         for name, parallelism in _instruction_plans().items():
-            job = cpu_job("calibrate", zoo, config, parallelism)
+            job = parse_job(cpu_job_document("calibrate", zoo, config, parallelism))
             if graph is None:
                 graph = job_graph(job)
             options = search_options(job.spec.parallelism, PLANNING)
@@ -129,7 +130,8 @@ def measure_update(cluster: ClusterSpec, calibration: Calibration, *,
     from alpajob.trainer_image.planning import job_graph
 
     wide = {"hidden": 1024, "layers": 4, "inputDim": 1024, "outputDim": 1024}
-    job = cpu_job("calibrate", "mlp", wide, {"method": "data"}, optimizer="adam")
+    job = parse_job(cpu_job_document("calibrate", "mlp", wide, {"method": "data"},
+                                     optimizer="adam"))
     result = run(job, TrainOptions(steps=steps, planning=PLANNING, exact_stage_times=True,
                                    stage_times_every=1))
     measured = statistics.median(t[0].update for t in result.stage_times[warmup:])
