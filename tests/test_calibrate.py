@@ -131,3 +131,21 @@ def test_calibrate_measures_this_machine_and_plans_with_it(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", "manifests/examples/local-gpt.yaml", "--calibration", str(out)]) == 0
     assert f"cost-model constants from {out}: 8 x cpu (cpu)" in capsys.readouterr().out
+
+
+def test_calibrate_measures_the_share_one_device_reaches_alone(tmp_path):
+    """The host step times a small GPT's step on one forced device alone and on all
+    8 at once (each its own copy): the lone device's share of the host's throughput,
+    between 1/8 (no better than one after another) and 1, is what plans weigh fewer
+    devices by."""
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--steps", "host", "--output", str(out)]) == 0
+    measured = load_measured(out)
+    share = measured.calibration["lone_device_share"]
+    assert 1 / 8 <= share <= 1
+    host = measured.measurements["host"]
+    assert len(host["one_device_ms"]) == len(host["8_devices_ms"]) == 7  # rounds
+    assert min(host["one_device_ms"]) > 0 and min(host["8_devices_ms"]) > 0
+    assert 0 < host["two_devices_share"] <= 1
+    calibration = measured.refine_calibration(load_calibration("cpu"))
+    assert calibration.lone_device_share == share

@@ -241,9 +241,10 @@ def test_other_families_plan(family, cpu8):
 @pytest.mark.parametrize(("devices", "micro_batches"), [(8, 1), (2, 4)])
 def test_kernel_overhead_is_charged_per_kernel_per_device(gpt_graph, cpu8, devices, micro_batches):
     """On a shared host every kernel-launching op costs d of host time on each device
-    that runs it, once per micro-batch (forward, backward) or per step (update); the
-    calibration passed in the options replaces the stored one."""
-    from alpajob.planner.cost.model import launches_kernel, load_calibration
+    that runs it, once per micro-batch (forward, backward) or per step (update), at
+    the share of the host the stage's devices reach; the calibration passed in the
+    options replaces the stored one."""
+    from alpajob.planner.cost.model import host_utilization, launches_kernel, load_calibration
     from alpajob.planner.graph.opgraph import Phase
 
     stored = load_calibration("cpu")
@@ -262,7 +263,9 @@ def test_kernel_overhead_is_charged_per_kernel_per_device(gpt_graph, cpu8, devic
     per_step = sum(op.multiplier for op in kernels if op.phase is Phase.UPDATE)
     assert per_batch > 50  # GPT-tiny's matmuls, reductions and gathers
     d = 1e-5
-    expected = d * devices * (micro_batches * per_batch + per_step)
+    # Host time, spread over the devices busy meanwhile (the stage's own: one stage).
+    busy = host_utilization(cpu8, stored, devices)
+    expected = d * devices * (micro_batches * per_batch + per_step) / busy
     assert predicted(d) - predicted(0.0) == pytest.approx(expected, rel=1e-6)
 
 

@@ -30,6 +30,9 @@ class PlanOptions(Contract):
     method: Method | None = Field(None, description="override spec.parallelism.method")
     ilp_time_limit: float = Field(10.0, gt=0, description="seconds allowed to each ILP solve")
     baselines: bool = Field(False, description="also cost the baselines (never changes the plan)")
+    all_devices: bool = Field(False, description=(
+        "plan on every device offered, even on forced CPU devices where fewer are predicted "
+        "faster (Alpa's rule; GPU clusters always use every device)"))
     calibration: str | None = Field(None, description=(
         "cost-model constants measured on a machine (a file `alpajob calibrate` wrote) "
         "instead of the preset's stored ones"))

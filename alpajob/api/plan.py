@@ -163,6 +163,11 @@ class Plan(_Doc):
     solver: SolverStats
     baselines: dict[str, float | None] | None = None
 
+    def devices_used(self) -> int:
+        """Devices the stages run on: the cluster's, or fewer where the planner found
+        fewer faster (forced CPU devices sharing one host)."""
+        return sum(s.submesh_shape[0] * s.submesh_shape[1] for s in self.stages)
+
     def content_hash(self) -> str:
         """SHA-256 (first 16 hex digits) of the plan without solver stats or baselines."""
         data = self.model_dump(mode="json", exclude={"solver", "baselines"})

@@ -29,7 +29,8 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--output", "-o", default="alpajob-calibration.json",
                      help="write the constants here (default alpajob-calibration.json)")
     cal.add_argument("--steps", help="comma-separated steps to run, in their order: "
-                                     "kernels, matmul, update, instructions (default all)")
+                                     "kernels, matmul, host, update, instructions (default all; "
+                                     "on GPUs: kernels,matmul)")
     cal.add_argument("--quick", action="store_true",
                      help="only the micro-benchmarks (kernels, matmul): no training runs")
     cal.add_argument("--preset", help="the preset the constants refine (default: the local "

@@ -49,6 +49,9 @@ def add_parser(sub: Any) -> None:
                            "predicted timeline of one step (open it in a browser)")
     plan.add_argument("--baselines", action="store_true",
                       help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
+    plan.add_argument("--all-devices", action="store_true",
+                      help="use every device offered, even forced CPU devices where fewer are "
+                           "predicted faster (Alpa's rule; GPU plans always use every device)")
     plan.add_argument("--calibration", metavar="FILE",
                       help="plan with the constants `alpajob calibrate` measured (default: the "
                            "preset's stored ones)")
@@ -64,6 +67,7 @@ def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptio
         "gpu": args.gpu or runtime.gpu,
         "ilp_time_limit": args.ilp_time_limit,
         "baselines": args.baselines or None,
+        "all_devices": args.all_devices or None,
         "calibration": str(existing_file(args.calibration, "--calibration"))
         if args.calibration else None,
     })

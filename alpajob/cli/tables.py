@@ -33,10 +33,13 @@ def plan_table(plan: Plan) -> Table:
     """The plan as a table: one row per stage."""
     count = plan.model.num_parameters
     size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
+    offered = int(plan.cluster["num_nodes"]) * int(plan.cluster["devices_per_node"])
+    used = plan.devices_used()
     title = (
         f"{plan.model.name}: {size} params on "
         f"{plan.cluster['num_nodes']}x{plan.cluster['devices_per_node']} "
-        f"{plan.cluster['preset']}, {plan.num_micro_batches} micro-batches, {plan.schedule}"
+        f"{plan.cluster['preset']}{f' (uses {used} of {offered} devices)' if used < offered else ''}"
+        f", {plan.num_micro_batches} micro-batches, {plan.schedule}"
     )
     table = Table(title=title, caption="mesh: logical mesh; t/µbatch: forward+backward per "
                   "micro-batch; update: per step; WUS: weight-update-sharded params")

@@ -77,6 +77,9 @@ def add_parser(sub: Any) -> None:
                           "(default 10)")
     run.add_argument("--prefetch", type=int, default=2, metavar="N",
                      help="batches of spec.data a background thread keeps ready (default 2; 0: none)")
+    run.add_argument("--all-devices", action="store_true",
+                     help="plan on every device offered, even forced CPU devices where fewer are "
+                          "predicted faster (Alpa's rule)")
     run.add_argument("--calibration", metavar="FILE",
                       help="plan with the constants `alpajob calibrate` measured (default: the "
                            "preset's stored ones)")
@@ -89,6 +92,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
     serial = args.method == SERIAL
     planning = from_flags(PlanOptions, {
         "method": None if serial else args.method, "ilp_time_limit": args.ilp_time_limit,
+        "all_devices": args.all_devices or None,
         "calibration": str(existing_file(args.calibration, "--calibration"))
         if args.calibration else None})
     options = from_flags(TrainOptions, {

@@ -35,7 +35,7 @@ import numpy as np
 
 from alpajob.api.spec import Schedule
 from alpajob.planner.cost.cluster import ClusterSpec
-from alpajob.planner.cost.model import Calibration, logical_mesh_shapes
+from alpajob.planner.cost.model import Calibration, host_utilization, logical_mesh_shapes
 from alpajob.planner.graph.opgraph import OpGraph, with_batch_size
 from alpajob.planner.inter_op.layer_structure import LayerStructure, layer_structure
 from alpajob.planner.inter_op.stage_costs import (
@@ -98,6 +98,8 @@ class CostContext:
     time_limit_s: float
     counter: SolveCounter = field(default_factory=SolveCounter)
     progress: Progress | None = None
+    #: Plans use every device even on a shared host (:func:`device_counts`).
+    all_devices: bool = False
     _costers: dict[tuple[int, ShardingMode], LayerCoster] = field(default_factory=dict)
     #: Computed on first use and shared by every coster (see layer_structure).
     _structure: LayerStructure | None = None
@@ -246,14 +248,29 @@ def evaluate_stages(
         stages.append(best)
     return Candidate(name, mode, num_micro_batches, tuple(stages),
                      pipeline_step_seconds(context.cluster, stages, num_micro_batches,
-                                           context.calibration.instruction_overhead_seconds))
+                                           context.calibration))
+
+
+def busy_devices(submesh_devices: int, plan_devices: int, num_micro_batches: int,
+                 num_stages: int) -> float:
+    """Devices busy, on average, while a stage of ``submesh_devices`` works, in a plan
+    of ``num_stages`` stages S on ``plan_devices`` with B micro-batches.
+
+    A pipeline of S equal stages runs S B stage-passes in S + B - 1 pass-times, so
+    while one stage works, (S - 1)(B - 1) / (S + B - 1) of the other S - 1 stages
+    work too, on average: the stage's own devices plus ``(B - 1) / (S + B - 1)`` of
+    the others'. One micro-batch: the stages run one after another (only the stage's
+    own devices); many: all the plan's.
+    """
+    others = plan_devices - submesh_devices
+    return submesh_devices + others * (num_micro_batches - 1) / (num_stages + num_micro_batches - 1)
 
 
 def pipeline_step_seconds(
     cluster: ClusterSpec,
     stages: Sequence[StageEval],
     num_micro_batches: int,
-    instruction_overhead: float = 0.0,
+    calibration: Calibration,
 ) -> float:
     """Predicted step time of a pipeline of ``stages`` (each costed per micro-batch).
 
@@ -262,21 +279,26 @@ def pipeline_step_seconds(
     time. On a shared host (``cluster.shared_host``, forced CPU devices) a waiting
     device's share of the cores goes to the busy ones, so no time is lost: the step
     is the total work at the whole host's rate, each stage's ``B t_i + update_i``
-    weighted by its share of the devices (``t_i`` is costed at a 1/N share).
+    weighted by its share of the devices (``t_i`` is costed at a 1/N share) and divided
+    by the share of the host's throughput that the devices busy meanwhile reach
+    (:func:`busy_devices`, :func:`~alpajob.planner.cost.model.host_utilization`: a
+    lone device leaves cores idle).
 
-    ``instruction_overhead`` (the calibration's ``instruction_overhead_seconds``, c)
-    is the host's cost of each instruction: a stage runs ``2B + 1`` of them (a forward
+    The calibration's ``instruction_overhead_seconds`` c is the host's cost of each instruction: a stage runs ``2B + 1`` of them (a forward
     and a backward per micro-batch, one update). With independent devices it lengthens
     each ``t_i`` by ``2c`` and each update by ``c``; on a shared host the one host pays
     every stage's, ``c S (2B + 1)`` for ``S`` stages.
     """
-    c = instruction_overhead
+    c = calibration.instruction_overhead_seconds
     if cluster.shared_host:
         total = cluster.num_devices
-        work = sum(
-            (num_micro_batches * s.seconds + s.update) * s.submesh[0] * s.submesh[1] / total
-            for s in stages
-        )
+        used = sum(s.submesh[0] * s.submesh[1] for s in stages)
+        work = 0.0
+        for s in stages:
+            devices = s.submesh[0] * s.submesh[1]
+            busy = busy_devices(devices, used, num_micro_batches, len(stages))
+            work += ((num_micro_batches * s.seconds + s.update) * devices / total
+                     / host_utilization(cluster, calibration, busy))
         return work + c * len(stages) * (2 * num_micro_batches + 1)
     seconds = [s.seconds + 2 * c for s in stages]
     return (sum(seconds) + (num_micro_batches - 1) * max(seconds)
@@ -416,19 +438,56 @@ def _max_successors(
 
 
 def _shared_host_costs(
-    context: CostContext, cost: np.ndarray, sizes: Sequence[int], num_micro_batches: int
+    context: CostContext, cost: np.ndarray, sizes: Sequence[int], num_micro_batches: int,
+    plan_devices: int, num_stages: int,
 ) -> np.ndarray:
     """The DP's stage costs on a shared host, where the step is additive over stages
-    (:func:`pipeline_step_seconds`): stage ``s`` costs ``(B t + update) * n_s / N`` plus
-    its ``2B + 1`` instructions' host overhead. Solved with B = 1 (Alpa's recurrence
-    then minimises the plain sum), the DP optimises the step time the plan is judged
-    by; Alpa's ``sum t + (B - 1) max t`` would charge a bubble that costs no time here
-    and keep a faster pipeline of half-size stages from ever winning."""
+    (:func:`pipeline_step_seconds`): stage ``s`` costs ``(B t + update) * n_s / N``,
+    divided by the host's utilization while it works (the devices busy meanwhile in a
+    plan of ``num_stages`` stages on ``plan_devices``: :func:`busy_devices`), plus its
+    ``2B + 1`` instructions' host overhead. Solved with B = 1 (Alpa's recurrence then minimises
+    the plain sum), the DP optimises the step time the plan is judged by; Alpa's
+    ``sum t + (B - 1) max t`` would charge a bubble that costs no time here and keep a
+    faster pipeline of half-size stages from ever winning."""
     total = context.cluster.num_devices
     overhead = context.calibration.instruction_overhead_seconds * (2 * num_micro_batches + 1)
-    share = np.asarray(sizes, dtype=np.float64) / total
+    utilization = np.array([
+        host_utilization(context.cluster, context.calibration,
+                         busy_devices(size, plan_devices, num_micro_batches, num_stages))
+        for size in sizes])
+    share = np.asarray(sizes, dtype=np.float64) / total / utilization
     # cost is t + update / B per micro-batch: B times it is the stage's work per step.
     return num_micro_batches * cost * share[None, None, :] + overhead
+
+
+def device_counts(context: CostContext) -> list[int]:
+    """How many devices a plan may use: all of them (Alpa's rule: the devices are
+    independent, an idle one only idles), or on one shared host (forced CPU devices)
+    all of them or one. One device pays no collectives and no other device's kernel
+    costs out of the same cores, but reaches less of the host
+    (:func:`~alpajob.planner.cost.model.host_utilization`); either may be faster.
+
+    Counts in between were tried and measured (benchmarks/device_counts.py): the
+    cost model's error on their uneven pipelines is larger than what separates them
+    (the README job's pick, a 1x1 + 1x4 pipeline of 2 micro-batches, was predicted
+    fastest and measured 1.18x its prediction, slower than one device), so the
+    search keeps to the two ends. ``context.all_devices`` keeps Alpa's rule; several
+    hosts (CPU pods) keep it too: each is a pod the job asked for."""
+    cluster = context.cluster
+    total = cluster.num_devices
+    if cluster.shared_host and cluster.num_nodes == 1 and not context.all_devices:
+        return sorted({1, total})
+    return [total]
+
+
+def _dp_settings(context: CostContext, num_layers: int,
+                 num_stages: int | None) -> list[tuple[int, int | None]]:
+    """The (device count, stage count) pairs to run the DP with (:func:`dp_candidate`);
+    a stage count of None leaves it to the DP."""
+    if not context.cluster.shared_host:
+        return [(context.cluster.num_devices, num_stages)]
+    return [(count, stages) for count in device_counts(context)
+            for stages in ([num_stages] if num_stages else range(1, min(num_layers, count) + 1))]
 
 
 def dp_candidate(
@@ -443,6 +502,12 @@ def dp_candidate(
 ) -> Candidate | None:
     """The inter-op DP's plan for ``num_micro_batches``, evaluated exactly.
 
+    With independent devices: one DP over every device (Alpa's). On a shared host the
+    stage costs depend on how many devices are busy at once (:func:`busy_devices`),
+    which depends on the plan's device count and stage count: one DP per device count
+    it may use (:func:`device_counts`) and stage count (one DP is a few milliseconds
+    there), on the same tables, and the fastest plan.
+
     ``mask`` may set entries of compute_cost to inf (the equal-layer/operator
     ablations); ``min_stages`` = 2 forbids the single-stage plan (pipeshard).
     """
@@ -453,26 +518,32 @@ def dp_candidate(
         cost[0, coster.num_layers - 1, :] = np.inf
     if mask is not None:
         cost = mask(cost)
-    dp_micro_batches = num_micro_batches
-    if context.cluster.shared_host:
-        cost, dp_micro_batches = _shared_host_costs(context, cost, sizes, num_micro_batches), 1
-    start = time.perf_counter()
-    result = stage_dp(
-        cost, succ, sizes, context.cluster.num_devices, dp_micro_batches, num_stages=num_stages
-    )
-    context.counter.dp_calls += 1
-    context.counter.dp_seconds += time.perf_counter() - start
-    if result is None:
-        return None
-    requests = []
-    for stage in result.stages:
-        choice = origin[stage.start_layer][stage.end_layer - 1][stage.submesh_index]
-        assert choice is not None, "the DP chose a range with no costed option"
-        requests.append(
-            StageRequest(stage.start_layer, stage.end_layer - 1, choice.submesh, choice.shape,
-                         choice.level)
-        )
-    return evaluate_stages(context, requests, num_micro_batches, mode, name)
+    found: list[Candidate | None] = []
+    seen: set[tuple[StageRequest, ...]] = set()
+    for count, stage_count in _dp_settings(context, coster.num_layers, num_stages):
+        dp_cost, dp_micro_batches = cost, num_micro_batches
+        if context.cluster.shared_host:
+            dp_cost = _shared_host_costs(context, cost, sizes, num_micro_batches, count,
+                                         stage_count or 1)
+            dp_micro_batches = 1
+        start = time.perf_counter()
+        result = stage_dp(dp_cost, succ, sizes, count, dp_micro_batches, num_stages=stage_count)
+        context.counter.dp_calls += 1
+        context.counter.dp_seconds += time.perf_counter() - start
+        if result is None:
+            continue
+        requests = []
+        for stage in result.stages:
+            choice = origin[stage.start_layer][stage.end_layer - 1][stage.submesh_index]
+            assert choice is not None, "the DP chose a range with no costed option"
+            requests.append(
+                StageRequest(stage.start_layer, stage.end_layer - 1, choice.submesh, choice.shape,
+                             choice.level)
+            )
+        if tuple(requests) not in seen:
+            seen.add(tuple(requests))
+            found.append(evaluate_stages(context, requests, num_micro_batches, mode, name))
+    return best_of(found)
 
 
 def best_of(candidates: Sequence[Candidate | None]) -> Candidate | None:

@@ -74,6 +74,8 @@ class SearchOptions:
     calibration: the cost model's constants; None (the default) takes the cluster
         preset's stored ones (``data/calibration.json``). ``alpajob calibrate`` passes
         trial values to fit them.
+    all_devices: every plan uses every device, even on a shared host where the search
+        otherwise also tries fewer (:func:`~alpajob.planner.inter_op.search.device_counts`).
     """
 
     method: Method = Method.AUTO
@@ -86,6 +88,7 @@ class SearchOptions:
     max_micro_batches: int = 1024
     baselines: bool = False
     calibration: Calibration | None = None
+    all_devices: bool = False
 
     def __post_init__(self) -> None:
         # Accept the manifest's strings ("shard", "gpipe") as well as the enums.
@@ -113,6 +116,7 @@ def search_options(parallelism: ParallelismSpec, options: PlanOptions | None = N
         manual_stages=manual,
         ilp_time_limit_s=options.ilp_time_limit,
         baselines=options.baselines,
+        all_devices=options.all_devices,
     )
 
 
@@ -343,6 +347,7 @@ def make_plan(
         memory_budget=cluster.device.memory_bytes * options.memory_fraction,
         time_limit_s=options.ilp_time_limit_s,
         progress=progress,
+        all_devices=options.all_devices,
     )
     micro_batches = micro_batch_candidates(
         graph, options.num_micro_batches, options.max_micro_batches

@@ -10,6 +10,8 @@ returns a :class:`~alpajob.planner.cost.measured.MeasuredConstants`, which
   the alpha-beta fit of all-reduce and all-gather, with every device busy at once;
 - :mod:`.matmul`: a matmul's time against its shape (the operand packing that small
   CPU matmuls spend most of their time on);
+- :mod:`.host`: the share of a shared host one forced CPU device reaches alone (a
+  small GPT's step on one device against every device running a copy at once);
 - :mod:`.overheads`: the real local runtime training small models, for the host cost
   per pipeline instruction and per kernel, and the optimizer update's fused traffic.
 

@@ -16,9 +16,10 @@ from alpajob.planner.cost.measured import Machine, MeasuredConstants
 from alpajob.planner.cost.model import load_calibration
 
 #: The steps, in the order they run (see the package docstring).
-STEPS = ("kernels", "matmul", "update", "instructions")
-#: The steps that train with the local runtime on 8 forced CPU devices.
-RUNTIME_STEPS = frozenset({"update", "instructions"})
+STEPS = ("kernels", "matmul", "host", "update", "instructions")
+#: The steps that need 8 forced CPU devices: one host's devices sharing its cores
+#: (host), training with the local runtime (update, instructions).
+HOST_STEPS = frozenset({"host", "update", "instructions"})
 
 
 def device_preset(devices: list[Any]) -> str:
@@ -66,10 +67,11 @@ def calibrate(steps: Sequence[str] = STEPS, preset: str | None = None,
     """Measure this machine's devices and fit the cost model's constants.
 
     ``steps``: which of :data:`STEPS` to run (in their order); ``preset``: the preset
-    refined (default: the devices' own). The runtime steps need 8 CPU devices.
+    refined (default: the devices' own). :data:`HOST_STEPS` need 8 CPU devices.
     """
     import jax
 
+    from alpajob.trainer_image.calibration.host import measure_host
     from alpajob.trainer_image.calibration.kernels import measure_kernels
     from alpajob.trainer_image.calibration.matmul import measure_matmul
     from alpajob.trainer_image.calibration.overheads import measure_instructions, measure_update
@@ -77,10 +79,11 @@ def calibrate(steps: Sequence[str] = STEPS, preset: str | None = None,
     devices = jax.devices()
     preset = preset or device_preset(devices)
     chosen = [step for step in STEPS if step in steps]
-    if RUNTIME_STEPS & set(chosen) and (devices[0].platform != "cpu" or len(devices) != 8):
-        raise ManifestError("--steps", "update and instructions train on 8 CPU devices "
+    if HOST_STEPS & set(chosen) and (devices[0].platform != "cpu" or len(devices) != 8):
+        raise ManifestError("--steps", "host, update and instructions measure 8 CPU devices "
                                        f"(found {len(devices)} {devices[0].platform}); "
-                                       "run them on a CPU machine or leave them out")
+                                       "run them on a CPU machine or leave them out "
+                                       "(--steps kernels,matmul)")
     measured = MeasuredConstants(machine=machine(devices), preset=preset)
     for step in chosen:
         if progress is not None:
@@ -96,6 +99,8 @@ def calibrate(steps: Sequence[str] = STEPS, preset: str | None = None,
                 devices, host_peak, host_bandwidth * calibration.memory_efficiency,
                 {"vector_flops_fraction": calibration.vector_flops_fraction,
                  "conv_efficiency": calibration.conv_efficiency})
+        elif step == "host":
+            found = measure_host(devices)
         elif step == "update":
             found = measure_update(cluster, calibration)
         else:
