@@ -3,17 +3,18 @@
 XLA's forced CPU devices (``--xla_force_host_platform_device_count``) are one host's
 cores shared out: a plan over 8 of them does the same work as one device, plus its
 collectives, moves and per-device overheads, and gains only where one device alone
-would leave cores idle. The planner weighs that (it may plan on fewer devices, down
-to one, by the host share one device reaches alone: ``lone_device_share``, which
-``alpajob calibrate`` measures), but the margin is often a few percent either way
-(measured on 2 cores: GPT-tiny runs 1.5x faster on one device, the README's
-byte-level GPT 8% faster on its plan), within the cost model's error. So ``alpajob
-run`` checks by measuring: for an ``auto`` job on a shared host whose plan uses more
-than one device, without a plan file, it times a few steps of the plan and of the
-one-device step on the same batch (after a warm-up: a pipeline's first steps run
-slower), from the same initial state, and keeps the faster. Both runners are put back
-to that state afterwards, so training is the same as if the winner had been the only
-candidate (the trial's steps do not count). ``--keep-plan`` skips the trial.
+would leave cores idle. The planner weighs that (it costs the plan on all the devices
+and on one, by the host share one device reaches alone: ``lone_device_share``, which
+``alpajob calibrate`` measures), but the two are often within its error, and one
+device runs the step faster as one fused program (the serial step) than as a
+one-stage plan (measured on 2 cores: GPT-tiny 18.5 against 23.7 ms; the README's
+byte-level GPT runs 17% faster on its 8-device plan than serial). So ``alpajob run``
+checks by measuring: for an ``auto`` job on a shared host of more than one device,
+without a plan file, it times a few steps of the plan and of the serial step on the
+same batch (after a warm-up: a pipeline's first steps run slower), from the same
+initial state, and keeps the faster. Both runners are put back to that state
+afterwards, so training is the same as if the winner had been the only candidate
+(the trial's steps do not count). ``--keep-plan`` skips the trial.
 """
 
 from __future__ import annotations

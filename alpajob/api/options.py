@@ -31,7 +31,7 @@ class PlanOptions(Contract):
     ilp_time_limit: float = Field(10.0, gt=0, description="seconds allowed to each ILP solve")
     baselines: bool = Field(False, description="also cost the baselines (never changes the plan)")
     all_devices: bool = Field(False, description=(
-        "plan on every device offered, even on forced CPU devices where fewer are predicted "
+        "plan on every device offered, even on forced CPU devices where one is predicted "
         "faster (Alpa's rule; GPU clusters always use every device)"))
     calibration: str | None = Field(None, description=(
         "cost-model constants measured on a machine (a file `alpajob calibrate` wrote) "

@@ -50,7 +50,7 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--baselines", action="store_true",
                       help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
     plan.add_argument("--all-devices", action="store_true",
-                      help="use every device offered, even forced CPU devices where fewer are "
+                      help="use every device offered, even forced CPU devices where one is "
                            "predicted faster (Alpa's rule; GPU plans always use every device)")
     plan.add_argument("--calibration", metavar="FILE",
                       help="plan with the constants `alpajob calibrate` measured (default: the "

@@ -78,7 +78,7 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--prefetch", type=int, default=2, metavar="N",
                      help="batches of spec.data a background thread keeps ready (default 2; 0: none)")
     run.add_argument("--all-devices", action="store_true",
-                     help="plan on every device offered, even forced CPU devices where fewer are "
+                     help="plan on every device offered, even forced CPU devices where one is "
                           "predicted faster (Alpa's rule)")
     run.add_argument("--calibration", metavar="FILE",
                       help="plan with the constants `alpajob calibrate` measured (default: the "

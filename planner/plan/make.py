@@ -75,7 +75,7 @@ class SearchOptions:
         preset's stored ones (``data/calibration.json``). ``alpajob calibrate`` passes
         trial values to fit them.
     all_devices: every plan uses every device, even on a shared host where the search
-        otherwise also tries fewer (:func:`~alpajob.planner.inter_op.search.device_counts`).
+        otherwise also tries one (:func:`~alpajob.planner.inter_op.search.device_counts`).
     """
 
     method: Method = Method.AUTO
