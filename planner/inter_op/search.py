@@ -46,7 +46,7 @@ from alpajob.planner.inter_op.stage_costs import (
     StageEval,
     Submesh,
 )
-from alpajob.planner.inter_op.stage_dp import stage_dp, submesh_choices
+from alpajob.planner.inter_op.stage_dp import DPResult, stage_dp, submesh_choices
 from alpajob.planner.intra_op.solve import ShardingMode
 
 #: Progress callback: (what is being done, steps done, steps in total or None).
@@ -284,8 +284,9 @@ def pipeline_step_seconds(
     (:func:`busy_devices`, :func:`~alpajob.planner.cost.model.host_utilization`: a
     lone device leaves cores idle).
 
-    The calibration's ``instruction_overhead_seconds`` c is the host's cost of each instruction: a stage runs ``2B + 1`` of them (a forward
-    and a backward per micro-batch, one update). With independent devices it lengthens
+    The calibration's ``instruction_overhead_seconds`` c is the host's cost of each
+    instruction: a stage runs ``2B + 1`` of them (a forward and a backward per
+    micro-batch, one update). With independent devices it lengthens
     each ``t_i`` by ``2c`` and each update by ``c``; on a shared host the one host pays
     every stage's, ``c S (2B + 1)`` for ``S`` stages.
     """
@@ -445,8 +446,8 @@ def _shared_host_costs(
     (:func:`pipeline_step_seconds`): stage ``s`` costs ``(B t + update) * n_s / N``,
     divided by the host's utilization while it works (the devices busy meanwhile in a
     plan of ``num_stages`` stages on ``plan_devices``: :func:`busy_devices`), plus its
-    ``2B + 1`` instructions' host overhead. Solved with B = 1 (Alpa's recurrence then minimises
-    the plain sum), the DP optimises the step time the plan is judged by; Alpa's
+    ``2B + 1`` instructions' host overhead. Solved with B = 1 (Alpa's recurrence then
+    minimises the plain sum), the DP optimises the step time the plan is judged by; Alpa's
     ``sum t + (B - 1) max t`` would charge a bubble that costs no time here and keep a
     faster pipeline of half-size stages from ever winning."""
     total = context.cluster.num_devices
@@ -532,18 +533,23 @@ def dp_candidate(
         context.counter.dp_seconds += time.perf_counter() - start
         if result is None:
             continue
-        requests = []
-        for stage in result.stages:
-            choice = origin[stage.start_layer][stage.end_layer - 1][stage.submesh_index]
-            assert choice is not None, "the DP chose a range with no costed option"
-            requests.append(
-                StageRequest(stage.start_layer, stage.end_layer - 1, choice.submesh, choice.shape,
-                             choice.level)
-            )
-        if tuple(requests) not in seen:
-            seen.add(tuple(requests))
+        requests = _stage_requests(result, origin)
+        if requests not in seen:
+            seen.add(requests)
             found.append(evaluate_stages(context, requests, num_micro_batches, mode, name))
     return best_of(found)
+
+
+def _stage_requests(result: DPResult, origin: list[list[list[_Choice | None]]]
+                    ) -> tuple[StageRequest, ...]:
+    """The DP's stages with the submesh, logical mesh and memory level behind each."""
+    requests = []
+    for stage in result.stages:
+        choice = origin[stage.start_layer][stage.end_layer - 1][stage.submesh_index]
+        assert choice is not None, "the DP chose a range with no costed option"
+        requests.append(StageRequest(stage.start_layer, stage.end_layer - 1, choice.submesh,
+                                     choice.shape, choice.level))
+    return tuple(requests)
 
 
 def best_of(candidates: Sequence[Candidate | None]) -> Candidate | None:
