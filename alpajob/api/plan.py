@@ -163,9 +163,13 @@ class Plan(_Doc):
     solver: SolverStats
     baselines: dict[str, float | None] | None = None
 
+    def devices_offered(self) -> int:
+        """Devices of the cluster the plan was made for (every slot a stage may name)."""
+        return int(self.cluster["num_nodes"]) * int(self.cluster["devices_per_node"])
+
     def devices_used(self) -> int:
-        """Devices the stages run on: the cluster's, or fewer where the planner found
-        fewer faster (forced CPU devices sharing one host)."""
+        """Devices the stages run on: all those offered, or fewer where the planner
+        found fewer faster (forced CPU devices sharing one host)."""
         return sum(s.submesh_shape[0] * s.submesh_shape[1] for s in self.stages)
 
     def content_hash(self) -> str:

@@ -33,8 +33,7 @@ def plan_table(plan: Plan) -> Table:
     """The plan as a table: one row per stage."""
     count = plan.model.num_parameters
     size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
-    offered = int(plan.cluster["num_nodes"]) * int(plan.cluster["devices_per_node"])
-    used = plan.devices_used()
+    offered, used = plan.devices_offered(), plan.devices_used()
     title = (
         f"{plan.model.name}: {size} params on "
         f"{plan.cluster['num_nodes']}x{plan.cluster['devices_per_node']} "

@@ -483,12 +483,13 @@ def device_counts(context: CostContext) -> list[int]:
 
 def _dp_settings(context: CostContext, num_layers: int,
                  num_stages: int | None) -> list[tuple[int, int | None]]:
-    """The (device count, stage count) pairs to run the DP with (:func:`dp_candidate`);
-    a stage count of None leaves it to the DP."""
-    if not context.cluster.shared_host:
-        return [(context.cluster.num_devices, num_stages)]
+    """The (device count, stage count) pairs to run the DP with (:func:`dp_candidate`).
+    On a shared host each stage count is a DP of its own (the busy devices depend on
+    it); elsewhere None leaves it to the DP."""
+    shared = context.cluster.shared_host
     return [(count, stages) for count in device_counts(context)
-            for stages in ([num_stages] if num_stages else range(1, min(num_layers, count) + 1))]
+            for stages in ([num_stages] if num_stages or not shared
+                           else range(1, min(num_layers, count) + 1))]
 
 
 def dp_candidate(
@@ -523,9 +524,9 @@ def dp_candidate(
     seen: set[tuple[StageRequest, ...]] = set()
     for count, stage_count in _dp_settings(context, coster.num_layers, num_stages):
         dp_cost, dp_micro_batches = cost, num_micro_batches
-        if context.cluster.shared_host:
+        if context.cluster.shared_host and stage_count is not None:
             dp_cost = _shared_host_costs(context, cost, sizes, num_micro_batches, count,
-                                         stage_count or 1)
+                                         stage_count)
             dp_micro_batches = 1
         start = time.perf_counter()
         result = stage_dp(dp_cost, succ, sizes, count, dp_micro_batches, num_stages=stage_count)

@@ -41,7 +41,6 @@ class _Copies:
                  devices: list[Any]) -> None:
         import jax
 
-        self._jax = jax
         self._forward, self._backward = forward, backward
         self._placed = [(jax.device_put(params, d), jax.device_put(batch, d)) for d in devices]
         for _ in range(2):  # compile on each device, then one warm run
@@ -49,9 +48,11 @@ class _Copies:
 
     def seconds(self) -> float:
         """Wall seconds of one run on every device."""
+        import jax
+
         began = time.perf_counter()
         pullbacks = [self._forward(p, b)[1] for p, b in self._placed]
-        self._jax.block_until_ready([self._backward(pullback) for pullback in pullbacks])
+        jax.block_until_ready([self._backward(pullback) for pullback in pullbacks])
         return time.perf_counter() - began
 
 

@@ -25,7 +25,7 @@ class DeviceError(AlpaJobError):
 
 def devices_needed(plan: Plan) -> int:
     """How many devices the plan's cluster has (every slot the stages may name)."""
-    return int(plan.cluster["num_nodes"]) * int(plan.cluster["devices_per_node"])
+    return plan.devices_offered()
 
 
 def stage_mesh(stage: StagePlan, plan: Plan, devices: Sequence[Any]) -> Mesh:
