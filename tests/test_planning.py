@@ -298,19 +298,51 @@ def test_micro_batch_counts_are_every_divisor_of_the_batch():
     assert len(searched) == len(set(searched)) < len(counts)
 
 
-def test_search_split_among_processes_equals_one_process(gpt_graph, cpu8, monkeypatch):
+@pytest.mark.parametrize("memory_fraction", [0.9, 3e-4])
+def test_search_split_among_processes_equals_one_process(
+    gpt_graph, cpu8, monkeypatch, memory_fraction
+):
     """The search's ILPs are shared among worker processes by micro-batch count and
     submesh, and the parent builds the candidates from the merged solutions: the plan,
-    and the number of ILPs solved, are those of the search in one process."""
+    and the number of ILPs solved, are those of the search in one process. Also when
+    memory is so tight (3e-4 of 2 GiB) that the smaller counts do not fit and are
+    skipped once a larger one does not."""
     from alpajob.planner.plan import workers
 
+    options = SearchOptions(memory_fraction=memory_fraction)
     monkeypatch.setattr(workers.os, "cpu_count", lambda: 2)
-    shared = make_plan(gpt_graph, cpu8, SearchOptions())
+    shared = make_plan(gpt_graph, cpu8, options)
     monkeypatch.setattr(workers.os, "cpu_count", lambda: 1)
-    alone = make_plan(gpt_graph, cpu8, SearchOptions())
+    alone = make_plan(gpt_graph, cpu8, options)
     assert shared.plan.content_hash() == alone.plan.content_hash()
     assert shared.plan.solver.ilp_solves == alone.plan.solver.ilp_solves
     assert shared.plan.solver.dp_calls == alone.plan.solver.dp_calls
+    if memory_fraction < 0.01:
+        assert min(alone.plan.solver.micro_batch_candidates) > 1
+
+
+def test_counts_below_one_where_nothing_fits_are_skipped(cpu8, gpt_graph, monkeypatch):
+    """Fewer, larger micro-batches never need less memory (``fits_nowhere``): the
+    search costs counts largest first and stops at the first where nothing fits."""
+    from alpajob.planner.inter_op.clustering import cluster_layers
+    from alpajob.planner.inter_op.search import Candidate, CostContext
+    from alpajob.planner.plan import workers
+
+    costed: list[int] = []
+
+    def fake(context, count, method, manual, *, dp=True):
+        costed.append(count)
+        return [None, Candidate("fake", None, count, (), 1.0 / count) if count >= 8 else None]
+
+    monkeypatch.setattr(workers, "candidates_at", fake)
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 1)
+    context = CostContext(graph=gpt_graph, layers=cluster_layers(gpt_graph, 4), cluster=cpu8,
+                          calibration=load_calibration("cpu"), schedule=Schedule.ONE_F_ONE_B,
+                          memory_budget=1e12, time_limit_s=10.0)
+    with workers.SearchPool(context, Method.AUTO, ()) as search:
+        found = search.run([1, 4, 16, 32])
+    assert costed == [32, 16, 4]
+    assert sorted(c.num_micro_batches for c in found if c is not None) == [16, 32]
 
 
 def test_search_tasks_cover_every_submesh_once(cpu8, gpt_graph):

@@ -290,32 +290,36 @@ def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> li
             found += search.run(rest) if rest else []
         return found
     usual = [c for c in counts if c <= USUAL_MICRO_BATCHES] or counts
-    coarse = sorted({*usual[::2], usual[-1]})
-    found = search.run(coarse)
+    tried: set[int] = set()
+
+    def cost(chosen: Sequence[int]) -> list[Candidate | None]:
+        tried.update(chosen)
+        return search.run(chosen) if chosen else []
+
+    found = cost(sorted({*usual[::2], usual[-1]}))
     best = best_of(found)
-    for count in counts:
-        # Nothing fits: more, smaller micro-batches hold less activation memory.
-        if best is not None:
-            break
-        if count > coarse[-1]:
-            found += search.run([count])
-            best = best_of(found)
+    larger = [c for c in counts if c not in tried and c > max(tried)]
+    while best is None and larger:
+        # Nothing fits: more, smaller micro-batches hold less activation memory. Two
+        # counts a round: the pool costs the larger first and skips the smaller if the
+        # larger does not fit; if both fit, the smaller is the larger's neighbour,
+        # which the next round would cost anyway.
+        found += cost(larger[:2])
+        larger = larger[2:]
+        best = best_of(found)
     if best is None:
         return found
     position = counts.index(best.num_micro_batches)
-    near = [counts[k] for k in (position - 1, position + 1)
-            if 0 <= k < len(counts) and counts[k] not in coarse]
-    found += search.run(near) if near else []
+    found += cost([counts[k] for k in (position - 1, position + 1)
+                   if 0 <= k < len(counts) and counts[k] not in tried])
     # A rematerialising plan may do better with more, smaller micro-batches that fit
     # without recomputation: keep doubling while that improves the best plan.
     best = best_of(found) or best
-    tried = {c.num_micro_batches for c in found if c is not None} | set(coarse) | set(near)
     while any(stage.remat for stage in best.stages):
         larger = [c for c in counts if c > best.num_micro_batches and c not in tried]
         if not larger:
             break
-        tried.add(larger[0])
-        found += search.run(larger[:1])
+        found += cost(larger[:1])
         improved = best_of(found)
         if improved is None or improved is best:
             break

@@ -7,6 +7,8 @@ The DP's tables of different submeshes are independent, so :class:`SearchPool`
 splits each count's submeshes among the cores (:func:`split_tasks`); worker processes
 solve them and send back only the solutions (:class:`CosterCaches`), which the parent
 merges into its costers before building each count's candidates, now from caches.
+Counts go largest first, and a count where nothing fits memory ends the round: no
+smaller count can fit (:func:`fits_nowhere`), so their tasks are dropped.
 
 The workers are ``forkserver`` processes (clean processes, never forks of this
 multithreaded one, which has JAX loaded) that live for the whole search. Each gets
@@ -19,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import queue
+from collections import Counter, deque
 from collections.abc import Sequence
 from multiprocessing.pool import Pool
 from types import TracebackType
@@ -79,19 +83,36 @@ def candidates_at(
 
 
 def split_tasks(context: CostContext, counts: Sequence[int], method: Method) -> list[Task]:
-    """The ILPs of ``counts`` as tasks for the worker processes.
+    """The ILPs of ``counts`` as tasks for the worker processes, in the order given.
 
-    With a DP, each (count, submesh) is a task, the largest submeshes of every count
-    first, so the pool's free workers take the long tasks early and the short ones
-    even out the end: even a single count keeps every core busy. The other candidates
-    mostly reuse those solutions (the single-stage plan is the whole-cluster
-    submesh's), so the parent builds them. Without a DP a count is one task.
-    Example: 8 x 8 GPUs, counts 4 and 8 -> (4, 8x8), (8, 8x8), (4, 4x8), (8, 4x8), ...
+    With a DP, each (count, submesh) is a task: a count's tasks together, its largest
+    submeshes first, so the free workers take the long tasks early and the short
+    ones even out the end of each count (even a single count keeps every core busy).
+    The other candidates mostly reuse those solutions (the single-stage plan is the
+    whole-cluster submesh's), so the parent builds them. Without a DP a count is one
+    task. Example: 8 x 8 GPUs, counts 8 and 4 -> (8, 8x8), (8, 4x8), ..., (8, 1x1),
+    (4, 8x8), (4, 4x8), ...
     """
     if method not in (Method.AUTO, Method.PIPESHARD):
         return [(count, ()) for count in counts]
     submeshes = sorted(context.submeshes(), key=lambda s: -s[0] * s[1])
-    return [(count, (submesh,)) for submesh in submeshes for count in counts]
+    return [(count, (submesh,)) for count in counts for submesh in submeshes]
+
+
+def fits_nowhere(candidates: Sequence[Candidate | None]) -> bool:
+    """True when no candidate of a micro-batch count fits memory: then no smaller
+    count fits either, and :meth:`SearchPool.run` skips them.
+
+    Why: a stage's weights (parameters, gradients, optimizer state) do not depend on
+    the count B, and its activations per in-flight micro-batch are 1/B of the batch's:
+    1F1B holds ``min(k + 1, B)`` micro-batches on a stage with k followers, so
+    ``min(k + 1, B) / B`` of the batch's activations, which does not grow with B;
+    GPipe holds all B, the whole batch's, whatever B; a rematerialised stage's
+    recomputed residuals are one micro-batch's. Fewer, larger micro-batches therefore
+    never need less memory under the same shardings, and the leanest shardings (the
+    memory-minimising ILP) are what decides that nothing fits.
+    """
+    return all(candidate is None for candidate in candidates)
 
 
 class SearchPool:
@@ -131,28 +152,69 @@ class SearchPool:
             self._pool = None
 
     def run(self, counts: Sequence[int]) -> list[Candidate | None]:
-        """Every candidate of every count in ``counts``: the ILPs solved by the
-        workers (merged into this context), each count's candidates built here from
-        them as soon as its last task is back, while the workers go on."""
-        built: dict[int, list[Candidate | None]] = {}
-        if self._pool is not None and counts:
-            tasks = split_tasks(self.context, counts, self.method)
-            waiting = {count: sum(1 for c, _ in tasks if c == count) for count in counts}
-            progress = self.context.progress
-            for done, (count, caches, counter) in enumerate(
-                self._pool.imap_unordered(_solve_task, tasks), start=1
-            ):
-                self.context.adopt(caches, counter)
-                waiting[count] -= 1
-                if not waiting[count]:
-                    built[count] = self._candidates(count)
-                if progress is not None:
-                    progress(f"planned {done}/{len(tasks)} parts of {len(counts)} "
-                             "micro-batch counts", self.context.counter.solves, None)
+        """Every candidate of every count in ``counts``, costed largest count first.
+
+        A count where nothing fits makes the smaller ones moot (:func:`fits_nowhere`):
+        they are skipped, so a large model whose usual counts are all too big costs
+        one of them, not all. With workers, the ILPs are solved in the pool (merged
+        into this context) and each count's candidates are built here once its tasks
+        and those of every larger count are back, while the workers go on; the
+        results, and the ILPs counted, are those of the search in one process.
+        """
+        order = sorted(set(counts), reverse=True)
+        built = self._run_pool(order) if self._pool is not None else {}
+        if self._pool is None:
+            for count in order:
+                built[count] = self._candidates(count)
+                if fits_nowhere(built[count]):
+                    break
         found: list[Candidate | None] = []
         for count in counts:
-            found += built[count] if count in built else self._candidates(count)
+            found += built.get(count, [])
         return found
+
+    def _run_pool(self, order: Sequence[int]) -> dict[int, list[Candidate | None]]:
+        """The candidates of the counts in ``order`` (largest first) from the pool's
+        ILPs: tasks go out as workers free up (never more than one per worker, so the
+        tasks of moot counts can still be dropped), and results are taken count by
+        count in ``order``; a count's results that arrive after it is moot are dropped
+        unread."""
+        assert self._pool is not None
+        tasks = deque(split_tasks(self.context, order, self.method))
+        expected = Counter(count for count, _ in tasks)
+        arrived: dict[int, list[TaskResult]] = {count: [] for count in order}
+        pending = deque(order)  # counts still to build, largest first
+        built: dict[int, list[Candidate | None]] = {}
+        results: queue.SimpleQueue[TaskResult | BaseException] = queue.SimpleQueue()
+        in_flight, done = 0, 0
+        progress = self.context.progress
+        while True:
+            while tasks and in_flight < self.workers:
+                task = tasks.popleft()
+                if task[0] in pending:
+                    self._pool.apply_async(
+                        _solve_task, (task,), callback=results.put, error_callback=results.put
+                    )
+                    in_flight += 1
+            if not pending:
+                return built  # tasks of moot counts still running are left to finish
+            result = results.get()
+            in_flight -= 1
+            if isinstance(result, BaseException):
+                raise result
+            arrived[result[0]].append(result)
+            done += 1
+            while pending and len(arrived[pending[0]]) == expected[pending[0]]:
+                count = pending.popleft()
+                for _, caches, counter in arrived.pop(count):
+                    self.context.adopt(caches, counter)
+                built[count] = self._candidates(count)
+                if fits_nowhere(built[count]):
+                    pending.clear()
+            if progress is not None:
+                total = done + in_flight + sum(1 for count, _ in tasks if count in pending)
+                progress(f"planned {done}/{total} parts of {len(order)} micro-batch counts",
+                         self.context.counter.solves, None)
 
     def _candidates(self, count: int) -> list[Candidate | None]:
         return candidates_at(self.context, count, self.method, self.manual)
