@@ -359,6 +359,9 @@ def test_search_tasks_cover_every_submesh_once(cpu8, gpt_graph):
         covered = [s for c, group in tasks if c == count for s in group]
         assert sorted(covered) == sorted(context.submeshes())
     assert {c for c, _ in tasks} == {1, 4}
+    # auto's data-parallel baselines are one more task per count; a DP-only search has none
+    assert [task for task in tasks if not task[1]] == [(1, ()), (4, ())]
+    assert all(group for _, group in split_tasks(context, [1, 4], Method.PIPESHARD))
     assert split_tasks(context, [1, 4], Method.DATA) == [(1, ()), (4, ())]
 
 # One host's forced CPU devices share its cores: the planner may plan on one of them

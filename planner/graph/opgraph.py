@@ -180,6 +180,25 @@ class OpGraph:
         return digest.hexdigest()[:16]
 
 
+def batch_size_problem(graph: OpGraph, batch_size: int) -> str | None:
+    """Why ``graph`` cannot be rescaled to ``batch_size`` (see :func:`with_batch_size`),
+    or None: every batch dimension must scale to a whole number of at least 1."""
+    if batch_size <= 0:
+        return f"batch_size must be positive, got {batch_size}"
+    ratio = batch_size / graph.batch_size
+    checked: set[int] = set()
+    for tensor in graph.tensors:
+        if tensor.batch_dim is None or tensor.shape[tensor.batch_dim] in checked:
+            continue
+        old = tensor.shape[tensor.batch_dim]
+        checked.add(old)
+        new = old * ratio
+        if abs(new - round(new)) > 1e-9 or round(new) < 1:
+            return (f"tensor {tensor.id} has batch dimension {old}, which batch size "
+                    f"{batch_size} cannot scale from {graph.batch_size}")
+    return None
+
+
 def with_batch_size(graph: OpGraph, batch_size: int) -> OpGraph:
     """Rescale ``graph`` to another global (or micro-) batch size.
 
@@ -193,23 +212,17 @@ def with_batch_size(graph: OpGraph, batch_size: int) -> OpGraph:
     """
     if batch_size == graph.batch_size:
         return graph
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    problem = batch_size_problem(graph, batch_size)
+    if problem is not None:
+        raise ValueError(problem)
     ratio = batch_size / graph.batch_size
     tensors = []
     for tensor in graph.tensors:
         if tensor.batch_dim is None:
             tensors.append(tensor)
             continue
-        old = tensor.shape[tensor.batch_dim]
-        new = old * ratio
-        if abs(new - round(new)) > 1e-9 or round(new) < 1:
-            raise ValueError(
-                f"tensor {tensor.id} has batch dimension {old}, which batch size "
-                f"{batch_size} cannot scale from {graph.batch_size}"
-            )
         shape = list(tensor.shape)
-        shape[tensor.batch_dim] = int(round(new))
+        shape[tensor.batch_dim] = int(round(shape[tensor.batch_dim] * ratio))
         tensors.append(dataclasses.replace(tensor, shape=tuple(shape)))
     batched = {t.id for t in graph.tensors if t.batch_dim is not None}
     ops = []

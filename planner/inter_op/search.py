@@ -36,7 +36,7 @@ import numpy as np
 from alpajob.api.spec import Schedule
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import Calibration, host_utilization, logical_mesh_shapes
-from alpajob.planner.graph.opgraph import OpGraph, with_batch_size
+from alpajob.planner.graph.opgraph import OpGraph, batch_size_problem, with_batch_size
 from alpajob.planner.inter_op.layer_structure import LayerStructure, layer_structure
 from alpajob.planner.inter_op.stage_costs import (
     LEVEL_TIERS,
@@ -198,16 +198,11 @@ def micro_batch_candidates(graph: OpGraph, fixed: int | None, limit: int = 64) -
     """
     candidates = [fixed] if fixed is not None else [
         b for b in range(1, limit + 1) if graph.batch_size % b == 0]
-    valid = []
-    for count in candidates:
-        if graph.batch_size % count:
-            continue
-        try:
-            with_batch_size(graph, graph.batch_size // count)
-        except ValueError:
-            continue
-        valid.append(count)
-    return valid
+    return [
+        count for count in candidates
+        if graph.batch_size % count == 0
+        and batch_size_problem(graph, graph.batch_size // count) is None
+    ]
 
 
 def evaluate_stages(

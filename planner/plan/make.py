@@ -253,8 +253,9 @@ def _coarse_to_fine(search: SearchPool, micro_batches: Sequence[int]) -> list[Ca
     :data:`USUAL_MICRO_BATCHES`, that one included), then the neighbouring powers of
     two of the best count found, then the other divisors of the batch between the
     best power of two's neighbours (a round of work fewer than all). Larger counts are
-    tried, one at a time up to ``max_micro_batches``, only when nothing fits, or while
-    the best plan rematerialises and doubling the count still improves it.
+    tried only when nothing fits (the largest power of two up to ``max_micro_batches``,
+    then smaller ones while they do better), or while the best plan rematerialises
+    and doubling the count still improves it.
 
     Step time as a function of B is unimodal in practice (the pipeline bubble shrinks
     as B grows, while per-micro-batch overheads such as collective latencies grow), so
@@ -298,15 +299,25 @@ def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> li
 
     found = cost(sorted({*usual[::2], usual[-1]}))
     best = best_of(found)
-    larger = [c for c in counts if c not in tried and c > max(tried)]
-    while best is None and larger:
-        # Nothing fits: more, smaller micro-batches hold less activation memory. Two
-        # counts a round: the pool costs the larger first and skips the smaller if the
-        # larger does not fit; if both fit, the smaller is the larger's neighbour,
-        # which the next round would cost anyway.
-        found += cost(larger[:2])
-        larger = larger[2:]
+    larger = [c for c in counts if c > max(tried)]
+    if best is None and larger:
+        # Nothing fits at the usual counts. More, smaller micro-batches hold less
+        # activation memory, so the largest count is costed next: if nothing fits
+        # there, nothing fits at all. Then smaller counts, while they do better. With
+        # memory this tight the best plan was the largest count in every case measured
+        # (GPT-39B on 64 V100s, and on 8 x 8 H100s and MoE-27B after doubling): from
+        # there the search ends after two counts, where climbing from the smallest
+        # fitting count costs every count on the way.
+        found += cost(larger[-1:])
         best = best_of(found)
+        for count in reversed(larger[:-1]):
+            if best is None:
+                break
+            found += cost([count])
+            better = best_of(found)
+            if better is best:
+                break
+            best = better
     if best is None:
         return found
     position = counts.index(best.num_micro_batches)

@@ -89,14 +89,18 @@ def split_tasks(context: CostContext, counts: Sequence[int], method: Method) -> 
     submeshes first, so the free workers take the long tasks early and the short
     ones even out the end of each count (even a single count keeps every core busy).
     The other candidates mostly reuse those solutions (the single-stage plan is the
-    whole-cluster submesh's), so the parent builds them. Without a DP a count is one
-    task. Example: 8 x 8 GPUs, counts 8 and 4 -> (8, 8x8), (8, 4x8), ..., (8, 1x1),
-    (4, 8x8), (4, 4x8), ...
+    whole-cluster submesh's, Megatron's grids mostly the DP's meshes), so the parent
+    builds them; only the data-parallel and ZeRO-2 baselines have ILPs of their own
+    (other sharding modes), one more task per count ``(count, ())`` under ``auto``.
+    Without a DP a count is one task. Example: 8 x 8 GPUs, counts 8 and 4, auto ->
+    (8, 8x8), (8, 4x8), ..., (8, 1x1), (8, ()), (4, 8x8), (4, 4x8), ...
     """
     if method not in (Method.AUTO, Method.PIPESHARD):
         return [(count, ()) for count in counts]
     submeshes = sorted(context.submeshes(), key=lambda s: -s[0] * s[1])
-    return [(count, (submesh,)) for count in counts for submesh in submeshes]
+    own = [()] if method is Method.AUTO else []  # the data-parallel baselines' ILPs
+    return [(count, group) for count in counts
+            for group in [*((s,) for s in submeshes), *own]]
 
 
 def fits_nowhere(candidates: Sequence[Candidate | None]) -> bool:
@@ -239,6 +243,9 @@ def _solve_task(task: Task) -> TaskResult:
     count, submeshes = task
     if submeshes:
         warm_submeshes(context, count, submeshes)
+    elif method is Method.AUTO:  # auto's data-parallel baselines (see split_tasks)
+        for baseline in (Method.DATA, Method.ZERO2):
+            candidates_at(context, count, baseline, manual)
     else:
         candidates_at(context, count, method, manual, dp=False)
     caches = {key: coster.caches() for key, coster in context.costers().items()}
