@@ -110,12 +110,7 @@ def megatron_grid(context: CostContext, micro_batches: Sequence[int]) -> Candida
                 else:
                     submesh = (stage_devices // per_node, per_node)
                 # tp = 1 is the flat data-parallel mesh (1, dp): the same ILPs as the DP's.
-                # Inside one node both axes have the same bandwidth, and the ILP picks
-                # what each axis splits: (dp, tp) is (tp, dp) relabelled, and the DP's
-                # meshes keep the shorter axis first (CostContext.shapes).
                 shape = (dp, tp) if tp > 1 else (1, dp)
-                if submesh[0] == 1:
-                    shape = (min(shape), max(shape))
                 requests = [
                     StageRequest(a, b, submesh, shape) for a, b in even_ranges(n_layers, pp)
                 ]

@@ -166,8 +166,10 @@ class SearchPool:
         results, and the ILPs counted, are those of the search in one process.
         """
         order = sorted(set(counts), reverse=True)
-        built = self._run_pool(order) if self._pool is not None else {}
-        if self._pool is None:
+        if self._pool is not None:
+            built = self._run_pool(order)
+        else:
+            built = {}
             for count in order:
                 built[count] = self._candidates(count)
                 if fits_nowhere(built[count]):
