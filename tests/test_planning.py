@@ -298,6 +298,34 @@ def test_micro_batch_counts_are_every_divisor_of_the_batch():
     assert len(searched) == len(set(searched)) < len(counts)
 
 
+@pytest.mark.parametrize("least, fits_from, expected", [
+    (512, 256, [1024, 512, 256]),  # the optimum below the largest count: descend to it
+    (1024, 128, [1024, 512]),  # the largest is best: one count more shows it
+    (None, None, [1024]),  # the largest does not fit: nothing does, stop
+])
+def test_when_no_usual_count_fits_the_largest_goes_first(least, fits_from, expected):
+    """Memory so tight that no count up to 64 fits: the search costs the largest count,
+    then smaller ones while they do better, instead of climbing from 128."""
+    from alpajob.planner.inter_op.search import Candidate
+    from alpajob.planner.plan import make
+
+    counts = [2**k for k in range(11)]  # 1 ... 1024
+    searched: list[int] = []
+
+    class FakeSearch:
+        workers = 2
+
+        def run(self, micro_batches):
+            searched.extend(micro_batches)
+            return [Candidate("fake", None, b, (), abs(b - least) + 1.0)
+                    if fits_from is not None and b >= fits_from else None
+                    for b in micro_batches]
+
+    best = make.best_of(make._coarse_to_fine(FakeSearch(), counts))
+    assert searched[4:] == expected  # after the usual counts 1, 4, 16, 64
+    assert (best.num_micro_batches if best else None) == least
+
+
 @pytest.mark.parametrize("memory_fraction", [0.9, 3e-4])
 def test_search_split_among_processes_equals_one_process(
     gpt_graph, cpu8, monkeypatch, memory_fraction
