@@ -58,7 +58,7 @@ from alpajob.trainer_image.precision import LossScale
 from alpajob.trainer_image.runners import PipelineRunner, SerialRunner
 from alpajob.trainer_image.runtime.build import build_pipeline
 from alpajob.trainer_image.runtime.executor import StageTimes
-from alpajob.trainer_image.runtime.meshes import DeviceError, devices_needed, local_devices
+from alpajob.trainer_image.runtime.meshes import DeviceError, local_devices
 from alpajob.trainer_image.step import training_optimizer
 from alpajob.trainer_image.stopping import StopRequest
 from alpajob.trainer_image.throughput import Throughput
@@ -148,11 +148,11 @@ def check_plan(plan: Plan, graph: OpGraph, devices: list[Any], source: str) -> N
             f"{graph.fingerprint()} ({graph.name}, batch {graph.batch_size}); re-run "
             "`alpajob plan` on this manifest"
         )
-    if devices_needed(plan) > len(devices):
+    if plan.devices_offered() > len(devices):
         raise DeviceError(
-            f"{source}: needs {devices_needed(plan)} devices ({plan.cluster['num_nodes']} x "
+            f"{source}: needs {plan.devices_offered()} devices ({plan.cluster['num_nodes']} x "
             f"{plan.cluster['devices_per_node']}) but this run has {len(devices)}; pass "
-            f"--devices {devices_needed(plan)} or re-plan for this machine"
+            f"--devices {plan.devices_offered()} or re-plan for this machine"
         )
 
 
@@ -192,7 +192,7 @@ def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable
                                                devices, wait=options.exact_stage_times), scale)
         method = options.planning.method or job.spec.parallelism.method
         if (cluster.shared_host and method is Method.AUTO and not options.plan_file
-                and not options.keep_plan and scale is None and devices_needed(plan) > 1):
+                and not options.keep_plan and scale is None and plan.devices_offered() > 1):
             say("timing the plan against one device")
             one = SerialRunner(model, optimizer, params, devices[0], training.global_batch_size, scale)
             timed = trial(runner, one, first_batch())
@@ -203,7 +203,7 @@ def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable
     # One device of a shared host has the whole host's peak, not one forced device's share.
     device = local_cluster(job, devices[:1]).device if plan is None else cluster.device
     throughput = Throughput.of(graph, int(np.prod(tokens.shape)) if tokens is not None else None,
-                               device, 1 if plan is None else devices_needed(plan), training.dtype)
+                               device, 1 if plan is None else plan.devices_offered(), training.dtype)
     return runner, plan, throughput, timed
 
 

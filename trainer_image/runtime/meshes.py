@@ -23,15 +23,10 @@ class DeviceError(AlpaJobError):
     """The machine has fewer devices than the plan needs."""
 
 
-def devices_needed(plan: Plan) -> int:
-    """How many devices the plan's cluster has (every slot the stages may name)."""
-    return plan.devices_offered()
-
-
 def stage_mesh(stage: StagePlan, plan: Plan, devices: Sequence[Any]) -> Mesh:
     """The mesh of ``stage`` over ``devices`` (the run's devices, in slot order)."""
     per_node = int(plan.cluster["devices_per_node"])
-    need = devices_needed(plan)
+    need = plan.devices_offered()
     if len(devices) < need:
         raise DeviceError(
             f"the plan needs {need} devices ({plan.cluster['num_nodes']} x {per_node}) but "
