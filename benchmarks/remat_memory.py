@@ -2,17 +2,20 @@
 
 The planner prices a rematerialised layer as keeping only its inputs between forward
 and backward, and holding its own residuals for one micro-batch while the backward
-recomputes it (one layer at a time). The runtime wraps a rematerialised stage in one
-``jax.checkpoint``. This measures, with ``compiled.memory_analysis()``, the
-temporary memory of the gradient of a stack of layers:
+recomputes it (one layer at a time). This measures, with
+``compiled.memory_analysis()``, the temporary memory of backwards:
 
-1. a toy stack (4 layers, each with a 16.8 MB intermediate), as one unrolled
-   function without remat, with a checkpoint per layer, one around the whole stack,
-   and as a ``lax.scan`` over the layers with and without a checkpointed body;
-2. GPT stages of 1, 2 and 4 layers as the runtime runs them (its stage interpreter,
-   the forward returning the residuals, the backward a separate executable), with the
-   runtime's whole-stage checkpoint: the backward's temporary memory against the
-   planner's transient for the same stage (its largest layer's residuals).
+1. a toy stack (4 layers, each with a 16.8 MB intermediate): one unrolled function
+   without remat, with a ``jax.checkpoint`` per layer, one around the whole stack,
+   the runtime's chained layers (:mod:`alpajob.trainer_image.runtime.remat`), and a
+   ``lax.scan`` over the layers with and without a checkpointed body; as one
+   gradient, and as the runtime runs it (forward and backward separate executables,
+   the residuals passed between them);
+2. GPT stages of 1, 2, 4 and 8 layers built by the runtime from a plan
+   (``place_stage``), their backward executable's temporary memory without remat,
+   rematerialised as the runtime now does it (one layer at a time) and as it did
+   before (one ``jax.checkpoint`` around the stage), against the planner's transient
+   (its largest layer's residuals) and the sum of its layers' residuals.
 
     python benchmarks/remat_memory.py
 """
@@ -36,83 +39,123 @@ def toy() -> None:
     import jax
     import jax.numpy as jnp
 
+    from alpajob.trainer_image.runtime.remat import chained_layer
+
     def layer(x, w):  # noqa: ANN001, ANN202
         h = jnp.tanh(x @ w)
         a = jnp.exp(h[:, :, None] * h[:, None, :])  # [4, 1024, 1024] float32: 16.8 MB
         return x + jnp.einsum("bij,bj->bi", a, h) * 1e-3
 
-    ws = jnp.ones((4, 1024, 1024)) * 1e-3
+    chained = chained_layer(lambda p, b, i: ([layer(i[0], p[0])], None))
+    wrap = {
+        "no remat": layer,
+        "checkpoint per layer": jax.checkpoint(layer),
+        "chained layers (the runtime)": lambda x, w: chained([w], [], [x])[0][0],
+    }
     x = jnp.ones((4, 1024))
 
     def unrolled(mode: str):  # noqa: ANN202
         def stack(ws):  # noqa: ANN001, ANN202
             y = x
             for w in ws:
-                y = (jax.checkpoint(layer) if mode == "per layer" else layer)(y, w)
+                y = wrap.get(mode, layer)(y, w)
             return y.sum()
-        return jax.checkpoint(stack) if mode == "whole stack" else stack
+        return jax.checkpoint(stack) if mode == "checkpoint around the stack" else stack
 
     def scanned(remat: bool):  # noqa: ANN202
         def body(y, w):  # noqa: ANN001, ANN202
             return layer(y, w), None
 
-        return lambda ws: jax.lax.scan(jax.checkpoint(body) if remat else body, x, ws)[0].sum()
+        return lambda ws: jax.lax.scan(jax.checkpoint(body) if remat else body, x, jnp.stack(ws))[0].sum()
 
-    print("| toy, 4 layers | gradient temp (MB) |\n| --- | --- |")
-    for mode in ("no remat", "per layer", "whole stack"):
-        print(f"| unrolled, {mode} | {_temp(jax.grad(unrolled(mode)), ws):.1f} |")
+    def split_backward(fn, ws) -> float:  # noqa: ANN001
+        out, vjp = jax.jit(lambda w: jax.vjp(fn, w))(ws)
+        return _temp(lambda v, c: v(c), vjp, jnp.ones_like(out))
+
+    ws = [jnp.full((1024, 1024), 1e-3) for _ in range(4)]
+    print("| toy, 4 layers | one gradient: temp (MB) | forward, then backward: backward temp (MB) |")
+    print("| --- | --- | --- |")
+    for mode in (*wrap, "checkpoint around the stack"):
+        fn = unrolled(mode)
+        print(f"| unrolled, {mode} | {_temp(jax.grad(fn), ws):.1f} | {split_backward(fn, ws):.1f} |")
     for remat in (False, True):
-        print(f"| scan, {'checkpointed body' if remat else 'no remat'} | "
-              f"{_temp(jax.grad(scanned(remat)), ws):.1f} |")
+        fn = scanned(remat)
+        print(f"| scan, {'checkpointed body' if remat else 'no remat'} | {_temp(jax.grad(fn), ws):.1f} "
+              f"| {split_backward(fn, ws):.1f} |")
 
 
 def gpt_stages() -> None:
     import jax
+    import jax.numpy as jnp
+    import optax
 
+    from alpajob.api.options import PlanOptions
+    from alpajob.api.resource import parse_job
+    from alpajob.trainer_image.planning import plan_job
+    from alpajob.trainer_image.runtime.build import place_stage, split_for_plan
+    from alpajob.trainer_image.zoo.model import synthetic_batch
+    from alpajob.trainer_image.zoo.registry import resolve_model
+
+    batch_size = 8
+    print("\n| GPT stage (hidden 64, seq 128, batch 8) | backward temp, no remat (MB) | "
+          "remat one layer at a time, now (MB) | remat, one checkpoint around the stage, "
+          "before (MB) | planner now: largest layer's residuals (MB) | before: their sum (MB) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for layers in (1, 2, 4, 8):
+        config = {"hidden": 64, "layers": layers, "heads": 4, "seqLen": 128, "vocab": 256}
+        job = parse_job({
+            "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "remat"},
+            "spec": {"model": {"zoo": "gpt", "config": config},
+                     "training": {"globalBatchSize": batch_size, "dtype": "float32", "optimizer": "sgd"},
+                     "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 1},
+                     "parallelism": {"method": "shard", "numLayers": layers}},
+        })
+        plan = plan_job(job, PlanOptions(all_devices=True)).plan
+        model = resolve_model("gpt", config)
+        params = model.init(jax.random.key(0))
+        leaves = jax.tree.leaves(params)
+        batch = [jnp.asarray(v) for v in jax.tree.leaves(synthetic_batch(model, batch_size))]
+        temps = []
+        for remat in (False, True):
+            remade = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"rematerialize": remat})]})
+            split, names = split_for_plan(remade, model.loss, params, model.batch_shapes)
+            mesh = jax.sharding.Mesh([[jax.devices()[0]]], ("x", "y"))
+            stage = place_stage(remade, split, names, 0, mesh, leaves, optax.sgd(0.1))
+            forward_params = [stage.params[stage.leaf_names[k]] for k in stage.param_leaves]
+            _, loss, vjp = stage.forward(forward_params, batch, [])
+            compiled = stage.backward.lower(vjp, [jnp.ones_like(loss)], stage.zeros()).compile()
+            temps.append(compiled.memory_analysis().temp_size_in_bytes / MB)
+        before = _whole_stage_checkpoint_temp(split, leaves, batch)
+        residuals = _layer_residuals(plan, job)
+        print(f"| {layers} layer{'s' if layers > 1 else ''} | {temps[0]:.1f} | {temps[1]:.1f} | "
+              f"{before:.1f} | {max(residuals):.1f} | {sum(residuals):.1f} |")
+
+
+def _layer_residuals(plan, job) -> list[float]:  # noqa: ANN001
+    """The planner's residual bytes of each layer (its activations, not rematerialised)."""
     from alpajob.planner.cost.cluster import cluster_from_preset
     from alpajob.planner.cost.model import load_calibration, make_logical_mesh
     from alpajob.planner.inter_op.clustering import cluster_layers
     from alpajob.planner.intra_op.solve import solve_intra_op
-    from alpajob.trainer_image.runtime.split import split_loss
-    from alpajob.trainer_image.step import graph_of
-    from alpajob.trainer_image.zoo.registry import resolve_model
+    from alpajob.trainer_image.planning import job_graph
 
-    batch_size = 8
+    graph = job_graph(job)
     cluster = cluster_from_preset("cpu", 1, 1)
     calibration = load_calibration("cpu")
     mesh = make_logical_mesh(cluster, (1, 1), (1, 1), calibration)
-    print("\n| GPT stage (hidden 64, seq 128, batch 8) | XLA backward temp, whole-stage "
-          "checkpoint (MB) | planner before: largest layer (MB) | planner now: sum of layers (MB) |")
-    print("| --- | --- | --- | --- |")
-    for layers in (1, 2, 4):
-        model = resolve_model("gpt", {"hidden": 64, "layers": layers, "heads": 4,
-                                      "seqLen": 128, "vocab": 256})
-        graph = graph_of(model, batch_size)
-        per_layer = []
-        for ops in cluster_layers(graph, layers):
-            result = solve_intra_op(graph, sorted(ops), mesh, cluster.device, calibration)
-            per_layer.append(result.activation_bytes / MB)
-        params = model.init(jax.random.key(0))
-        abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), params)
-        leaves = jax.tree.leaves(params)
-        split = split_loss(model.loss, abstract, model.batch_shapes(batch_size),
-                           [0] * len(leaves), 1)
-        backward = _stage_backward_temp(split, model, batch_size, leaves)
-        print(f"| {layers} layer{'s' if layers > 1 else ''} | {backward:.1f} | "
-              f"{max(per_layer):.1f} | {sum(per_layer):.1f} |")
+    return [solve_intra_op(graph, sorted(ops), mesh, cluster.device, calibration).activation_bytes / MB
+            for ops in cluster_layers(graph, plan.stages[0].layers[1])]
 
 
-def _stage_backward_temp(split, model, batch_size: int, leaves: list) -> float:  # noqa: ANN001
-    """Temporary memory of the backward executable of the stage, rematerialised as the
-    runtime does it (one checkpoint around the whole stage)."""
+def _whole_stage_checkpoint_temp(split, leaves: list, batch: list) -> float:  # noqa: ANN001
+    """Temporary memory of the stage's backward with one ``jax.checkpoint`` around the
+    whole stage (the runtime before it recomputed one layer at a time)."""
     import jax
     import jax.numpy as jnp
 
     from alpajob.trainer_image.runtime.split import stage_function
-    from alpajob.trainer_image.zoo.model import synthetic_batch
 
     run = stage_function(split, split.stages[0])
-    batch = [jnp.asarray(v) for v in jax.tree.leaves(synthetic_batch(model, batch_size))]
     loss = jax.checkpoint(lambda p: run(p, batch, [])[1])
     out, vjp = jax.jit(lambda p: jax.vjp(loss, p))(leaves)
     return _temp(lambda vjp, ct: vjp(ct), vjp, jnp.ones_like(out))

@@ -70,8 +70,7 @@ def test_input_hints_are_charged(gpt, cpu8):
 def test_remat_is_chosen_only_when_needed(gpt, cpu8):
     """GPipe holds every micro-batch's activations until the backward: 4 of them on
     one stage. Rematerialised, it holds only each micro-batch's stage input, plus one
-    micro-batch's residuals while the backward recomputes it (the whole stage's: XLA
-    recomputes all its layers first)."""
+    micro-batch's residuals while the backward recomputes it (one layer's at a time)."""
     graph, _ = gpt
     options = SearchOptions(method=Method.SHARD, num_micro_batches=4, schedule=Schedule.GPIPE)
     plain = make_plan(graph, cpu8, options).plan

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from alpajob.api.errors import PlanFormatError
 
-PLAN_VERSION = "alpajob.io/plan/v1"
+PLAN_VERSION = "alpajob.io/plan/v2"
 
 #: One PartitionSpec entry: replicated (None), one mesh axis, or several.
 SpecEntry = str | list[str] | None
@@ -95,6 +95,11 @@ class StagePlan(_Doc):
     in_flight_micro_batches: int
     rematerialize: bool = Field(
         False, description="recompute each layer's forward before its backward (remat)"
+    )
+    param_layers: dict[str, int] = Field(
+        default_factory=dict,
+        description="the layer that first reads each parameter the stage reads; a "
+        "rematerialised stage is recomputed one layer at a time, cut at these layers",
     )
     param_shardings: dict[str, list[SpecEntry]]
     input_shardings: dict[str, list[SpecEntry]]

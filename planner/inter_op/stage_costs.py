@@ -26,7 +26,7 @@ stage. Alpa compiles and profiles every candidate; we compose it from ILP soluti
    micro-batch. Four memory levels per layer (:data:`MEMORY_LEVELS`): the fastest
    solution; the ILP minimising memory first; and each of the two rematerialised
    (only the layer's inputs kept between forward and backward, one extra forward,
-   and the residuals of the stage's layers live at once while it is recomputed).
+   and one layer's residuals live while its backward recomputes it).
    A stage takes the fastest level that fits.
 
 All sums are prefix sums, so the cost of any range i..j is O(1) once the per-layer
@@ -58,14 +58,13 @@ class MemoryLevel:
     ILP minimises memory first. ``remat`` rematerialises the layer (Alpa's
     ``use_remat``): only its input activations are kept per in-flight micro-batch; its
     forward runs again before its backward, and its full residuals are live for one
-    micro-batch at a time. The runtime recomputes a rematerialised stage's whole
-    forward before its backward (one ``jax.checkpoint`` around the stage), so the
-    residuals of all its layers are live at once: a stage's transient is their sum,
-    not its largest layer's. Measured (``benchmarks/remat_memory.py``, XLA on CPU): a
-    backward of 1, 2, 4 GPT layers holds 16.8, 29.4, 54.6 MB, the layers' residuals
-    summing to 17.4, 31.6, 60.0 MB. A checkpoint per layer does not help: XLA
-    recomputes every layer first either way (only a ``scan`` over the layers keeps it
-    to one at a time).
+    micro-batch at a time. A stage's transient is its largest layer's residuals: the
+    runtime recomputes a rematerialised stage one layer at a time, each layer's
+    recomputation waiting for its cotangent (:mod:`alpajob.trainer_image.runtime.remat`).
+    Measured (``benchmarks/remat_memory.py``, XLA on CPU): the backward of 1, 2, 4, 8
+    GPT layers holds 16.9, 16.8, 18.1, 19.7 MB where the largest layer's residuals
+    are 17.4 MB. (One ``jax.checkpoint`` around the stage held 16.8, 29.4, 54.6,
+    105.1 MB: XLA recomputed every layer first.)
     """
 
     memory_weight: float
@@ -147,8 +146,8 @@ class StageEval:
 
     @property
     def peak_memory(self) -> float:
-        """Weights, the activations of every in-flight micro-batch, and the
-        transient (a rematerialised stage's residuals while its backward recomputes it)."""
+        """Weights, the activations of every in-flight micro-batch, and the largest
+        transient (a rematerialised layer's residuals during its backward)."""
         return self.weight_bytes + self.in_flight * self.activation_bytes + self.transient_bytes
 
 
@@ -446,15 +445,15 @@ class LayerCoster:
             update=float(a.update[span].sum()) + float(self.step_transfer_table()[first, last]),
             weight_bytes=float(a.weight[span].sum()),
             activation_bytes=float(a.activation[span].sum()),
-            transient_bytes=float(a.transient[span].sum()),
+            transient_bytes=float(a.transient[span].max()),
             in_flight=in_flight,
         )
 
     def range_table(self, submesh: Submesh, shape: Shape, level: int) -> tuple[np.ndarray, ...]:
         """[L, L] tables over ranges i..j: seconds, update, fixed bytes, activation bytes.
 
-        Fixed bytes are the weights plus the transient (memory that does not grow with
-        in-flight micro-batches). Entries with j < i are +inf (seconds) or 0.
+        Fixed bytes are the weights plus the largest transient (memory that does not
+        grow with in-flight micro-batches). Entries with j < i are +inf (seconds) or 0.
         """
         a = self.arrays(submesh, shape, level)
         n = self.num_layers
@@ -475,8 +474,11 @@ class LayerCoster:
         seconds = ranged(a.compute) + ranged(a.comm) + inner + transfer[:, None]
         upper = np.triu(np.ones((n, n), dtype=bool))
         seconds = np.where(upper, seconds, np.inf)
-        # The transient of layers i..j: every layer's, at once (see MemoryLevel).
-        weight = ranged(a.weight) + ranged(a.transient)
+        # The largest transient of layers i..j: a running maximum along each row.
+        transient = np.maximum.accumulate(
+            np.where(upper, np.broadcast_to(a.transient[None, :], (n, n)), 0.0), axis=1
+        )
+        weight = ranged(a.weight) + np.where(upper, transient, 0.0)
         return seconds, ranged(a.update) + self.step_transfer_table(), weight, ranged(a.activation)
 
 

@@ -65,8 +65,9 @@ def _stage_plan(
 
     used = _layer_of_tensor_use(coster, graph, stage)
     names = dict(zip(graph.params, graph.param_names or [str(p) for p in graph.params], strict=False))
-    params = {names[t]: spec_of(t, layer) for t, layer in used.items()
-              if graph.tensors[t].role is TensorRole.PARAM and t in names}
+    layer_of_param = {t: layer for t, layer in used.items()
+                      if graph.tensors[t].role is TensorRole.PARAM and t in names}
+    params = {names[t]: spec_of(t, layer) for t, layer in layer_of_param.items()}
     batch = {str(k): spec_of(t, used[t]) for k, t in enumerate(graph.batch) if t in used}
     inputs = {}
     for tensor, _src, dst in coster.crossing_tensors(stage.first):
@@ -108,6 +109,7 @@ def _stage_plan(
         activation_bytes=stage.activation_bytes,
         in_flight_micro_batches=stage.in_flight,
         rematerialize=stage.remat,
+        param_layers={names[t]: layer for t, layer in layer_of_param.items()},
         param_shardings=params,
         input_shardings=inputs,
         output_shardings=outputs,

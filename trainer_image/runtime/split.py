@@ -163,17 +163,23 @@ def _nbytes(aval: Any) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def _place(
-    flat: _Flat,
-    param_ids: Sequence[ValueId],
-    param_stage: Sequence[int],
-    loss: ValueId,
+def place_equations(
+    eqns: Sequence[FlatEqn],
+    avals: Sequence[Any],
+    consts: Mapping[ValueId, Any],
+    param_stage: Mapping[ValueId, int],
+    sinks: Sequence[ValueId],
     num_stages: int,
 ) -> list[int]:
-    """The stage of every equation (module docstring, steps 1 to 3)."""
-    stage_of: dict[ValueId, int] = dict(zip(param_ids, param_stage, strict=True))
+    """The stage of every equation (module docstring, steps 1 to 3).
+
+    ``param_stage`` maps each parameter's value id to its stage; ``sinks`` are the
+    values that must be computed by the last stage (the loss). :mod:`.remat` uses the
+    same placement to cut one stage into its layers.
+    """
+    stage_of: dict[ValueId, int] = dict(param_stage)
     placed: list[int] = []
-    for eqn in flat.eqns:
+    for eqn in eqns:
         anchored = [stage_of[v] for v in eqn.inputs if isinstance(v, int) and v in stage_of]
         stage = max(anchored) if anchored else 0
         placed.append(stage)
@@ -181,10 +187,11 @@ def _place(
             for out in eqn.outputs:
                 stage_of[out] = stage
 
-    return _min_crossing(flat, placed, params=set(param_ids), loss=loss, num_stages=num_stages)
+    return _min_crossing(eqns, avals, consts, placed, params=set(param_stage), sinks=sinks,
+                         num_stages=num_stages)
 
 
-def _fixed(flat: _Flat, params: set[ValueId]) -> list[bool]:
+def _fixed(eqns: Sequence[FlatEqn], consts: Mapping[ValueId, Any], params: set[ValueId]) -> list[bool]:
     """Per equation, whether it must stay on its lower bound: it reads a parameter
     (or a value computed from parameters alone, such as a parameter cast to the
     compute type by mixed precision) and a value that depends on the batch.
@@ -193,10 +200,10 @@ def _fixed(flat: _Flat, params: set[ValueId]) -> list[bool]:
     from those alone (a broadcast of a layer-norm scale, a causal mask from an
     ``iota``). Equations over such values only are free to move to a later stage.
     """
-    batch_free: set[ValueId] = set(params) | set(flat.consts)
+    batch_free: set[ValueId] = set(params) | set(consts)
     from_params: set[ValueId] = set(params)  # parameters, and values computed from them alone
     out = []
-    for eqn in flat.eqns:
+    for eqn in eqns:
         values = [v for v in eqn.inputs if isinstance(v, int)]
         if all(v in batch_free for v in values):
             batch_free.update(eqn.outputs)
@@ -209,7 +216,8 @@ def _fixed(flat: _Flat, params: set[ValueId]) -> list[bool]:
 
 
 def _min_crossing(
-    flat: _Flat, low: list[int], *, params: set[ValueId], loss: ValueId, num_stages: int
+    eqns: Sequence[FlatEqn], avals: Sequence[Any], consts: Mapping[ValueId, Any], low: list[int], *,
+    params: set[ValueId], sinks: Sequence[ValueId], num_stages: int,
 ) -> list[int]:
     """Place the equations that read no parameter so the fewest bytes cross stages.
 
@@ -218,21 +226,23 @@ def _min_crossing(
     at least its producer's (``y[r, s] >= y[p, s]``), a value crosses where a reader
     is past its producer (``c[v, s] >= y[r, s] - y[p, s]``), an equation that reads a
     parameter stays at its lower bound, every other equation is at least at it, and
-    the loss must reach the last stage. (An equation reading parameters only is not
-    held: see :func:`_fixed`.) Minimising ``sum bytes(v) c[v, s]`` is a
+    the sinks (the loss) must reach the last stage. (An equation reading parameters
+    only is not held: see :func:`_fixed`.) Minimising ``sum bytes(v) c[v, s]`` is a
     min-cut: every constraint is a difference of two variables, so the matrix is
     totally unimodular and the LP's optimum is integral (HiGHS, through scipy).
     """
-    n, boundaries = len(flat.eqns), num_stages - 1
+    n, boundaries = len(eqns), num_stages - 1
     if boundaries == 0:
         return [0] * n
-    produced = {o: i for i, e in enumerate(flat.eqns) for o in e.outputs}
+    produced = {o: i for i, e in enumerate(eqns) for o in e.outputs}
     reads: dict[ValueId, set[int]] = {}
-    for index, eqn in enumerate(flat.eqns):
+    for index, eqn in enumerate(eqns):
         for value in eqn.inputs:
             if isinstance(value, int) and value in produced:
                 reads.setdefault(value, set()).add(index)
-    reads.setdefault(loss, set()).add(n)  # a virtual reader on the last stage
+    for sink in sinks:
+        if sink in produced:
+            reads.setdefault(sink, set()).add(n)  # a virtual reader on the last stage
     crossing = sorted(reads)
     col_c = {v: n + 1 + k for k, v in enumerate(crossing)}
     width = n + 1 + len(crossing)  # per boundary: equations, the virtual reader, values
@@ -243,7 +253,7 @@ def _min_crossing(
     def c(v: ValueId, s: int) -> int:
         return (s - 1) * width + col_c[v]
 
-    fixed = _fixed(flat, params)
+    fixed = _fixed(eqns, consts, params)
     bounds = []
     for s in range(1, num_stages):
         for index in range(n):
@@ -274,7 +284,7 @@ def _min_crossing(
     cost = np.zeros(boundaries * width)
     for s in range(1, num_stages):
         for v in crossing:
-            cost[c(v, s)] = _nbytes(flat.avals[v])
+            cost[c(v, s)] = _nbytes(avals[v])
         for i in range(n):
             cost[y(i, s)] = 1e-6  # ties: the earliest stage
     matrix = sparse.csr_matrix((vals, (rows, cols)), shape=(row, boundaries * width))
@@ -356,7 +366,8 @@ def split_loss(
         raise ValueError("the loss is a constant: it does not depend on the parameters")
     n_params = len(jax.tree.leaves(params))
     param_ids, batch_ids = invars[:n_params], invars[n_params:]
-    placed = _place(flat, param_ids, param_stage, loss, num_stages)
+    placed = place_equations(flat.eqns, flat.avals, flat.consts, dict(zip(param_ids, param_stage, strict=True)),
+                             [loss], num_stages)
 
     produced_on: dict[ValueId, int] = {}
     for eqn, stage in zip(flat.eqns, placed, strict=True):

@@ -6,8 +6,9 @@ For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss
   ``f`` with respect to the parameters and the floating-point inputs. ``vjp`` is a
   pytree of the forward's residuals, returned from the jitted forward and kept until
   the micro-batch's backward, so the backward does not recompute the forward. When
-  the plan says ``rematerialize``, ``f`` is wrapped in ``jax.checkpoint`` first: the
-  residuals are then just the inputs and the backward recomputes the rest.
+  the plan says ``rematerialize``, ``f`` runs as a chain of its layers
+  (:mod:`.remat`): the residuals are then each layer's inputs, and the backward
+  recomputes one layer at a time.
 - **backward** ``(vjp, cotangents, accumulators) -> (accumulators, input_grads, done)``
   applies ``vjp`` and adds the parameter gradients to float32 accumulators (donated,
   so the sum is in place). ``done`` is a scalar that is ready when the backward is:
@@ -59,6 +60,7 @@ from alpajob.trainer_image.runtime.meshes import (
     partition_spec,
     weight_update_spec,
 )
+from alpajob.trainer_image.runtime.remat import in_layers, layer_programs
 from alpajob.trainer_image.runtime.split import (
     SplitProgram,
     StageProgram,
@@ -190,10 +192,11 @@ def build_stage(
             constraints[vid] = NamedSharding(mesh, spec)
     replicated = NamedSharding(mesh, PartitionSpec())
     group = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))  # a leading axis over every device
-    run = _grouped_run(split, program, mesh, param_sharding, group, constraints)
+    layers = _remat_layers(split, program, plan_stage, names)
+    run = _grouped_run(split, program, mesh, param_sharding, group, constraints, layers)
     groups = mesh.size if run is not None else 0
     if run is None:
-        run = stage_function(split, program, constraints)
+        run = in_layers(lambda part: stage_function(split, part, constraints), split, program, layers)
 
     def forward(params: list[Any], batch: list[Any], inputs: list[Any]) -> tuple[Any, Any, Any]:
         def f(p: list[Any], diff_inputs: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -205,8 +208,7 @@ def build_stage(
             aux = [o for i, o in enumerate(outs) if i not in diff_out]
             return diff, aux
 
-        fn = jax.checkpoint(f) if plan_stage.rematerialize else f
-        diff, vjp, aux = jax.vjp(fn, list(params), [inputs[i] for i in diff_in], has_aux=True)
+        diff, vjp, aux = jax.vjp(f, list(params), [inputs[i] for i in diff_in], has_aux=True)
         outs: list[Any] = [None] * len(program.outputs)
         for pos, value in zip(diff_out, diff, strict=False):
             outs[pos] = value
@@ -302,6 +304,19 @@ def build_stage(
     )
 
 
+def _remat_layers(
+    split: SplitProgram, program: StageProgram, plan_stage: StagePlan, names: Sequence[str]
+) -> tuple[StageProgram, ...] | None:
+    """The layers a rematerialised stage recomputes one at a time (:mod:`.remat`);
+    None if the plan does not rematerialise it."""
+    if not plan_stage.rematerialize:
+        return None
+    first, end = plan_stage.layers
+    layer_of = {leaf: plan_stage.param_layers[names[leaf]] - first
+                for leaf in program.params if names[leaf] in plan_stage.param_layers}
+    return layer_programs(split, program, layer_of, end - first)
+
+
 def _grouped_run(
     split: SplitProgram,
     program: StageProgram,
@@ -309,10 +324,11 @@ def _grouped_run(
     param_sharding: Mapping[int, NamedSharding],
     group: NamedSharding,
     constraints: Mapping[ValueId, NamedSharding],
+    layers: Sequence[StageProgram] | None,
 ) -> Callable[..., Any] | None:
     """The stage's grouped function (:mod:`.grouped`) if every parameter is
     replicated over its mesh (the batch is then split over every device, grouped)
-    and the stage is groupable; else None."""
+    and the stage is groupable; else None. ``layers``: see :func:`_remat_layers`."""
     dims = split.batch_dims
     if dims is None or mesh.size == 1:
         return None
@@ -320,7 +336,8 @@ def _grouped_run(
         return None
     if any(dims[split.batch_ids[leaf]] != 0 for leaf in program.batch):
         return None
-    run = grouped_stage_function(split, program, dims, mesh.size, group, constraints)
+    run = in_layers(lambda part: grouped_stage_function(split, part, dims, mesh.size, group, constraints),
+                    split, program, layers)
     def abstract(vid: ValueId, lead: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(lead + tuple(split.avals[vid].shape), split.avals[vid].dtype)
 
