@@ -142,4 +142,4 @@ def test_a_rematerialised_backward_holds_one_layers_residuals(gpt_stage: Any) ->
     at_once = float(compiled.memory_analysis().temp_size_in_bytes)
     one_layer = (at_once - plain) / 4  # one layer's residuals, as XLA holds them
     assert layered - plain < 1.5 * one_layer, (plain, layered, at_once)
-    assert at_once > 2.5 * layered
+    assert at_once - plain > 2.5 * (layered - plain), (plain, layered, at_once)

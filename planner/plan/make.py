@@ -47,7 +47,7 @@ from alpajob.planner.plan.workers import SearchPool
 
 GIB = 1024**3
 
-#: Micro-batch counts searched first; larger ones only when no plan fits memory.
+#: Micro-batch counts searched first, with the largest (:func:`_powers_of_two_first`).
 USUAL_MICRO_BATCHES = 64
 
 
@@ -250,17 +250,15 @@ def _manual_memory_error(
 
 def _coarse_to_fine(search: SearchPool, micro_batches: Sequence[int]) -> list[Candidate | None]:
     """Search micro-batch counts coarsely (every other power of two up to
-    :data:`USUAL_MICRO_BATCHES`, that one included), then the neighbouring powers of
-    two of the best count found, then the other divisors of the batch between the
-    best power of two's neighbours (a round of work fewer than all). Larger counts are
-    tried only when nothing fits (the largest power of two up to ``max_micro_batches``,
-    then smaller ones while they do better), or while the best plan rematerialises
-    and doubling the count still improves it.
+    :data:`USUAL_MICRO_BATCHES`, that one included, and the largest), then around the
+    best (:func:`_powers_of_two_first`), then the other divisors of the batch between
+    the best power of two's neighbours (a round of work fewer than all).
 
-    Step time as a function of B is unimodal in practice (the pipeline bubble shrinks
-    as B grows, while per-micro-batch overheads such as collective latencies grow), so
-    the neighbours of the coarse optimum hold the optimum.
-    Example: batch 1536 -> first 1, 4, 16, 64; best 16 -> then 8 and 32; best 32 ->
+    Near its optimum, step time as a function of B is unimodal in practice (the
+    pipeline bubble shrinks as B grows, while per-micro-batch overheads such as
+    collective latencies grow), so the neighbours of the best power of two hold it.
+    Example: batch 1536 -> first 1, 4, 16, 64 and 512 (the largest power of two up to
+    ``max_micro_batches``, 1024, that divides it); best 16 -> then 8 and 32; best 32 ->
     then 24 and 48 (the divisors between 16 and 64).
     """
     counts = sorted(micro_batches)
@@ -282,7 +280,22 @@ def _coarse_to_fine(search: SearchPool, micro_batches: Sequence[int]) -> list[Ca
 
 def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> list[Candidate | None]:
     """The coarse-to-fine search over the powers of two among ``micro_batches``
-    (other counts only when no power of two fits)."""
+    (other counts only when no power of two fits).
+
+    The first round costs every other power of two up to :data:`USUAL_MICRO_BATCHES`
+    (that one included) and the largest count. Both ends, because step time is not
+    unimodal over every count: a pipeline's bubble favours many micro-batches, one
+    sharded stage a few large ones. GPT-1.3B on 4 V100s is 74.5 s at best with 64
+    micro-batches (one stage), worse with 128, and 60.7 s with 1,024 (three stages).
+    The largest count also settles memory: fewer, larger micro-batches never need
+    less, so if nothing fits there nothing fits at all (the pool costs it first and
+    then skips the rest, :func:`~.workers.fits_nowhere`).
+
+    Then, if the largest count is the best, smaller counts while they do better;
+    else the neighbouring powers of two of the best usual count, and, while the best
+    plan rematerialises, larger counts while they improve it (more, smaller
+    micro-batches may fit without recomputation).
+    """
     counts = [c for c in micro_batches if c & (c - 1) == 0] or list(micro_batches)
     if len(counts) <= 3:
         found = search.run(counts)
@@ -297,34 +310,23 @@ def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> li
         tried.update(chosen)
         return search.run(chosen) if chosen else []
 
-    found = cost(sorted({*usual[::2], usual[-1]}))
+    found = cost(sorted({*usual[::2], usual[-1], counts[-1]}))
     best = best_of(found)
-    larger = [c for c in counts if c > max(tried)]
-    if best is None and larger:
-        # Nothing fits at the usual counts. More, smaller micro-batches hold less
-        # activation memory, so the largest count is costed next: if nothing fits
-        # there, nothing fits at all. Then smaller counts, while they do better. With
-        # memory this tight the best plan was the largest count in every case measured
-        # (GPT-39B on 64 V100s, and on 8 x 8 H100s and MoE-27B after doubling): from
-        # there the search ends after two counts, where climbing from the smallest
-        # fitting count costs every count on the way.
-        found += cost(larger[-1:])
-        best = best_of(found)
-        for count in reversed(larger[:-1]):
-            if best is None:
+    if best is None:
+        return found
+    if best.num_micro_batches == counts[-1] and counts[-1] > usual[-1]:
+        for count in reversed(counts[:-1]):
+            if count in tried:
                 break
             found += cost([count])
             better = best_of(found)
             if better is best:
                 break
             best = better
-    if best is None:
         return found
     position = counts.index(best.num_micro_batches)
     found += cost([counts[k] for k in (position - 1, position + 1)
                    if 0 <= k < len(counts) and counts[k] not in tried])
-    # A rematerialising plan may do better with more, smaller micro-batches that fit
-    # without recomputation: keep doubling while that improves the best plan.
     best = best_of(found) or best
     while any(stage.remat for stage in best.stages):
         larger = [c for c in counts if c > best.num_micro_batches and c not in tried]

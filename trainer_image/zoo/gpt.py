@@ -28,9 +28,11 @@ from alpajob.trainer_image.zoo.model import (
     Params,
     dense,
     dense_init,
+    gelu,
     layer_norm,
     norm_init,
     normal,
+    softmax_as,
     softmax_cross_entropy,
 )
 
@@ -85,7 +87,8 @@ def attention_init(key: jax.Array, hidden: int, dtype: str) -> Params:
 
 
 def causal_attention(params: Params, x: jax.Array, heads: int) -> jax.Array:
-    """Multi-head self-attention with a causal mask; softmax in float32."""
+    """Multi-head self-attention with a causal mask; softmax in float32, kept for the
+    backward in the compute type (:func:`~.model.softmax_as`)."""
     b, s, h = x.shape
     head_dim = h // heads
     q = dense(params["q"], x).reshape(b, s, heads, head_dim)
@@ -94,8 +97,8 @@ def causal_attention(params: Params, x: jax.Array, heads: int) -> jax.Array:
     scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * head_dim**-0.5
     row = lax.broadcasted_iota(jnp.int32, (s, s), 0)
     col = lax.broadcasted_iota(jnp.int32, (s, s), 1)
-    scores = jnp.where(col <= row, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    causal = jnp.where(col <= row, 0.0, jnp.finfo(jnp.float32).min)  # [s, s], added
+    probs = softmax_as(scores + causal, x.dtype)
     out = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, h)
     return dense(params["o"], out)
 
@@ -108,7 +111,7 @@ def mlp_init(key: jax.Array, hidden: int, ffn: int, dtype: str) -> Params:
 
 def mlp(params: Params, x: jax.Array) -> jax.Array:
     """``fc2(gelu(fc1(x)))``."""
-    return dense(params["fc2"], jax.nn.gelu(dense(params["fc1"], x)))
+    return dense(params["fc2"], gelu(dense(params["fc1"], x)))
 
 
 def lm_head_loss(params: Params, x: jax.Array, labels: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ Conventions every zoo family follows:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +102,50 @@ def layer_norm(
     return (y * params["scale"].astype(jnp.float32) + params["bias"].astype(jnp.float32)).astype(
         x.dtype
     )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def softmax_as(x: jax.Array, dtype: Any) -> jax.Array:
+    """Softmax over the last axis, computed in float32 and returned in ``dtype``, whose
+    derivative reads only that output.
+
+    Differentiated as written, a softmax keeps its input, its exponentials and its
+    output (three float32 tensors the size of the attention scores) for the backward;
+    with the rule ``dy = y * (dx - sum(y * dx))`` it keeps ``y`` alone, in the compute
+    type, as fused attention kernels do. At GPT-1.3B's micro-batch of 32 sequences of
+    1,024 tokens that is 1 GiB per layer in float16 instead of 5.5 (``jnp.where``'s
+    broadcast mask included; the causal mask is an additive bias here, which the
+    backward does not read).
+    """
+    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(dtype)
+
+
+@softmax_as.defjvp
+def _softmax_as_jvp(dtype: Any, primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    (x,), (dx,) = primals, tangents
+    y = softmax_as(x, dtype)
+    y32, dx32 = y.astype(jnp.float32), dx.astype(jnp.float32)
+    return y, (y32 * (dx32 - jnp.sum(y32 * dx32, axis=-1, keepdims=True))).astype(dtype)
+
+
+@jax.custom_vjp
+def gelu(x: jax.Array) -> jax.Array:
+    """``jax.nn.gelu`` (tanh approximation) whose backward keeps only its input and
+    recomputes the slope from it (a few elementwise ops), instead of the four
+    intermediates (``tanh``, products, a sum) that differentiating the formula keeps."""
+    return jax.nn.gelu(x)
+
+
+def _gelu_forward(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jax.nn.gelu(x), x
+
+
+def _gelu_backward(x: jax.Array, dy: jax.Array) -> tuple[jax.Array]:
+    _, slope = jax.jvp(jax.nn.gelu, (x,), (jnp.ones_like(x),))  # elementwise: the derivative
+    return (slope * dy,)
+
+
+gelu.defvjp(_gelu_forward, _gelu_backward)
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:

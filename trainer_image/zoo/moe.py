@@ -36,6 +36,7 @@ from alpajob.trainer_image.zoo.model import (
     Batch,
     ModelDef,
     Params,
+    gelu,
     layer_norm,
     norm_init,
     normal,
@@ -154,7 +155,7 @@ def moe_mlp(params: Params, x: jax.Array, config: dict[str, Any]) -> tuple[jax.A
     combine = combine.astype(x.dtype)
     expert_in = jnp.einsum("gtec,gth->egch", dispatch, tokens)
     hidden = jnp.einsum("egch,ehf->egcf", expert_in, params["wi"]) + params["bi"][:, None, None]
-    hidden = jax.nn.gelu(hidden)
+    hidden = gelu(hidden)
     expert_out = jnp.einsum("egcf,efh->egch", hidden, params["wo"]) + params["bo"][:, None, None]
     y = jnp.einsum("gtec,egch->gth", combine, expert_out)
     return y.reshape(b, s, h), aux
