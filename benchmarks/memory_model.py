@@ -1,14 +1,19 @@
 """Benchmark: the planner's memory model against XLA's compiled peak, per zoo family.
 
-For each family (GPT, MoE, Wide-ResNet, MLP) at a small config: the planner's
-prediction for the whole training step as one stage on one device (weights,
-gradients and optimizer state, plus the activations one micro-batch keeps for its
-backward, plus the largest transient), against what XLA allocates for the same step
-compiled for one CPU device (``compiled.memory_analysis()``: arguments + outputs +
-temporaries - donated aliases). Both levels are shown: the fastest (everything kept)
-and rematerialised (only each layer's inputs kept; XLA's figure is then for the
-same step under ``jax.checkpoint`` per layer, which the trainer does not do on one
-device, so only the plan's figure is given).
+For each family (GPT, MoE, Wide-ResNet, MLP) at a small config, the whole training
+step (Adam) planned as one stage of every layer on one CPU device:
+
+1. **The serial step**: the planner's prediction (weights, gradients and optimizer
+   state, plus the activations one micro-batch keeps for its backward, plus the
+   largest transient) against XLA's allocation for the same step compiled as one
+   executable (``compiled.memory_analysis()``: arguments + outputs + temporaries -
+   donated aliases).
+2. **The runtime's stage**, as ``alpajob run`` executes it (forward, backward and
+   update executables, the forward's residuals passed to the backward), plain and
+   rematerialised: the plan's peak for the stage at that level against the runtime's,
+   ``params + optimizer state + gradient accumulators + residuals (not counting those
+   that are parameters) + the largest of the forward's, backward's and update's
+   temporaries``.
 
     python benchmarks/memory_model.py [--markdown benchmarks/RESULTS.md]
 """
@@ -25,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import optax  # noqa: E402
 
+from alpajob.api.errors import InfeasibleError  # noqa: E402
 from alpajob.api.spec import Method  # noqa: E402
 from alpajob.planner.cost.cluster import cluster_from_preset  # noqa: E402
 from alpajob.planner.plan.make import ManualStageOption, SearchOptions, make_plan  # noqa: E402
@@ -64,6 +70,66 @@ def predicted(graph) -> dict[str, float]:
             "total": stage.peak_memory_bytes, "remat": stage.rematerialize}
 
 
+def stage_plans(model, graph) -> dict[str, object]:  # noqa: ANN001
+    """The step as one stage of every layer on one CPU device: plain (the fastest
+    level), and rematerialised (planned on a device just too small for plain)."""
+    import dataclasses
+
+    from alpajob.planner.inter_op.clustering import default_num_layers
+
+    layers = default_num_layers(graph)
+    options = SearchOptions(method=Method.MANUAL, num_layers=layers, num_micro_batches=1,
+                            manual_stages=(ManualStageOption(0, layers, (1, 1)),))
+    cluster = cluster_from_preset("cpu", 1, 1)
+    plain = make_plan(graph, cluster, options).plan
+    tight = dataclasses.replace(cluster.device, memory_bytes=int(plain.stages[0].peak_memory_bytes * 0.99 / 0.9))
+    try:
+        remat = make_plan(graph, dataclasses.replace(cluster, device=tight), options).plan
+    except InfeasibleError:  # rematerialising saves too little to fit
+        return {"plain": plain, "remat": None}
+    return {"plain": plain, "remat": remat if remat.stages[0].rematerialize else None}
+
+
+def runtime_bytes(model, plan, batch: int) -> dict[str, float]:  # noqa: ANN001
+    """What the runtime's executables of the plan's one stage hold (module docstring)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from alpajob.trainer_image.runtime.build import place_stage, split_for_plan
+    from alpajob.trainer_image.zoo.model import synthetic_batch
+
+    params = model.init(jax.random.key(0))
+    split, names = split_for_plan(plan, model.loss, params, model.batch_shapes)
+    mesh = Mesh(np.array([[jax.devices()[0]]]), ("x", "y"))
+    stage = place_stage(plan, split, names, 0, mesh, jax.tree.leaves(params), optax.adam(1e-4))
+    leaves = [jnp.asarray(v) for v in jax.tree.leaves(synthetic_batch(model, batch))]
+    forward_params = [stage.params[stage.leaf_names[k]] for k in stage.param_leaves]
+    acc = stage.zeros()
+
+    def nbytes(tree) -> int:  # noqa: ANN001
+        return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+    weights = nbytes(stage.params) + nbytes(stage.opt_state) + nbytes(acc)
+    forward = stage.forward.lower(forward_params, leaves, []).compile().memory_analysis()
+    _, loss, vjp = stage.forward(forward_params, leaves, [])
+    owned = {p.unsafe_buffer_pointer() for p in forward_params}
+    seen: set[int] = set()
+    residuals = 0
+    for leaf in jax.tree.leaves(vjp):
+        pointer = leaf.unsafe_buffer_pointer()
+        if pointer not in owned and pointer not in seen:
+            seen.add(pointer)
+            residuals += leaf.nbytes
+    backward = stage.backward.lower(vjp, [jnp.ones_like(loss)], acc).compile().memory_analysis()
+    grads = {stage.leaf_names[k]: a for k, a in zip(stage.param_leaves, acc, strict=True)}
+    update = stage.update.lower(stage.params, stage.opt_state, grads, {}, jnp.float32(1.0)).compile()
+    temps = (forward.temp_size_in_bytes, residuals + backward.temp_size_in_bytes,
+             update.memory_analysis().temp_size_in_bytes)
+    return {"weights": weights, "residuals": residuals, "backward_temp": backward.temp_size_in_bytes,
+            "total": weights + max(temps[0] + residuals, temps[1], temps[2])}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", help="append the Markdown table to this file")
@@ -84,7 +150,26 @@ def main() -> int:
             f"{ours['activations'] / MIB:.1f} / {ours['total'] / MIB:.1f}"
             f"{' (remat)' if ours['remat'] else ''} | {ratio:.2f} |")
         print(lines[-1], flush=True)
-    table = "\n".join(lines)
+    runtime = ["| family | stage | runtime: weights / residuals / backward temp / peak (MiB) "
+               "| plan: weights / activations + transient / peak (MiB) | plan / runtime |",
+               "| --- | --- | --- | --- | --- |"]
+    for family, config, batch in CASES:
+        model = resolve_model(family, config, dtype="float32")
+        graph = graph_of(model, batch, "adam")
+        for level, plan in stage_plans(model, graph).items():
+            if plan is None:
+                runtime.append(f"| {family} | {level} | - | not chosen | - |")
+                continue
+            got = runtime_bytes(model, plan, batch)
+            stage = plan.stages[0]
+            held = stage.peak_memory_bytes - stage.weight_bytes
+            runtime.append(
+                f"| {family} | {level} ({stage.layers[1]} layers) | {got['weights'] / MIB:.1f} / "
+                f"{got['residuals'] / MIB:.1f} / {got['backward_temp'] / MIB:.1f} / {got['total'] / MIB:.1f} "
+                f"| {stage.weight_bytes / MIB:.1f} / {held / MIB:.1f} / {stage.peak_memory_bytes / MIB:.1f} "
+                f"| {stage.peak_memory_bytes / got['total']:.2f} |")
+            print(runtime[-1], flush=True)
+    table = "\n".join(lines) + "\n\n" + "\n".join(runtime)
     print(table)
     if args.markdown:
         with open(args.markdown, "a") as handle:

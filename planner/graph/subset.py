@@ -14,7 +14,10 @@ ILP needs about that subset, from the graph alone:
   synchronisation of gradient accumulation;
 - weights (parameters and optimizer state read here, gradients produced here) and
   residuals: forward values (or step inputs) that a backward op of the subset reads,
-  kept alive from the forward to the backward pass of each micro-batch.
+  kept alive from the forward to the backward pass of each micro-batch;
+- the backward's working set: when each tensor the subset's backward computes is
+  live (:func:`backward_lifetimes`), for the memory it holds on top of the
+  residuals while the backward runs.
 
 What outside ops read and produce is a question about the whole graph (tens of
 thousands of ops for a large model). A :class:`GraphIndex` flattens, in one Python
@@ -57,6 +60,9 @@ class Subset:
     residuals: tuple[int, ...]
     #: Gradients produced here that no op of the subset reads (the update is elsewhere).
     lonely_grads: tuple[int, ...]
+    #: ``(tensor, first, last)``: a backward tensor live from the subset's ``first``
+    #: backward op to its ``last`` (see :func:`backward_lifetimes`).
+    lifetimes: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,6 +197,7 @@ def analyse_subset(
             residuals.append(t)
     lonely = tuple(g for g in graph.grads if g in produced and g not in consumed)
     return Subset(
+        lifetimes=backward_lifetimes(graph, ops, produced, read_outside),
         op_ids=ids,
         produced=produced,
         boundary_inputs=boundary_inputs,
@@ -200,3 +207,36 @@ def analyse_subset(
         residuals=tuple(residuals),
         lonely_grads=lonely,
     )
+
+
+def backward_lifetimes(
+    graph: OpGraph, ops: dict[int, Op], produced: dict[int, int], read_outside: Sequence[bool]
+) -> tuple[tuple[int, int, int], ...]:
+    """When each tensor the subset's backward computes is live, as positions among
+    its backward ops in program order: from its producer to its last reader here, or
+    to the end when an op outside reads it (the cotangent handed to the layer
+    before). Gradients of parameters are left out (the runtime adds each into its
+    accumulator, counted with the weights), and so are tensors nobody reads.
+
+    Every such tensor is counted as materialised. XLA fuses chains of elementwise ops
+    and holds fewer; it also holds some buffers this does not know of. Against the
+    compiled backward on CPU (``benchmarks/memory_model.py``) the sum of the live
+    tensors at the busiest point is within a factor of two either way.
+    """
+    backward = [op for op in ops.values() if op.phase is Phase.BACKWARD]
+    position = {op.id: k for k, op in enumerate(backward)}
+    last: dict[int, int] = {}
+    for op in backward:
+        for tensor in op.inputs:
+            if tensor in produced and produced[tensor] in position:
+                last[tensor] = max(last.get(tensor, 0), position[op.id])
+    grads = set(graph.grads)
+    out = []
+    for op in backward:
+        for tensor in op.outputs:
+            if tensor in grads:
+                continue
+            end = len(backward) - 1 if read_outside[tensor] else last.get(tensor)
+            if end is not None:
+                out.append((tensor, position[op.id], end))
+    return tuple(out)

@@ -26,7 +26,8 @@ stage. Alpa compiles and profiles every candidate; we compose it from ILP soluti
    micro-batch. Four memory levels per layer (:data:`MEMORY_LEVELS`): the fastest
    solution; the ILP minimising memory first; and each of the two rematerialised
    (only the layer's inputs kept between forward and backward, one extra forward,
-   and one layer's residuals live while its backward recomputes it).
+   and one layer's residuals live while its backward recomputes it). Every level
+   also holds one layer's backward working set (the backward's own tensors).
    A stage takes the fastest level that fits.
 
 All sums are prefix sums, so the cost of any range i..j is O(1) once the per-layer
@@ -58,13 +59,14 @@ class MemoryLevel:
     ILP minimises memory first. ``remat`` rematerialises the layer (Alpa's
     ``use_remat``): only its input activations are kept per in-flight micro-batch; its
     forward runs again before its backward, and its full residuals are live for one
-    micro-batch at a time. A stage's transient is its largest layer's residuals: the
-    runtime recomputes a rematerialised stage one layer at a time, each layer's
-    recomputation waiting for its cotangent (:mod:`alpajob.trainer_image.runtime.remat`).
-    Measured (``benchmarks/remat_memory.py``, XLA on CPU): the backward of 1, 2, 4, 8
-    GPT layers holds 16.9, 16.8, 18.1, 19.7 MB where the largest layer's residuals
-    are 17.4 MB. (One ``jax.checkpoint`` around the stage held 16.8, 29.4, 54.6,
-    105.1 MB: XLA recomputed every layer first.)
+    micro-batch at a time. The runtime recomputes a rematerialised stage one layer at
+    a time, each layer's recomputation waiting for its cotangent
+    (:mod:`alpajob.trainer_image.runtime.remat`), so a stage's transient is its
+    largest layer's: the layer's working set while its backward runs (every level),
+    plus its residuals (rematerialised). Measured (``benchmarks/remat_memory.py``,
+    XLA on CPU): the rematerialised backward of 1, 2, 4, 8 GPT layers holds 14.7,
+    16.6, 16.9, 19.7 MB; one ``jax.checkpoint`` around the stage held 14.7, 23.1,
+    40.0, 73.6 MB (XLA recomputed every layer first).
     """
 
     memory_weight: float
@@ -117,7 +119,7 @@ class MeshLayerArrays:
     update: np.ndarray  # per step
     weight: np.ndarray  # bytes per device
     activation: np.ndarray  # bytes per device per in-flight micro-batch
-    transient: np.ndarray  # bytes live for one micro-batch only (remat's residuals)
+    transient: np.ndarray  # bytes live during one layer's backward (its working set; remat's residuals)
     inner_reshard: np.ndarray  # [L, L] resharding seconds of tensors passing a -> b
 
 
@@ -147,7 +149,8 @@ class StageEval:
     @property
     def peak_memory(self) -> float:
         """Weights, the activations of every in-flight micro-batch, and the largest
-        transient (a rematerialised layer's residuals during its backward)."""
+        transient (a layer's backward working set, plus its residuals if
+        rematerialised)."""
         return self.weight_bytes + self.in_flight * self.activation_bytes + self.transient_bytes
 
 
@@ -356,12 +359,12 @@ class LayerCoster:
             compute = np.array([r.compute_seconds for r in results])
             comm = np.array([r.comm_seconds for r in results])
             activation = np.array([float(r.activation_bytes) for r in results])
-            transient = np.zeros(self.num_layers)
+            transient = np.array([r.working_bytes for r in results])  # the backward's own
             if MEMORY_LEVELS[level].remat:
                 # One more forward: the forward share of the layer's work, by FLOPs.
                 compute = compute * (1 + self._forward_share)
                 comm = comm * (1 + self._forward_share)
-                transient = activation
+                transient = transient + activation
                 activation = np.array(
                     [self._input_bytes(k, submesh, shape, level) for k in range(self.num_layers)]
                 )

@@ -134,6 +134,8 @@ class IntraOpModel:
     lonely_grads: tuple[int, ...] = field(default=())
     #: Sums whose two partial-sum operands XLA reduces once (:mod:`reassociate`).
     reassociated: tuple[Pair, ...] = field(default=())
+    #: The backward's tensors and when they are live (:func:`~.subset.backward_lifetimes`).
+    lifetimes: tuple[tuple[int, int, int], ...] = field(default=())
 
     def problem(
         self,
@@ -359,6 +361,7 @@ def _build(graph: OpGraph, subset: Subset, tables: TableCache, mode: ShardingMod
         residuals=subset.residuals,
         lonely_grads=subset.lonely_grads,
         reassociated=tuple(pairs),
+        lifetimes=subset.lifetimes,
     )
 
 

@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from alpajob.api.errors import InfeasibleError, SolverError
 from alpajob.planner.cost.cluster import DeviceSpec
@@ -143,6 +145,9 @@ class IntraOpResult:
     stats: IntraOpStats
     mesh: LogicalMesh
     collectives: tuple[PlannedCollective, ...] = field(default=(), hash=False)
+    #: Per device: the most bytes the backward's own tensors hold at once, on top of
+    #: the residuals (:func:`~alpajob.planner.graph.subset.backward_lifetimes`).
+    working_bytes: float = 0.0
 
     def memory_bytes(self, activation_multiplier: int = 1) -> float:
         """Per-device bytes with ``activation_multiplier`` micro-batches in flight."""
@@ -163,6 +168,7 @@ class _Realised:
     update: float
     weight_bytes: float
     activation_bytes: float
+    working_bytes: float
     syncs: dict[int, list[Collective]]
     #: Every collective, and for a gradient's synchronisation the parameter's index.
     collectives: list[tuple[PlannedCollective, int | None]]
@@ -245,16 +251,28 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
                                          specs[param], mesh)
         )
 
+    def size(t: int) -> float:
+        spread = shard_factor(specs[t], mesh) if t in specs else 1
+        return tensor_bytes(tensors[t].shape, tensors[t].dtype) / spread
+
     def total(ids: Sequence[int]) -> float:
-        return sum(
-            tensor_bytes(tensors[t].shape, tensors[t].dtype) / shard_factor(specs[t], mesh)
-            for t in ids
-        )
+        return sum(size(t) for t in ids)
 
     return _Realised(
-        specs, compute, comm, update, total(model.weights), total(model.residuals), syncs,
-        planned,
+        specs, compute, comm, update, total(model.weights), total(model.residuals),
+        _busiest(model.lifetimes, size), syncs, planned,
     )
+
+
+def _busiest(lifetimes: Sequence[tuple[int, int, int]], size: Callable[[int], float]) -> float:
+    """The most bytes live at once among ``(tensor, first, last)`` lifetimes."""
+    if not lifetimes:
+        return 0.0
+    change = np.zeros(max(last for _, _, last in lifetimes) + 2)
+    for tensor, first, last in lifetimes:
+        change[first] += size(tensor)
+        change[last + 1] -= size(tensor)
+    return float(np.cumsum(change).max())
 
 
 def _wus_layout(
@@ -523,6 +541,7 @@ def solve_intra_op(
         update_seconds=update,
         weight_bytes=weight_bytes,
         activation_bytes=realised.activation_bytes,
+        working_bytes=realised.working_bytes,
         objective=solution.objective,
         specs=specs,
         boundary_inputs=model.boundary_inputs,
