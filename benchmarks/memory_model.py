@@ -97,6 +97,7 @@ def runtime_bytes(model, plan, batch: int) -> dict[str, float]:  # noqa: ANN001
     from jax.sharding import Mesh
 
     from alpajob.trainer_image.runtime.build import place_stage, split_for_plan
+    from alpajob.trainer_image.runtime.memory import stage_memory
     from alpajob.trainer_image.zoo.model import synthetic_batch
 
     params = model.init(jax.random.key(0))
@@ -104,30 +105,9 @@ def runtime_bytes(model, plan, batch: int) -> dict[str, float]:  # noqa: ANN001
     mesh = Mesh(np.array([[jax.devices()[0]]]), ("x", "y"))
     stage = place_stage(plan, split, names, 0, mesh, jax.tree.leaves(params), optax.adam(1e-4))
     leaves = [jnp.asarray(v) for v in jax.tree.leaves(synthetic_batch(model, batch))]
-    forward_params = [stage.params[stage.leaf_names[k]] for k in stage.param_leaves]
-    acc = stage.zeros()
-
-    def nbytes(tree) -> int:  # noqa: ANN001
-        return sum(x.nbytes for x in jax.tree.leaves(tree))
-
-    weights = nbytes(stage.params) + nbytes(stage.opt_state) + nbytes(acc)
-    forward = stage.forward.lower(forward_params, leaves, []).compile().memory_analysis()
-    _, loss, vjp = stage.forward(forward_params, leaves, [])
-    owned = {p.unsafe_buffer_pointer() for p in forward_params}
-    seen: set[int] = set()
-    residuals = 0
-    for leaf in jax.tree.leaves(vjp):
-        pointer = leaf.unsafe_buffer_pointer()
-        if pointer not in owned and pointer not in seen:
-            seen.add(pointer)
-            residuals += leaf.nbytes
-    backward = stage.backward.lower(vjp, [jnp.ones_like(loss)], acc).compile().memory_analysis()
-    grads = {stage.leaf_names[k]: a for k, a in zip(stage.param_leaves, acc, strict=True)}
-    update = stage.update.lower(stage.params, stage.opt_state, grads, {}, jnp.float32(1.0)).compile()
-    temps = (forward.temp_size_in_bytes, residuals + backward.temp_size_in_bytes,
-             update.memory_analysis().temp_size_in_bytes)
-    return {"weights": weights, "residuals": residuals, "backward_temp": backward.temp_size_in_bytes,
-            "total": weights + max(temps[0] + residuals, temps[1], temps[2])}
+    held = stage_memory(stage, leaves, [])
+    return {"weights": held.weights, "residuals": held.residuals,
+            "backward_temp": held.backward_temp, "total": held.peak}
 
 
 def main() -> int:

@@ -9,6 +9,7 @@ compiled backward of a 4-layer stage holds about one layer's residuals, where on
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ from jax.sharding import Mesh
 from alpajob.api.options import PlanOptions, TrainOptions
 from alpajob.api.plan import Plan
 from alpajob.api.resource import parse_job
+from alpajob.planner.cost.cluster import cluster_for
 from alpajob.trainer_image.local_run import run
 from alpajob.trainer_image.planning import plan_job
 from alpajob.trainer_image.runtime.build import place_stage, split_for_plan
+from alpajob.trainer_image.runtime.memory import stage_memory
 from alpajob.trainer_image.runtime.remat import layer_programs
 from alpajob.trainer_image.runtime.split import stage_function
 from alpajob.trainer_image.zoo.model import synthetic_batch
@@ -85,7 +88,7 @@ def test_rematerialised_training_equals_serial(case: str, tmp_path: Path) -> Non
 @pytest.fixture(scope="module")
 def gpt_stage() -> Any:
     """GPT (4 layers) planned as one stage on one device, its split and parameters."""
-    job = _job("gpt", GPT4, {"method": "shard", "numLayers": 4}, 1, batch=8)
+    job = _job("gpt", GPT4, {"method": "shard", "numLayers": 4, "numMicroBatches": 1}, 1, batch=8)
     plan = plan_job(job, PlanOptions(all_devices=True)).plan
     model = resolve_model("gpt", GPT4)
     params = model.init(jax.random.key(0))
@@ -143,3 +146,27 @@ def test_a_rematerialised_backward_holds_one_layers_residuals(gpt_stage: Any) ->
     one_layer = (at_once - plain) / 4  # one layer's residuals, as XLA holds them
     assert layered - plain < 1.5 * one_layer, (plain, layered, at_once)
     assert at_once - plain > 2.5 * (layered - plain), (plain, layered, at_once)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_planned_peak_is_the_compiled_stages(gpt_stage: Any, remat: bool) -> None:
+    """The planner's peak for the stage (weights, residuals, the largest layer's
+    backward working set, plus its residuals when rematerialised) against what the
+    runtime's compiled forward, backward and update hold (``stage_memory``). The
+    rematerialised plan is the planner's own, on a device just too small for the
+    plain one."""
+    plan, model, params, _, _, batch = gpt_stage
+    if remat:
+        job = _job("gpt", GPT4, {"method": "shard", "numLayers": 4, "numMicroBatches": 1}, 1, batch=8)
+        cluster = cluster_for(job.spec.cluster, PlanOptions())
+        small = dataclasses.replace(cluster.device, memory_bytes=int(plan.stages[0].peak_memory_bytes / 0.9 * 0.95))
+        plan = plan_job(job, PlanOptions(all_devices=True),
+                        cluster=dataclasses.replace(cluster, device=small)).plan
+        assert plan.stages[0].rematerialize
+    split, names = split_for_plan(plan, model.loss, params, model.batch_shapes)
+    mesh = Mesh(np.array([[jax.devices()[0]]]), ("x", "y"))
+    stage = place_stage(plan, split, names, 0, mesh, jax.tree.leaves(params), optax.sgd(0.1))
+    held = stage_memory(stage, batch, [])
+    planned = plan.stages[0]
+    assert 0.75 < planned.weight_bytes / held.weights < 1.25
+    assert 0.75 < planned.peak_memory_bytes / held.peak < 1.35, (planned.peak_memory_bytes, held)

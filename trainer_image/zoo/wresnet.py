@@ -39,6 +39,7 @@ from alpajob.trainer_image.zoo.model import (
     layer_norm,
     norm_init,
     normal,
+    relu,
     softmax_cross_entropy,
 )
 
@@ -140,12 +141,12 @@ def block_init(key: jax.Array, c_in: int, filters: int, width: int, dtype: str) 
 
 def block_apply(params: Params, x: jax.Array, stride: int) -> jax.Array:
     """One bottleneck block."""
-    y = jax.nn.relu(feature_norm(params["norm1"], conv(x, params["conv1"])))
-    y = jax.nn.relu(feature_norm(params["norm2"], conv(y, params["conv2"], stride)))
+    y = relu(feature_norm(params["norm1"], conv(x, params["conv1"])))
+    y = relu(feature_norm(params["norm2"], conv(y, params["conv2"], stride)))
     y = feature_norm(params["norm3"], conv(y, params["conv3"]))
     if "proj" in params:
         x = feature_norm(params["proj_norm"], conv(x, params["proj"], stride))
-    return jax.nn.relu(x + y)
+    return relu(x + y)
 
 
 def build(name: str, config: dict[str, Any], dtype: str) -> ModelDef:
@@ -168,7 +169,7 @@ def build(name: str, config: dict[str, Any], dtype: str) -> ModelDef:
     def loss(params: Params, batch: Batch) -> jax.Array:
         with jax.named_scope("stem"):
             x = conv(batch["images"].astype(dtype), params["stem"]["conv"], 2)
-            x = jax.nn.relu(feature_norm(params["stem"]["norm"], x))
+            x = relu(feature_norm(params["stem"]["norm"], x))
             x = lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
         for i, (block, (_, _, stride)) in enumerate(zip(params["layers"], specs, strict=True)):
             with jax.named_scope(f"layer_{i}"):
