@@ -166,23 +166,24 @@ def test_anchors_point_at_forward_ops(gpt_graph):
             assert op.anchor == op.id
 
 
-def test_backward_constants_are_anchored_with_their_consumers(gpt_graph):
-    """The zeros that the backward of ``jnp.where`` broadcasts (the causal mask) are
+def test_backward_constants_are_anchored_with_their_consumers():
+    """The zeros that the backward of a ``relu`` selects (``where(y > 0, dy, 0)``) are
     built from nothing: they belong to the layer that uses them, not to the loss."""
-    producer = gpt_graph.producers()
+    graph = graph_of(resolve_model("wresnet", "tiny"), BATCH)
+    producer = graph.producers()
     consumers: dict[int, list[int]] = {}
-    for op in gpt_graph.ops:
+    for op in graph.ops:
         for t in op.inputs:
             consumers.setdefault(t, []).append(op.id)
     big = [
-        op for op in gpt_graph.ops
+        op for op in graph.ops
         if op.phase is Phase.BACKWARD and op.outputs
         and not any(t in producer for t in op.inputs)
-        and len(gpt_graph.tensor(op.outputs[0]).shape) == 4  # [b, heads, s, s]
+        and len(graph.tensor(op.outputs[0]).shape) == 4  # [b, h, w, c]
     ]
-    assert big, "the causal attention's backward should broadcast [b, h, s, s] zeros"
+    assert big, "the relus' backward should broadcast [b, h, w, c] zeros"
     for op in big:
-        users = [gpt_graph.ops[c].anchor for t in op.outputs for c in consumers[t]]
+        users = [graph.ops[c].anchor for t in op.outputs for c in consumers[t]]
         assert op.anchor == min(users)
 
 

@@ -64,9 +64,9 @@ class MemoryLevel:
     (:mod:`alpajob.trainer_image.runtime.remat`), so a stage's transient is its
     largest layer's: the layer's working set while its backward runs (every level),
     plus its residuals (rematerialised). Measured (``benchmarks/remat_memory.py``,
-    XLA on CPU): the rematerialised backward of 1, 2, 4, 8 GPT layers holds 14.7,
-    16.6, 16.9, 19.7 MB; one ``jax.checkpoint`` around the stage held 14.7, 23.1,
-    40.0, 73.6 MB (XLA recomputed every layer first).
+    XLA on CPU): the rematerialised backward of 1, 2, 4, 8 GPT layers holds 13.9,
+    15.8, 15.8, 15.8 MB, where the planner charges 15.8 MB; one ``jax.checkpoint``
+    around the stage held 13.9, 21.8, 37.5, 69.0 MB (XLA recomputed every layer first).
     """
 
     memory_weight: float
