@@ -117,6 +117,9 @@ def main() -> int:
     lines = ["| family | config | batch | params (M) | XLA: args / temp / peak (MiB) | plan: "
              "weights / activations / peak (MiB) | plan / XLA |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
+    runtime = ["| family | stage | runtime: weights / residuals / backward temp / peak (MiB) "
+               "| plan: weights / activations + transient / peak (MiB) | plan / runtime |",
+               "| --- | --- | --- | --- | --- |"]
     for family, config, batch in CASES:
         model = resolve_model(family, config, dtype="float32")
         graph = graph_of(model, batch, "adam")
@@ -130,12 +133,6 @@ def main() -> int:
             f"{ours['activations'] / MIB:.1f} / {ours['total'] / MIB:.1f}"
             f"{' (remat)' if ours['remat'] else ''} | {ratio:.2f} |")
         print(lines[-1], flush=True)
-    runtime = ["| family | stage | runtime: weights / residuals / backward temp / peak (MiB) "
-               "| plan: weights / activations + transient / peak (MiB) | plan / runtime |",
-               "| --- | --- | --- | --- | --- |"]
-    for family, config, batch in CASES:
-        model = resolve_model(family, config, dtype="float32")
-        graph = graph_of(model, batch, "adam")
         for level, plan in stage_plans(model, graph).items():
             if plan is None:
                 runtime.append(f"| {family} | {level} | - | not chosen | - |")

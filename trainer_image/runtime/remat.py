@@ -3,7 +3,8 @@
 A rematerialised stage keeps only each layer's inputs between its forward and its
 backward, and the backward recomputes the layers' forwards. The planner prices that
 (:class:`~alpajob.planner.inter_op.stage_costs.MemoryLevel`) as the layers' inputs
-per in-flight micro-batch plus one layer's full residuals while its backward runs.
+per in-flight micro-batch plus one layer's full residuals (and its backward's
+working set) while its backward runs.
 
 Wrapping the whole stage in one ``jax.checkpoint`` computes the right values but not
 that memory: XLA schedules every layer's recomputation before the first layer's
@@ -17,15 +18,15 @@ So the stage runs as a chain of layers, each a :func:`jax.custom_vjp` function:
 
 - **forward** runs the layer and saves its inputs (no copy: they are the values the
   stage already holds);
-- **backward** first makes the layer's activation inputs read the incoming
+- **backward** first makes the layer's activation and batch inputs read the incoming
   cotangent, ``x + 0 * ct[0]``, then recomputes the layer from them and applies its
   VJP. The data dependency is what orders the schedule: layer ``k`` cannot be
   recomputed before layer ``k + 1``'s backward has produced ``k``'s cotangent, and by
   then layer ``k + 1``'s residuals are dead. The addition is exact for a finite
   cotangent (``x + 0 = x``); a non-finite one already makes the step's gradients
   non-finite, and a loss-scaled step is then skipped either way. It costs one
-  element read per layer and one add over the layer's activation inputs (parameters
-  are not touched: adding to a weight would copy it).
+  element read per layer and one add over the layer's activation and batch inputs
+  (parameters are not touched: adding to a weight would copy it).
 
 **Where the layers are.** The plan names, for every parameter of a rematerialised
 stage, the layer that first reads it (``StagePlan.param_layers``). The stage's
