@@ -65,12 +65,11 @@ def stage_memory(stage: StageRuntime, batch: Sequence[Any], inputs: Sequence[Any
     accumulators = stage.zeros()
     forward = _analysis(stage.forward, params, list(batch), list(inputs))
     outputs, loss, vjp = stage.forward(params, list(batch), list(inputs))
-    passed = {p.unsafe_buffer_pointer() for p in params}
-    seen: set[int] = set()
+    seen = {p.unsafe_buffer_pointer() for p in params}  # parameters passed along: not residuals
     residuals = 0
     for leaf in jax.tree.leaves(vjp):
         pointer = leaf.unsafe_buffer_pointer()
-        if pointer not in passed and pointer not in seen:
+        if pointer not in seen:
             seen.add(pointer)
             residuals += int(leaf.nbytes)
     differentiable = [outputs[i] for i in stage.diff_outputs] + ([loss] if loss is not None else [])

@@ -50,6 +50,7 @@ from alpajob.trainer_image.runtime.split import (
     StageProgram,
     ValueId,
     place_equations,
+    readers_of_stage,
     stage_env,
 )
 
@@ -85,7 +86,7 @@ def layer_programs(
     for k in reversed(range(len(groups))):  # last layer first: what later layers read is known
         eqns = tuple(groups[k])
         produced = {o for e in eqns for o in e.outputs}
-        reads = {v for e in eqns for v in e.inputs if isinstance(v, int) and v not in produced}
+        reads = readers_of_stage(eqns)
         returns_loss = stage.returns_loss and split.loss in produced
         programs.append(StageProgram(
             index=stage.index,
