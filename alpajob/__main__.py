@@ -2,4 +2,7 @@
 
 from alpajob.cli.main import main
 
-raise SystemExit(main())
+# Guarded: the planner's worker processes (multiprocessing's forkserver) import the
+# parent's main module again, under another name, and must not run the CLI.
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from alpajob.trainer_image.calibration.overheads import PLANNING, cpu_job_document
+from alpajob.trainer_image.calibration.overheads import PLANNING, local_job_document
 
 #: How the benchmarks plan: the manifest's own options, a 5 s ILP time limit, no
 #: baselines (as the calibration's training runs do). ``job_document``: an AlpaJob
 #: document on CPU nodes that share 8 devices.
 FAST_PLANNING = PLANNING
-job_document = cpu_job_document
+job_document = local_job_document
 
 
 def job_plan_options(job: Any) -> Any:

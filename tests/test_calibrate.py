@@ -149,3 +149,40 @@ def test_calibrate_measures_the_share_one_device_reaches_alone(tmp_path):
     assert 0 < host["two_devices_share"] <= 1
     calibration = measured.refine_calibration(load_calibration("cpu"))
     assert calibration.lone_device_share == share
+
+
+def test_golden_minimum_finds_the_bend_past_a_flat_stretch():
+    """The fusion fit's search: a loss flat up to a bend (where the fraction stops
+    mattering, as it does while elementwise ops are bound by arithmetic) and
+    quadratic after it is minimised at its true minimiser, not on the flat part."""
+    from alpajob.trainer_image.calibration.fusion import golden_minimum
+
+    calls = []
+
+    def loss(x):
+        calls.append(x)
+        return min(1.0, (x + 1.2) ** 2)  # flat below -2.2
+
+    assert golden_minimum(loss, -6.9, 0.0) == pytest.approx(-1.2, abs=0.02)
+    assert len(calls) < 50
+
+
+def test_fusion_fit_reproduces_the_measured_step(monkeypatch, tmp_path):
+    """The fusion step trains a small GPT on one forced device with the real runtime
+    and fits the one fraction at which the planner predicts that step: with one model
+    the fit is exact (the measured step lies between the fraction's floor and 1), and
+    plans made with the file use it."""
+    from alpajob.trainer_image.calibration import fusion
+
+    monkeypatch.setattr(fusion, "CPU_MODELS", {"gpt-256x2": fusion.CPU_MODELS["gpt-256x2"]})
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--steps", "fusion", "--output", str(out)]) == 0
+    measured = load_measured(out)
+    fraction = measured.calibration["fused_memory_fraction"]
+    assert 1e-3 < fraction < 1
+    (row,) = measured.measurements["fusion"]["models"]
+    assert row["model"] == "gpt-256x2" and row["measured_ms"] > 0
+    assert row["fitted_ms"] == pytest.approx(row["measured_ms"], rel=0.03)
+    # The stored fraction predicts the same run differently (unless it happened to
+    # be right): the file's value is what plans with --calibration use.
+    assert measured.refine_calibration(load_calibration("cpu")).fused_memory_fraction == fraction

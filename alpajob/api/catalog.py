@@ -19,6 +19,7 @@ class DevicePreset(StrEnum):
     A100_40GB = "a100-40gb"
     A100_80GB = "a100-80gb"
     H100_80GB = "h100-80gb"
+    H200_141GB = "h200-141gb"
     CPU = "cpu"  # local CPU devices (forced XLA host devices): `alpajob run` without GPUs
 
 
@@ -29,6 +30,7 @@ GPU_PRODUCT_PRESETS: dict[str, DevicePreset] = {
     "NVIDIA-A100-SXM4-40GB": DevicePreset.A100_40GB,
     "NVIDIA-A100-SXM4-80GB": DevicePreset.A100_80GB,
     "NVIDIA-H100-80GB-HBM3": DevicePreset.H100_80GB,
+    "NVIDIA-H200": DevicePreset.H200_141GB,
 }
 
 

@@ -29,8 +29,8 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--output", "-o", default="alpajob-calibration.json",
                      help="write the constants here (default alpajob-calibration.json)")
     cal.add_argument("--steps", help="comma-separated steps to run, in their order: "
-                                     "kernels, matmul, host, update, instructions (default all; "
-                                     "on GPUs: kernels,matmul)")
+                                     "kernels, matmul, host, update, instructions, fusion "
+                                     "(default all; on GPUs: kernels,fusion)")
     cal.add_argument("--quick", action="store_true",
                      help="only the micro-benchmarks (kernels, matmul): no training runs")
     cal.add_argument("--preset", help="the preset the constants refine (default: the local "
@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> None:
                      help="forced CPU devices on a machine without GPUs (default 8)")
 
 
-def _steps(args: argparse.Namespace) -> tuple[str, ...]:
+def _steps(args: argparse.Namespace) -> tuple[str, ...] | None:
     from alpajob.trainer_image.calibration import STEPS
 
     if args.quick and args.steps:
@@ -47,7 +47,7 @@ def _steps(args: argparse.Namespace) -> tuple[str, ...]:
     if args.quick:
         return QUICK_STEPS
     if not args.steps:
-        return STEPS
+        return None  # the platform's own (calibrate's default)
     chosen = tuple(s.strip() for s in args.steps.split(",") if s.strip())
     unknown = [s for s in chosen if s not in STEPS]
     if unknown or not chosen:

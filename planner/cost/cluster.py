@@ -1,6 +1,6 @@
 """The cluster a plan is made for: N nodes x M devices, and how fast they talk.
 
-Presets (``v100-16gb``, ``a100-40gb``, ``a100-80gb``, ``h100-80gb``, ``cpu``) are data,
+Presets (``v100-16gb``, ``a100-40gb``, ``a100-80gb``, ``h100-80gb``, ``h200-141gb``, ``cpu``) are data,
 in ``data/presets.json``; :func:`cluster_from_preset` builds a :class:`ClusterSpec`
 from one, with the node count and devices per node chosen by the caller.
 

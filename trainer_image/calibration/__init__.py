@@ -13,7 +13,9 @@ returns a :class:`~alpajob.planner.cost.measured.MeasuredConstants`, which
 - :mod:`.host`: the share of a shared host one forced CPU device reaches alone (a
   small GPT's step on one device against every device running a copy at once);
 - :mod:`.overheads`: the real local runtime training small models, for the host cost
-  per pipeline instruction and per kernel, and the optimizer update's fused traffic.
+  per pipeline instruction and per kernel, and the optimizer update's fused traffic;
+- :mod:`.fusion`: four zoo families trained on one device, for the share of the
+  non-matmul ops' unfused traffic that XLA's fusion leaves (``fused_memory_fraction``).
 
 Each step fits what the ones before it leave unexplained: :func:`calibrate` runs them
 in that order, each on the constants found so far.

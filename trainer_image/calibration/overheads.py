@@ -44,17 +44,19 @@ INSTRUCTION_MODELS: dict[str, tuple[str, Any]] = {
 FRACTION_FLOOR = 1e-3
 
 
-def cpu_job_document(name: str, zoo: str, config: Any, parallelism: dict[str, Any], *,
-                     batch: int = 32, optimizer: str | None = None,
-                     nodes: int = 1) -> dict[str, Any]:
-    """An AlpaJob document: ``zoo`` model ``config`` in float32 on ``nodes`` CPU nodes
-    that share 8 devices (the runtime benchmarks build theirs with it too)."""
-    training: dict[str, Any] = {"globalBatchSize": batch, "dtype": "float32"}
+def local_job_document(name: str, zoo: str, config: Any, parallelism: dict[str, Any], *,
+                       batch: int = 32, optimizer: str | None = None, nodes: int = 1,
+                       gpu: str = "cpu", devices: int = 8,
+                       dtype: str = "float32") -> dict[str, Any]:
+    """An AlpaJob document: ``zoo`` model ``config`` in ``dtype`` on ``nodes`` nodes
+    that share this machine's ``devices`` of preset ``gpu`` (8 forced CPU devices by
+    default; the runtime benchmarks build theirs with it too)."""
+    training: dict[str, Any] = {"globalBatchSize": batch, "dtype": dtype}
     if optimizer is not None:
         training["optimizer"] = optimizer
     return {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": name},
             "spec": {"model": {"zoo": zoo, "config": config}, "training": training,
-                     "cluster": {"gpu": "cpu", "nodes": nodes, "gpusPerNode": 8 // nodes},
+                     "cluster": {"gpu": gpu, "nodes": nodes, "gpusPerNode": devices // nodes},
                      "parallelism": parallelism}}
 
 
@@ -88,7 +90,7 @@ def measure_instructions(cluster: ClusterSpec, calibration: Calibration, *,
     for label, (zoo, config) in INSTRUCTION_MODELS.items():
         graph = None
         for name, parallelism in _instruction_plans().items():
-            job = parse_job(cpu_job_document("calibrate", zoo, config, parallelism))
+            job = parse_job(local_job_document("calibrate", zoo, config, parallelism))
             if graph is None:
                 graph = job_graph(job)
             options = search_options(job.spec.parallelism, PLANNING)
@@ -130,7 +132,7 @@ def measure_update(cluster: ClusterSpec, calibration: Calibration, *,
     from alpajob.trainer_image.planning import job_graph
 
     wide = {"hidden": 1024, "layers": 4, "inputDim": 1024, "outputDim": 1024}
-    job = parse_job(cpu_job_document("calibrate", "mlp", wide, {"method": "data"},
+    job = parse_job(local_job_document("calibrate", "mlp", wide, {"method": "data"},
                                      optimizer="adam"))
     result = run(job, TrainOptions(steps=steps, planning=PLANNING, exact_stage_times=True,
                                    stage_times_every=1))

@@ -16,10 +16,15 @@ from alpajob.planner.cost.measured import Machine, MeasuredConstants
 from alpajob.planner.cost.model import load_calibration
 
 #: The steps, in the order they run (see the package docstring).
-STEPS = ("kernels", "matmul", "host", "update", "instructions")
+STEPS = ("kernels", "matmul", "host", "update", "instructions", "fusion")
 #: The steps that need 8 forced CPU devices: one host's devices sharing its cores
-#: (host), training with the local runtime (update, instructions).
+#: (host), training with the local runtime on several of them (update, instructions).
 HOST_STEPS = frozenset({"host", "update", "instructions"})
+#: What runs by default on accelerators: the rates and the fusion fit. Not
+#: :data:`HOST_STEPS`, nor ``matmul``, whose small shapes measure a CPU's operand
+#: packing (on a GPU they would measure launch latency, and its fitted rate would
+#: stand for every matmul).
+DEVICE_STEPS = ("kernels", "fusion")
 
 
 def device_preset(devices: list[Any]) -> str:
@@ -62,15 +67,17 @@ def machine(devices: list[Any]) -> Machine:
     )
 
 
-def calibrate(steps: Sequence[str] = STEPS, preset: str | None = None,
+def calibrate(steps: Sequence[str] | None = None, preset: str | None = None,
               progress: Callable[[str], None] | None = None) -> MeasuredConstants:
     """Measure this machine's devices and fit the cost model's constants.
 
-    ``steps``: which of :data:`STEPS` to run (in their order); ``preset``: the preset
-    refined (default: the devices' own). :data:`HOST_STEPS` need 8 CPU devices.
+    ``steps``: which of :data:`STEPS` to run (in their order; default all of them on
+    CPU devices, :data:`DEVICE_STEPS` on accelerators); ``preset``: the preset refined
+    (default: the devices' own). :data:`HOST_STEPS` need 8 CPU devices.
     """
     import jax
 
+    from alpajob.trainer_image.calibration.fusion import measure_fusion
     from alpajob.trainer_image.calibration.host import measure_host
     from alpajob.trainer_image.calibration.kernels import measure_kernels
     from alpajob.trainer_image.calibration.matmul import measure_matmul
@@ -78,12 +85,14 @@ def calibrate(steps: Sequence[str] = STEPS, preset: str | None = None,
 
     devices = jax.devices()
     preset = preset or device_preset(devices)
+    if steps is None:
+        steps = STEPS if devices[0].platform == "cpu" else DEVICE_STEPS
     chosen = [step for step in STEPS if step in steps]
     if HOST_STEPS & set(chosen) and (devices[0].platform != "cpu" or len(devices) != 8):
         raise ManifestError("--steps", "host, update and instructions measure 8 CPU devices "
                                        f"(found {len(devices)} {devices[0].platform}); "
                                        "run them on a CPU machine or leave them out "
-                                       "(--steps kernels,matmul)")
+                                       f"(--steps {','.join(DEVICE_STEPS)})")
     measured = MeasuredConstants(machine=machine(devices), preset=preset)
     for step in chosen:
         if progress is not None:
@@ -103,8 +112,10 @@ def calibrate(steps: Sequence[str] = STEPS, preset: str | None = None,
             found = measure_host(devices)
         elif step == "update":
             found = measure_update(cluster, calibration)
-        else:
+        elif step == "instructions":
             found = measure_instructions(cluster, calibration)
+        else:
+            found = measure_fusion(cluster, calibration, devices)
         measured = _merged(measured, found)
     return measured
 
