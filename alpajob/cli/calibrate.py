@@ -71,8 +71,15 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from alpajob.trainer_image.calibration import calibrate
 
     with err.status("calibrating") as status:
-        measured = calibrate(steps, args.preset,
-                             progress=lambda step: status.update(f"measuring: {step}"))
+
+        def progress(what: str) -> None:
+            # A spinner shows nothing in a log (a pod, CI): there, one line per part.
+            if err.is_terminal:
+                status.update(f"measuring: {what}")
+            else:
+                err.log(f"measuring: {what}")
+
+        measured = calibrate(steps, args.preset, progress=progress)
     stored_cluster = cluster_from_preset(measured.preset, 1, measured.machine.devices)
     stored = load_calibration(measured.preset)
     share = stored_cluster.device.host_share

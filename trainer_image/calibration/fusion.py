@@ -6,7 +6,7 @@ unfused traffic (its inputs and output) and ``f`` is ``fused_memory_fraction``: 
 fuses chains of such ops into one loop, so most intermediates never reach memory. The
 data sheet gives no ``f``; this step measures it.
 
-Four zoo families, each trained by the real local runtime on **one** device (one
+Four zoo families (three on a GPU), each trained by the real local runtime on **one** device (one
 stage, one micro-batch: no communication, so the step is the ops alone plus the
 fitted host costs), at a size that suits the platform (small models in float32 on
 forced CPU devices, larger ones in bfloat16 on a GPU). Their mixes differ: GPT's
@@ -42,15 +42,15 @@ CPU_MODELS: dict[str, tuple[str, Any, int]] = {
     "mlp-512x4": ("mlp", {"hidden": 512, "layers": 4, "inputDim": 512, "outputDim": 512}, 256),
 }
 #: The same families on a GPU, in bfloat16, big enough that launches do not dominate
-#: (the GPU presets have no measured kernel overhead): 10-60 ms a step on an H100.
+#: (the GPU presets have no measured kernel overhead). Wide-ResNet is left out here
+#: for now: the first H200 calibration with it (26 layers, 224-pixel images) did not
+#: finish in 280 s.
 GPU_MODELS: dict[str, tuple[str, Any, int]] = {
     "gpt-1024x4": ("gpt", {"hidden": 1024, "layers": 4, "heads": 16, "seqLen": 1024,
                            "vocab": 51200}, 8),
     "moe-768x4": ("moe", {"hidden": 768, "layers": 4, "heads": 16, "seqLen": 1024,
                           "vocab": 32000, "experts": 8, "expertGroupSize": 2048,
                           "capacityFactor": 2.0}, 8),
-    "wresnet-160x26": ("wresnet", {"layers": 26, "channels": 160, "widthFactor": 2,
-                                   "imageSize": 224, "numClasses": 1024}, 32),
     "mlp-4096x4": ("mlp", {"hidden": 4096, "layers": 4, "inputDim": 4096,
                            "outputDim": 4096}, 4096),
 }
@@ -65,9 +65,10 @@ _ONE_DEVICE = {"method": "manual", "numMicroBatches": 1, "numLayers": 1,
 
 
 def measure_fusion(cluster: ClusterSpec, calibration: Calibration, devices: list[Any], *,
-                   steps: int = 10, warmup: int = 3) -> dict[str, Any]:
+                   steps: int = 8, warmup: int = 3,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Fit ``fused_memory_fraction`` (module docstring) on ``cluster`` (one node of the
-    local ``devices``) with the constants found so far."""
+    local ``devices``) with the constants found so far; ``progress`` hears each model."""
     from alpajob.planner.plan.make import make_plan, search_options
     from alpajob.trainer_image.local_run import run
     from alpajob.trainer_image.planning import job_graph
@@ -77,6 +78,8 @@ def measure_fusion(cluster: ClusterSpec, calibration: Calibration, devices: list
     rows: list[dict[str, Any]] = []
     predictors: list[Callable[[float], float]] = []
     for label, (zoo, config, batch) in models.items():
+        if progress is not None:
+            progress(f"fusion, {label}")
         job = parse_job(local_job_document(
             "calibrate", zoo, config, _ONE_DEVICE, batch=batch,
             gpu="cpu" if on_cpu else cluster.preset, devices=len(devices),
@@ -95,6 +98,8 @@ def measure_fusion(cluster: ClusterSpec, calibration: Calibration, devices: list
                      "stored_ms": round(predicted(calibration.fused_memory_fraction) * 1e3, 3)})
         predictors.append(predicted)
 
+    if progress is not None:
+        progress("fusion, the fit")
     cache: dict[float, list[float]] = {}
 
     def loss(log_f: float) -> float:

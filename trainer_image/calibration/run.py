@@ -115,7 +115,7 @@ def calibrate(steps: Sequence[str] | None = None, preset: str | None = None,
         elif step == "instructions":
             found = measure_instructions(cluster, calibration)
         else:
-            found = measure_fusion(cluster, calibration, devices)
+            found = measure_fusion(cluster, calibration, devices, progress=progress)
         measured = _merged(measured, found)
     return measured
 
