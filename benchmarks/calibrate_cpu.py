@@ -11,7 +11,7 @@ presets' text is left as it is), so every plan made without ``--calibration`` us
     python benchmarks/calibrate_cpu.py --write               # and store it
     python benchmarks/calibrate_cpu.py --steps matmul --write   # one step, on the stored rest
 
-The steps run in the order kernels, matmul, host, update, instructions: each fits what the
+The steps run in the order kernels, matmul, host, update, instructions, fusion: each fits what the
 ones before it leave unexplained, on the constants found so far.
 """
 

@@ -177,6 +177,32 @@ def test_manual_stages(gpt_graph, cpu8):
     assert plan.stages[1].logical_mesh_shape == (2, 2)
 
 
+def test_a_manual_plan_of_one_count_starts_no_worker_processes(gpt_graph, cpu8, monkeypatch):
+    """One micro-batch count of a manual plan is one task: it is costed in this
+    process (a pool of a worker per core took seconds to start on a 16-core machine,
+    for a plan that costs in 0.1 s); two counts get a pool again."""
+    from alpajob.planner.plan import workers
+
+    stages = (ManualStageOption(0, 2, (1, 4)), ManualStageOption(2, 4, (1, 4)))
+    options = SearchOptions(method=Method.MANUAL, num_layers=4, manual_stages=stages,
+                            num_micro_batches=4)
+    started = []
+    real = workers.multiprocessing.get_context
+
+    def spy(method):
+        started.append(method)
+        return real(method)
+
+    monkeypatch.setattr(workers.multiprocessing, "get_context", spy)
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 4)
+    assert make_plan(gpt_graph, cpu8, options).plan.num_micro_batches == 4
+    assert started == []
+    # Two counts left to the search (1 and 2): two tasks, a pool of two workers.
+    two = dataclasses.replace(options, num_micro_batches=None, max_micro_batches=2)
+    assert make_plan(gpt_graph, cpu8, two).plan.num_micro_batches == 2
+    assert started == ["forkserver"]
+
+
 @pytest.mark.parametrize(
     ("stages", "match"),
     [

@@ -381,7 +381,7 @@ def make_plan(
         if method is Method.MANUAL
         else []
     )
-    with SearchPool(context, method, manual) as search:
+    with SearchPool(context, method, manual, micro_batches) as search:
         candidates = _coarse_to_fine(search, micro_batches)
     best = best_of(candidates)
     if best is None:

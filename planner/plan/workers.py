@@ -122,17 +122,23 @@ def fits_nowhere(candidates: Sequence[Candidate | None]) -> bool:
 class SearchPool:
     """Candidates of micro-batch counts, for one plan search (a context manager).
 
-    Usage: ``with SearchPool(context, method, manual) as search: search.run([4, 8])``.
-    With one core everything runs in this process.
+    Usage: ``with SearchPool(context, method, manual, counts) as search:
+    search.run(counts)``. The pool has a worker per core; a manual plan's search
+    (one task per micro-batch count of ``counts``) has no more workers than counts.
+    With one worker everything runs in this process: starting a pool costs seconds
+    on a many-core host, more than a manual plan of one count takes to cost.
     """
 
     def __init__(
-        self, context: CostContext, method: Method, manual: Sequence[StageRequest]
+        self, context: CostContext, method: Method, manual: Sequence[StageRequest],
+        counts: Sequence[int] | None = None,
     ) -> None:
         self.context = context
         self.method = method
         self.manual = manual
         self.workers = os.cpu_count() or 1
+        if counts is not None and method is Method.MANUAL:
+            self.workers = min(self.workers, len(split_tasks(context, counts, method)))
         self._pool: Pool | None = None
 
     def __enter__(self) -> SearchPool:

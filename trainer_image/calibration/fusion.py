@@ -65,7 +65,7 @@ _ONE_DEVICE = {"method": "manual", "numMicroBatches": 1, "numLayers": 1,
 
 
 def measure_fusion(cluster: ClusterSpec, calibration: Calibration, devices: list[Any], *,
-                   steps: int = 8, warmup: int = 3,
+                   steps: int = 12, warmup: int = 3,
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Fit ``fused_memory_fraction`` (module docstring) on ``cluster`` (one node of the
     local ``devices``) with the constants found so far; ``progress`` hears each model."""
