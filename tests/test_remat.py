@@ -170,3 +170,21 @@ def test_the_planned_peak_is_the_compiled_stages(gpt_stage: Any, remat: bool) ->
     planned = plan.stages[0]
     assert 0.75 < planned.weight_bytes / held.weights < 1.25
     assert 0.75 < planned.peak_memory_bytes / held.peak < 1.35, (planned.peak_memory_bytes, held)
+
+
+def test_the_planned_peak_of_a_moe_stage_is_the_compiled_ones() -> None:
+    """MoE's backward is mostly elementwise chains (routing, softmax, gating): the
+    planner leaves out what XLA fuses away (an elementwise op's output read only by
+    another elementwise op or a reduction). Counting every such tensor put the plan
+    19-24% above the compiled stage (benchmarks/memory_model.py); now it is close."""
+    job = _job("moe", "tiny", {"method": "shard", "numMicroBatches": 1}, 1, batch=32)
+    plan = plan_job(job, PlanOptions(all_devices=True)).plan
+    model = resolve_model("moe", "tiny")
+    params = model.init(jax.random.key(0))
+    split, names = split_for_plan(plan, model.loss, params, model.batch_shapes)
+    mesh = Mesh(np.array([[jax.devices()[0]]]), ("x", "y"))
+    stage = place_stage(plan, split, names, 0, mesh, jax.tree.leaves(params), optax.sgd(0.1))
+    batch = [jnp.asarray(v) for v in jax.tree.leaves(synthetic_batch(model, 32))]
+    held = stage_memory(stage, batch, [])
+    ratio = plan.stages[0].peak_memory_bytes / held.peak
+    assert 0.85 < ratio < 1.12, (plan.stages[0], held)
