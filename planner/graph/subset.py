@@ -227,7 +227,7 @@ def backward_lifetimes(
     memory. Every other tensor is counted as materialised; XLA also holds some buffers
     this does not know of. Against the compiled stages on CPU
     (``benchmarks/memory_model.py``) the planned peak is 0.59-0.99 of XLA's (Wide-ResNet
-    lowest: its batch norms' reductions hold buffers this does not count).
+    lowest; which of its buffers this misses is not yet known).
     """
     backward = [op for op in ops.values() if op.phase is Phase.BACKWARD]
     position = {op.id: k for k, op in enumerate(backward)}
