@@ -186,3 +186,23 @@ def test_fusion_fit_reproduces_the_measured_step(monkeypatch, tmp_path):
     # The stored fraction predicts the same run differently (unless it happened to
     # be right): the file's value is what plans with --calibration use.
     assert measured.refine_calibration(load_calibration("cpu")).fused_memory_fraction == fraction
+
+
+def test_gpu_calibration_refuses_the_cpu_only_steps(monkeypatch):
+    """On GPUs the default is kernels and fusion; the CPU host's steps, and matmul
+    (a CPU's operand packing), are refused by name with the steps to run instead."""
+    import jax
+
+    from alpajob.trainer_image.calibration import calibrate
+    from alpajob.trainer_image.calibration.run import DEVICE_STEPS, device_preset
+
+    class H200:
+        platform = "gpu"
+        device_kind = "NVIDIA H200"
+
+    monkeypatch.setattr(jax, "devices", lambda: [H200()])
+    assert device_preset([H200()]) == "h200-141gb"
+    assert DEVICE_STEPS == ("kernels", "fusion")
+    for steps in (["matmul"], ["host"], ["kernels", "instructions"]):
+        with pytest.raises(ManifestError, match="--steps kernels,fusion"):
+            calibrate(steps)

@@ -19,9 +19,6 @@ from alpajob.api.catalog import DevicePreset
 from alpajob.api.errors import ManifestError
 from alpajob.cli.paths import writable_file
 
-#: ``--quick``: the micro-benchmarks only (about a minute), not the training runs.
-QUICK_STEPS = ("kernels", "matmul")
-
 
 def add_parser(sub: Any) -> None:
     cal = sub.add_parser("calibrate", help="measure this machine and write the cost model's "
@@ -32,7 +29,8 @@ def add_parser(sub: Any) -> None:
                                      "kernels, matmul, host, update, instructions, fusion "
                                      "(default all; on GPUs: kernels,fusion)")
     cal.add_argument("--quick", action="store_true",
-                     help="only the micro-benchmarks (kernels, matmul): no training runs")
+                     help="only the micro-benchmarks (kernels, and matmul on CPU devices): "
+                          "no training runs")
     cal.add_argument("--preset", help="the preset the constants refine (default: the local "
                                       f"devices' own; {', '.join(p.value for p in DevicePreset)})")
     cal.add_argument("--devices", type=int, default=8,
@@ -45,7 +43,7 @@ def _steps(args: argparse.Namespace) -> tuple[str, ...] | None:
     if args.quick and args.steps:
         raise ManifestError("--steps", "--quick already chooses the steps; pass one of the two")
     if args.quick:
-        return QUICK_STEPS
+        return None  # calibrate's quick steps for the platform
     if not args.steps:
         return None  # the platform's own (calibrate's default)
     chosen = tuple(s.strip() for s in args.steps.split(",") if s.strip())
@@ -79,7 +77,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             else:
                 err.log(f"measuring: {what}")
 
-        measured = calibrate(steps, args.preset, progress=progress)
+        measured = calibrate(steps, args.preset, progress=progress, quick=args.quick)
     stored_cluster = cluster_from_preset(measured.preset, 1, measured.machine.devices)
     stored = load_calibration(measured.preset)
     share = stored_cluster.device.host_share

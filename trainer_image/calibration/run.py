@@ -25,6 +25,9 @@ HOST_STEPS = frozenset({"host", "update", "instructions"})
 #: packing (on a GPU they would measure launch latency, and its fitted rate would
 #: stand for every matmul).
 DEVICE_STEPS = ("kernels", "fusion")
+#: ``--quick``: the micro-benchmarks, no training runs (CPU devices, accelerators).
+QUICK_STEPS = ("kernels", "matmul")
+DEVICE_QUICK_STEPS = ("kernels",)
 
 
 def device_preset(devices: list[Any]) -> str:
@@ -68,12 +71,14 @@ def machine(devices: list[Any]) -> Machine:
 
 
 def calibrate(steps: Sequence[str] | None = None, preset: str | None = None,
-              progress: Callable[[str], None] | None = None) -> MeasuredConstants:
+              progress: Callable[[str], None] | None = None,
+              quick: bool = False) -> MeasuredConstants:
     """Measure this machine's devices and fit the cost model's constants.
 
     ``steps``: which of :data:`STEPS` to run (in their order; default all of them on
-    CPU devices, :data:`DEVICE_STEPS` on accelerators); ``preset``: the preset refined
-    (default: the devices' own). :data:`HOST_STEPS` need 8 CPU devices.
+    CPU devices, :data:`DEVICE_STEPS` on accelerators, or with ``quick`` the
+    platform's micro-benchmarks); ``preset``: the preset refined (default: the
+    devices' own). :data:`HOST_STEPS` need 8 CPU devices, ``matmul`` CPU devices.
     """
     import jax
 
@@ -85,9 +90,15 @@ def calibrate(steps: Sequence[str] | None = None, preset: str | None = None,
 
     devices = jax.devices()
     preset = preset or device_preset(devices)
+    on_cpu = devices[0].platform == "cpu"
     if steps is None:
-        steps = STEPS if devices[0].platform == "cpu" else DEVICE_STEPS
+        steps = ((QUICK_STEPS if on_cpu else DEVICE_QUICK_STEPS) if quick
+                 else (STEPS if on_cpu else DEVICE_STEPS))
     chosen = [step for step in STEPS if step in steps]
+    if "matmul" in chosen and not on_cpu:
+        raise ManifestError("--steps", "matmul measures a CPU's operand packing; on "
+                                       f"{devices[0].platform} devices leave it out "
+                                       f"(--steps {','.join(DEVICE_STEPS)})")
     if HOST_STEPS & set(chosen) and (devices[0].platform != "cpu" or len(devices) != 8):
         raise ManifestError("--steps", "host, update and instructions measure 8 CPU devices "
                                        f"(found {len(devices)} {devices[0].platform}); "
