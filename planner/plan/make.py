@@ -194,19 +194,28 @@ def _memory_error(context: CostContext, micro_batches: Sequence[int], method: Me
     if required > available:
         return InfeasibleError(
             f"the model does not fit: even fully sharded over all {cluster.num_devices} devices "
-            f"it needs {required / GIB:.2f} GiB per device, and each {cluster.device.name} "
-            f"offers {available / GIB:.2f} GiB (device memory x memory fraction); use more "
+            f"it needs {_size(required)} per device, and each {cluster.device.name} "
+            f"offers {_size(available)} (device memory x memory fraction); use more "
             "or larger GPUs (spec.cluster), a smaller model, or float16/bfloat16",
             required_bytes=required,
             available_bytes=available,
         )
     return InfeasibleError(
-        f"no {method.value} plan fits in {available / GIB:.2f} GiB per device (the model needs "
-        f"at least {required / GIB:.2f} GiB per device fully sharded); try "
+        f"no {method.value} plan fits in {_size(available)} per device (the model needs "
+        f"at least {_size(required)} per device fully sharded); try "
         "spec.parallelism.method: auto",
         required_bytes=required,
         available_bytes=available,
     )
+
+
+def _size(nbytes: float) -> str:
+    """``nbytes`` for a message: in GiB, MiB below a tenth of one, KiB below a tenth
+    of a MiB (never "0.00 GiB")."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
+        if nbytes >= scale / 10:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
 
 
 def _manual_memory_error(
@@ -234,12 +243,13 @@ def _manual_memory_error(
         return InfeasibleError(
             f"spec.parallelism.stages[{index}]: layers [{request.first}, {request.last + 1}) on "
             f"submesh {n}x{m} (logical mesh {least.shape[0]}x{least.shape[1]}) need at least "
-            f"{least.peak_memory / GIB:.2f} GiB per device (weights and optimizer state "
-            f"{least.weight_bytes / GIB:.2f} GiB, activations "
-            f"{least.in_flight * least.activation_bytes / GIB:.2f} GiB for {least.in_flight} "
+            f"{_size(least.peak_memory)} per device (weights and optimizer state "
+            f"{_size(least.weight_bytes)}, activations "
+            f"{_size(least.in_flight * least.activation_bytes)} for {least.in_flight} "
             f"in-flight micro-batches of {least_count}"
-            f"{', rematerialised' if least.remat else ''}), and each "
-            f"{context.cluster.device.name} offers {budget / GIB:.2f} GiB; give this stage more "
+            f"{', rematerialised' if least.remat else ''}, the largest layer's backward "
+            f"working set {_size(least.transient_bytes)}), and each "
+            f"{context.cluster.device.name} offers {_size(budget)}; give this stage more "
             "devices (submeshShape) or fewer layers, or use more micro-batches "
             "(numMicroBatches) or float16/bfloat16",
             required_bytes=least.peak_memory,
