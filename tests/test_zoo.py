@@ -171,3 +171,31 @@ def test_moe_refuses_batches_that_do_not_fill_groups():
     params = model.param_shapes()
     with pytest.raises(ValueError, match="expertGroupSize"):
         jax.eval_shape(model.loss, params, model.batch_shapes(3))
+
+
+@pytest.mark.parametrize("name", ["relu", "gelu", "softmax_as", "normalize"])
+def test_the_zoos_lean_derivatives_equal_the_formulas(name):
+    """The zoo's activations and normalisation keep fewer residuals than their
+    formulas differentiated as written (custom VJP/JVP rules); their gradients must be
+    the formulas' all the same."""
+    import numpy as np
+
+    from alpajob.trainer_image.zoo import model as zoo
+
+    def plain_normalize(x):
+        mean = jnp.mean(x, axis=(0, 1), keepdims=True)
+        var = jnp.mean((x - mean) ** 2, axis=(0, 1), keepdims=True)
+        return (x - mean) / jnp.sqrt(var + 1e-5)
+
+    lean, plain = {
+        "relu": (zoo.relu, jax.nn.relu),
+        "gelu": (zoo.gelu, lambda x: jax.nn.gelu(x, approximate=True)),
+        "softmax_as": (lambda x: zoo.softmax_as(x, jnp.float32), lambda x: jax.nn.softmax(x, axis=-1)),
+        "normalize": (lambda x: zoo.normalize(x, (0, 1)), plain_normalize),
+    }[name]
+    x = jax.random.normal(jax.random.key(0), (4, 6, 8), jnp.float32)
+    weights = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+    np.testing.assert_allclose(lean(x), plain(x), rtol=1e-5, atol=1e-6)
+    grad_lean = jax.grad(lambda v: jnp.sum(lean(v) * weights))(x)
+    grad_plain = jax.grad(lambda v: jnp.sum(plain(v) * weights))(x)
+    np.testing.assert_allclose(grad_lean, grad_plain, rtol=1e-4, atol=1e-5)

@@ -136,18 +136,26 @@ def _normalize_backward(axes: tuple[int, ...], saved: tuple[jax.Array, jax.Array
 normalize.defvjp(_normalize_forward, _normalize_backward)
 
 
-@jax.custom_jvp
+@jax.custom_vjp
 def relu(x: jax.Array) -> jax.Array:
-    """``max(x, 0)`` whose derivative reads its output (``y > 0``), not its input: the
-    output is kept for the next layer anyway, so the input need not be."""
+    """``max(x, 0)`` whose backward reads its output (``y > 0``), not its input: the
+    output is kept for the next layer anyway, so the input need not be. A VJP, not a
+    JVP rule: differentiating a JVP rule computes the mask ``y > 0`` in the forward
+    and keeps it too (a boolean residual beside ``y``: a quarter more per relu); here
+    the backward computes it from ``y``."""
     return jnp.maximum(x, 0)
 
 
-@relu.defjvp
-def _relu_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    (x,), (dx,) = primals, tangents
-    y = relu(x)
-    return y, jnp.where(y > 0, dx, jnp.zeros_like(dx))
+def _relu_forward(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    y = jnp.maximum(x, 0)
+    return y, y
+
+
+def _relu_backward(y: jax.Array, dy: jax.Array) -> tuple[jax.Array]:
+    return (jnp.where(y > 0, dy, jnp.zeros_like(dy)),)
+
+
+relu.defvjp(_relu_forward, _relu_backward)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
