@@ -226,8 +226,8 @@ def backward_lifetimes(
     its reader's loop (a chain of such ops is one fused loop), so it never occupies
     memory. Every other tensor is counted as materialised; XLA also holds some buffers
     this does not know of. Against the compiled stages on CPU
-    (``benchmarks/memory_model.py``) the planned peak is 0.59-0.99 of XLA's (Wide-ResNet
-    lowest; which of its buffers this misses is not yet known).
+    (``benchmarks/memory_model.py``) the planned peak is 0.66-0.99 of XLA's (Wide-ResNet
+    lowest: its convolutions' backward holds temporaries this does not count).
     """
     backward = [op for op in ops.values() if op.phase is Phase.BACKWARD]
     position = {op.id: k for k, op in enumerate(backward)}
