@@ -32,8 +32,6 @@ MODELS = {
                           "vocab": 32000, "experts": 16, "expertGroupSize": 2048,
                           "capacityFactor": 2.0}, 8),
 }
-_ONE_DEVICE = {"method": "manual", "numMicroBatches": 1, "numLayers": 1,
-               "stages": [{"layers": [0, 1], "submeshShape": [1, 1]}]}
 
 
 def main() -> None:
@@ -51,6 +49,7 @@ def main() -> None:
     from alpajob.api.resource import parse_job
     from alpajob.planner.cost.cluster import cluster_from_preset
     from alpajob.planner.plan.make import make_plan, search_options
+    from alpajob.trainer_image.calibration.fusion import ONE_DEVICE
     from alpajob.trainer_image.calibration.overheads import local_job_document
     from alpajob.trainer_image.calibration.run import device_preset
     from alpajob.trainer_image.local_run import run
@@ -59,7 +58,7 @@ def main() -> None:
     devices = jax.devices()[:1]
     preset = device_preset(devices)
     zoo, config, batch = MODELS[args.model]
-    job = parse_job(local_job_document("predict", zoo, config, _ONE_DEVICE, batch=batch,
+    job = parse_job(local_job_document("predict", zoo, config, ONE_DEVICE, batch=batch,
                                        optimizer="adamw", gpu=preset, devices=1,
                                        dtype="bfloat16"))
     planning = PlanOptions(ilp_time_limit=10.0)

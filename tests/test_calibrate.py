@@ -183,8 +183,7 @@ def test_fusion_fit_reproduces_the_measured_step(monkeypatch, tmp_path):
     (row,) = measured.measurements["fusion"]["models"]
     assert row["model"] == "gpt-256x2" and row["measured_ms"] > 0
     assert row["fitted_ms"] == pytest.approx(row["measured_ms"], rel=0.03)
-    # The stored fraction predicts the same run differently (unless it happened to
-    # be right): the file's value is what plans with --calibration use.
+    # The file's value is what plans with --calibration use.
     assert measured.refine_calibration(load_calibration("cpu")).fused_memory_fraction == fraction
 
 

@@ -60,7 +60,8 @@ ITERATIONS = 10
 #: The bracketing grid's points on ``log f``.
 GRID = 8
 
-_ONE_DEVICE = {"method": "manual", "numMicroBatches": 1, "numLayers": 1,
+#: The plan every fusion model trains with: one stage of every layer on one device.
+ONE_DEVICE = {"method": "manual", "numMicroBatches": 1, "numLayers": 1,
                "stages": [{"layers": [0, 1], "submeshShape": [1, 1]}]}
 
 
@@ -81,8 +82,8 @@ def measure_fusion(cluster: ClusterSpec, calibration: Calibration, devices: list
         if progress is not None:
             progress(f"fusion, {label}")
         job = parse_job(local_job_document(
-            "calibrate", zoo, config, _ONE_DEVICE, batch=batch,
-            gpu="cpu" if on_cpu else cluster.preset, devices=len(devices),
+            "calibrate", zoo, config, ONE_DEVICE, batch=batch,
+            gpu=cluster.preset, devices=len(devices),
             dtype="float32" if on_cpu else "bfloat16"))
         graph = job_graph(job)
         options = search_options(job.spec.parallelism, PLANNING)
@@ -108,8 +109,9 @@ def measure_fusion(cluster: ClusterSpec, calibration: Calibration, devices: list
         return sum(math.log(t / (r["measured_ms"] / 1e3)) ** 2
                    for t, r in zip(cache[log_f], rows, strict=True))
 
-    best = math.exp(golden_minimum(loss, math.log(FRACTION_FLOOR), 0.0))
-    fitted = cache.get(math.log(best)) or [p(best) for p in predictors]
+    best_log = golden_minimum(loss, math.log(FRACTION_FLOOR), 0.0)
+    loss(best_log)  # cached: the predictions at the fit
+    best, fitted = math.exp(best_log), cache[best_log]
     for r, seconds in zip(rows, fitted, strict=True):
         r["fitted_ms"] = round(seconds * 1e3, 3)
         r["fit_error"] = f"{(seconds * 1e3 - r['measured_ms']) / r['measured_ms']:+.0%}"
