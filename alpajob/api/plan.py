@@ -101,6 +101,13 @@ class StagePlan(_Doc):
         description="the layer that first reads each parameter the stage reads; a "
         "rematerialised stage is recomputed one layer at a time, cut at these layers",
     )
+    param_parts: dict[str, int] = Field(
+        default_factory=dict,
+        description="for a stage rematerialised by block parts (finer than a layer: "
+        "attention, MLP, an expert FFN), the part, counted from the stage's first, whose "
+        "forward first reads each parameter; the stage is recomputed one part at a time, "
+        "cut at these parts. Empty: recomputed by whole layers (param_layers)",
+    )
     param_shardings: dict[str, list[SpecEntry]]
     input_shardings: dict[str, list[SpecEntry]]
     output_shardings: dict[str, list[SpecEntry]]

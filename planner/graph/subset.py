@@ -29,7 +29,7 @@ one vectorised pass instead of a Python loop over every op.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -253,6 +253,20 @@ def backward_lifetimes(
             if end is not None:
                 out.append((tensor, position[op.id], end))
     return tuple(out)
+
+
+def busiest_bytes(lifetimes: Sequence[tuple[int, int, int]], size: Callable[[int], float]) -> float:
+    """The most bytes live at once among ``(tensor, first, last)`` lifetimes
+    (:func:`backward_lifetimes`), each tensor ``size(tensor)`` bytes: a sweep over
+    the positions, adding a tensor's bytes at its first and removing them after its
+    last."""
+    if not lifetimes:
+        return 0.0
+    change = np.zeros(max(last for _, _, last in lifetimes) + 2)
+    for tensor, first, last in lifetimes:
+        change[first] += size(tensor)
+        change[last + 1] -= size(tensor)
+    return float(np.cumsum(change).max())
 
 
 def _fused_away(producer: Op, readers: Sequence[Op]) -> bool:

@@ -38,6 +38,7 @@ from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import Calibration, host_utilization, logical_mesh_shapes
 from alpajob.planner.graph.opgraph import OpGraph, batch_size_problem, with_batch_size
 from alpajob.planner.inter_op.layer_structure import LayerStructure, layer_structure
+from alpajob.planner.inter_op.remat_pieces import PieceCutter
 from alpajob.planner.inter_op.stage_costs import (
     LEVEL_TIERS,
     CosterCaches,
@@ -105,6 +106,8 @@ class CostContext:
     _structure: LayerStructure | None = None
     #: The graph rescaled to each micro-batch count's micro-batch, shared by modes.
     _graphs: dict[int, OpGraph] = field(default_factory=dict)
+    #: Where rematerialised layers are cut into block parts, shared by every coster.
+    _cutter: PieceCutter | None = None
 
     def coster(self, num_micro_batches: int, mode: ShardingMode) -> LayerCoster:
         key = (num_micro_batches, mode)
@@ -115,9 +118,12 @@ class CostContext:
                 self._graphs[num_micro_batches] = with_batch_size(
                     self.graph, self.graph.batch_size // num_micro_batches)
             micro = self._graphs[num_micro_batches]
+            if self._cutter is None:
+                self._cutter = PieceCutter(self.graph, self.layers)
             self._costers[key] = LayerCoster(
                 graph=micro,
                 structure=self._structure,
+                cutter=self._cutter,
                 layers=self.layers,
                 cluster=self.cluster,
                 calibration=self.calibration,

@@ -23,12 +23,13 @@ stage. Alpa compiles and profiles every candidate; we compose it from ILP soluti
    charged the resharding from its predecessor's layout, which the transfer from the
    previous mesh makes moot: a small overestimate.
 3. Memory: weights (params, grads, optimizer state) plus activations per in-flight
-   micro-batch. Four memory levels per layer (:data:`MEMORY_LEVELS`): the fastest
-   solution; the ILP minimising memory first; and each of the two rematerialised
-   (only the layer's inputs kept between forward and backward, one extra forward,
-   and one layer's residuals live while its backward recomputes it). Every level
-   also holds one layer's backward working set (the backward's own tensors).
-   A stage takes the fastest level that fits.
+   micro-batch. Eight memory levels per layer (:data:`MEMORY_LEVELS`): the fastest
+   solution; the ILP minimising memory first; and each of the two rematerialised,
+   by whole layers (only the layer's inputs kept between forward and backward, one
+   extra forward, and one layer's residuals live while its backward recomputes it)
+   or by block parts, two cuttings (:mod:`.remat_pieces`: each part's inputs kept,
+   one part's residuals live at a time). Every level also holds the backward working set of
+   one layer (or part). A stage takes the fastest level that fits.
 
 All sums are prefix sums, so the cost of any range i..j is O(1) once the per-layer
 arrays of a mesh are built.
@@ -36,6 +37,7 @@ arrays of a mesh are built.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +48,13 @@ from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import Calibration, LogicalMesh, make_logical_mesh
 from alpajob.planner.graph.opgraph import OpGraph, Phase
 from alpajob.planner.inter_op.layer_structure import LayerStructure, layer_structure
-from alpajob.planner.intra_op.sharding import ShardSpec, resharding_seconds, shard_factor
+from alpajob.planner.inter_op.remat_pieces import LayerPieces, PieceCutter, layer_pieces
+from alpajob.planner.intra_op.sharding import (
+    ShardSpec,
+    resharding_seconds,
+    shard_factor,
+    tensor_bytes,
+)
 from alpajob.planner.intra_op.solve import IntraOpResult, ShardingMode, SolveContext, solve_intra_op
 
 
@@ -71,20 +79,29 @@ class MemoryLevel:
 
     memory_weight: float
     remat: bool
+    #: Rematerialised in block parts (:mod:`.remat_pieces`) rather than whole layers
+    #: when above 0: each part's inputs are kept, and one part's residuals are live at
+    #: a time; the parts are chosen for a stage that keeps ``parts`` copies of them.
+    parts: int = 0
 
 
 #: Levels in the order a stage tries them: the fastest sharding; the same sharding
-#: rematerialised (no new ILP solve); then the memory-minimising sharding (new solves),
-#: plain and rematerialised.
+#: rematerialised by whole layers or by block parts, cut for many kept copies or for
+#: one (no new ILP solve; the same time, so whole layers win where they fit); then the
+#: memory-minimising sharding (new solves), plain and rematerialised all three ways.
 MEMORY_LEVELS: tuple[MemoryLevel, ...] = (
     MemoryLevel(0.0, False),
     MemoryLevel(0.0, True),
+    MemoryLevel(0.0, True, parts=8),
+    MemoryLevel(0.0, True, parts=1),
     MemoryLevel(1e-9, False),
     MemoryLevel(1e-9, True),
+    MemoryLevel(1e-9, True, parts=8),
+    MemoryLevel(1e-9, True, parts=1),
 )
 
 #: Groups of levels: a group is only tried when no level of the groups before fits.
-LEVEL_TIERS: tuple[tuple[int, ...], ...] = ((0,), (1,), (2, 3))
+LEVEL_TIERS: tuple[tuple[int, ...], ...] = ((0,), (1, 2, 3), (4, 5, 6, 7))
 
 Submesh = tuple[int, int]
 Shape = tuple[int, int]
@@ -147,6 +164,11 @@ class StageEval:
         return MEMORY_LEVELS[self.level].remat
 
     @property
+    def remat_parts(self) -> bool:
+        """Rematerialised by block parts (:mod:`.remat_pieces`), not whole layers."""
+        return MEMORY_LEVELS[self.level].parts > 0
+
+    @property
     def peak_memory(self) -> float:
         """Weights, the activations of every in-flight micro-batch, and the largest
         transient (a layer's backward working set, plus its residuals if
@@ -184,6 +206,9 @@ class LayerCoster:
     #: Layer classes, tensor orders and crossings; computed from ``graph`` when None
     #: (a plan search shares one among all its costers).
     structure: LayerStructure | None = None
+    #: Where block parts are cut (:mod:`.remat_pieces`); one on ``graph`` when None
+    #: (a plan search shares one, on the graph at the global batch).
+    cutter: PieceCutter | None = None
     _results: dict[tuple, IntraOpResult] = field(default_factory=dict)
     _layer_results: dict[tuple[int, Submesh, Shape, float], IntraOpResult] = field(
         default_factory=dict
@@ -192,6 +217,12 @@ class LayerCoster:
     #: results are identical without it. Dropped before a coster leaves its process.
     _solve_context: SolveContext | None = None
     _arrays: dict[tuple[Submesh, Shape, int], MeshLayerArrays] = field(default_factory=dict)
+    #: Block parts of each layer class' representative per kept copies
+    #: (:mod:`.remat_pieces`), and their bytes per (class, mesh, level).
+    _pieces: dict[tuple[int, int], LayerPieces] = field(default_factory=dict)
+    _part_cache: dict[tuple[int, Submesh, Shape, int], tuple[float, float]] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         structure = self.structure or layer_structure(self.graph, self.layers)
@@ -306,6 +337,43 @@ class LayerCoster:
             total += self.graph.tensors[tensor].nbytes / factor
         return total
 
+    def pieces(self, layer: int, keep: int) -> LayerPieces:
+        """The block parts of ``layer``'s class chosen for ``keep`` kept copies, as cut
+        in its representative (:class:`~.remat_pieces.PieceCutter`; the other layers
+        of the class are cut at the same forward positions, ``.cut``)."""
+        cls = self.layer_class[layer]
+        if (cls, keep) not in self._pieces:
+            if self.cutter is None:
+                self.cutter = PieceCutter(self.graph, self.layers)
+            rep = self.representative[cls]
+            cut = self.cutter.cut(rep, keep)
+            self._pieces[(cls, keep)] = layer_pieces(
+                self.graph, self.layers[rep], cut, self.solve_context().index
+            )
+        return self._pieces[(cls, keep)]
+
+    def _part_bytes(self, layer: int, submesh: Submesh, shape: Shape, level: int) -> tuple[float, float]:
+        """(transient, inner kept) bytes per device of ``layer`` rematerialised by block
+        parts: the largest part's residuals plus its backward working set, and the
+        values a later part keeps from an earlier one, sharded as the class' solution
+        shards them."""
+        cls = self.layer_class[layer]
+        key = (cls, submesh, shape, level)
+        if key not in self._part_cache:
+            rep = self.representative[cls]
+            result = self.result(rep, submesh, shape, level)
+            mesh = self.mesh(submesh, shape)
+
+            def size(t: int) -> float:
+                spec = result.specs.get(t)
+                tensor = self.graph.tensors[t]
+                spread = shard_factor(spec, mesh) if spec is not None else 1
+                return tensor_bytes(tensor.shape, tensor.dtype) / spread
+
+            pieces = self.pieces(layer, MEMORY_LEVELS[level].parts)
+            self._part_cache[key] = pieces.memory(size)
+        return self._part_cache[key]
+
     def solve_context(self) -> SolveContext:
         """The graph's shared ILP precomputation (created on first use)."""
         if self._solve_context is None:
@@ -341,6 +409,15 @@ class LayerCoster:
     def arrays(self, submesh: Submesh, shape: Shape, level: int) -> MeshLayerArrays:
         """Per-layer figures on one logical mesh (solving each layer class once)."""
         key = (submesh, shape, level)
+        if key not in self._arrays and MEMORY_LEVELS[level].parts > 0:
+            # The same solutions as rematerialising whole layers, with other memory.
+            whole = MEMORY_LEVELS.index(dataclasses.replace(MEMORY_LEVELS[level], parts=0))
+            parts = np.array([self._part_bytes(k, submesh, shape, level)
+                              for k in range(self.num_layers)]).reshape(-1, 2)
+            base = self.arrays(submesh, shape, whole)
+            self._arrays[key] = dataclasses.replace(
+                base, transient=parts[:, 0], activation=base.activation + parts[:, 1]
+            )
         if key not in self._arrays:
             results = [self.result(k, submesh, shape, level) for k in range(self.num_layers)]
             inner = np.zeros((self.num_layers, self.num_layers))

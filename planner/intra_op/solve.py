@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from alpajob.api.errors import InfeasibleError, SolverError
 from alpajob.planner.cost.cluster import DeviceSpec
@@ -60,7 +58,7 @@ from alpajob.planner.cost.model import (
     reduce_scatter_seconds,
 )
 from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole
-from alpajob.planner.graph.subset import GraphIndex
+from alpajob.planner.graph.subset import GraphIndex, busiest_bytes
 from alpajob.planner.intra_op.collectives import Collective, CollectiveKind, PlannedCollective
 from alpajob.planner.intra_op.ilp import brute_force, solve
 from alpajob.planner.intra_op.milp import SolveStatus
@@ -260,19 +258,8 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
 
     return _Realised(
         specs, compute, comm, update, total(model.weights), total(model.residuals),
-        _busiest(model.lifetimes, size), syncs, planned,
+        busiest_bytes(model.lifetimes, size), syncs, planned,
     )
-
-
-def _busiest(lifetimes: Sequence[tuple[int, int, int]], size: Callable[[int], float]) -> float:
-    """The most bytes live at once among ``(tensor, first, last)`` lifetimes."""
-    if not lifetimes:
-        return 0.0
-    change = np.zeros(max(last for _, _, last in lifetimes) + 2)
-    for tensor, first, last in lifetimes:
-        change[first] += size(tensor)
-        change[last + 1] -= size(tensor)
-    return float(np.cumsum(change).max())
 
 
 def _wus_layout(

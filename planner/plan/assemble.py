@@ -23,9 +23,15 @@ from alpajob.api.plan import (
 )
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole
+from alpajob.planner.inter_op.remat_pieces import piece_of_forward
 from alpajob.planner.inter_op.schedules import bubble_fraction
 from alpajob.planner.inter_op.search import Candidate, CostContext
-from alpajob.planner.inter_op.stage_costs import LayerCoster, StageEval, forward_range
+from alpajob.planner.inter_op.stage_costs import (
+    MEMORY_LEVELS,
+    LayerCoster,
+    StageEval,
+    forward_range,
+)
 from alpajob.planner.inter_op.stage_dp import assign_submeshes
 from alpajob.planner.intra_op.sharding import ShardSpec, to_partition_spec
 
@@ -50,6 +56,28 @@ def _layer_of_tensor_use(coster: LayerCoster, graph: OpGraph, stage: StageEval) 
             for tensor in (*op.inputs, *op.outputs):
                 seen.setdefault(tensor, layer)
     return seen
+
+
+def _part_of_param(
+    coster: LayerCoster, graph: OpGraph, stage: StageEval, names: dict[int, str]
+) -> dict[str, int]:
+    """For a stage rematerialised by block parts, each parameter's part counted from
+    the stage's first: the part of the forward op that first reads it (each layer
+    cut as its class was costed, :meth:`LayerCoster.pieces`). Empty otherwise."""
+    if not stage.remat_parts:
+        return {}
+    keep = MEMORY_LEVELS[stage.level].parts
+    part_of: dict[str, int] = {}
+    offset = 0
+    for layer in range(stage.first, stage.last + 1):
+        cut = coster.pieces(layer, keep).cut
+        piece = piece_of_forward(graph, coster.layers[layer], cut)
+        for op_id in sorted(piece):  # forward program order
+            for tensor in graph.ops[op_id].inputs:
+                if tensor in names and graph.tensors[tensor].role is TensorRole.PARAM:
+                    part_of.setdefault(names[tensor], offset + piece[op_id])
+        offset += len(cut) - 1
+    return part_of
 
 
 def _stage_plan(
@@ -110,6 +138,7 @@ def _stage_plan(
         in_flight_micro_batches=stage.in_flight,
         rematerialize=stage.remat,
         param_layers={names[t]: layer for t, layer in layer_of_param.items()},
+        param_parts=_part_of_param(coster, graph, stage, names),
         param_shardings=params,
         input_shardings=inputs,
         output_shardings=outputs,

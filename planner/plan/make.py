@@ -40,7 +40,7 @@ from alpajob.planner.inter_op.search import (
     best_of,
     micro_batch_candidates,
 )
-from alpajob.planner.inter_op.stage_costs import MEMORY_LEVELS
+from alpajob.planner.inter_op.stage_costs import LEVEL_TIERS, MEMORY_LEVELS
 from alpajob.planner.intra_op.solve import ShardingMode
 from alpajob.planner.plan.baselines import all_baselines, whole_cluster
 from alpajob.planner.plan.workers import SearchPool
@@ -184,10 +184,10 @@ def _memory_error(context: CostContext, micro_batches: Sequence[int], method: Me
     submesh, _ = whole_cluster(context)
     count = max(micro_batches)
     coster = context.coster(count, ShardingMode.AUTO)
-    level = len(MEMORY_LEVELS) - 1
     required = min(
         coster.evaluate_stage(0, coster.num_layers - 1, submesh, shape, level, 1).peak_memory
         for shape in context.shapes(submesh)
+        for level in LEVEL_TIERS[-1]
     )
     available = context.memory_budget
     cluster = context.cluster

@@ -307,10 +307,15 @@ def build_stage(
 def _remat_layers(
     split: SplitProgram, program: StageProgram, plan_stage: StagePlan, names: Sequence[str]
 ) -> tuple[StageProgram, ...] | None:
-    """The layers a rematerialised stage recomputes one at a time (:mod:`.remat`);
-    None if the plan does not rematerialise it."""
+    """The layers (or block parts, where the plan names them) a rematerialised stage
+    recomputes one at a time (:mod:`.remat`); None if the plan does not
+    rematerialise it."""
     if not plan_stage.rematerialize:
         return None
+    parts = plan_stage.param_parts
+    if parts:
+        part_of = {leaf: parts[names[leaf]] for leaf in program.params if names[leaf] in parts}
+        return layer_programs(split, program, part_of, max(parts.values()) + 1)
     first, end = plan_stage.layers
     layer_of = {leaf: plan_stage.param_layers[names[leaf]] - first
                 for leaf in program.params if names[leaf] in plan_stage.param_layers}
