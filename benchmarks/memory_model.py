@@ -10,7 +10,9 @@ step (Adam) planned as one stage of every layer on one CPU device:
    donated aliases).
 2. **The runtime's stage**, as ``alpajob run`` executes it (forward, backward and
    update executables, the forward's residuals passed to the backward), plain and
-   rematerialised: the plan's peak for the stage at that level against the runtime's,
+   rematerialised by whole layers and by block parts, with the layers clustered one
+   per repeated block and as one layer: the plan's peak for the stage at that level
+   against the runtime's,
    ``params + optimizer state + gradient accumulators + residuals (not counting those
    that are parameters) + the largest of the forward's, backward's and update's
    temporaries``.
@@ -70,14 +72,16 @@ def predicted(graph) -> dict[str, float]:
             "total": stage.peak_memory_bytes, "remat": stage.rematerialize}
 
 
-def stage_plans(model, graph) -> dict[str, object]:  # noqa: ANN001
+def stage_plans(model, graph, layers: int | None = None) -> dict[str, object]:  # noqa: ANN001
     """The step as one stage of every layer on one CPU device: plain (the fastest
-    level), and rematerialised (planned on a device just too small for plain)."""
+    level), rematerialised (planned on a device just too small for plain), and
+    rematerialised by block parts (on a device just too small for whole layers).
+    ``layers``: the layer clustering's count (default: one per repeated block)."""
     import dataclasses
 
     from alpajob.planner.inter_op.clustering import default_num_layers
 
-    layers = default_num_layers(graph)
+    layers = layers or default_num_layers(graph)
     options = SearchOptions(method=Method.MANUAL, num_layers=layers, num_micro_batches=1,
                             manual_stages=(ManualStageOption(0, layers, (1, 1)),))
     cluster = cluster_from_preset("cpu", 1, 1)
@@ -86,8 +90,17 @@ def stage_plans(model, graph) -> dict[str, object]:  # noqa: ANN001
     try:
         remat = make_plan(graph, dataclasses.replace(cluster, device=tight), options).plan
     except InfeasibleError:  # rematerialising saves too little to fit
-        return {"plain": plain, "remat": None}
-    return {"plain": plain, "remat": remat if remat.stages[0].rematerialize else None}
+        return {"plain": plain, "remat": None, "parts": None}
+    if not remat.stages[0].rematerialize:
+        return {"plain": plain, "remat": None, "parts": None}
+    if remat.stages[0].param_parts:  # whole layers did not fit either
+        return {"plain": plain, "remat": None, "parts": remat}
+    tighter = dataclasses.replace(cluster.device, memory_bytes=int(remat.stages[0].peak_memory_bytes * 0.99 / 0.9))
+    try:
+        parts = make_plan(graph, dataclasses.replace(cluster, device=tighter), options).plan
+    except InfeasibleError:  # block parts save too little to fit
+        return {"plain": plain, "remat": remat, "parts": None}
+    return {"plain": plain, "remat": remat, "parts": parts if parts.stages[0].param_parts else None}
 
 
 def runtime_bytes(model, plan, batch: int) -> dict[str, float]:  # noqa: ANN001
@@ -133,7 +146,9 @@ def main() -> int:
             f"{ours['activations'] / MIB:.1f} / {ours['total'] / MIB:.1f}"
             f"{' (remat)' if ours['remat'] else ''} | {ratio:.2f} |")
         print(lines[-1], flush=True)
-        for level, plan in stage_plans(model, graph).items():
+        plans = {f"{level}, {name}": plan for name, count in (("blocks", None), ("one layer", 1))
+                 for level, plan in stage_plans(model, graph, count).items()}
+        for level, plan in plans.items():
             if plan is None:
                 runtime.append(f"| {family} | {level} | - | not chosen | - |")
                 continue

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from alpajob.api.plan import Plan
+from alpajob.api.plan import Plan, StagePlan
 from alpajob.api.progress import Progress
 from alpajob.api.spec import Schedule
 from alpajob.planner.inter_op.schedules import Direction, instruction_list
@@ -29,6 +29,15 @@ def flops(pflops: float) -> str:
     return f"{pflops * 1e6:.3f} GFLOP/s"
 
 
+def _remat(stage: StagePlan) -> str:
+    """How the stage recomputes its forward: "-", "layers", or "N parts"."""
+    if not stage.rematerialize:
+        return "-"
+    if stage.param_parts:
+        return f"{max(stage.param_parts.values()) + 1} parts"
+    return "layers"
+
+
 def plan_table(plan: Plan) -> Table:
     """The plan as a table: one row per stage."""
     count = plan.model.num_parameters
@@ -41,8 +50,9 @@ def plan_table(plan: Plan) -> Table:
         f", {plan.num_micro_batches} micro-batches, {plan.schedule}"
     )
     table = Table(title=title, caption="mesh: logical mesh; t/µbatch: forward+backward per "
-                  "micro-batch; update: per step; WUS: weight-update-sharded params")
-    for column in ("stage", "layers", "submesh", "mesh", "t/µbatch", "update", "memory", "WUS"):
+                  "micro-batch; update: per step; remat: recomputed by whole layers or in "
+                  "block parts; WUS: weight-update-sharded params")
+    for column in ("stage", "layers", "submesh", "mesh", "t/µbatch", "update", "memory", "remat", "WUS"):
         table.add_column(column, justify="right" if column != "layers" else "left")
     for stage in plan.stages:
         table.add_row(
@@ -53,6 +63,7 @@ def plan_table(plan: Plan) -> Table:
             f"{stage.predicted_seconds * 1e3:.2f} ms",
             f"{stage.update_seconds * 1e3:.2f} ms",
             f"{stage.peak_memory_bytes / GIB:.2f} GiB",
+            _remat(stage),
             f"{len(stage.weight_update_sharded)}/{len(stage.param_shardings)}",
         )
     return table

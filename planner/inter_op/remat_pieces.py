@@ -30,7 +30,8 @@ whose pieces all have ``T <= c`` is a shortest path over unit boundaries,
 distinct ``T`` as the cap and taking the least ``c + keep * f(P)`` is exact: the best
 cutting's largest ``T`` is one of the caps tried. Each piece also costs one byte, so
 that among equal cuttings the fewest pieces win. ``P`` is 6 to 35 for the zoo's
-layers: ``P^2 / 2`` pieces are analysed, once per layer class.
+layers, at most :data:`MAX_UNITS`: ``P^2 / 2`` pieces are analysed, once per layer
+class per plan search (0.3 s for GPT-39B's three classes).
 
 Which ``keep`` is right depends on the stage (its layers times its in-flight
 micro-batches), which the per-layer tables cannot know, so the planner offers two
@@ -49,6 +50,11 @@ import numpy as np
 from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole
 from alpajob.planner.graph.subset import GraphIndex, Subset, analyse_subset, busiest_bytes
 from alpajob.planner.intra_op.sharding import tensor_bytes
+
+#: Most units a layer is cut at (``P``): a layer of many blocks (a whole model
+#: clustered as one layer) keeps every few allowed starts, evenly by position, so
+#: that the ``P^2 / 2`` pieces analysed stay a few hundred.
+MAX_UNITS = 32
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,10 @@ class PieceCutter:
 def piece_costs(graph: OpGraph, ops: Sequence[int], index: GraphIndex) -> PieceCosts:
     """``T`` and ``K`` of every piece of the layer of op ids ``ops``, unsharded."""
     forward = tuple(sorted(o for o in ops if graph.ops[o].phase is Phase.FORWARD))
-    starts = (*_piece_starts(graph, forward), len(forward))
+    allowed = _piece_starts(graph, forward)
+    if len(allowed) > MAX_UNITS:  # a layer of many blocks: every few allowed starts
+        allowed = [allowed[len(allowed) * k // MAX_UNITS] for k in range(MAX_UNITS)]
+    starts = (*allowed, len(forward))
     anchored = _anchored(graph, ops)
     made_at = _made_at(graph, forward)
     size = _size(graph)
@@ -136,7 +145,7 @@ def piece_costs(graph: OpGraph, ops: Sequence[int], index: GraphIndex) -> PieceC
     for a in range(units):
         for b in range(a + 1, units + 1):
             run = forward[starts[a]:starts[b]]
-            subset = analyse_subset(graph, [o for f in run for o in anchored[f]], index)
+            subset = analyse_subset(graph, [o for f in run for o in anchored.get(f, [f])], index)
             transient[a, b] = sum(map(size, subset.residuals)) + busiest_bytes(subset.lifetimes, size)
             kept[a, b] = sum(map(size, _read_from_before(graph, forward, made_at, starts[a], starts[b])))
     return PieceCosts(forward, starts, transient, kept)
@@ -176,7 +185,7 @@ def layer_pieces(graph: OpGraph, ops: Sequence[int], cut: Sequence[int], index: 
     made_at = _made_at(graph, forward)
     pieces, subsets, inner = [], [], []
     for a, b in zip(cut[:-1], cut[1:], strict=True):
-        piece = tuple(sorted(o for f in forward[a:b] for o in anchored[f]))
+        piece = tuple(sorted(o for f in forward[a:b] for o in anchored.get(f, [f])))
         pieces.append(piece)
         subsets.append(analyse_subset(graph, piece, index))
         inner.append(tuple(sorted(_read_from_before(graph, forward, made_at, a, b))))

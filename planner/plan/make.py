@@ -40,7 +40,7 @@ from alpajob.planner.inter_op.search import (
     best_of,
     micro_batch_candidates,
 )
-from alpajob.planner.inter_op.stage_costs import LEVEL_TIERS, MEMORY_LEVELS
+from alpajob.planner.inter_op.stage_costs import LEVEL_TIERS, MEMORY_LEVELS, StageEval
 from alpajob.planner.intra_op.solve import ShardingMode
 from alpajob.planner.plan.baselines import all_baselines, whole_cluster
 from alpajob.planner.plan.workers import SearchPool
@@ -218,6 +218,16 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 1024:.1f} KiB"
 
 
+def _recomputed(stage: StageEval) -> str:
+    """How a stage recomputes, and what its transient holds, for a memory message."""
+    if stage.remat_parts:
+        return (", rematerialised in block parts, the largest part's residuals and "
+                "backward working set")
+    if stage.remat:
+        return ", rematerialised, the largest layer's residuals and backward working set"
+    return ", the largest layer's backward working set"
+
+
 def _manual_memory_error(
     context: CostContext, micro_batches: Sequence[int], manual: Sequence[StageRequest]
 ) -> InfeasibleError:
@@ -247,8 +257,7 @@ def _manual_memory_error(
             f"{_size(least.weight_bytes)}, activations "
             f"{_size(least.in_flight * least.activation_bytes)} for {least.in_flight} "
             f"in-flight micro-batches of {least_count}"
-            f"{', rematerialised' if least.remat else ''}, the largest layer's backward "
-            f"working set {_size(least.transient_bytes)}), and each "
+            f"{_recomputed(least)} {_size(least.transient_bytes)}), and each "
             f"{context.cluster.device.name} offers {_size(budget)}; give this stage more "
             "devices (submeshShape) or fewer layers, or use more micro-batches "
             "(numMicroBatches) or float16/bfloat16",
