@@ -326,7 +326,7 @@ def test_custom_entrypoint_example_trains_as_a_pipeline(tmp_path: Path) -> None:
     env_path = ROOT / "manifests" / "examples"
     done = subprocess.run(
         [sys.executable, "-m", "alpajob", "run", str(env_path / "custom-model.yaml"),
-         "--steps", "3", "--metrics-out", str(out), "--stage-times-every", "3"],
+         "--steps", "3", "--devices", "8", "--metrics-out", str(out), "--stage-times-every", "3"],
         capture_output=True, text=True, cwd=tmp_path, timeout=600,
         env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(env_path)},
     )

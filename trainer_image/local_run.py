@@ -51,6 +51,7 @@ from alpajob.trainer_image.checkpoint.names import targets
 from alpajob.trainer_image.data.feed import SYNTHETIC, open_feed
 from alpajob.trainer_image.device_trial import TrialResult, trial
 from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.forced_count import host_cores, shared_host_cluster
 from alpajob.trainer_image.goodput import Badput, Goodput
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json
 from alpajob.trainer_image.planning import job_graph, plan_job
@@ -136,7 +137,12 @@ class RunResult:
 def local_cluster(job: AlpaJob, devices: list[Any]) -> ClusterSpec:
     """One node with this machine's devices, of the job's preset (``cpu`` on CPU)."""
     preset = "cpu" if devices[0].platform == "cpu" else (job.spec.cluster.preset() or "cpu")
-    return cluster_from_preset(preset, 1, len(devices))
+    cluster = cluster_from_preset(preset, 1, len(devices))
+    if not cluster.shared_host:
+        return cluster
+    # every forced device slows the others, used or not (forced_count.py)
+    return shared_host_cluster(preset, len(devices), len(jax.devices(devices[0].platform)),
+                               host_cores())
 
 
 def check_plan(plan: Plan, graph: OpGraph, devices: list[Any], source: str) -> None:

@@ -7,11 +7,28 @@ and exits with :attr:`AlpaJobError.exit_code`.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AlpaJobError(Exception):
-    """Base class for errors caused by user input; ``exit_code`` is the CLI's exit status."""
+    """Base class for errors caused by user input; ``exit_code`` is the CLI's exit status.
+
+    Errors cross process boundaries (a planning child hands its error to the run), so
+    they pickle whatever a subclass's ``__init__`` takes: rebuilt with the same
+    message and attributes, without calling ``__init__`` again.
+    """
 
     exit_code: int = 2
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(kind: type[AlpaJobError], args: tuple[Any, ...], state: dict[str, Any]) -> AlpaJobError:
+    error = kind.__new__(kind)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class ManifestError(AlpaJobError):

@@ -32,6 +32,7 @@ from alpajob.api.spec import Method
 from alpajob.cli.paths import directory, existing_file, writable_file
 from alpajob.cli.tables import plan_summary, plan_table, progress_line, run_summary
 from alpajob.trainer_image.devices import force_host_devices
+from alpajob.trainer_image.forced_count import choose_in_child, make_forced_devices, may_choose
 
 SERIAL = "serial"
 
@@ -123,7 +124,11 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     options = train_options(args)
     if args.log_every < 1:
         raise ManifestError("--log-every", f"must be at least 1, got {args.log_every}")
-    force_host_devices(options.devices)  # before JAX is imported
+    if may_choose(job, options):  # forced CPU devices: as many as plan fastest
+        choice = choose_in_child(job, options)
+        make_forced_devices(choice.devices)
+        out.print(choice.line(), highlight=False)
+    force_host_devices(options.devices)  # before JAX is imported (else a no-op)
     from alpajob.trainer_image.local_run import run as train
     from alpajob.trainer_image.stopping import STOPPED_EXIT_CODE
 

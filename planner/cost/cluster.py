@@ -65,6 +65,10 @@ class ClusterSpec:
     #: The devices time-share one host's cores (forced CPU devices): an idle device's
     #: share goes to the busy ones, so a pipeline bubble costs no time.
     shared_host: bool = False
+    #: On a shared host: the forced devices that exist per core of the host (all of
+    #: them, used by the plan or not); 0 when unknown. More devices than cores slow
+    #: every device down (:func:`~alpajob.planner.cost.model.oversubscription_factor`).
+    devices_per_core: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -104,7 +108,7 @@ class ClusterSpec:
             "inter_node_bandwidth": self.inter_node_bandwidth,
             "inter_node_latency": self.inter_node_latency,
             "shared_host": self.shared_host,
-        }
+        } | ({"devices_per_core": self.devices_per_core} if self.devices_per_core else {})
 
 
 @cache

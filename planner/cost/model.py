@@ -116,6 +116,15 @@ class Calibration:
     #: devices do not share a host or it has not been measured; measured for ``cpu``
     #: by ``alpajob calibrate`` (its host step).
     lone_device_share: float = 1.0
+    #: How much slower every forced CPU device runs per forced device beyond one per
+    #: core: with ``r`` devices per core a device's time is ``1 + a (r - 1)`` times
+    #: what it is at one per core (``r <= 1``: 1). Measured on 2 cores
+    #: (``benchmarks/forced_devices.py``: one device's chain of small matmuls, 47-49 ms
+    #: with 1 or 2 devices, 51.5 with 4, 59.4 with 8); 0 where not measured.
+    oversubscription_slowdown: float = 0.0
+    #: The forced devices per core this calibration's rates were measured with (the
+    #: ``cpu`` preset's: 8 on 2 cores); 0 when not a shared host.
+    calibrated_devices_per_core: float = 0.0
     #: Layout primitives XLA fuses into their consumer; charged no time.
     free_primitives: frozenset[str] = frozenset()
 
@@ -140,11 +149,13 @@ class Calibration:
             )
         if (self.collective_overhead_seconds < 0 or self.all_to_all_penalty <= 0
                 or self.instruction_overhead_seconds < 0 or self.matmul_operand_traffic < 0
-                or self.kernel_overhead_seconds < 0):
+                or self.kernel_overhead_seconds < 0 or self.oversubscription_slowdown < 0
+                or self.calibrated_devices_per_core < 0):
             raise ValueError(
                 f"calibration {self.preset!r}: collective_overhead_seconds, "
-                f"instruction_overhead_seconds, matmul_operand_traffic and "
-                f"kernel_overhead_seconds must be >= 0 and all_to_all_penalty > 0"
+                f"instruction_overhead_seconds, matmul_operand_traffic, "
+                f"kernel_overhead_seconds, oversubscription_slowdown and "
+                f"calibrated_devices_per_core must be >= 0 and all_to_all_penalty > 0"
             )
 
 
@@ -455,6 +466,30 @@ def host_utilization(cluster: ClusterSpec, calibration: Calibration, devices: fl
     if not cluster.shared_host:
         return 1.0
     return 1.0 - (1.0 - calibration.lone_device_share) ** max(1.0, devices)
+
+
+def oversubscription_factor(cluster: ClusterSpec, calibration: Calibration) -> float:
+    """How much longer every device of a shared host takes than the calibration's
+    rates say, for the host's forced devices per core (``cluster.devices_per_core``).
+
+    XLA makes each forced CPU device its own runtime; with more of them than cores
+    each device's small ops run slower (measured: one device's chain of small matmuls
+    takes 1.24x as long when 8 devices exist on 2 cores as when 1 or 2 do), whether
+    the others are busy or not. The calibration's rates were measured with
+    ``calibrated_devices_per_core`` devices per core, so the factor is
+    ``s(r) / s(r_calibrated)`` with ``s(r) = 1 + a max(0, r - 1)``
+    (``a``: ``oversubscription_slowdown``). 1 off a shared host, or when either count
+    is unknown.
+    """
+    measured = calibration.calibrated_devices_per_core
+    if not cluster.shared_host or cluster.devices_per_core <= 0 or measured <= 0:
+        return 1.0
+    slope = calibration.oversubscription_slowdown
+
+    def slowdown(per_core: float) -> float:
+        return 1.0 + slope * max(0.0, per_core - 1.0)
+
+    return slowdown(cluster.devices_per_core) / slowdown(measured)
 
 
 def op_fixed_seconds(primitive: str, device: DeviceSpec, calibration: Calibration) -> float:

@@ -35,7 +35,12 @@ import numpy as np
 
 from alpajob.api.spec import Schedule
 from alpajob.planner.cost.cluster import ClusterSpec
-from alpajob.planner.cost.model import Calibration, host_utilization, logical_mesh_shapes
+from alpajob.planner.cost.model import (
+    Calibration,
+    host_utilization,
+    logical_mesh_shapes,
+    oversubscription_factor,
+)
 from alpajob.planner.graph.opgraph import OpGraph, batch_size_problem, with_batch_size
 from alpajob.planner.inter_op.layer_structure import LayerStructure, layer_structure
 from alpajob.planner.inter_op.remat_pieces import PieceCutter
@@ -289,7 +294,9 @@ def pipeline_step_seconds(
     instruction: a stage runs ``2B + 1`` of them (a forward and a backward per
     micro-batch, one update). With independent devices it lengthens
     each ``t_i`` by ``2c`` and each update by ``c``; on a shared host the one host pays
-    every stage's, ``c S (2B + 1)`` for ``S`` stages.
+    every stage's, ``c S (2B + 1)`` for ``S`` stages. The work is scaled by
+    :func:`~alpajob.planner.cost.model.oversubscription_factor`: more forced devices
+    than cores slow every device, so the same plan runs faster on fewer of them.
     """
     c = calibration.instruction_overhead_seconds
     if cluster.shared_host:
@@ -301,6 +308,7 @@ def pipeline_step_seconds(
             busy = busy_devices(devices, used, num_micro_batches, len(stages))
             work += ((num_micro_batches * s.seconds + s.update) * devices / total
                      / host_utilization(cluster, calibration, busy))
+        work *= oversubscription_factor(cluster, calibration)
         return work + c * len(stages) * (2 * num_micro_batches + 1)
     seconds = [s.seconds + 2 * c for s in stages]
     return (sum(seconds) + (num_micro_batches - 1) * max(seconds)
