@@ -72,12 +72,18 @@ def plan(job: AlpaJob | str | Path | dict[str, Any], options: PlanOptions | None
 def train(job: AlpaJob | str | Path | dict[str, Any], options: TrainOptions | None = None,
           **overrides: Any) -> RunResult:
     """Plan ``job`` for this machine's devices (or run ``plan_file``) and train it; the
-    keyword arguments are :class:`~alpajob.api.options.TrainOptions` fields."""
+    keyword arguments are :class:`~alpajob.api.options.TrainOptions` fields. On a
+    CPU-only machine, before JAX is imported and without ``devices``, an ``auto`` job
+    gets as many forced devices as plan fastest (:mod:`~alpajob.trainer_image.forced_count`)."""
     from alpajob.api.options import TrainOptions, options_from
     from alpajob.trainer_image.devices import force_host_devices
+    from alpajob.trainer_image.forced_count import choose_in_child, make_forced_devices, may_choose
 
     chosen = options_from(TrainOptions, {**(options or TrainOptions()).model_dump(), **overrides})
+    resolved = _job(job)
+    if may_choose(resolved, chosen):  # forced CPU devices: as many as plan fastest
+        make_forced_devices(choose_in_child(resolved, chosen).devices)
     force_host_devices(chosen.devices)  # before JAX is imported
     from alpajob.trainer_image.local_run import run
 
-    return run(_job(job), chosen)
+    return run(resolved, chosen)
