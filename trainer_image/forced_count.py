@@ -19,9 +19,10 @@ on the devices it made (the same cluster: the same plan). The device trial that
 follows still times that plan against one device. The choice costs the child's start
 and plans (about 10 s for the README job on 2 cores).
 
-The choice is made only where it is the run's to make: an ``auto`` job of a shared-host
-preset (``cpu``), no ``--devices``, no plan file, no forced count already in
-``XLA_FLAGS``, no accelerator plugin installed, and JAX not yet imported.
+The choice is made only where it is the run's to make and there is one to make: an
+``auto`` job of a shared-host preset (``cpu``), no ``--devices``, no plan file, no
+forced count already in ``XLA_FLAGS``, no accelerator plugin installed, JAX not yet
+imported, and fewer cores than the 8 devices offered.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class ForcedCount:
         others = ", ".join(f"{n} devices {s * 1e3:.1f} ms" for n, s in sorted(self.predicted.items())
                            if n != self.devices)
         return (f"making {self.devices} forced CPU devices: the plan on {self.devices} is predicted "
-                f"{self.predicted[self.devices] * 1e3:.1f} ms per step ({others})")
+                f"{self.predicted[self.devices] * 1e3:.1f} ms per step"
+                + (f" ({others})" if others else ""))
 
 
 def host_cores() -> int:
@@ -86,6 +88,7 @@ def may_choose(job: AlpaJob, options: TrainOptions) -> bool:
     return (options.devices is None and not options.plan_file and not options.serial
             and method is Method.AUTO and FLAG not in os.environ.get("XLA_FLAGS", "")
             and platforms in ("", "cpu") and not _accelerator_plugin()
+            and len(candidates(DEFAULT_DEVICES, host_cores())) > 1
             and cluster_for(job.spec.cluster, options.planning).shared_host
             and "jax" not in sys.modules)
 
