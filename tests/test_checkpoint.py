@@ -236,3 +236,16 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None
     assert complete_steps(tmp_path) == [4, 5]
     assert prune(tmp_path, 1) == [4]
     _equal(restore(tmp_path, 5, targets(_arrays())).arrays, _arrays(5.0))
+
+
+def test_a_relative_folder_saves_and_restores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--checkpoint-dir ck`` from the working directory: orbax refuses relative
+    paths, so the store resolves the folder (it was a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    checkpoints = LocalCheckpoints("ck", keep_last=2, asynchronous=True)
+    checkpoints.save(1, _arrays(3.0), {})
+    assert checkpoints.finish() == 1
+    checkpoints.close()
+    assert complete_steps("ck") == [1]
+    _equal(restore("ck", 1, targets(_arrays())).arrays, _arrays(3.0))
+    assert (tmp_path / "ck").is_dir()

@@ -34,7 +34,7 @@ class LocalCheckpoints:
     """The checkpoints of one local run (module docstring); close it at the end."""
 
     def __init__(self, root: str | Path, keep_last: int | None, asynchronous: bool) -> None:
-        self.root = Path(root)
+        self.root = Path(root).absolute()  # orbax refuses relative paths
         self.keep_last = keep_last
         self._lock = FolderLock(self.root)
         self._lock.acquire()

@@ -71,7 +71,7 @@ class PartWriter:
 
     def __init__(self, root: str | Path, part: str, asynchronous: bool = True) -> None:
         processes = _processes()
-        folder = Path(root) / part
+        folder = Path(root).absolute() / part
         folder.mkdir(parents=True, exist_ok=True)  # orbax creates it only without active_processes
         options = ocp.CheckpointManagerOptions(max_to_keep=None, create=False, cleanup_tmp_directories=True,
                                                enable_async_checkpointing=asynchronous,
@@ -129,12 +129,12 @@ def read_meta(root: str | Path, part: str, step: int) -> dict[str, Any]:
         processes = _processes()
         with ocp.Checkpointer(ocp.JsonCheckpointHandler(multiprocessing_options=processes),
                               multiprocessing_options=processes) as reader:
-            meta = reader.restore(_step_folder(Path(root), part, step) / META, args=ocp.args.JsonRestore())
+            meta = reader.restore(_step_folder(Path(root).absolute(), part, step) / META, args=ocp.args.JsonRestore())
         if not isinstance(meta, dict) or not isinstance(meta.get("arrays"), dict):
             raise ValueError("not an AlpaJob checkpoint")
         return meta
     except Exception as error:  # noqa: BLE001 - orbax raises many kinds; all mean unreadable
-        raise DamagedCheckpoint(f"{_step_folder(Path(root), part, step)}: cannot read its meta "
+        raise DamagedCheckpoint(f"{_step_folder(Path(root).absolute(), part, step)}: cannot read its meta "
                                 f"({_first_line(error)})") from None
 
 
@@ -159,7 +159,7 @@ def complete_steps(root: str | Path) -> list[int]:
     """Steps that every part named in their meta has finalized, oldest first. A step
     whose meta cannot be read counts as complete (so that :func:`restore` reports it
     damaged rather than it silently vanishing)."""
-    root = Path(root)
+    root = Path(root).absolute()
     held = {part: set(_steps(root, part)) for part in _parts(root)}
     complete = []
     for step in sorted(set().union(*held.values()) if held else ()):
@@ -217,7 +217,7 @@ def restore(root: str | Path, step: int, targets: Mapping[str, jax.ShapeDtypeStr
     arrays of the part, onto the target sharding), then every fingerprint is checked.
     Raises :class:`DamagedCheckpoint` for anything unreadable or altered, and
     :class:`CheckpointError` for a checkpoint of another model."""
-    root = Path(root)
+    root = Path(root).absolute()
     wanted, meta = _locate(root, step, targets)
     arrays: dict[str, jax.Array] = {}
     for part, names in wanted.items():
@@ -249,7 +249,7 @@ def restore(root: str | Path, step: int, targets: Mapping[str, jax.ShapeDtypeStr
 def set_aside(root: str | Path, step: int) -> Path:
     """Move every part's step ``step`` into ``<dir>/.damaged/<step>-<time>/`` (kept for
     a post-mortem, out of the way of the steps to come); the folder it went to."""
-    root = Path(root)
+    root = Path(root).absolute()
     target = root / DAMAGED / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
     for part in _parts(root):
         if _step_folder(root, part, step).exists():
@@ -261,7 +261,7 @@ def set_aside(root: str | Path, step: int) -> Path:
 def tidy(root: str | Path) -> list[int]:
     """Delete every step that is not complete (a save cut short: some part finalized,
     another not); the steps deleted. Only the lock holder, before it writes."""
-    root = Path(root)
+    root = Path(root).absolute()
     complete = set(complete_steps(root))
     gone = set()
     for part in _parts(root):
@@ -275,7 +275,7 @@ def tidy(root: str | Path) -> list[int]:
 def prune(root: str | Path, keep_last: int) -> list[int]:
     """Delete every step older than the newest ``keep_last`` complete ones (never a
     step being written: those are newer); the steps deleted."""
-    root = Path(root)
+    root = Path(root).absolute()
     kept = complete_steps(root)[-keep_last:]
     if not kept:
         return []
@@ -306,5 +306,5 @@ def restore_newest(root: str | Path, targets: Mapping[str, jax.ShapeDtypeStruct]
     if damaged:
         raise CheckpointError(
             f"{root}: every checkpoint ({', '.join(map(str, damaged))}) is damaged; they are kept in "
-            f"{Path(root) / DAMAGED}. Run again with --resume=auto to start from scratch")
+            f"{Path(root).absolute() / DAMAGED}. Run again with --resume=auto to start from scratch")
     return None
