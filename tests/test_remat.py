@@ -68,21 +68,28 @@ CASES = {
 }
 
 
+def _trains_as_serial(job: Any, plan: Plan, tmp_path: Path) -> Any:
+    """Train ``job`` ``STEPS`` steps on ``plan`` (as a plan file) and serially; assert the
+    losses and parameters are equal, and return the planned run's result."""
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    parallel = run(job, TrainOptions(steps=STEPS, plan_file=str(path)))
+    serial = run(job, TrainOptions(steps=STEPS, serial=True))
+    np.testing.assert_allclose(parallel.losses, serial.losses, rtol=1e-5)
+    for name, value in serial.params.items():
+        np.testing.assert_allclose(parallel.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    return parallel
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rematerialised_training_equals_serial(case: str, tmp_path: Path) -> None:
     zoo, config, parallelism, devices = CASES[case]
     job = _job(zoo, config, parallelism, devices)
     plan = _rematerialised(plan_job(job, PlanOptions(all_devices=True, ilp_time_limit=5.0)).plan)
     assert all(stage.param_layers for stage in plan.stages)
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    parallel = run(job, TrainOptions(steps=STEPS, plan_file=str(path)))
-    serial = run(job, TrainOptions(steps=STEPS, serial=True))
+    parallel = _trains_as_serial(job, plan, tmp_path)
     assert all(stage.rematerialize for stage in parallel.plan.stages)
-    np.testing.assert_allclose(parallel.losses, serial.losses, rtol=1e-5)
     assert parallel.losses[0] != parallel.losses[-1]
-    for name, value in serial.params.items():
-        np.testing.assert_allclose(parallel.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def _in_parts(plan: Plan) -> Plan:
@@ -113,13 +120,7 @@ def test_training_in_block_parts_equals_serial(case: str, tmp_path: Path) -> Non
     job = _job(zoo, config, parallelism, devices)
     plan = _in_parts(plan_job(job, PlanOptions(all_devices=True, ilp_time_limit=5.0)).plan)
     assert all(len(set(stage.param_parts.values())) > 1 for stage in plan.stages)
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    parallel = run(job, TrainOptions(steps=STEPS, plan_file=str(path)))
-    serial = run(job, TrainOptions(steps=STEPS, serial=True))
-    np.testing.assert_allclose(parallel.losses, serial.losses, rtol=1e-5)
-    for name, value in serial.params.items():
-        np.testing.assert_allclose(parallel.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    _trains_as_serial(job, plan, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -246,13 +247,7 @@ def test_a_stage_rematerialised_by_parts_trains_as_serial(parts_plan: Any, tmp_p
     assert stage.rematerialize and stage.layers == (0, 1)
     parts = sorted(set(stage.param_parts.values()))
     assert len(parts) > 1 and parts == list(range(len(parts)))  # finer than its one layer
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    parallel = run(job, TrainOptions(steps=STEPS, plan_file=str(path)))
-    serial = run(job, TrainOptions(steps=STEPS, serial=True))
-    np.testing.assert_allclose(parallel.losses, serial.losses, rtol=1e-5)
-    for name, value in serial.params.items():
-        np.testing.assert_allclose(parallel.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    _trains_as_serial(job, plan, tmp_path)
 
 
 def test_parts_hold_less_than_their_layer_as_planned(parts_plan: Any) -> None:

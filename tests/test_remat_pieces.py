@@ -24,7 +24,6 @@ from alpajob.planner.inter_op.remat_pieces import (
     piece_costs,
     piece_of_forward,
 )
-from alpajob.planner.intra_op.sharding import tensor_bytes
 from alpajob.trainer_image.step import graph_of
 from alpajob.trainer_image.zoo.registry import resolve_model
 
@@ -40,7 +39,7 @@ def layered(request: Any) -> Any:
 
 
 def _cost(graph: Any, pieces: LayerPieces, keep: int) -> float:
-    transient, kept = pieces.memory(lambda t: tensor_bytes(graph.tensors[t].shape, graph.tensors[t].dtype))
+    transient, kept = pieces.memory(lambda t: graph.tensors[t].nbytes)
     return transient + keep * kept
 
 
@@ -103,7 +102,7 @@ def test_a_layer_of_four_blocks_is_cut_and_holds_less() -> None:
         assert len(cut) > 2, keep
         pieces = layer_pieces(graph, ops, cut, index)
         transient, kept = pieces.memory(
-            lambda t: tensor_bytes(graph.tensors[t].shape, graph.tensors[t].dtype))
+            lambda t: graph.tensors[t].nbytes)
         assert transient + keep * kept < one
         assert transient < 0.6 * one
     # keeping more copies never cuts finer

@@ -49,7 +49,6 @@ import numpy as np
 
 from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole
 from alpajob.planner.graph.subset import GraphIndex, Subset, analyse_subset, busiest_bytes
-from alpajob.planner.intra_op.sharding import tensor_bytes
 
 #: Most units a layer is cut at (``P``): a layer of many blocks (a whole model
 #: clustered as one layer) keeps every few allowed starts, evenly by position, so
@@ -222,11 +221,8 @@ def _anchored(graph: OpGraph, ops: Sequence[int]) -> dict[int, list[int]]:
 
 
 def _size(graph: OpGraph) -> Callable[[int], float]:
-    def size(t: int) -> float:
-        tensor = graph.tensors[t]
-        return tensor_bytes(tensor.shape, tensor.dtype)
-
-    return size
+    """A tensor's unsharded bytes."""
+    return lambda t: graph.tensors[t].nbytes
 
 
 def _made_at(graph: OpGraph, forward: Sequence[int]) -> dict[int, int]:

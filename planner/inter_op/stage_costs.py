@@ -49,12 +49,7 @@ from alpajob.planner.cost.model import Calibration, LogicalMesh, make_logical_me
 from alpajob.planner.graph.opgraph import OpGraph, Phase
 from alpajob.planner.inter_op.layer_structure import LayerStructure, layer_structure
 from alpajob.planner.inter_op.remat_pieces import LayerPieces, PieceCutter, layer_pieces
-from alpajob.planner.intra_op.sharding import (
-    ShardSpec,
-    resharding_seconds,
-    shard_factor,
-    tensor_bytes,
-)
+from alpajob.planner.intra_op.sharding import ShardSpec, resharding_seconds, shard_factor
 from alpajob.planner.intra_op.solve import IntraOpResult, ShardingMode, SolveContext, solve_intra_op
 
 
@@ -366,9 +361,7 @@ class LayerCoster:
 
             def size(t: int) -> float:
                 spec = result.specs.get(t)
-                tensor = self.graph.tensors[t]
-                spread = shard_factor(spec, mesh) if spec is not None else 1
-                return tensor_bytes(tensor.shape, tensor.dtype) / spread
+                return self.graph.tensors[t].nbytes / (shard_factor(spec, mesh) if spec else 1)
 
             pieces = self.pieces(layer, MEMORY_LEVELS[level].parts)
             self._part_cache[key] = pieces.memory(size)
