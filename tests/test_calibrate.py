@@ -205,3 +205,43 @@ def test_gpu_calibration_refuses_the_cpu_only_steps(monkeypatch):
     for steps in (["matmul"], ["host"], ["kernels", "instructions"]):
         with pytest.raises(ManifestError, match="--steps kernels,fusion"):
             calibrate(steps)
+
+
+def test_one_device_leaves_the_link_constants_alone():
+    """One device has no collectives to time, so the kernels step must not claim
+    perfect links (efficiency 1, no overhead) for the preset: only what it timed."""
+    import jax
+
+    from alpajob.trainer_image.calibration.kernels import measure_kernels
+
+    found = measure_kernels(jax.devices()[:1])
+    assert found["measurements"]["collectives"] == []
+    assert set(found["calibration"]) == {"matmul_efficiency", "vector_flops_fraction",
+                                         "memory_efficiency"}
+    assert set(found["device"]) == {"peak_flops", "memory_bandwidth"}
+
+
+def test_the_h200_preset_is_what_one_h200_measured():
+    """The shipped h200-141gb constants are the H200 calibration stored beside them
+    (measured/h200-141gb.json, machine included), restated against the data sheet's
+    peaks: the rates a plan uses are the measured ones, with or without the file."""
+    import alpajob.planner.cost as cost
+
+    measured = load_measured(Path(cost.__file__).parent / "data" / "measured" / "h200-141gb.json")
+    assert measured.preset == "h200-141gb" and measured.machine.device_kind == "NVIDIA H200"
+    assert "comm_bandwidth_efficiency" not in measured.calibration  # one device: not measured
+    shipped_cluster, shipped = cluster_from_preset("h200-141gb", 1, 1), load_calibration("h200-141gb")
+    cluster = measured.refine_cluster(shipped_cluster)
+    calibration = measured.refine_calibration(shipped)
+
+    def rates(c, cal):
+        device = c.device
+        return {"matmul bfloat16": device.peak("bfloat16") * cal.matmul_efficiency,
+                "vector": device.peak("float32") * cal.vector_flops_fraction,
+                "memory": device.memory_bandwidth * cal.memory_efficiency,
+                "fusion": cal.fused_memory_fraction}
+
+    expected = rates(cluster, calibration)
+    assert expected["vector"] == pytest.approx(measured.measurements["vector_gflops"] * 1e9, rel=2e-3)
+    for name, value in rates(shipped_cluster, shipped).items():
+        assert value == pytest.approx(expected[name], rel=2e-3), name

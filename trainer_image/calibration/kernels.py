@@ -14,7 +14,8 @@
   4 MiB; a least-squares fit (relative errors) of the alpha-beta forms (all-reduce
   ``alpha + 2 beta (n-1)/n B``, all-gather ``alpha + beta (n-1)/n B``) gives
   ``intra_node_latency`` (alpha) and ``intra_node_bandwidth`` (1/beta), with
-  ``comm_bandwidth_efficiency`` 1 and no extra collective overhead.
+  ``comm_bandwidth_efficiency`` 1 and no extra collective overhead. One device has no
+  collectives to time: its calibration leaves the preset's link constants as they are.
 
 Rates are the host's (or node's) totals: K devices x each one's rate. On an
 accelerator each timing queues ten calls before it waits (launch latency overlaps the
@@ -85,7 +86,8 @@ def measure_kernels(devices: list[Any]) -> dict[str, Any]:
                                             queued=queued)
         vector_rate = k * 2 * FMA_CHAIN * elements / vector_seconds
     stream = (1 << 23) * scale * scale  # 32 MiB per device on CPU, 2 GiB on a GPU
-    stream_seconds = per_device_seconds(mesh, lambda x: x * 2.0 + 1.0, ((stream,), jnp.float32))
+    stream_seconds = per_device_seconds(mesh, lambda x: x * 2.0 + 1.0, ((stream,), jnp.float32),
+                                        queued=queued)
     memory_bandwidth = k * 2 * 4 * stream / stream_seconds
 
     samples = []  # (factor * (n-1)/n * bytes, seconds, op, devices, bytes)
@@ -112,8 +114,13 @@ def measure_kernels(devices: list[Any]) -> dict[str, Any]:
                        "float16": round(peak["bfloat16"], -6)},
         "memory_bandwidth": round(memory_bandwidth, -6),
     }
+    calibration: dict[str, float] = {
+        "matmul_efficiency": round(matmul_efficiency, 3),
+        "vector_flops_fraction": round(min(1.0, vector_rate / peak["float32"]), 4),
+        "memory_efficiency": 1.0,
+    }
     fit_errors: list[float] = []
-    if samples:
+    if samples:  # one device has no collectives: the preset's link constants stand
         # least squares t = alpha + beta x, relative errors (small collectives are as
         # common as big ones), both kept positive
         xs = np.array([s[0] for s in samples])
@@ -125,15 +132,10 @@ def measure_kernels(devices: list[Any]) -> dict[str, Any]:
         fit_errors = [(alpha + beta * x - t) / t for x, t, *_ in samples]
         device["intra_node_bandwidth"] = round(1.0 / beta, -6)
         device["intra_node_latency"] = float(f"{alpha:.3g}")
+        calibration.update(comm_bandwidth_efficiency=1.0, collective_overhead_seconds=0.0)
     return {
         "device": device,
-        "calibration": {
-            "matmul_efficiency": round(matmul_efficiency, 3),
-            "vector_flops_fraction": round(min(1.0, vector_rate / peak["float32"]), 4),
-            "memory_efficiency": 1.0,
-            "comm_bandwidth_efficiency": 1.0,
-            "collective_overhead_seconds": 0.0,
-        },
+        "calibration": calibration,
         "measurements": {
             "devices": k,
             "matmul_gflops": {name: [round(r / 1e9, 1) for r in rates]
