@@ -241,6 +241,8 @@ def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
             )
     for lonely in model.lonely_grads:
         param = graph.params[graph.grads.index(lonely)]
+        if param not in specs:
+            continue  # read only outside the subset, which chooses its layout: the model prices none here
         tensor = graph.tensor(lonely)
         update += resharding_seconds(tensor.shape, tensor.dtype, specs[lonely], specs[param], mesh)
         planned.extend(
