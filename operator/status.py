@@ -2,8 +2,8 @@
 
 The phases and condition types are :mod:`alpajob.api.status`'s; here is the one rule
 that ties them together: every phase sets every condition, so Flux's kstatus and
-Argo CD read the job from the standard ``Ready`` condition and ``observedGeneration``,
-and a condition's ``lastTransitionTime`` changes only when its status flips.
+Argo CD read the job from the standard ``Ready`` condition, kstatus's ``Reconciling``
+and ``Stalled`` and ``observedGeneration``, and a condition's ``lastTransitionTime`` changes only when its status flips.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ def set_condition(status: Status, kind: ConditionType, value: bool, reason: str,
     others = [c for c in status.conditions if c.type is not kind]
     status.conditions = sorted([*others, condition], key=lambda c: order.index(c.type))
 
+
+#: The phases in which kstatus's ``Reconciling`` condition is True: the job is on its
+#: way to Running and will get there without anyone acting.
+RECONCILING_PHASES = frozenset({Phase.PENDING, Phase.PLANNING, Phase.STARTING, Phase.RESTARTING})
 
 #: ``status.time``'s bucket of each phase (Succeeded and Failed end the clock).
 TIME_BUCKETS = {Phase.PENDING: "planning_seconds", Phase.PLANNING: "planning_seconds",
@@ -74,3 +78,7 @@ def set_phase(status: Status, phase: Phase, reason: str, message: str, generatio
                       (ConditionType.SUSPENDED, Phase.SUSPENDED)):
         put(kind, phase is own, reason, message if phase is own else "")
     put(ConditionType.READY, phase in (Phase.RUNNING, Phase.SUCCEEDED), reason, message)
+    on_its_way = phase in RECONCILING_PHASES
+    put(ConditionType.RECONCILING, on_its_way, reason, message if on_its_way else "")
+    failed = phase is Phase.FAILED
+    put(ConditionType.STALLED, failed, reason, message if failed else "")

@@ -58,6 +58,7 @@ FULL_VALUES: dict[str, Any] = {
     "grafanaDashboard": {"enabled": True, "namespace": "monitoring",
                          "annotations": {"grafana_folder": "AlpaJob"}},
     "webhook": {"enabled": True, "port": 10443, "certSecret": "alpajob-webhook-tls"},
+    "argocd": {"healthCheck": {"enabled": True, "namespace": "argocd", "configMapName": "argocd-cm"}},
 }
 
 
@@ -204,7 +205,9 @@ def test_every_object_is_labelled_with_the_release(full: list[dict[str, Any]]) -
             continue  # crds/ is installed verbatim, never templated
         labels = obj["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE, obj["kind"]
-        assert labels["app.kubernetes.io/part-of"] == "alpajob", obj["kind"]
+        # Argo CD reads only an argocd-cm that is part of Argo CD.
+        part_of = "argocd" if obj["metadata"]["name"] == "argocd-cm" else "alpajob"
+        assert labels["app.kubernetes.io/part-of"] == part_of, obj["kind"]
         assert labels["app.kubernetes.io/managed-by"] == "Helm", obj["kind"]
 
 
@@ -447,6 +450,21 @@ def exposed_metric_names() -> set[str]:
             if line and not line.startswith("#"):
                 names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
     return names
+
+
+def test_argocd_health_check_is_the_gitops_script(helm: ModuleType, full: list[dict[str, Any]],
+                                                  default: list[dict[str, Any]]) -> None:
+    """Behind its toggle, the chart renders Argo CD's health check, byte for byte the
+    script of gitops/argocd/ (whose tests run it in Lua), under argocd-cm's key."""
+    script = (CHART.parent.parent / "gitops" / "argocd" / "alpajob.io" / "AlpaJob" / "health.lua").read_text()
+    assert (CHART / "files" / "argocd-health.lua").read_text() == script
+    config_map = find(full, "ConfigMap", "argocd-cm", "argocd")
+    assert config_map["data"]["resource.customizations.health.alpajob.io_AlpaJob"] == script.rstrip("\n")
+    assert not [o for o in default if o["kind"] == "ConfigMap"]
+    # Under its own name (the default), it carries the chart's labels.
+    own = find(render(helm, {"argocd": {"healthCheck": {"enabled": True}}}),
+               "ConfigMap", "alpajob-argocd-health", "argocd")
+    assert own["metadata"]["labels"]["app.kubernetes.io/part-of"] == "alpajob"
 
 
 def test_dashboard_config_map_carries_the_dashboard(full: list[dict[str, Any]]) -> None:

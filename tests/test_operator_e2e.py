@@ -9,6 +9,7 @@ Succeeded and Failed. The operator (``alpajob operator``, a subprocess) does the
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from kubernetes import client  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from e2e_cluster import emulator_only, open_cluster  # noqa: E402
+from gitops_health import ARGOCD, argocd_health, flux_health, kstatus  # noqa: E402
 from kube_emulator import Emulator  # noqa: E402
 
 from alpajob.api.names import FINALIZER, LABEL_JOB, MANIFEST_KEY  # noqa: E402
@@ -106,7 +108,8 @@ def _wait(what: str, check: Callable[[], Any], timeout: float = 60, op: Operator
 class Cluster:
     """The test's hands on the emulator: jobs, pods, and the kubelet's part."""
 
-    def __init__(self, emu: Emulator) -> None:
+    def __init__(self, emu: Emulator, seen: dict[tuple[str, str], dict[str, Any]] | None = None) -> None:
+        self.seen = seen if seen is not None else {}
         self.api = emu.api()
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
@@ -119,7 +122,12 @@ class Cluster:
         return self.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, doc)
 
     def job(self, name: str) -> dict[str, Any]:
-        return self.custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+        """The job as the API returns it; the first read of each (job, phase) is kept
+        in ``seen`` for the GitOps checks at the end of the module."""
+        job = self.custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+        phase = (job.get("status") or {}).get("phase", "(no status)")
+        self.seen.setdefault((name, phase), copy.deepcopy(job))
+        return job
 
     def phase(self, name: str) -> str | None:
         return (self.job(name).get("status") or {}).get("phase")
@@ -158,9 +166,15 @@ class Cluster:
              "state": {"terminated": {"exitCode": 2, "reason": "Error", "message": done.stderr[-1500:]}}}])
 
 
+@pytest.fixture(scope="module")
+def seen() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every (job, phase) the module's tests read back, first read of each."""
+    return {}
+
+
 @pytest.fixture
-def cluster(emulator: Emulator) -> Cluster:
-    return Cluster(emulator)
+def cluster(emulator: Emulator, seen: dict[tuple[str, str], dict[str, Any]]) -> Cluster:
+    return Cluster(emulator, seen)
 
 
 def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
@@ -558,3 +572,37 @@ def test_the_test_api_server_prunes_undeclared_fields_as_a_real_one_does(cluster
     assert answer["status"] == {"progress": {"step": 3}}
     assert cluster.job("gpt-prune")["status"] == {"progress": {"step": 3}}
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-prune")
+
+
+#: What each tool must say of a job in each phase whose spec the operator has seen.
+GITOPS = {"Pending": ("Progressing", "InProgress"), "Planning": ("Progressing", "InProgress"),
+          "Starting": ("Progressing", "InProgress"), "Restarting": ("Progressing", "InProgress"),
+          "Running": ("Healthy", "Current"), "Succeeded": ("Healthy", "Current"),
+          "Suspended": ("Suspended", "Current"), "Failed": ("Degraded", "Failed")}
+
+
+def test_gitops_tools_read_every_status_the_operator_wrote(seen: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """Runs last: every (job, phase) the tests above read back from the operator's own
+    run is judged by Argo CD's Lua check (real Lua), Flux's CEL expressions and
+    kstatus's rules. ``ALPAJOB_CAPTURE_GITOPS=1`` also writes them into the Argo CD
+    check's testdata (``e2e-*.yaml``), where ``health_test.yaml`` lists them."""
+    phases = {phase for _, phase in seen}
+    assert {"Planning", "Running", "Succeeded", "Failed", "Suspended"} <= phases, phases
+    for (name, phase), job in sorted(seen.items()):
+        if phase == "(no status)":
+            continue
+        status = job["status"]
+        if status.get("observedGeneration") != job["metadata"]["generation"]:
+            argo, flux = "Progressing", "InProgress"  # a spec edit the operator has not seen yet
+        else:
+            argo, flux = GITOPS[phase]
+        health = argocd_health(job)
+        assert health["status"] == argo, (name, phase, health)
+        assert (flux_health(job), kstatus(job)) == (flux, flux), (name, phase)
+        if phase == "Failed":
+            failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+            assert health["message"] == failed["message"] != ""
+        if os.environ.get("ALPAJOB_CAPTURE_GITOPS"):
+            job["metadata"].pop("managedFields", None)
+            out = ARGOCD / "testdata" / f"e2e-{name}-{phase.lower()}.yaml"
+            out.write_text(yaml.safe_dump(job, sort_keys=False))

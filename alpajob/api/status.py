@@ -22,7 +22,13 @@ Succeeded      the driver finished every step
 Failed         the job stopped for good (the reason says why)
 Suspended      ``spec.runPolicy.suspend`` is true
 Ready          True while Running and once Succeeded (for kstatus and Argo CD)
+Reconciling    True while Pending, Planning, Starting or Restarting (kstatus)
+Stalled        True once Failed, with the failure's reason and message (kstatus)
 =============  =======================================================
+
+kstatus (Flux's ``wait``/``healthChecks``, kpt) reads a custom resource from
+``observedGeneration`` and the two "abnormal-true" conditions: ``Reconciling`` True is
+InProgress, ``Stalled`` True is Failed, neither is Current.
 """
 
 from __future__ import annotations
@@ -68,6 +74,11 @@ class ConditionType(StrEnum):
     #: False while the API server refuses to create a child (a pod forbidden for a
     #: missing ServiceAccount or by Pod Security, a quota): its reason and message.
     CHILDREN_CREATED = "ChildrenCreated"
+    #: kstatus's "abnormal-true" pair, which Flux and kpt read: True while the job is
+    #: on its way (Pending, Planning, Starting, Restarting) ...
+    RECONCILING = "Reconciling"
+    #: ... and True once it failed for good (the failure's reason and message).
+    STALLED = "Stalled"
 
 
 class ConditionStatus(StrEnum):
@@ -162,7 +173,8 @@ class Status(_Status):
     phase: Phase = Phase.PENDING
     conditions: list[Condition] = Field(
         default_factory=list, max_length=32,
-        description="Planned, MeshesReady, Running, Succeeded, Failed, Suspended and Ready.",
+        description=("Planned, MeshesReady, Running, Succeeded, Failed, Suspended, Ready, "
+                     "ChildrenCreated, and kstatus's Reconciling and Stalled."),
         json_schema_extra=k8s(x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["type"]))
     plan: PlanSummary | None = Field(
         None, description="Summary of the plan; the whole plan is in the ConfigMap configMap.")

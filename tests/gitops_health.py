@@ -1,0 +1,100 @@
+"""How GitOps tools judge an AlpaJob, each run as the tool runs it:
+
+- Argo CD's Lua health check (``gitops/argocd/alpajob.io/AlpaJob/health.lua``) in a
+  real Lua interpreter (lupa), the object as the global ``obj``;
+- Flux's health expressions (``gitops/flux/alpajob-health.yaml``) evaluated by a CEL
+  implementation (cel-python) in kustomize-controller's order;
+- kstatus's generic rules (Flux's ``wait`` without expressions, kpt), written out.
+
+kstatus's rules for a custom resource (sigs.k8s.io/cli-utils, pkg/kstatus/status:
+the generic checks, all that apply to a kind it does not know), in order:
+
+1. ``metadata.deletionTimestamp`` set: Terminating (in progress).
+2. ``status.observedGeneration`` present and not ``metadata.generation``: InProgress
+   (the controller has not seen the latest spec).
+3. Condition ``Reconciling`` with status True: InProgress.
+4. Condition ``Stalled`` with status True: Failed.
+5. Otherwise: Current.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import lupa
+
+ROOT = Path(__file__).resolve().parent.parent
+ARGOCD = ROOT / "gitops" / "argocd" / "alpajob.io" / "AlpaJob"
+
+
+def argocd_health(obj: dict[str, Any] | None, script: Path = ARGOCD / "health.lua") -> dict[str, str]:
+    """``{status, message}`` as Argo CD's health check says of ``obj``."""
+    lua = lupa.LuaRuntime(unpack_returned_tuples=True)
+    lua.globals().obj = lua.table_from(obj or {}, recursive=True)
+    result = lua.execute(script.read_text())
+    return {key: str(result[key]) for key in ("status", "message") if result[key] is not None}
+
+
+FLUX = ROOT / "gitops" / "flux" / "alpajob-health.yaml"
+#: The object's top-level fields, each a variable of Flux's health expressions.
+TOP_LEVEL = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
+
+
+class CelError(Exception):
+    """An expression Flux could not evaluate (it keeps waiting, up to its timeout)."""
+
+
+def flux_health(obj: dict[str, Any], check: dict[str, str] | None = None) -> str:
+    """Flux's verdict on ``obj`` under the health expressions ``check`` (default the
+    shipped ones), evaluated as kustomize-controller evaluates them (Flux RFC-0009):
+    a generation the status has not observed is InProgress; then inProgress, failed
+    and current in that order, the first true one wins; none true is InProgress. The
+    object's top-level fields are the expressions' variables; an evaluation error is
+    raised as :class:`CelError`."""
+    import celpy
+    import yaml
+
+    if check is None:
+        [check] = yaml.safe_load(FLUX.read_text())
+    status = obj.get("status") or {}
+    observed = status.get("observedGeneration")
+    if observed is not None and observed != obj.get("metadata", {}).get("generation"):
+        return "InProgress"
+    env = celpy.Environment()
+    activation = {key: celpy.json_to_cel(value) for key, value in obj.items()}
+    for field, verdict in (("inProgress", "InProgress"), ("failed", "Failed"), ("current", "Current")):
+        if not check.get(field):
+            continue
+        # cel-go (Flux) fails on a top-level variable the object lacks, even inside
+        # has(), which cannot test a top-level field; cel-python is lenient there.
+        absent = sorted(name for name in TOP_LEVEL - set(obj)
+                        if re.search(rf"(?<![.\w]){name}\b", check[field]))
+        if absent:
+            raise CelError(f"{field}: no such attribute {absent[0]!r}")
+        try:
+            result = env.program(env.compile(check[field])).evaluate(activation)
+        except Exception as error:  # celpy raises several kinds for a missing variable
+            raise CelError(f"{field}: {error}") from error
+        if isinstance(result, celpy.CELEvalError):
+            raise CelError(f"{field}: {result}")
+        if bool(result):
+            return verdict
+    return "InProgress"
+
+
+def kstatus(obj: dict[str, Any]) -> str:
+    """The kstatus result of ``obj`` by the rules in the module docstring."""
+    meta, status = obj.get("metadata", {}), obj.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return "Terminating"
+    observed = status.get("observedGeneration")
+    if observed is not None and observed != meta.get("generation"):
+        return "InProgress"
+    conditions = {c["type"]: c for c in status.get("conditions", [])}
+    if conditions.get("Reconciling", {}).get("status") == "True":
+        return "InProgress"
+    if conditions.get("Stalled", {}).get("status") == "True":
+        return "Failed"
+    return "Current"
