@@ -92,7 +92,8 @@ def reconcile_once(kube: Kube, metrics: OperatorMetrics, namespace: str, name: s
             metrics.planning.observe((datetime.now(UTC) - then).total_seconds())
     metrics.reconcile.observe(time.perf_counter() - began)
     metrics.phase(f"{namespace}/{name}", None if decision.delete_job else phase)
-    metrics.job_time(namespace, name, None if decision.delete_job else phase, decision.status.time)
+    metrics.job_time(namespace, name, None if decision.delete_job else phase, decision.status.time,
+                     decision.status.restarts + decision.status.disruptions)
     return PassResult(None if decision.delete_job else phase, bool(refusals), decision.wake_after)
 
 

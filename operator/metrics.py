@@ -8,6 +8,8 @@
     alpajob_job_phase_seconds{namespace,job,phase}    a job's wall time by phase (status.time,
                                                       the phase in progress counted to now)
     alpajob_job_goodput{namespace,job}                its Running time over all of it but Suspended
+    alpajob_job_phase{namespace,job,phase}            1 for the job's phase, 0 for the others
+    alpajob_job_restarts{namespace,job}               its restarts (status.restarts + disruptions)
 
 The per-job series carry the AlpaJob's own ``namespace`` and ``job`` labels (the
 chart's ServiceMonitor honours them, as the trainers' PodMonitor does), and are
@@ -36,16 +38,23 @@ class JobTimes(Collector):
     counted up to the scrape."""
 
     def __init__(self) -> None:
-        self.jobs: dict[tuple[str, str], tuple[Phase, JobTime]] = {}
+        self.jobs: dict[tuple[str, str], tuple[Phase, JobTime, int]] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         seconds = GaugeMetricFamily("alpajob_job_phase_seconds", "an AlpaJob's wall time by phase",
                                     labels=["namespace", "job", "phase"])
         goodput = GaugeMetricFamily("alpajob_job_goodput", "an AlpaJob's Running time over its "
                                     "planning, starting, running and restarting time", labels=["namespace", "job"])
+        phases = GaugeMetricFamily("alpajob_job_phase", "1 for an AlpaJob's phase, 0 for the others",
+                                   labels=["namespace", "job", "phase"])
+        restarts = GaugeMetricFamily("alpajob_job_restarts", "an AlpaJob's restarts, counted against "
+                                     "backoffLimit or not", labels=["namespace", "job"])
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         buckets = sorted(set(TIME_BUCKETS.values()))
-        for (namespace, job), (phase, books) in sorted(dict(self.jobs).items()):  # a copy: passes add to it
+        for (namespace, job), (phase, books, restarted) in sorted(dict(self.jobs).items()):  # a copy
+            for name in Phase:
+                phases.add_metric([namespace, job, name.value], 1.0 if name is phase else 0.0)
+            restarts.add_metric([namespace, job], restarted)
             so_far = books.model_copy()
             close_phase(so_far, phase, now)  # the phase in progress, counted up to now
             for bucket in buckets:
@@ -55,6 +64,8 @@ class JobTimes(Collector):
                 goodput.add_metric([namespace, job], share)
         yield seconds
         yield goodput
+        yield phases
+        yield restarts
 
 
 class OperatorMetrics:
@@ -85,12 +96,14 @@ class OperatorMetrics:
         for name in Phase:
             self.jobs.labels(name.value).set(sum(1 for p in self._phases.values() if p == name))
 
-    def job_time(self, namespace: str, job: str, phase: Phase | None, books: JobTime | None) -> None:
-        """Record the job's ``status.time`` as a pass left it (None: the job is gone)."""
+    def job_time(self, namespace: str, job: str, phase: Phase | None, books: JobTime | None,
+                 restarts: int = 0) -> None:
+        """Record the job's phase, ``status.time`` and restarts as a pass left them
+        (None: the job is gone)."""
         if phase is None or books is None:
             self.times.jobs.pop((namespace, job), None)
         else:
-            self.times.jobs[namespace, job] = (phase, books)
+            self.times.jobs[namespace, job] = (phase, books, restarts)
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         """Serve ``/metrics`` on ``address:port``; a port that cannot be had is an

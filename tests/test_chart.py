@@ -35,7 +35,7 @@ RELEASE = "alpajob"
 NAMESPACE = "alpajob-system"
 KUBE_VERSION = "1.32"
 #: Kinds kubernetes-validate has no schema for: checked by hand below.
-PROMETHEUS_OPERATOR = {"ServiceMonitor", "PodMonitor"}
+PROMETHEUS_OPERATOR = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 FULL_VALUES: dict[str, Any] = {
     "image": {"repository": "registry.example.com/ml/alpajob", "tag": "0.1.0-rc1",
@@ -59,6 +59,8 @@ FULL_VALUES: dict[str, Any] = {
                          "annotations": {"grafana_folder": "AlpaJob"}},
     "webhook": {"enabled": True, "port": 10443, "certSecret": "alpajob-webhook-tls"},
     "argocd": {"healthCheck": {"enabled": True, "namespace": "argocd", "configMapName": "argocd-cm"}},
+    "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"},
+                       "stalledMinutes": 20, "restartsPerHour": 5, "stageIdleShare": 0.6},
 }
 
 

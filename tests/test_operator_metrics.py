@@ -45,3 +45,15 @@ def test_a_finished_job_stops_counting_and_a_deleted_one_disappears() -> None:
     assert samples['alpajob_job_goodput{job="done",namespace="ml"}'] == 0.6
     metrics.job_time("ml", "done", None, None)
     assert not [s for s in _samples(metrics) if re.search(r'job="done"', s)]
+
+
+def test_each_job_has_its_phase_and_restarts_for_the_alerts() -> None:
+    """The alerts' per-job series: ``alpajob_job_phase`` is 1 for the job's phase only
+    (the stalled-step alert reads the Running ones) and ``alpajob_job_restarts`` its
+    restarts, disruptions included (the restart-loop alert)."""
+    metrics = OperatorMetrics()
+    metrics.job_time("ml", "gpt", Phase.RESTARTING, JobTime(phase_since="2026-11-26T10:00:00Z"), 4)
+    samples = _samples(metrics)
+    phases = {p.value: samples[f'alpajob_job_phase{{job="gpt",namespace="ml",phase="{p.value}"}}'] for p in Phase}
+    assert phases == {p.value: float(p is Phase.RESTARTING) for p in Phase}
+    assert samples['alpajob_job_restarts{job="gpt",namespace="ml"}'] == 4.0

@@ -12,6 +12,8 @@ timed steps' utilization::
     alpajob_loss                                  its loss
     alpajob_eval_loss                             loss on spec.data.eval, last evaluation
     alpajob_step_seconds                          its wall time
+    alpajob_last_step_timestamp_seconds           when it ended (Unix time; the run's start
+                                                  before the first): a stalled run's alert
     alpajob_samples_per_second                    global batch / step seconds
     alpajob_tokens_per_second                     tokens of the batch / step seconds
     alpajob_mfu                                   model FLOPs utilization (trainer/throughput.py)
@@ -82,6 +84,9 @@ class TrainingMetrics:
         self.loss = Gauge("alpajob_loss", "loss of the last step", ["job"], registry=r)
         self.eval_loss = Gauge("alpajob_eval_loss", "loss on spec.data.eval, last evaluation", ["job"], registry=r)
         self.step_seconds = Gauge("alpajob_step_seconds", "wall seconds of the last step", ["job"], registry=r)
+        self.stepped_at = Gauge("alpajob_last_step_timestamp_seconds", "Unix time the last step ended "
+                                "(the run's start before the first)", ["job"], registry=r)
+        self.stepped_at.labels(job).set_to_current_time()
         self.samples = Gauge("alpajob_samples_per_second", "samples per second, last step", ["job"], registry=r)
         self.tokens = Gauge("alpajob_tokens_per_second", "tokens per second, last step", ["job"], registry=r)
         self.mfu = Gauge("alpajob_mfu", "model FLOPs utilization of the last step (0..1)", ["job"], registry=r)
@@ -129,6 +134,7 @@ class TrainingMetrics:
         if progress.eval_loss is not None:
             self.eval_loss.labels(job).set(progress.eval_loss)
         self.step_seconds.labels(job).set(seconds)
+        self.stepped_at.labels(job).set_to_current_time()
         if progress.samples_per_second is not None:
             self.samples.labels(job).set(progress.samples_per_second)
         if progress.tokens_per_second is not None:
