@@ -28,7 +28,9 @@ def run_operator(options: OperatorOptions, *, namespaces: tuple[str, ...] = (), 
     metrics = OperatorMetrics()
     if metrics_port is not None:
         metrics.serve(metrics_port, metrics_bind_address)
-    registry = build_registry(Kube(client_from_environment(), default_image=default_image), metrics, options)
+    api = client_from_environment()
+    metrics.count_requests(api)
+    registry = build_registry(Kube(api, default_image=default_image), metrics, options)
     kopf.run(registry=registry, standalone=True, clusterwide=clusterwide, namespaces=namespaces,
              liveness_endpoint=liveness)
     return 0

@@ -5,6 +5,8 @@
     alpajob_operator_planning_seconds                 histogram: job start to plan ready
     alpajob_operator_restarts_total                   whole-job restarts it ordered
     alpajob_operator_reconcile_errors_total           passes that raised
+    alpajob_operator_api_requests_total{verb,code}    its requests to the Kubernetes API (reads,
+                                                      writes, events; kopf's watches not counted)
     alpajob_job_phase_seconds{namespace,job,phase}    a job's wall time by phase (status.time,
                                                       the phase in progress counted to now)
     alpajob_job_goodput{namespace,job}                its Running time over all of it but Suspended
@@ -80,6 +82,8 @@ class OperatorMetrics:
                                   buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800))
         self.restarts = Counter("alpajob_operator_restarts", "whole-job restarts ordered", registry=r)
         self.errors = Counter("alpajob_operator_reconcile_errors", "reconciliation passes that raised", registry=r)
+        self.api_requests = Counter("alpajob_operator_api_requests", "requests to the Kubernetes API",
+                                    ["verb", "code"], registry=r)
         self._phases: dict[str, str] = {}  # job key -> its phase
         self.times = JobTimes()
         r.register(self.times)
@@ -104,6 +108,27 @@ class OperatorMetrics:
             self.times.jobs.pop((namespace, job), None)
         else:
             self.times.jobs[namespace, job] = (phase, books, restarts)
+
+    def count_requests(self, api: Any) -> None:
+        """Count every request the kubernetes client ``api`` sends, by HTTP verb and
+        status code (0: no answer), in ``alpajob_operator_api_requests_total``."""
+        from kubernetes.client.exceptions import ApiException
+
+        send = api.rest_client.request
+
+        def request(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+            try:
+                response = send(method, url, *args, **kwargs)
+            except ApiException as error:
+                self.api_requests.labels(method, str(error.status or 0)).inc()
+                raise
+            except Exception:  # no answer: refused, timed out, reset
+                self.api_requests.labels(method, "0").inc()
+                raise
+            self.api_requests.labels(method, str(response.status)).inc()
+            return response
+
+        api.rest_client.request = request
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         """Serve ``/metrics`` on ``address:port``; a port that cannot be had is an

@@ -435,7 +435,8 @@ def exposed_metric_names() -> set[str]:
     from alpajob.trainer_image.metrics import TrainingMetrics
 
     trainer = TrainingMetrics("demo", predicted_step_seconds=0.5)
-    report = Progress(step=10, loss=2.5, samples_per_second=80.0, last_checkpoint_step=10)
+    report = Progress(step=10, loss=2.5, eval_loss=2.7, samples_per_second=80.0, tokens_per_second=10240.0,
+                      mfu=0.31, last_checkpoint_step=10)
     trainer.record(report, 0.4, [SimpleNamespace(compute=0.3, idle=0.08, communication=0.02)])
     trainer.predicted_idle.labels("demo", "0").set(0.1)
     trainer.books({"goodput": 0.8, "wall_seconds": 10.0, "productive_seconds": 8.0, "compile_seconds": 2.0})
@@ -446,6 +447,7 @@ def exposed_metric_names() -> set[str]:
     operator.planning.observe(12.0)
     operator.restarts.inc()
     operator.errors.inc()
+    operator.api_requests.labels("GET", "200").inc()
     names = set()
     for registry in (trainer.registry, operator.registry):
         for line in generate_latest(registry).decode().splitlines():
@@ -478,6 +480,16 @@ def test_dashboard_config_map_carries_the_dashboard(full: list[dict[str, Any]]) 
     assert len(config_map["data"]["alpajob.json"].encode()) < 256 * 1024
 
 
+def test_dashboard_json_is_the_one_the_code_builds() -> None:
+    """The chart's dashboard is generated (``alpajob dashboard -o ...``) from
+    ``alpajob.operator.dashboard``, which builds it with Grafana's typed builders:
+    hand edits to the JSON, or code changes not regenerated, fail here."""
+    from alpajob.operator.dashboard import dashboard_json
+
+    assert DASHBOARD.read_text() == dashboard_json(), (
+        "regenerate: alpajob dashboard -o charts/alpajob/files/grafana-dashboard.json")
+
+
 def test_dashboard_panels_are_well_formed() -> None:
     board = dashboard()
     panels = board["panels"]
@@ -506,14 +518,20 @@ def test_dashboard_has_the_panels_users_look_for() -> None:
     for part in ("compute", "idle", "communication"):
         assert f"rate(alpajob_stage_{part}_seconds_total" in denominator
     wanted = {
-        "Step seconds": "alpajob_step_seconds",
-        "Samples per second": "alpajob_samples_per_second",
-        "Loss": "alpajob_loss",
+        "Step seconds, measured and predicted": "alpajob_predicted_step_seconds",
+        "Throughput": "alpajob_tokens_per_second",
+        "Tokens / s": "alpajob_tokens_per_second",
+        "MFU": "alpajob_mfu",
+        "Loss": "alpajob_eval_loss",
+        "Checkpoint age": "alpajob_last_checkpoint_timestamp_seconds",
         "Step and last checkpoint step": "alpajob_checkpoint_step",
-        "Restarts": "alpajob_restarts_total",
+        "Restarts": "alpajob_job_restarts",
         "AlpaJobs by phase": "alpajob_operator_jobs",
+        "API requests": "alpajob_operator_api_requests_total",
+        "Reconcile and planning seconds": "alpajob_operator_reconcile_seconds_bucket",
         "Goodput": "alpajob_job_goodput",
         "Badput by bucket": "alpajob_badput_seconds",
+        "Data wait": "alpajob_badput_seconds",
         "Bubble share per stage, measured and predicted": "alpajob_stage_predicted_idle_share",
     }
     for title, metric in wanted.items():
@@ -524,7 +542,7 @@ def test_dashboard_queries_only_metrics_that_exist() -> None:
     exposed = exposed_metric_names()
     board = dashboard()
     queries = [expr for _, expr in targets()]
-    queries += [v["definition"] for v in board["templating"]["list"] if v["type"] == "query"]
+    queries += [v["query"] for v in board["templating"]["list"] if v["type"] == "query"]
     used = {name for q in queries for name in re.findall(r"\balpajob_[a-z_]+\b", q)}
     assert used and used <= exposed, sorted(used - exposed)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,6 +205,8 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     assert 'alpajob_operator_jobs{phase="Running"} 1.0' in metrics
     assert "alpajob_operator_reconcile_seconds_count" in metrics
     assert "alpajob_operator_planning_seconds_count 1.0" in metrics
+    created = re.search(r'alpajob_operator_api_requests_total\{code="201",verb="POST"\} (\S+)', metrics)
+    assert created and float(created.group(1)) >= 4  # its children: ConfigMaps, Services, pods
     with urllib.request.urlopen(f"http://127.0.0.1:{operator.liveness_port}/healthz", timeout=10) as probe:
         assert probe.status == 200  # the Deployment's liveness and readiness probes
     head = cluster.pods("gpt-a")["gpt-a-0-head"].spec.containers[0]

@@ -145,9 +145,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus,
 
 def test_every_training_panel_has_data_and_every_query_is_valid(live: tuple[Prometheus, subprocess.Popen]) -> None:
     prometheus, run = live
-    # Training has begun and a checkpoint is complete: the slowest panel's series.
-    _wait("a checkpoint step scraped", lambda: run.poll() is None and prometheus.query(
-        'alpajob_checkpoint_step{namespace="ml", job="text-gpt"} > 0'), 300)
+    # Training has begun, a checkpoint is complete and the first evaluation (step 50)
+    # is done: the slowest panels' series.
+    _wait("a checkpoint and an evaluation scraped", lambda: run.poll() is None and prometheus.query(
+        'alpajob_checkpoint_step{namespace="ml", job="text-gpt"} > 0') and prometheus.query(
+        'alpajob_eval_loss{namespace="ml", job="text-gpt"}'), 300)
     _wait("two scrapes of the stage counters, for rate()", lambda: prometheus.query(
         "count_over_time(alpajob_stage_compute_seconds_total[1m]) >= 2"), 60)
     empty = []

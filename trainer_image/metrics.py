@@ -19,6 +19,7 @@ timed steps' utilization::
     alpajob_mfu                                   model FLOPs utilization (trainer/throughput.py)
     alpajob_predicted_step_seconds                the plan's prediction
     alpajob_checkpoint_step                       the last complete checkpoint's step
+    alpajob_last_checkpoint_timestamp_seconds     when the trainer first reported it (Unix time)
     alpajob_restarts_total                        restarts from a checkpoint (Ray runtime)
     alpajob_goodput                               productive step time / wall time so far
     alpajob_badput_seconds{bucket="compile"}      the rest of the wall time, by bucket
@@ -98,6 +99,9 @@ class TrainingMetrics:
         self.idle_total = Counter("alpajob_stage_idle_seconds", "stage idle seconds", _LABELS, registry=r)
         self.comm_total = Counter("alpajob_stage_communication_seconds", "stage communication seconds", _LABELS, registry=r)
         self.checkpoint = Gauge("alpajob_checkpoint_step", "step of the last complete checkpoint", ["job"], registry=r)
+        self.checkpointed_at = Gauge("alpajob_last_checkpoint_timestamp_seconds", "Unix time the trainer "
+                                     "first reported the last complete checkpoint", ["job"], registry=r)
+        self._checkpoint_step: int | None = None
         self.restarts = Counter("alpajob_restarts", "restarts of every mesh from the last checkpoint", ["job"], registry=r)
         self.predicted_idle = Gauge("alpajob_stage_predicted_idle_share",
                                     "the plan's predicted idle (bubble) share of a step", _LABELS, registry=r)
@@ -143,6 +147,9 @@ class TrainingMetrics:
             self.mfu.labels(job).set(progress.mfu)
         if progress.last_checkpoint_step is not None:
             self.checkpoint.labels(job).set(progress.last_checkpoint_step)
+            if progress.last_checkpoint_step != self._checkpoint_step:
+                self._checkpoint_step = progress.last_checkpoint_step
+                self.checkpointed_at.labels(job).set_to_current_time()
         for index, times in enumerate(stages):
             labels = (job, str(index))
             self.compute.labels(*labels).set(times.compute)

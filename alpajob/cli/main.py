@@ -12,7 +12,8 @@ Subcommands (one module each):
 - ``alpajob operator`` (:mod:`.operator`): the Kubernetes operator;
 - ``alpajob models``: the zoo's named configurations;
 - ``alpajob schema``: the Plan document's JSON schema;
-- ``alpajob crd``: the AlpaJob CustomResourceDefinition (generated from the typed spec).
+- ``alpajob crd``: the AlpaJob CustomResourceDefinition (generated from the typed spec);
+- ``alpajob dashboard``: the Grafana dashboard (built with Grafana's typed builders).
 
 User errors (a bad manifest or flag, an impossible cluster, a model that does not fit)
 print one line naming the problem and the fix and exit with status 2; no traceback.
@@ -50,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     crd = sub.add_parser("crd", help="print the AlpaJob CustomResourceDefinition (YAML)")
     crd.add_argument("--output", "-o", action="append",
                      help="write it to this file instead (repeatable: manifests/ and the chart)")
+    board = sub.add_parser("dashboard", help="print the AlpaJob Grafana dashboard (JSON)")
+    board.add_argument("--output", "-o", help="write it to this file instead "
+                                              "(the chart's: charts/alpajob/files/grafana-dashboard.json)")
     return parser
 
 
@@ -74,6 +78,19 @@ def _crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from alpajob.operator.dashboard import dashboard_json
+
+    text = dashboard_json()
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def _dispatch(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.command == "plan":
         return planning.run(args, out, err)
@@ -94,6 +111,8 @@ def _dispatch(args: argparse.Namespace, out: Console, err: Console) -> int:
         return 0
     if args.command == "crd":
         return _crd(args)
+    if args.command == "dashboard":
+        return _dashboard(args)
     done = ray.dispatch(args, out)
     return 1 if done is None else done
 
