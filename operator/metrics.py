@@ -35,9 +35,10 @@ from alpajob.operator.status import TIME_BUCKETS, close_phase
 
 
 class JobTimes(Collector):
-    """``alpajob_job_phase_seconds`` and ``alpajob_job_goodput`` of every job, from the
-    :class:`~alpajob.api.status.JobTime` its last pass saw, the phase in progress
-    counted up to the scrape."""
+    """``alpajob_job_phase_seconds``, ``alpajob_job_goodput``, ``alpajob_job_phase`` and
+    ``alpajob_job_restarts`` of every job, from the phase, the
+    :class:`~alpajob.api.status.JobTime` and the restarts its last pass saw, the phase
+    in progress counted up to the scrape."""
 
     def __init__(self) -> None:
         self.jobs: dict[tuple[str, str], tuple[Phase, JobTime, int]] = {}

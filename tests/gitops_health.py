@@ -98,3 +98,37 @@ def kstatus(obj: dict[str, Any]) -> str:
     if conditions.get("Stalled", {}).get("status") == "True":
         return "Failed"
     return "Current"
+
+
+#: Why the operator put the fixture job in each phase (reason, message).
+PHASE_REASONS = {
+    "Pending": ("Created", ""),
+    "Planning": ("Planning", "the planner pod gpt-small-planner is running"),
+    "Starting": ("PodsStarting", "0 of 3 pods running"),
+    "Running": ("Training", "step 40 of 100"),
+    "Restarting": ("PodFailed", "pod gpt-small-0-m1-h0 failed (OOMKilled); restart 1 of 3"),
+    "Succeeded": ("TrainingFinished", "trained 100 steps"),
+    "Failed": ("PlanningFailed", "spec.model: gpt 175b needs 350.2 GiB per device on 8 x a100-80gb; "
+                                 "the largest plan holds 72.0 GiB: add nodes or choose a smaller model"),
+    "Suspended": ("Suspended", "spec.runPolicy.suspend is true"),
+}
+
+
+def phase_fixture(phase: str) -> dict[str, Any]:
+    """``testdata/phase-<phase>.yaml``: a job the operator's own status code
+    (:func:`~alpajob.operator.status.set_phase`) put in ``phase``, from Pending."""
+    from alpajob.api.status import Phase, PlanSummary, Status
+    from alpajob.operator.status import set_phase
+
+    status = Status()
+    set_phase(status, Phase.PENDING, "Created", "", 1, "2026-11-27T10:00:00Z", False)
+    if phase not in ("Pending", "Planning", "Failed"):
+        status.plan = PlanSummary(config_map="gpt-small-plan", hash="3f2a", stages=2, meshes=2,
+                                  predicted_step_seconds=0.41, num_micro_batches=4)
+    reason, message = PHASE_REASONS[phase]
+    set_phase(status, Phase(phase), reason, message, 1, "2026-11-27T10:05:00Z", phase == "Running")
+    return {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob",
+            "metadata": {"name": "gpt-small", "namespace": "ml", "generation": 1},
+            "spec": {"model": {"zoo": "gpt", "config": "tiny"},
+                     "training": {"globalBatchSize": 32, "steps": 100}},
+            "status": status.to_dict()}

@@ -12,6 +12,7 @@ written by hand.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,16 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gitops_health import ARGOCD, FLUX, CelError, argocd_health, flux_health, kstatus  # noqa: E402
+from gitops_health import (  # noqa: E402
+    ARGOCD,
+    FLUX,
+    PHASE_REASONS,
+    CelError,
+    argocd_health,
+    flux_health,
+    kstatus,
+    phase_fixture,
+)
 
 CASES = yaml.safe_load((ARGOCD / "health_test.yaml").read_text())["tests"]
 #: Argo CD's verdict -> what Flux and kstatus must say of the same object.
@@ -33,6 +43,18 @@ ARGO_OF_PHASE = {"Pending": "Progressing", "Planning": "Progressing", "Starting"
 
 def load(case: dict) -> dict:
     return yaml.safe_load((ARGOCD / case["inputPath"]).read_text())
+
+
+@pytest.mark.parametrize("phase", sorted(PHASE_REASONS))
+def test_phase_fixtures_are_what_the_operator_writes(phase):
+    """``phase-*.yaml`` stay what the operator's status code writes today
+    (``ALPAJOB_CAPTURE_GITOPS=1`` rewrites them, as it captures the e2e ones)."""
+    path = ARGOCD / "testdata" / f"phase-{phase.lower()}.yaml"
+    expected = phase_fixture(phase)
+    if os.environ.get("ALPAJOB_CAPTURE_GITOPS"):
+        path.write_text(f"# the operator's status code (set_phase) for phase {phase}\n"
+                        + yaml.safe_dump(expected, sort_keys=False))
+    assert yaml.safe_load(path.read_text()) == expected
 
 
 def test_every_testdata_file_is_a_case_and_every_phase_has_one():
