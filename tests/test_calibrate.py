@@ -133,6 +133,7 @@ def test_calibrate_measures_this_machine_and_plans_with_it(tmp_path, capsys):
     assert f"cost-model constants from {out}: 8 x cpu (cpu)" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # about 45 s: a GPT step timed on one device and on all 8, seven rounds
 def test_calibrate_measures_the_share_one_device_reaches_alone(tmp_path):
     """The host step times a small GPT's step on one forced device alone and on all
     8 at once (each its own copy): the lone device's share of the host's throughput,

@@ -32,6 +32,9 @@ from test_chart import CHART, dashboard, grafana_to_promql  # noqa: E402
 
 from alpajob.trainer_image.distributed.loopback import free_port  # noqa: E402
 
+#: About 40 s (a run's start and a minute of scrapes): `.ci/run` runs it with the slow ones.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Series only the operator exposes: their panels are empty without one.
 OPERATOR_ONLY = re.compile(r"alpajob_operator_|alpajob_job_")
