@@ -66,6 +66,9 @@ CASES = {
     "moe-shard": ("moe", "tiny", {"method": "shard", "numLayers": 2}, 4),
     "wresnet-shard": ("wresnet", "tiny", {"method": "shard", "numLayers": 4}, 2),
 }
+#: The cases, Wide-ResNet's (about 20 s each here) with the slow ones (`.ci/run` runs them).
+PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c.startswith("wresnet") else c
+          for c in sorted(CASES)]
 
 
 def _trains_as_serial(job: Any, plan: Plan, tmp_path: Path) -> Any:
@@ -81,7 +84,7 @@ def _trains_as_serial(job: Any, plan: Plan, tmp_path: Path) -> Any:
     return parallel
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", PARAMS)
 def test_rematerialised_training_equals_serial(case: str, tmp_path: Path) -> None:
     zoo, config, parallelism, devices = CASES[case]
     job = _job(zoo, config, parallelism, devices)
@@ -112,7 +115,7 @@ def _in_parts(plan: Plan) -> Plan:
     return plan.model_copy(update={"stages": stages})
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", PARAMS)
 def test_training_in_block_parts_equals_serial(case: str, tmp_path: Path) -> None:
     """The runtime recomputes a stage in parts cut anywhere at parameters: the
     grouped and the plain interpreters, MoE's integer routing, convolutions."""
