@@ -38,6 +38,12 @@ def argocd_health(obj: dict[str, Any] | None, script: Path = ARGOCD / "health.lu
 
 
 FLUX = ROOT / "gitops" / "flux" / "alpajob-health.yaml"
+#: What each phase must read as, once the operator has seen the job's spec: (Argo CD's
+#: health, Flux's and kstatus's status). Running is Healthy once Ready.
+VERDICTS = {"Pending": ("Progressing", "InProgress"), "Planning": ("Progressing", "InProgress"),
+            "Starting": ("Progressing", "InProgress"), "Restarting": ("Progressing", "InProgress"),
+            "Running": ("Healthy", "Current"), "Succeeded": ("Healthy", "Current"),
+            "Suspended": ("Suspended", "Current"), "Failed": ("Degraded", "Failed")}
 #: The object's top-level fields, each a variable of Flux's health expressions.
 TOP_LEVEL = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
 

@@ -10,15 +10,19 @@ target's ``instance``), one sample a minute.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-CHART = Path(__file__).resolve().parent.parent / "charts" / "alpajob"
+sys.path.insert(0, str(Path(__file__).parent))
+from test_chart import FULL_VALUES, NAMESPACE, exposed_metric_names, find, render  # noqa: E402
+
 TRAINER = {"namespace": "ml", "job": "gpt", "instance": "10.0.0.5:9090"}
 
 
@@ -33,11 +37,8 @@ def rules(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("promtool") is None:
         pytest.skip("promtool not installed (Debian package prometheus)")
     helm = pytest.importorskip("helm_python")
-    with helm.Chart.load(CHART) as chart:
-        rendered = chart.render({"prometheusRule": {"enabled": True}}, name="alpajob",
-                                namespace="alpajob-system", is_install=True)
-    [rule] = [yaml.safe_load(text) for name, text in rendered.items() if name.endswith("prometheusrule.yaml")]
-    assert rule["kind"] == "PrometheusRule"
+    rule = find(render(helm, {"prometheusRule": {"enabled": True}}), "PrometheusRule", "alpajob-alerts",
+                NAMESPACE)
     path = tmp_path_factory.mktemp("rules") / "alpajob-rules.yaml"
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     done = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
@@ -154,14 +155,8 @@ def test_the_operator_down_for_5_minutes_fires(rules: Path) -> None:
 def test_the_values_reach_the_rules_and_every_metric_exists() -> None:
     """The thresholds come from the values; the rules read only series that the
     trainer and the operator expose (or Prometheus's own ``up``)."""
-    import re
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_chart import FULL_VALUES, exposed_metric_names, find, render
-
     helm = pytest.importorskip("helm_python")
-    rule = find(render(helm, dict(FULL_VALUES)), "PrometheusRule", "alpajob-alerts", "alpajob-system")
+    rule = find(render(helm, dict(FULL_VALUES)), "PrometheusRule", "alpajob-alerts", NAMESPACE)
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     exprs = {r["alert"]: r["expr"] for r in rule["spec"]["groups"][0]["rules"]}
     assert "> 1200" in exprs["AlpaJobStepStalled"] and ">= 5" in exprs["AlpaJobRestartLoop"]

@@ -24,6 +24,7 @@ from gitops_health import (  # noqa: E402
     ARGOCD,
     FLUX,
     PHASE_REASONS,
+    VERDICTS,
     CelError,
     argocd_health,
     flux_health,
@@ -36,9 +37,7 @@ CASES = yaml.safe_load((ARGOCD / "health_test.yaml").read_text())["tests"]
 FLUX_OF = {"Progressing": "InProgress", "Healthy": "Current", "Suspended": "Current",
            "Degraded": "Failed"}
 #: Argo CD's verdict on a phase (the issue's table), for a spec the operator has seen.
-ARGO_OF_PHASE = {"Pending": "Progressing", "Planning": "Progressing", "Starting": "Progressing",
-                 "Restarting": "Progressing", "Running": "Healthy", "Succeeded": "Healthy",
-                 "Failed": "Degraded", "Suspended": "Suspended"}
+ARGO_OF_PHASE = {phase: argo for phase, (argo, _flux) in VERDICTS.items()}
 
 
 def load(case: dict) -> dict:

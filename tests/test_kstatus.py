@@ -13,7 +13,7 @@ from alpajob.api.status import ConditionType, Phase, Status
 from alpajob.operator.status import set_phase
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gitops_health import kstatus  # noqa: E402
+from gitops_health import VERDICTS, kstatus  # noqa: E402
 
 NOW = "2026-11-27T10:00:00Z"
 
@@ -29,11 +29,7 @@ def job_in(phase: Phase, generation: int = 2, reason: str = "Because", message: 
             "status": status.to_dict()}
 
 
-EXPECTED = {
-    Phase.PENDING: "InProgress", Phase.PLANNING: "InProgress", Phase.STARTING: "InProgress",
-    Phase.RESTARTING: "InProgress", Phase.RUNNING: "Current", Phase.SUCCEEDED: "Current",
-    Phase.SUSPENDED: "Current", Phase.FAILED: "Failed",
-}
+EXPECTED = {Phase(phase): flux for phase, (_argo, flux) in VERDICTS.items()}
 
 
 def test_every_phase_has_an_expected_result():

@@ -31,7 +31,7 @@ from kubernetes import client  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from e2e_cluster import emulator_only, open_cluster  # noqa: E402
-from gitops_health import ARGOCD, argocd_health, flux_health, kstatus  # noqa: E402
+from gitops_health import ARGOCD, VERDICTS, argocd_health, flux_health, kstatus  # noqa: E402
 from kube_emulator import Emulator  # noqa: E402
 
 from alpajob.api.names import FINALIZER, LABEL_JOB, MANIFEST_KEY  # noqa: E402
@@ -577,11 +577,6 @@ def test_the_test_api_server_prunes_undeclared_fields_as_a_real_one_does(cluster
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-prune")
 
 
-#: What each tool must say of a job in each phase whose spec the operator has seen.
-GITOPS = {"Pending": ("Progressing", "InProgress"), "Planning": ("Progressing", "InProgress"),
-          "Starting": ("Progressing", "InProgress"), "Restarting": ("Progressing", "InProgress"),
-          "Running": ("Healthy", "Current"), "Succeeded": ("Healthy", "Current"),
-          "Suspended": ("Suspended", "Current"), "Failed": ("Degraded", "Failed")}
 
 
 def test_gitops_tools_read_every_status_the_operator_wrote(seen: dict[tuple[str, str], dict[str, Any]]) -> None:
@@ -598,7 +593,7 @@ def test_gitops_tools_read_every_status_the_operator_wrote(seen: dict[tuple[str,
         if status.get("observedGeneration") != job["metadata"]["generation"]:
             argo, flux = "Progressing", "InProgress"  # a spec edit the operator has not seen yet
         else:
-            argo, flux = GITOPS[phase]
+            argo, flux = VERDICTS[phase]
         health = argocd_health(job)
         assert health["status"] == argo, (name, phase, health)
         deleting = bool(job["metadata"].get("deletionTimestamp"))  # read while being deleted

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_chart import CHART, dashboard, grafana_to_promql  # noqa: E402
+from test_chart import NAMESPACE, dashboard, find, grafana_to_promql, render  # noqa: E402
 
 from alpajob.trainer_image.distributed.loopback import free_port  # noqa: E402
 
@@ -55,10 +55,8 @@ def _wait(what: str, check: Callable[[], Any], timeout: float) -> Any:
 def _rules(directory: Path) -> Path:
     """The chart's alert rules, the stalled-step alert cut to seconds."""
     helm = pytest.importorskip("helm_python")
-    with helm.Chart.load(CHART) as chart:
-        rendered = chart.render({"prometheusRule": {"enabled": True, "stalledMinutes": 1}},
-                                name="alpajob", namespace="alpajob-system", is_install=True)
-    [rule] = [yaml.safe_load(t) for n, t in rendered.items() if n.endswith("prometheusrule.yaml")]
+    rule = find(render(helm, {"prometheusRule": {"enabled": True, "stalledMinutes": 1}}),
+                "PrometheusRule", "alpajob-alerts", NAMESPACE)
     groups = rule["spec"]["groups"]
     for r in groups[0]["rules"]:
         if r["alert"] == "AlpaJobStepStalled":
