@@ -236,7 +236,8 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None) -> dic
     saves: dict[str, Any] = {}
     if checkpoint.get("volume"):
         saves = {"checkpoint_dir": f"{CHECKPOINT_DIR}/{checkpoint.get('path') or names.job}",
-                 "checkpoint_every": checkpoint.get("intervalSteps", 500)}
+                 "checkpoint_every": checkpoint.get("intervalSteps", 500),
+                 "checkpoint_volume": f"PersistentVolumeClaim {checkpoint['volume']} at {CHECKPOINT_DIR}"}
     runtime = _runtime(job, names, Role.HEAD, plan=PLAN_PATH, ray_port=RAY_PORT,
                        metrics_port=METRICS_PORT,
                        progress_configmap=f"{job['metadata']['namespace']}/{names.progress}", **saves)

@@ -122,6 +122,37 @@ def _terminating(pod: Mapping[str, Any]) -> bool:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
 
 
+def _uid(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("uid") or "")
+
+
+def _finished_at(pod: Mapping[str, Any]) -> str:
+    """When the pod's container terminated (RFC 3339, sorts as text); ``~`` (after
+    every time) when it has not."""
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        at = ((container.get("state") or {}).get("terminated") or {}).get("finishedAt")
+        if at:
+            return str(at)
+    return "~"
+
+
+def _by_finish(names: list[str], pods: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """``names`` in the order their pods' containers ended, the first first: when one
+    pod's failure takes the others down (the head's error, then every mesh's lost
+    Ray connection), the cause is named first. Ties keep the head first."""
+    return sorted(names, key=lambda n: (_finished_at(pods[n]), (pods[n].get("metadata") or {})
+                                        .get("labels", {}).get(LABEL_ROLE) != Role.HEAD.value, n))
+
+
+def _ending(name: str, pod: Mapping[str, Any]) -> str:
+    """How pod ``name`` ended, for a message: ``<pod> failed: <its message>``,
+    ``<pod> was evicted: ...``, or ``<pod> was deleted`` (through the API, while it ran)."""
+    if _terminating(pod) and _phase(pod) != "Failed":
+        return f"{name} was deleted"
+    how = "was evicted" if (pod.get("status") or {}).get("reason") == "Evicted" else "failed"
+    return f"{name} {how}: {_pod_message(pod)}"
+
+
 def _pod_message(pod: Mapping[str, Any]) -> str:
     """The reason a pod failed: its container's termination message, else its status."""
     status = pod.get("status") or {}
@@ -143,23 +174,38 @@ def _exit_code(pod: Mapping[str, Any]) -> int | None:
     return None
 
 
+#: Seconds after a pod's deletion time (its ``deletionTimestamp``: the delete plus its
+#: grace period) when the operator forces the deletion of a pod still there: past the
+#: grace period its kubelet has sent SIGKILL already, so only a kubelet that cannot
+#: confirm (a hung or partitioned node) keeps the pod, and a new attempt waits for it.
+FORCE_AFTER = 15.0
+
 #: The condition Kubernetes gives a pod it disrupts (preemption, eviction, its node
 #: lost); the operator also gives it to a pod that vanished or whose node is not Ready.
 DISRUPTION = ("DisruptionTarget", "True")
 
 
+def disrupted(pod: Mapping[str, Any], ready_nodes: frozenset[str]) -> bool:
+    """Did Kubernetes or a person, not the job, end ``pod``? It was deleted through the
+    API (``kubectl delete pod``: a current attempt's pod is never deleted by the
+    operator), evicted (the kubelet's ``reason: Evicted``), or its node is not Ready."""
+    status = pod.get("status") or {}
+    node = (pod.get("spec") or {}).get("nodeName")
+    return _terminating(pod) or status.get("reason") == "Evicted" or bool(node and node not in ready_nodes)
+
+
 def failure_action(rules: Sequence[PodFailureRule], pod: Mapping[str, Any] | None,
                    ready_nodes: frozenset[str]) -> tuple[FailureAction, int | None]:
     """What a failed pod (None: one that vanished) does, by the first rule it matches
-    (Count when none does), and that rule's index."""
+    (Count when none does), and that rule's index. A pod that was :func:`disrupted`
+    has ``DisruptionTarget=True`` whatever its own conditions say."""
     conditions: set[tuple[str, str]] = set()
     code = None
     if pod is None:
         conditions.add(DISRUPTION)
     else:
         conditions |= {(str(c.get("type")), str(c.get("status"))) for c in (pod.get("status") or {}).get("conditions") or []}
-        node = (pod.get("spec") or {}).get("nodeName")
-        if node and node not in ready_nodes:
+        if disrupted(pod, ready_nodes):
             conditions.add(DISRUPTION)
         code = _exit_code(pod)
     for index, rule in enumerate(rules):
@@ -219,14 +265,26 @@ class _Pass:
         return out
 
     def delete_pods(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
-        """Delete ``pods``; one stuck terminating on a node that is gone is forced."""
+        """Delete ``pods``. One already terminating is left to its kubelet for its grace
+        period, then forced (its API object removed: the kubelet still kills what is
+        left) :data:`FORCE_AFTER` seconds later, or at once when its node is not Ready
+        (a lost node's kubelet never confirms), as the pod garbage collector does."""
         for name, pod in pods.items():
             node = (pod.get("spec") or {}).get("nodeName")
-            if _terminating(pod):
-                if node and node not in self.seen.ready_nodes:
-                    self.decision.delete.append(("Pod", name, 0))
+            if not _terminating(pod):
+                self.decision.delete.append(("Pod", name, None))
                 continue
-            self.decision.delete.append(("Pod", name, None))
+            if node and node not in self.seen.ready_nodes:
+                self.decision.delete.append(("Pod", name, 0))
+                continue
+            due = _parse_time(pod["metadata"]["deletionTimestamp"])
+            if due is None:
+                continue
+            left = FORCE_AFTER - (self.seen.now.replace(tzinfo=None) - due).total_seconds()
+            if left <= 0:
+                self.decision.delete.append(("Pod", name, 0))
+            else:
+                self.decision.wake(left)
 
     @property
     def plan(self) -> Plan:
@@ -290,6 +348,7 @@ class _Pass:
         self.attempt += 1
         self.names = ChildNames(self.meta["name"], self.attempt)
         self.status.children.attempt = self.attempt
+        self.status.children.replaced = None
 
     def read_plan(self) -> bool:
         """The plan from ``<job>-plan`` into ``plan_doc``; False (and Failed) if it is not
@@ -354,23 +413,25 @@ class _Pass:
         current = self.pods_of(self.attempt)
         created = self.status.children.created == self.attempt
         expected = [self.names.head] + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts()]
-        failed = [n for n, p in current.items() if _phase(p) == "Failed"]
+        judged_before = set(self.status.children.replaced or [])
+        # Failed, or deleted through the API while it ran (judged once: a pod replaced
+        # in place is remembered by uid until it is gone).
+        failed = _by_finish([n for n, p in current.items()
+                             if (_phase(p) == "Failed" or _terminating(p)) and _phase(p) != "Succeeded"
+                             and _uid(p) not in judged_before], current)
         missing = [n for n in expected if created and n not in self.seen.pods]
         head_done = _phase(current.get(self.names.head)) == "Succeeded"
         # restartScope FailedPods: while the head runs, a failed mesh pod is replaced
         # alone, and a missing one is simply created again (ensure_children).
         in_place = (self.run_policy.get("restartScope") == "FailedPods"
                     and _phase(current.get(self.names.head)) == "Running"
+                    and not _terminating(current[self.names.head])
                     and self.names.head not in failed + missing)
         if in_place:
             missing = []
-        # Old attempts' pods: deleted, forced when stuck on a lost node.
-        self.delete_pods({n: p for n, p in self.seen.pods.items()
-                          if n not in current and n != self.names.planner})
         if head_done or not (failed or missing):
             return False
-        what = ", ".join([f"{n} failed: {_pod_message(current[n])}" for n in failed]
-                         + [f"{n} is gone" for n in missing])
+        what = ", ".join([_ending(n, current[n]) for n in failed] + [f"{n} is gone" for n in missing])
         policy = RunPolicy.model_validate(self.run_policy)
         rules = policy.failure_rules()
         judged = [failure_action(rules, current[n], self.seen.ready_nodes) for n in failed]
@@ -402,6 +463,8 @@ class _Pass:
             self.delete_pods(self.pods_of(self.attempt))
             return
         self.delete_pods(pods)
+        self.status.children.replaced = sorted({*(self.status.children.replaced or []),
+                                                *(uid for p in pods.values() if (uid := _uid(p)))})
         self.phase(Phase.RESTARTING, "MeshPodReplaced",
                    f"{what}; replacing {', '.join(sorted(pods))} while the driver restarts every stage "
                    f"from the last checkpoint ({tally})")
@@ -479,6 +542,22 @@ class _Pass:
             self.delete_pods({self.names.planner: planner})
         self.decision.events.append(("Normal", "Replanning", why))
 
+    def old_pods_linger(self) -> bool:
+        """True while a pod of an earlier attempt is still there (terminating for its
+        grace period: a head that saves its last checkpoint and releases the checkpoint
+        folder, a mesh pod whose Ray worker still holds its host's resource). The next
+        attempt's pods are created only once every one is gone, so two attempts never
+        run side by side; :meth:`delete_pods` forces the stragglers."""
+        old = {n: p for n, p in self.seen.pods.items()
+               if n != self.names.planner and n not in self.pods_of(self.attempt)}
+        if not old:
+            return False
+        self.delete_pods(old)
+        phase = self.status.phase if self.status.phase in (Phase.RESTARTING, Phase.STARTING) else Phase.RESTARTING
+        self.phase(phase, "OldPodsTerminating",
+                   f"waiting for {len(old)} pod(s) of an earlier attempt to terminate: {', '.join(sorted(old))}")
+        return True
+
     def ensure_children(self) -> bool:
         """Create what is missing; True if the pool cannot hold the plan any more."""
         names, job, gang = self.names, self.job, self.seen.gang
@@ -492,9 +571,9 @@ class _Pass:
         hosts = self.hosts()
         cluster = self.plan.cluster
         cpu = (cluster.get("device") or {}).get("name") == "cpu" or cluster.get("preset") == "cpu"
-        created = self.status.children.created
+        before = self.status.children
         self.status.children = names.to_status([(m, h) for m, h, _ in hosts])
-        self.status.children.created = created
+        self.status.children.created, self.status.children.replaced = before.created, before.replaced
         if names.service not in self.seen.services:
             self.decision.create.append(children.head_service(job, names))
         if names.hosts_service not in self.seen.services:
@@ -551,14 +630,26 @@ class _Pass:
             total = sum(m.total_pods for m in meshes.values())
             self.phase(Phase.STARTING, "PodsStarting", f"{ready} of {total} mesh pods running")
 
-    def run(self) -> Decision:
+    def steps(self) -> None:
         if self.finished() or self.deadline() or self.suspend() or self.ensure_plan():
-            return self.decision
-        if self.restart():
-            return self.decision
-        if self.ensure_children():
-            return self.decision
+            return
+        if self.restart() or self.old_pods_linger() or self.ensure_children():
+            return
         self.observe()
+
+    def count_restarts(self) -> None:
+        """``status.progress.restarts``: every restart of the job from a checkpoint, as
+        the operator booked them (``restarts`` + ``disruptions``). The report comes from
+        the driver of the current attempt, which knows only its own; the job's status
+        must not say 0 restarts beside ``restarts: 1``."""
+        progress = self.status.progress
+        total = self.status.restarts + self.status.disruptions
+        if progress is not None and progress.restarts != total:
+            self.status.progress = progress.model_copy(update={"restarts": total})
+
+    def run(self) -> Decision:
+        self.steps()
+        self.count_restarts()
         return self.decision
 
 

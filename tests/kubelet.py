@@ -219,8 +219,9 @@ class Kubelet:
         self.finished[running.name] = code
         self.ended.add(running.uid)
         text = running.log.read_text(errors="replace") if running.log.exists() else ""
+        finished = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                                "message": text[-2000:] if code else ""}}
+                                "message": text[-2000:] if code else "", "finishedAt": finished}}
         with contextlib.suppress(client.ApiException):
             pod = self.core.read_namespaced_pod(running.name, self.namespace)
             self._status(running.name, {"phase": "Succeeded" if code == 0 else "Failed",

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -14,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from alpajob.trainer_image.checkpoint.fingerprint import fingerprints, mismatches
 from alpajob.trainer_image.checkpoint.local import LocalCheckpoints
-from alpajob.trainer_image.checkpoint.lock import CheckpointError, FolderLock
+from alpajob.trainer_image.checkpoint.lock import CheckpointError, FolderBusy, FolderLock
 from alpajob.trainer_image.checkpoint.names import targets
 from alpajob.trainer_image.checkpoint.store import (
     DAMAGED,
@@ -218,12 +221,97 @@ def test_a_checkpoint_of_another_model_is_refused_not_set_aside(tmp_path: Path) 
 
 
 def test_two_runs_cannot_write_one_folder(tmp_path: Path) -> None:
+    """The second run is refused at once, naming the first; exit 3 (a restart may find
+    the folder free), never 2, which the operator reads as a configuration error."""
     first = LocalCheckpoints(tmp_path, keep_last=2, asynchronous=True)
-    with pytest.raises(CheckpointError, match=f"another run \\(pid {os.getpid()} on .*\\) is writing"):
+    with pytest.raises(FolderBusy, match=f"another run \\(pid {os.getpid()} on .*\\) is writing") as busy:
         LocalCheckpoints(tmp_path, keep_last=2, asynchronous=True)
+    assert busy.value.exit_code == 3
     first.close()
     with FolderLock(tmp_path):  # free again once the first run is done
         pass
+
+
+_HOLD = """
+import sys, time
+from alpajob.trainer_image.checkpoint.lock import FolderLock
+lock = FolderLock(sys.argv[1], job=sys.argv[2], attempt=int(sys.argv[3]))
+lock.acquire()
+print("held", flush=True)
+time.sleep(float(sys.argv[4]))
+lock.release()
+"""
+
+
+def _holder(folder: Path, job: str, attempt: int, seconds: float) -> subprocess.Popen:
+    """A process (an old head pod) holding ``folder`` for ``seconds``."""
+    process = subprocess.Popen([sys.executable, "-c", _HOLD, str(folder), job, str(attempt), str(seconds)],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "held"
+    return process
+
+
+def test_a_new_attempt_takes_the_folder_over_once_the_old_attempt_lets_go(tmp_path: Path) -> None:
+    """Attempt 0's head still terminates (saving its last checkpoint) when attempt 1's
+    driver starts: attempt 1 waits for the lock, says so, and takes it over; a run of
+    another job is refused at once, naming the holder's job and attempt."""
+    old = _holder(tmp_path, "gpt", 0, 2.0)
+    said: list[str] = []
+    began = time.monotonic()
+    with pytest.raises(FolderBusy, match="job gpt attempt 0, pid"):
+        FolderLock(tmp_path, job="other", attempt=1).acquire()
+    assert time.monotonic() - began < 1.0  # not this job's: no wait
+    with FolderLock(tmp_path, job="gpt", attempt=1, wait_for_older=30, say=said.append) as lock:
+        waited = time.monotonic() - began
+        assert lock.holder() == lock.me and lock.me.attempt == 1
+    assert old.wait(10) == 0
+    assert 1.0 < waited < 10.0
+    assert "waiting up to 30 s for job gpt attempt 0" in said[0] and said[1].startswith("took over")
+
+
+def test_an_old_attempt_that_outlasts_the_wait_is_a_transient_failure(tmp_path: Path) -> None:
+    old = _holder(tmp_path, "gpt", 0, 30.0)
+    try:
+        with pytest.raises(FolderBusy, match="still holds the checkpoint folder after 1 s") as busy:
+            FolderLock(tmp_path, job="gpt", attempt=1, wait_for_older=1.0).acquire()
+        assert busy.value.exit_code == 3
+        with pytest.raises(FolderBusy, match="another run"):  # a later attempt is never waited for
+            FolderLock(tmp_path, job="gpt", attempt=0, wait_for_older=30.0).acquire()
+    finally:
+        old.kill()
+        old.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as uid 1000")
+def test_a_folder_uid_1000_cannot_write_fails_in_one_line_naming_it(tmp_path: Path) -> None:
+    """A volume owned by root (mode 0755), the pod running as uid 1000 without fsGroup:
+    one line naming the folder, the volume and the uid, exit 2 (no restart fixes it)."""
+    volume = tmp_path / "volume"
+    volume.mkdir(mode=0o755)
+    tmp_path.chmod(0o755)
+    read, write = os.pipe()
+    child = os.fork()  # as uid 1000, without exec (the interpreter lives under /root)
+    if child == 0:
+        os.close(read)
+        os.setgroups([])
+        os.setgid(1000)
+        os.setuid(1000)
+        try:
+            FolderLock(volume / "job", volume="PersistentVolumeClaim ckpt at /checkpoints").acquire()
+            message, code = "acquired", 0
+        except CheckpointError as error:
+            message, code = str(error), error.exit_code
+        os.write(write, message.encode())
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        line = pipe.read()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 2, line
+    assert "\n" not in line
+    assert f"checkpoint folder {volume}/job (PersistentVolumeClaim ckpt at /checkpoints) is not writable " \
+           "by uid 1000 gid 1000" in line
+    assert "fsGroup" in line
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:

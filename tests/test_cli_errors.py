@@ -30,8 +30,8 @@ def _manifest(tmp_path: Path, extra: str) -> str:
     return str(path)
 
 
-def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *expected: str) -> str:
-    assert main(argv) == 2
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *expected: str, code: int = 2) -> str:
+    assert main(argv) == code
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -74,8 +74,9 @@ def test_checkpoint_folders(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     _refused(capsys, ["run", str(JOB), "--checkpoint-dir", str(empty), "--resume"],
              "--resume", "holds no checkpoint", "--resume=auto")
     with FolderLock(tmp_path / "busy"):
+        # Busy is no usage error: it exits 3 (try again later), as the operator reads it.
         _refused(capsys, ["run", str(JOB), "--checkpoint-dir", str(tmp_path / "busy")],
-                 "another run", "is writing checkpoints here")
+                 "another run", "is writing checkpoints here", code=3)
 
 
 @pytest.mark.parametrize(("extra", "expected"), [

@@ -54,6 +54,10 @@ class World:
         self.events: list[tuple[str, str, str]] = []
         self.deleted_job = False
         self.forced: list[str] = []
+        #: Seconds a deleted pod stays, terminating, as a real kubelet keeps it for its
+        #: grace period (None: deleted pods vanish at once, unless marked ``stuck``).
+        self.grace: float | None = None
+        self.uids = 0
 
     def pods(self) -> dict[str, dict[str, Any]]:
         return {name: obj for (kind, name), obj in self.objects.items() if kind == "Pod"}
@@ -76,13 +80,22 @@ class World:
             assert key not in self.objects, f"{key} created twice"
             assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
             self.objects[key] = copy.deepcopy(obj)
+            self.uids += 1
+            self.objects[key]["metadata"]["uid"] = f"uid-{self.uids}"
             if obj["kind"] == "Pod":
                 self.objects[key]["status"] = {"phase": "Pending"}
         for kind, name, grace in decision.delete:
             if grace == 0:
                 self.forced.append(name)
             obj = self.objects.get((kind, name))
-            if obj is not None and (grace == 0 or not obj["metadata"].get("stuck")):
+            if obj is None:
+                continue
+            running = (obj.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+            slow = running or obj["metadata"].get("stuck")  # a finished pod goes at once
+            if grace != 0 and self.grace is not None and slow:
+                obj["metadata"].setdefault(
+                    "deletionTimestamp", (self.now + timedelta(seconds=self.grace)).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            elif grace == 0 or not obj["metadata"].get("stuck"):
                 del self.objects[kind, name]
         self.events += decision.events
         self.deleted_job |= decision.delete_job
@@ -550,3 +563,101 @@ def test_the_status_accounts_the_jobs_time_by_phase(plan_json: str) -> None:
     from alpajob.api.status import Status
 
     assert Status.model_validate(world.status).time.goodput() == pytest.approx(150 / 220)
+
+
+def test_a_deleted_mesh_pod_is_a_disruption_and_the_next_attempt_waits_for_the_old_pods(
+        plan_json: str) -> None:
+    """``kubectl delete pod`` of a running mesh pod: a disruption (not counted against
+    backoffLimit), every pod of the attempt deleted, and the next attempt created only
+    once the old pods are gone: the old head may still hold the checkpoint folder while
+    it terminates for its grace period. A pod still there past its grace period is
+    forced, at the time the pass asks for."""
+    world = World({"runPolicy": {"backoffLimit": 0}})
+    world.grace = 30.0
+    _running(world, plan_json)
+    pod = world.objects["Pod", "manual-gpt-0-m1-h0"]
+    pod["metadata"]["deletionTimestamp"] = "2026-11-21T12:00:33Z"  # kubectl delete pod: 30 s grace
+    world.step()
+    assert world.status["phase"] == "Restarting"
+    assert (world.status["restarts"], world.status["disruptions"]) == (0, 1)
+    assert any(r == "PodDisrupted" and "manual-gpt-0-m1-h0 was deleted" in m for _, r, m in world.events)
+    assert world.status["children"]["attempt"] == 1
+    for _ in range(5):  # the old pods terminate for their grace period: nothing new meanwhile
+        decision = world.step(2)
+        assert not [o for o in decision.create if o["kind"] == "Pod"]
+        assert world.status["phase"] == "Restarting"
+    ready = next(c for c in world.status["conditions"] if c["type"] == "Reconciling")
+    assert ready["reason"] == "OldPodsTerminating" and "manual-gpt-0-head" in ready["message"]
+    del world.objects["Pod", "manual-gpt-0-m0-h0"]  # two went in time; the head is slow
+    del world.objects["Pod", "manual-gpt-0-m1-h0"]
+    head = world.objects["Pod", "manual-gpt-0-head"]
+    head["metadata"]["stuck"] = True
+    due = world.step().wake_after
+    assert due is not None and world.forced == []
+    world.step(due)  # its grace period and FORCE_AFTER over: forced
+    assert world.forced == ["manual-gpt-0-head"]
+    world.step()
+    assert sorted(world.pods()) == ["manual-gpt-1-head", "manual-gpt-1-m0-h0", "manual-gpt-1-m1-h0"]
+    world.set_pods("Running")
+    world.step()
+    assert world.status["phase"] == "Running"
+    assert (world.status["restarts"], world.status["disruptions"]) == (0, 1)
+
+
+def test_the_status_progress_counts_the_jobs_restarts_as_the_status_does(plan_json: str) -> None:
+    """The driver of attempt 1 reports ``restarts: 0`` (it knows only its own); the
+    job's status shows every restart: ``progress.restarts`` = restarts + disruptions."""
+    from alpajob.api.names import PROGRESS_KEY
+    from alpajob.api.progress import Progress, TrainerPhase
+
+    world = World()
+    _running(world, plan_json)
+    _fail(world, "manual-gpt-0-m0-h0", 1)
+    world.step()
+    world.step()
+    world.set_pods("Running")
+    report = Progress(phase=TrainerPhase.RUNNING, step=12, steps=100, restarts=0)
+    world.objects["ConfigMap", "manual-gpt-progress"]["data"] = {PROGRESS_KEY: report.to_json()}
+    world.step()
+    assert world.status["restarts"] == 1 and world.status["progress"]["restarts"] == 1
+    world.objects["Pod", "manual-gpt-1-m0-h0"]["metadata"]["deletionTimestamp"] = "2026-11-21T12:00:40Z"
+    world.step()
+    assert (world.status["restarts"], world.status["disruptions"]) == (1, 1)
+    assert world.status["progress"]["restarts"] == 2
+
+
+def test_a_pod_replaced_in_place_is_judged_once_while_it_terminates(plan_json: str) -> None:
+    """restartScope FailedPods: the failed mesh pod is deleted, and terminates for a
+    while; the passes meanwhile do not count it again, and its replacement (same name,
+    new uid) is created once it is gone."""
+    world = World({"runPolicy": {"restartScope": "FailedPods", "backoffLimit": 3}})
+    world.grace = 30.0
+    _running(world, plan_json)
+    _fail(world, "manual-gpt-0-m1-h0", 137)
+    world.objects["Pod", "manual-gpt-0-m1-h0"]["metadata"]["stuck"] = True  # its volumes unmount slowly
+    world.step()
+    assert world.status["restarts"] == 1
+    assert world.objects["Pod", "manual-gpt-0-m1-h0"]["metadata"]["deletionTimestamp"]
+    for _ in range(3):
+        world.step()
+        assert (world.status["restarts"], world.status["disruptions"]) == (1, 0)
+    assert world.status["children"]["attempt"] == 0
+    del world.objects["Pod", "manual-gpt-0-m1-h0"]
+    world.step()
+    assert "manual-gpt-0-m1-h0" in world.pods() and world.status["restarts"] == 1
+
+
+def test_the_failure_message_names_the_pod_that_failed_first(plan_json: str) -> None:
+    """The head fails with the cause; the mesh pods fail after it (their Ray head is
+    gone). The job's message names the head's error first, whatever the pods' order."""
+    world = World({"runPolicy": {"backoffLimit": 0}})
+    _running(world, plan_json)
+    for name, at, message in [("manual-gpt-0-m0-h0", "2026-11-21T12:00:09Z", "ray: GCS unreachable"),
+                              ("manual-gpt-0-m1-h0", "2026-11-21T12:00:08Z", "ray: GCS unreachable"),
+                              ("manual-gpt-0-head", "2026-11-21T12:00:04Z",
+                               "error: /checkpoints/manual-gpt is not writable by uid 1000")]:
+        world.objects["Pod", name]["status"] = {"phase": "Failed", "containerStatuses": [{"state": {
+            "terminated": {"exitCode": 1, "message": message, "finishedAt": at}}}]}
+    world.step()
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert failed["message"].startswith("manual-gpt-0-head failed: error: /checkpoints/manual-gpt is not writable")

@@ -53,8 +53,9 @@ class Progress(Contract):
     skipped_steps: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"), description=(
         "float16: steps skipped because their gradients overflowed (dynamic loss scaling)."))
     restarts: int = Field(0, ge=0, json_schema_extra=k8s(format="int32"),
-                          description="Restarts of every mesh from a checkpoint, inside the "
-                                      "trainer.")
+                          description="Restarts of every mesh from a checkpoint: the trainer's own "
+                                      "in its report; in an AlpaJob's status, every restart of the "
+                                      "job (status.restarts + status.disruptions).")
     message: str | None = Field(None, max_length=4096,
                                 description="Why the trainer restarted or failed.")
     data: str | None = Field(None, max_length=1024, description=(

@@ -33,6 +33,7 @@ variable                   pods         meaning
 ``ALPAJOB_DEVICES``        mesh         CPU pools only: host devices to force
 ``ALPAJOB_CHECKPOINT_DIR`` head         the shared checkpoint directory
 ``ALPAJOB_CHECKPOINT_EVERY`` head       steps between two checkpoints
+``ALPAJOB_CHECKPOINT_VOLUME`` head      what holds it, for messages (``PersistentVolumeClaim x``)
 ``ALPAJOB_JOIN_TIMEOUT``   head         seconds the driver waits for every mesh host
 ``ALPAJOB_TRANSPORT``      head         ``object-store`` or ``collective``
 =========================  ===========  ===========================================
@@ -99,6 +100,7 @@ class TrainerRuntime(Contract):
     devices: int | None = Field(None, ge=1)
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = Field(None, ge=1)
+    checkpoint_volume: str | None = None
     join_timeout: float | None = Field(None, gt=0)
     transport: Transport | None = None
 

@@ -143,6 +143,9 @@ class Children(_Status):
     mesh_pods: list[str] = Field(default_factory=list, max_length=4096)
     created: int | None = Field(None, ge=0, description=(
         "The attempt whose pods have all been seen: from then on a vanished pod is a failure."))
+    replaced: list[str] | None = Field(None, max_length=4096, description=(
+        "UIDs of this attempt's pods already judged and replaced in place (restartScope "
+        "FailedPods): never judged twice while they terminate."))
 
 
 class JobTime(_Status):

@@ -169,6 +169,8 @@ def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
         status_file=args.status_file,
         status_configmap=args.status_configmap or runtime.progress_configmap,
         transport=Transport(args.transport or runtime.transport or Transport.OBJECT_STORE),
+        attempt=runtime.attempt if runtime.role is Role.HEAD else None,
+        checkpoint_volume=runtime.checkpoint_volume,
     )
     if options.checkpoint_every is not None and options.checkpoint_every < 1:
         raise ManifestError("--checkpoint-every", f"must be at least 1, got {options.checkpoint_every}")

@@ -61,6 +61,7 @@ from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress, TrainerPhase
 from alpajob.api.resource import parse_job
 from alpajob.api.runtime import Transport
+from alpajob.trainer_image.checkpoint.lock import FolderLock
 from alpajob.trainer_image.checkpoint.store import mesh_part
 from alpajob.trainer_image.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
 from alpajob.trainer_image.distributed.mesh_host import MeshHost, stage_times
@@ -99,6 +100,9 @@ class DriverOptions:
     status_file: str | None = None
     status_configmap: str | None = None  # namespace/name: the operator shows it in the job's status
     transport: Transport = Transport.OBJECT_STORE  # how values cross between meshes (mesh_host.Transport)
+    attempt: int | None = None  # the job's attempt this driver runs (a pod's), for the checkpoint lock
+    checkpoint_volume: str | None = None  # where the checkpoint folder lives, for messages
+    lock_wait: float = 120.0  # seconds to wait for an earlier attempt to release the checkpoint folder
 
 
 @dataclass
@@ -384,8 +388,10 @@ def drive(
     root = options.checkpoint_dir
     saves = None
     if root:
+        lock = FolderLock(root, job=name if options.attempt is not None else None, attempt=options.attempt,
+                          wait_for_older=options.lock_wait, volume=options.checkpoint_volume, say=say)
         saves = MeshCheckpoints(root, options.checkpoint_keep_last, options.checkpoint_async,
-                                {"model": plan.model.name, "plan_hash": plan.content_hash()})
+                                {"model": plan.model.name, "plan_hash": plan.content_hash()}, lock)
     result = DriverResult()
     books = Goodput()  # badput: building stages, restoring, evaluating, saving; the rest is "other"
     ray.init(address=options.address, log_to_driver=False, logging_level=logging.WARNING)

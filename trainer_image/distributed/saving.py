@@ -34,9 +34,11 @@ class Meshes(Protocol):
 class MeshCheckpoints:
     """The checkpoint folder of one driver run, locked until :meth:`close`."""
 
-    def __init__(self, root: str, keep_last: int, asynchronous: bool, run: dict[str, Any]) -> None:
+    def __init__(self, root: str, keep_last: int, asynchronous: bool, run: dict[str, Any],
+                 lock: FolderLock | None = None) -> None:
+        """``lock``: the folder's lock, naming the job's attempt (default: an anonymous one)."""
         self.root, self.keep_last, self.asynchronous, self.run = root, keep_last, asynchronous, run
-        self._lock = FolderLock(root)
+        self._lock = lock or FolderLock(root)
         self._lock.acquire()
         self.last: int | None = None  # the newest complete checkpoint
         self._pending: int | None = None
