@@ -64,7 +64,7 @@ from alpajob.api.status import (
 from alpajob.operator import children
 from alpajob.operator.names import ChildNames
 from alpajob.operator.pool import PoolError, PoolNode, assign_nodes, pool_cluster
-from alpajob.operator.status import set_phase
+from alpajob.operator.status import set_condition, set_phase
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,10 @@ def _exit_code(pod: Mapping[str, Any]) -> int | None:
 #: grace period its kubelet has sent SIGKILL already, so only a kubelet that cannot
 #: confirm (a hung or partitioned node) keeps the pod, and a new attempt waits for it.
 FORCE_AFTER = 15.0
+
+#: Seconds a pod may be unschedulable before the job says so (the scheduler retries
+#: at once when the cluster changes; a pod still unplaced after this waits for a change).
+SCHEDULING_GRACE = 5.0
 
 #: The condition Kubernetes gives a pod it disrupts (preemption, eviction, its node
 #: lost); the operator also gives it to a pod that vanished or whose node is not Ready.
@@ -647,8 +651,63 @@ class _Pass:
         if progress is not None and progress.restarts != total:
             self.status.progress = progress.model_copy(update={"restarts": total})
 
+    def unschedulable(self) -> dict[str, tuple[float, str]]:
+        """The job's pods the scheduler could not place: name -> (seconds since it
+        said so, its message)."""
+        out = {}
+        for name, pod in self.seen.pods.items():
+            if _terminating(pod) or _phase(pod) != "Pending":
+                continue
+            for c in (pod.get("status") or {}).get("conditions") or []:
+                if c.get("type") == "PodScheduled" and c.get("status") == "False" \
+                        and c.get("reason") == "Unschedulable":
+                    since = _parse_time(c.get("lastTransitionTime"))
+                    age = (self.seen.now.replace(tzinfo=None) - since).total_seconds() if since else 0.0
+                    out[name] = (max(age, 0.0), str(c.get("message") or "no node can take it"))
+        return out
+
+    def scheduling(self) -> None:
+        """Say why pods wait: a pod unschedulable for :data:`SCHEDULING_GRACE` seconds
+        sets ``PodsScheduled=False`` with the scheduler's message (and the phase's
+        reason Unschedulable, which kstatus, Flux and Argo CD show) and posts a Warning
+        event; past ``runPolicy.schedulingTimeoutSeconds`` the job fails. Once every
+        pod is placed the condition turns True again."""
+        before = next((c for c in self.status.conditions if c.type is ConditionType.PODS_SCHEDULED), None)
+        waiting = self.unschedulable()
+        long = {n: w for n, w in waiting.items() if w[0] >= SCHEDULING_GRACE}
+        for age, _ in waiting.values():
+            if age < SCHEDULING_GRACE:
+                self.decision.wake(SCHEDULING_GRACE - age)
+        if not long:
+            if before is not None and before.status is ConditionStatus.FALSE:
+                set_condition(self.status, ConditionType.PODS_SCHEDULED, True, "Scheduled",
+                              "every pod is placed", self.generation, self.now)
+            return
+        name = min(long)
+        age, why = long[name]
+        role = ((self.seen.pods[name].get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE, "mesh")
+        message = (f"pod {name} cannot be scheduled for {age:.0f} s: {why} (its requests come from the plan "
+                   f"and spec.podTemplate.{role}; lower them, or add nodes that fit)")
+        if len(long) > 1:
+            message += f"; {len(long) - 1} more pod(s) unschedulable"
+        limit = self.run_policy.get("schedulingTimeoutSeconds")
+        if limit is not None and age >= limit:
+            self.delete_pods(self.seen.pods)
+            self.phase(Phase.FAILED, "SchedulingTimeout",
+                       f"{message}; schedulingTimeoutSeconds {limit} passed")
+            return
+        if limit is not None:
+            self.decision.wake(limit - age)
+        if before is None or before.status is ConditionStatus.TRUE:
+            self.decision.events.append(("Warning", "Unschedulable", message))
+        set_condition(self.status, ConditionType.PODS_SCHEDULED, False, "Unschedulable", message,
+                      self.generation, self.now)
+        self.phase(self.status.phase, "Unschedulable", message)
+
     def run(self) -> Decision:
         self.steps()
+        if not self.status.phase.finished and self.status.phase is not Phase.SUSPENDED:
+            self.scheduling()
         self.count_restarts()
         return self.decision
 

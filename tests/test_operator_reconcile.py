@@ -661,3 +661,62 @@ def test_the_failure_message_names_the_pod_that_failed_first(plan_json: str) -> 
     world.step()
     failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
     assert failed["message"].startswith("manual-gpt-0-head failed: error: /checkpoints/manual-gpt is not writable")
+
+
+def _unschedulable(world: World, pod: str, since: str, message: str) -> None:
+    """What the scheduler writes on a pod it cannot place (seen on a real node)."""
+    world.objects["Pod", pod]["status"] = {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
+         "lastTransitionTime": since}]}
+
+
+def test_an_unschedulable_planner_pod_is_explained_within_seconds() -> None:
+    """The planner pod cannot be placed (as on a 2-CPU node): after a short grace the
+    job says why (PodsScheduled=False and the phase's reason, with the scheduler's
+    message, which Argo CD, Flux and kstatus show) and posts one Warning event; once
+    the pod is placed the condition turns True."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gitops_health import argocd_health, kstatus
+
+    world = World()
+    world.step()
+    why = "0/1 nodes are available: 1 Insufficient cpu. preemption: 0/1 nodes are available"
+    _unschedulable(world, "manual-gpt-planner", "2026-11-21T12:00:01Z", why)
+    decision = world.step(2)  # 2 s: within the grace
+    assert "conditions" in world.status and not any(
+        c["type"] == "PodsScheduled" for c in world.status["conditions"])
+    assert decision.wake_after is not None and decision.wake_after <= 5
+    world.step(decision.wake_after)
+    condition = next(c for c in world.status["conditions"] if c["type"] == "PodsScheduled")
+    assert condition["status"] == "False" and condition["reason"] == "Unschedulable"
+    assert "pod manual-gpt-planner cannot be scheduled" in condition["message"]
+    assert "Insufficient cpu" in condition["message"] and "spec.podTemplate.planner" in condition["message"]
+    assert world.status["phase"] == "Planning"
+    assert argocd_health(world.job) == {"status": "Progressing", "message": condition["message"]}
+    assert kstatus(world.job) == "InProgress"
+    world.step(10)
+    assert [r for k, r, _ in world.events if r == "Unschedulable"] == ["Unschedulable"]  # once
+    world.objects["Pod", "manual-gpt-planner"]["status"] = {"phase": "Running", "conditions": [
+        {"type": "PodScheduled", "status": "True"}]}
+    world.step()
+    condition = next(c for c in world.status["conditions"] if c["type"] == "PodsScheduled")
+    assert condition["status"] == "True"
+
+
+def test_past_the_scheduling_timeout_the_job_fails(plan_json: str) -> None:
+    world = World({"runPolicy": {"schedulingTimeoutSeconds": 60}})
+    world.step()
+    world.planned(plan_json)
+    world.step()
+    _unschedulable(world, "manual-gpt-0-m1-h0", "2026-11-21T12:00:02Z", "0/1 nodes are available: 1 Insufficient memory.")
+    due = world.step(10).wake_after
+    assert world.status["phase"] == "Starting" and due is not None
+    world.step(due)
+    assert world.status["phase"] == "Failed"
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "SchedulingTimeout" and "Insufficient memory" in failed["message"]
+    assert "spec.podTemplate.mesh" in failed["message"]
+    world.step()
+    assert not world.pods()

@@ -16,7 +16,7 @@ the cluster, micro-batches dividing the batch) is checked by
 :func:`alpajob.api.validation.spec_problems` on a parsed spec.
 
 Mutable once a job exists: ``runPolicy.suspend``, ``runPolicy.activeDeadlineSeconds``,
-``runPolicy.ttlSecondsAfterFinished`` and ``scheduling.queue`` (:data:`MUTABLE`);
+``runPolicy.ttlSecondsAfterFinished``, ``runPolicy.schedulingTimeoutSeconds`` and ``scheduling.queue`` (:data:`MUTABLE`);
 everything else is fixed (transition rules in the CRD, and
 :func:`~alpajob.api.validation.immutable_problems` in the webhook).
 """
@@ -452,7 +452,8 @@ class RunPolicy(Contract):
 
     model_config = Contract.model_config | {"json_schema_extra": k8s(*(unchanged(
         key, f"spec.runPolicy.{key} is immutable once the AlpaJob exists; only suspend, "
-        "activeDeadlineSeconds, progressDeadlineSeconds and ttlSecondsAfterFinished may change")
+        "activeDeadlineSeconds, progressDeadlineSeconds, schedulingTimeoutSeconds and "
+        "ttlSecondsAfterFinished may change")
         for key in ("backoffLimit", "podFailurePolicy")))}
 
     backoff_limit: int = Field(3, ge=0, json_schema_extra=INT32, description=(
@@ -465,6 +466,10 @@ class RunPolicy(Contract):
     suspend: bool = Field(False, description=(
         "true deletes the job's pods and holds it (Kueue sets it); false resumes it from the "
         "last checkpoint."))
+    scheduling_timeout_seconds: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
+        "Seconds a pod of the job may stay unschedulable (the scheduler finds no node for it) "
+        "before the job fails with reason SchedulingTimeout. Unset: it waits, and says why "
+        "(condition PodsScheduled=False with the scheduler's message)."))
     progress_deadline_seconds: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
         "Seconds a Running job may go without a progress report from its trainer before it is "
         "restarted as a hung job (reason ProgressDeadlineExceeded, counted against "
@@ -557,6 +562,7 @@ class Spec(Contract):
 #: Fields of ``spec`` that may change after creation, by section; every other field is
 #: immutable (a running job's plan, pods and checkpoints all follow from it).
 MUTABLE: dict[str, frozenset[str]] = {
-    "runPolicy": frozenset({"suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished"}),
+    "runPolicy": frozenset({"suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished",
+                            "schedulingTimeoutSeconds"}),
     "scheduling": frozenset({"queue"}),
 }

@@ -24,6 +24,7 @@ Suspended      ``spec.runPolicy.suspend`` is true
 Ready          True while Running and once Succeeded (for kstatus and Argo CD)
 Reconciling    True while Pending, Planning, Starting or Restarting (kstatus)
 Stalled        True once Failed, with the failure's reason and message (kstatus)
+PodsScheduled  False while a pod is unschedulable, with the scheduler's message
 =============  =======================================================
 
 kstatus (Flux's ``wait``/``healthChecks``, kpt) reads a custom resource from
@@ -74,6 +75,10 @@ class ConditionType(StrEnum):
     #: False while the API server refuses to create a child (a pod forbidden for a
     #: missing ServiceAccount or by Pod Security, a quota): its reason and message.
     CHILDREN_CREATED = "ChildrenCreated"
+    #: False while a pod of the job has been unschedulable for a few seconds (the
+    #: scheduler's message: insufficient CPU, no node matches); True once every pod
+    #: is placed again. Absent until a pod was first unschedulable.
+    PODS_SCHEDULED = "PodsScheduled"
     #: kstatus's "abnormal-true" pair, which Flux and kpt read: True while the job is
     #: on its way (Pending, Planning, Starting, Restarting) ...
     RECONCILING = "Reconciling"
