@@ -23,7 +23,6 @@ from alpajob.api.names import (
     API_VERSION,
     COSCHEDULING_GROUP_LABEL,
     GPU_RESOURCE,
-    HOSTNAME_LABEL,
     KIND,
     KUEUE_QUEUE_LABEL,
     LABEL_ATTEMPT,
@@ -35,6 +34,7 @@ from alpajob.api.names import (
     VOLCANO_GROUP_ANNOTATION,
     Role,
 )
+from alpajob.api.pod_template import PodTemplates
 from alpajob.api.runtime import (
     CHECKPOINT_DIR,
     CONFIG_DIR,
@@ -46,7 +46,9 @@ from alpajob.api.runtime import (
     RAY_PORT,
     TrainerRuntime,
 )
+from alpajob.operator import sizing
 from alpajob.operator.names import ChildNames
+from alpajob.operator.pod_overrides import finish
 from alpajob.operator.pool import PoolCluster
 
 DEFAULT_IMAGE = "ghcr.io/alpajob/alpajob:0.1.0"
@@ -138,13 +140,14 @@ def _env(runtime: TrainerRuntime) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in runtime.to_env().items()]
 
 
-def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster) -> dict[str, Any]:
+def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster,
+                templates: PodTemplates) -> dict[str, Any]:
     """The pod that plans the job for the pool (``alpajob plan``), once."""
     namespace = job["metadata"]["namespace"]
     volumes, mounts = _volumes(names, False, job)
     runtime = _runtime(job, names, Role.PLANNER, plan_configmap=f"{namespace}/{names.plan}",
                        gpu=cluster.preset, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node)
-    return {
+    pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, names.planner, Role.PLANNER),
         "spec": {
             "restartPolicy": "Never",
@@ -153,12 +156,12 @@ def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster)
                 "name": "planner", "image": _image(job), "command": ["alpajob", "plan"],
                 "env": _env(runtime), "volumeMounts": mounts, "securityContext": _security(),
                 "terminationMessagePolicy": "FallbackToLogsOnError",
-                "resources": {"requests": {"cpu": "2", "memory": "8Gi"}},
             }],
             "volumes": volumes,
             "securityContext": _pod_security(),
         },
     }
+    return finish(pod, templates.of(Role.PLANNER.value), sizing.planner_size())
 
 
 def head_service(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
@@ -193,7 +196,7 @@ def _gang_fields(job: Mapping[str, Any], names: ChildNames, gang: str | None) ->
 
 
 def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: Role, gang: str | None,
-         container: dict[str, Any], labels: dict[str, str], node: str | None, hostname: str | None) -> dict[str, Any]:
+         container: dict[str, Any], labels: dict[str, str], hostname: str | None) -> dict[str, Any]:
     gang_labels, annotations, scheduler = _gang_fields(job, names, gang)
     meta = _meta(job, name, role, names.attempt, **labels, **gang_labels)
     if annotations:
@@ -209,10 +212,6 @@ def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: Role, gang:
     priority = (job["spec"].get("scheduling") or {}).get("priorityClassName")
     if priority:
         spec["priorityClassName"] = priority
-    if node:
-        spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [
-                {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}]}]}}}
     if hostname:
         spec["hostname"] = hostname
         spec["subdomain"] = names.hosts_service
@@ -229,7 +228,8 @@ def _driver_restarts(job: Mapping[str, Any]) -> int:
     return int(policy.get("backoffLimit", 3))
 
 
-def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None) -> dict[str, Any]:
+def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None, templates: PodTemplates,
+             size: sizing.PodSize) -> dict[str, Any]:
     """Attempt ``a``'s head: the Ray head and the driver, which resumes from the last
     complete checkpoint; the pod succeeds when training is done."""
     checkpoint = job["spec"].get("checkpoint") or {}
@@ -245,13 +245,14 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None) -> dic
                  "command": ["alpajob", "driver", "--max-restarts", str(_driver_restarts(job))],
                  "ports": [{"name": "gcs", "containerPort": RAY_PORT},
                            {"name": "metrics", "containerPort": METRICS_PORT}],
-                 "env": _env(runtime),
-                 "resources": {"requests": {"cpu": "2", "memory": "8Gi"}}}
-    return _pod(job, names, names.head, Role.HEAD, gang, container, {}, None, None)
+                 "env": _env(runtime)}
+    pod = _pod(job, names, names.head, Role.HEAD, gang, container, {}, None)
+    return finish(pod, templates.of(Role.HEAD.value), size)
 
 
 def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, hosts: int,
-             node: str, gpus: int, cpu: bool, gang: str | None) -> dict[str, Any]:
+             node: str, gpus: int, cpu: bool, gang: str | None, templates: PodTemplates,
+             size: sizing.PodSize) -> dict[str, Any]:
     """Host ``host`` of mesh ``mesh``: a Ray worker offering that host's resource, on
     ``node``, with the mesh's JAX process-group coordinates."""
     namespace = job["metadata"]["namespace"]
@@ -262,14 +263,13 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
                        host=host, process_id=host, process_count=hosts,
                        coordinator=f"{coordinator}:{COORDINATOR_PORT}",
                        devices=gpus if cpu else None)
-    resources: dict[str, Any] = {"requests": {"cpu": "4", "memory": "16Gi"}}
-    if not cpu:
-        resources["limits"] = {GPU_RESOURCE: str(gpus)}
+    resources: dict[str, Any] = {} if cpu else {"limits": {GPU_RESOURCE: str(gpus)}}
     container = {"name": "worker", "image": _image(job), "command": ["alpajob", "mesh-worker"],
                  "env": _env(runtime), "resources": resources,
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}]}
     labels = {LABEL_MESH: str(mesh), LABEL_HOST: str(host)}
-    return _pod(job, names, names.mesh_pod(mesh, host), Role.MESH, gang, container, labels, node, hostname)
+    pod = _pod(job, names, names.mesh_pod(mesh, host), Role.MESH, gang, container, labels, hostname)
+    return finish(pod, templates.of(Role.MESH.value), size, node)
 
 
 def pod_group(job: Mapping[str, Any], names: ChildNames, gang: str, members: int, gpus: int) -> dict[str, Any]:

@@ -48,9 +48,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from alpajob.api.errors import AlpaJobError, PlanFormatError
 from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, PLAN_KEY, PROGRESS_KEY, Role
 from alpajob.api.plan import Plan, plan_from_json
+from alpajob.api.pod_template import PodTemplates
 from alpajob.api.progress import progress_from_json
 from alpajob.api.spec import ExitCodeOperator, FailureAction, PodFailureRule, RunPolicy
 from alpajob.api.status import (
@@ -61,8 +64,9 @@ from alpajob.api.status import (
     PlanSummary,
     Status,
 )
-from alpajob.operator import children
+from alpajob.operator import children, sizing
 from alpajob.operator.names import ChildNames
+from alpajob.operator.pod_overrides import TEMPLATE_ANNOTATION, template_hash
 from alpajob.operator.pool import PoolError, PoolNode, assign_nodes, pool_cluster
 from alpajob.operator.status import set_condition, set_phase
 
@@ -246,6 +250,13 @@ class _Pass:
         self.names = ChildNames(self.meta["name"], self.attempt)
         self.run_policy = self.spec.get("runPolicy") or {}
         self.plan_doc: Plan | None = None
+        self.templates, self.template_error = PodTemplates(), ""
+        try:
+            self.templates = PodTemplates.model_validate(self.spec.get("podTemplate") or {})
+        except ValidationError as error:  # the webhook refuses these; without it, say so here
+            first = error.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            self.template_error = f"spec.podTemplate.{where}: {first['msg']}"
 
     # ------------------------------------------------------------ helpers
     def phase(self, phase: Phase, reason: str, message: str = "", meshes_ready: bool = False) -> None:
@@ -396,7 +407,7 @@ class _Pass:
                 return True
             self.status.children.attempt = self.attempt
             self.status.children.planner = names.planner
-            self.decision.create.append(children.planner_pod(self.job, names, cluster))
+            self.decision.create.append(children.planner_pod(self.job, names, cluster, self.templates))
             self.phase(Phase.PLANNING, "Planning",
                        f"planning for {cluster.nodes} x {cluster.gpus_per_node} {cluster.preset}")
         elif _phase(planner) == "Failed":
@@ -587,11 +598,14 @@ class _Pass:
             gpus = 0 if cpu else sum(m for _, _, _, m in self.host_devices())
             self.decision.create.append(children.pod_group(job, names, gang, members, gpus))
         if names.head not in self.seen.pods:
-            self.decision.create.append(children.head_pod(job, names, gang))
+            self.decision.create.append(children.head_pod(job, names, gang, self.templates,
+                                                          sizing.head_size(self.plan)))
         for mesh, host, count, devices in self.host_devices():
             if names.mesh_pod(mesh, host) not in self.seen.pods:
                 self.decision.create.append(
-                    children.mesh_pod(job, names, mesh, host, count, nodes[mesh, host], devices, cpu, gang))
+                    children.mesh_pod(job, names, mesh, host, count, nodes[mesh, host], devices, cpu, gang,
+                                      self.templates,
+                                      sizing.mesh_size(self.plan, self.plan.stages[mesh], devices, cpu)))
         return False
 
     def progress(self) -> None:
@@ -635,7 +649,13 @@ class _Pass:
             self.phase(Phase.STARTING, "PodsStarting", f"{ready} of {total} mesh pods running")
 
     def steps(self) -> None:
-        if self.finished() or self.deadline() or self.suspend() or self.ensure_plan():
+        if self.finished():
+            return
+        if self.template_error:
+            self.delete_pods(self.seen.pods)
+            self.phase(Phase.FAILED, "InvalidPodTemplate", f"{self.template_error}; fix it and create the job again")
+            return
+        if self.deadline() or self.suspend() or self.ensure_plan():
             return
         if self.restart() or self.old_pods_linger() or self.ensure_children():
             return
@@ -674,6 +694,16 @@ class _Pass:
         pod is placed the condition turns True again."""
         before = next((c for c in self.status.conditions if c.type is ConditionType.PODS_SCHEDULED), None)
         waiting = self.unschedulable()
+        for name in list(waiting):
+            pod = self.seen.pods[name]
+            role = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE, "")
+            made_with = ((pod.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_ANNOTATION)
+            if role in PodTemplates.model_fields and made_with != template_hash(self.templates.of(role)):
+                # A pod's spec cannot change; one that never ran is simply made again.
+                self.delete_pods({name: pod})
+                self.decision.events.append(("Normal", "PodTemplateChanged", (
+                    f"pod {name} cannot be scheduled and spec.podTemplate.{role} changed: making it again")))
+                del waiting[name]
         long = {n: w for n, w in waiting.items() if w[0] >= SCHEDULING_GRACE}
         for age, _ in waiting.values():
             if age < SCHEDULING_GRACE:

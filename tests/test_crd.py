@@ -363,6 +363,13 @@ CRD_REFUSES = [
     ("spec.scheduling.gang", "spec.scheduling.gang", "kueue", False),
     ("spec.scheduling.priorityClassName", "spec.scheduling.priorityClassName", "High Priority", False),
     ("spec.scheduling.queue", "spec.scheduling.queue", "q" * 300, False),
+    ("spec.podTemplate.mesh.resources.requests.cpu", "spec.podTemplate.mesh.resources",
+     {"requests": {"cpu": "2 cores"}}, True),
+    ("spec.podTemplate.head.securityContext.runAsUser", "spec.podTemplate.head.securityContext",
+     {"runAsUser": 0}, True),
+    ("spec.podTemplate.mesh.imagePullPolicy", "spec.podTemplate.mesh.imagePullPolicy", "Sometimes", True),
+    ("spec.podTemplate.workers", "spec.podTemplate.workers", {}, True),
+    ("spec.runPolicy.schedulingTimeoutSeconds", "spec.runPolicy.schedulingTimeoutSeconds", 0, True),
     ("spec.trainer", "spec.trainer", {"replicas": 2}, True),
     ("metadata.name", "metadata.name", "9-lives", True),
     ("metadata.name", "metadata.name", "a" * 50, True),
@@ -430,6 +437,13 @@ WEBHOOK_REFUSES = [
      manual([{"layers": [0, 2], "submeshShape": [2, 8]}, {"layers": [2, 4], "submeshShape": [2, 8]}])),
     ("spec.parallelism.stages[0].foo", "spec.parallelism",
      manual([{"layers": [0, 4], "submeshShape": [1, 8], "foo": 1}])),
+    # What a pod template may not change: the runtime contract, the operator's labels
+    # and volumes, and Pod Security "restricted".
+    ("spec.podTemplate.mesh.env[0].name", "spec.podTemplate.mesh.env", [{"name": "ALPAJOB_MESH", "value": "1"}]),
+    ("spec.podTemplate.head.metadata.labels", "spec.podTemplate.head.metadata", {"labels": {"alpajob.io/job": "x"}}),
+    ("spec.podTemplate.mesh.volumes", "spec.podTemplate.mesh.volumes", [{"name": "data", "hostPath": {"path": "/"}}]),
+    ("spec.podTemplate.mesh.volumes", "spec.podTemplate.mesh.volumes", [{"name": "dshm", "emptyDir": {}}]),
+    ("spec.podTemplate.mesh.volumes", "spec.podTemplate.mesh.volumes", [{"emptyDir": {}}]),
 ]
 
 
@@ -455,6 +469,8 @@ MUTABLE = [
     ("spec.runPolicy.activeDeadlineSeconds", 3600),
     ("spec.runPolicy.ttlSecondsAfterFinished", 600),
     ("spec.scheduling.queue", "night"),
+    ("spec.runPolicy.schedulingTimeoutSeconds", 120),
+    ("spec.podTemplate.mesh", {"resources": {"requests": {"cpu": 1, "memory": "2Gi"}}}),
 ]
 IMMUTABLE = [
     ("spec.model", "spec.model.zoo", "moe"),

@@ -720,3 +720,117 @@ def test_past_the_scheduling_timeout_the_job_fails(plan_json: str) -> None:
     assert "spec.podTemplate.mesh" in failed["message"]
     world.step()
     assert not world.pods()
+
+
+def _quantity(text: str) -> float:
+    """A Kubernetes quantity as a number (cores, or bytes)."""
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * factor
+    return float(text)
+
+
+def test_pods_are_sized_from_the_plan_and_fit_a_two_cpu_node(plan_json: str) -> None:
+    """No hard-coded 2 or 4 CPUs: the planner and head are small, a CPU plan's mesh pod
+    asks for a tenth of a core per forced device and its devices' memory, and every Ray
+    pod has a memory-backed /dev/shm counted in its memory. Head and meshes together
+    fit a 2-CPU node with room for the cluster's own pods; the volumes are group 1000's."""
+    world = World()
+    planner = world.step().create[-1]
+    assert planner["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "500m", "memory": "2Gi"}}
+    world.planned(plan_json)
+    pods = {o["metadata"]["name"]: o for o in world.step().create if o["kind"] == "Pod"}
+    requests = {n: p["spec"]["containers"][0]["resources"]["requests"] for n, p in pods.items()}
+    assert requests["manual-gpt-0-head"]["cpu"] == "250m"
+    assert requests["manual-gpt-0-m0-h0"]["cpu"] == "400m"  # 4 forced devices
+    assert sum(_quantity(r["cpu"]) for r in requests.values()) <= 1.5
+    for name, pod in pods.items():
+        spec = pod["spec"]
+        assert "limits" not in spec["containers"][0]["resources"]  # a CPU plan: no GPU, no limits
+        [shm] = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory" and _quantity(shm["emptyDir"]["sizeLimit"]) >= 256 * 2**20
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
+        assert _quantity(requests[name]["memory"]) >= 2**30 + _quantity(shm["emptyDir"]["sizeLimit"])
+        assert spec["securityContext"]["fsGroup"] == 1000
+
+
+def test_a_gpu_mesh_pod_asks_a_core_per_gpu_and_keeps_its_gpu_limit(plan_json: str) -> None:
+    from alpajob.api.plan import plan_from_json
+    from alpajob.operator import sizing
+
+    plan = plan_from_json(plan_json)
+    size = sizing.mesh_size(plan, plan.stages[1], 4, cpu=False)
+    assert size.cpu == "4" and _quantity(size.memory) >= 4 * 2**30 + size.shm
+
+
+def test_pod_template_overrides_reach_each_roles_pods_and_pod_security_still_holds(plan_json: str) -> None:
+    from pod_security import restricted_violations
+
+    mesh = {"resources": {"requests": {"cpu": 3, "memory": "12Gi"}, "limits": {"memory": "16Gi"}},
+            "nodeSelector": {"pool": "a3"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}}},
+            "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}}],
+            "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+            "metadata": {"labels": {"team": "nlp"}, "annotations": {"owner": "ada"}},
+            "securityContext": {"fsGroup": 2000, "runAsUser": 1500},
+            "priorityClassName": "training-high", "imagePullPolicy": "IfNotPresent",
+            "imagePullSecrets": ["registry"], "shmSize": "1Gi", "terminationGracePeriodSeconds": 90}
+    world = World({"podTemplate": {"mesh": mesh, "planner": {"resources": {"requests": {"cpu": "250m"}}}}})
+    planner = world.step().create[-1]
+    assert planner["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "250m", "memory": "2Gi"}
+    world.planned(plan_json)
+    pods = {o["metadata"]["name"]: o for o in world.step().create if o["kind"] == "Pod"}
+    pod, head = pods["manual-gpt-0-m1-h0"], pods["manual-gpt-0-head"]
+    container, spec = pod["spec"]["containers"][0], pod["spec"]
+    assert container["resources"] == {"requests": {"cpu": "3", "memory": "12Gi"}, "limits": {"memory": "16Gi"}}
+    assert spec["nodeSelector"] == {"pool": "a3"} and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    pin = {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-0"]}
+    assert [t["matchExpressions"] for t in terms] == [  # the plan's node ANDed into each term
+        [{"key": "zone", "operator": "In", "values": ["a"]}, pin],
+        [{"key": "zone", "operator": "In", "values": ["b"]}, pin]]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["NCCL_DEBUG"] == "INFO" and env["ALPAJOB_MESH"] == "1"
+    assert {"name": "data", "mountPath": "/data", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}} in spec["volumes"]
+    assert pod["metadata"]["labels"]["team"] == "nlp" and pod["metadata"]["labels"]["alpajob.io/job"] == "manual-gpt"
+    assert pod["metadata"]["annotations"]["owner"] == "ada"
+    assert spec["securityContext"]["fsGroup"] == 2000 and container["securityContext"]["runAsUser"] == 1500
+    assert spec["priorityClassName"] == "training-high" and container["imagePullPolicy"] == "IfNotPresent"
+    assert spec["imagePullSecrets"] == [{"name": "registry"}] and spec["terminationGracePeriodSeconds"] == 90
+    assert next(v for v in spec["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "1Gi"
+    assert "team" not in head["metadata"]["labels"] and head["spec"]["containers"][0]["resources"]["requests"][
+        "cpu"] == "250m"  # another role: the defaults
+    assert head["metadata"]["annotations"]["alpajob.io/pod-template-hash"] != \
+        pod["metadata"]["annotations"]["alpajob.io/pod-template-hash"]
+    for each in pods.values():
+        assert restricted_violations(each) == [], each["metadata"]["name"]
+
+
+def test_an_unschedulable_pod_is_made_again_when_its_template_changes(plan_json: str) -> None:
+    """The planner pod asks for more than the node has; the user lowers
+    spec.podTemplate.planner.resources: the waiting pod is deleted and made again
+    with the new requests (a pod's spec cannot change in place)."""
+    world = World({"podTemplate": {"planner": {"resources": {"requests": {"cpu": 8}}}}})
+    world.step()
+    _unschedulable(world, "manual-gpt-planner", "2026-11-21T12:00:01Z", "0/1 nodes are available: 1 Insufficient cpu.")
+    world.step(10)
+    assert world.status["phase"] == "Planning"
+    world.job["spec"]["podTemplate"] = {"planner": {"resources": {"requests": {"cpu": 1}}}}
+    world.step()
+    assert ("Pod", "manual-gpt-planner") not in world.objects
+    world.step()
+    planner = world.objects["Pod", "manual-gpt-planner"]
+    assert planner["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "1"
+
+
+def test_an_invalid_pod_template_without_the_webhook_fails_the_job_naming_it() -> None:
+    world = World({"podTemplate": {"mesh": {"env": [{"name": "ALPAJOB_MESH", "value": "9"}]}}})
+    world.step()
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InvalidPodTemplate" and "spec.podTemplate.mesh.env" in failed["message"]

@@ -16,7 +16,8 @@ the cluster, micro-batches dividing the batch) is checked by
 :func:`alpajob.api.validation.spec_problems` on a parsed spec.
 
 Mutable once a job exists: ``runPolicy.suspend``, ``runPolicy.activeDeadlineSeconds``,
-``runPolicy.ttlSecondsAfterFinished``, ``runPolicy.schedulingTimeoutSeconds`` and ``scheduling.queue`` (:data:`MUTABLE`);
+``runPolicy.ttlSecondsAfterFinished``, ``runPolicy.schedulingTimeoutSeconds``,
+``scheduling.queue`` and ``podTemplate`` (:data:`MUTABLE`);
 everything else is fixed (transition rules in the CRD, and
 :func:`~alpajob.api.validation.immutable_problems` in the webhook).
 """
@@ -31,6 +32,7 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from alpajob.api.catalog import GPU_PRODUCT_PRESETS, DevicePreset
 from alpajob.api.names import GPU_PRODUCT_LABEL
+from alpajob.api.pod_template import PodTemplates
 from alpajob.api.schema import Contract, cel, k8s, unchanged
 
 #: A DNS-1123 subdomain (a Kubernetes object name).
@@ -557,6 +559,11 @@ class Spec(Contract):
                                   description="Restarts, deadlines, clean-up and suspension.")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, description=(
         "Gang scheduling, queues and priority of the job's pods."))
+    pod_template: PodTemplates = Field(default_factory=PodTemplates, description=(
+        "Overrides of the planner, head and mesh pods: resources (default: sized from the plan), "
+        "node selection, tolerations, affinity, labels, env, volumes, fsGroup, priority, image "
+        "pulling, /dev/shm size. May change: pods made from then on use it, and a pod that "
+        "cannot be scheduled is made again with it."))
 
 
 #: Fields of ``spec`` that may change after creation, by section; every other field is
@@ -565,4 +572,5 @@ MUTABLE: dict[str, frozenset[str]] = {
     "runPolicy": frozenset({"suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished",
                             "schedulingTimeoutSeconds"}),
     "scheduling": frozenset({"queue"}),
+    "podTemplate": frozenset({"planner", "head", "mesh"}),
 }

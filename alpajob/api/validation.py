@@ -201,8 +201,7 @@ def immutable_problems(new: Any, old: Any) -> list[Problem]:
         inner_new, inner_old = new.get(key) or {}, old.get(key) or {}
         changed += [f"{key}.{sub}" for sub in sorted(set(inner_new) | set(inner_old))
                     if sub not in mutable and inner_new.get(sub) != inner_old.get(sub)]
-    return [Problem(f"spec.{path}",
-                    "is immutable once the AlpaJob exists (only spec.runPolicy.suspend, "
-                    "activeDeadlineSeconds, ttlSecondsAfterFinished and spec.scheduling.queue "
-                    "may change); create a new AlpaJob instead")
+    may = ", ".join(f"spec.{section}.{key}" for section, keys in MUTABLE.items() for key in sorted(keys))
+    return [Problem(f"spec.{path}", f"is immutable once the AlpaJob exists (only {may} may change); "
+                                    "create a new AlpaJob instead")
             for path in changed]

@@ -1,0 +1,195 @@
+"""``spec.podTemplate``: what a user may change of the pods the operator makes, per role.
+
+The operator builds three kinds of pods (:class:`~alpajob.api.names.Role`): the
+planner, the head (Ray head and driver) and one pod per mesh host. Each kind takes a
+:class:`PodOverrides` under its role's name, as Kubeflow's pod template overrides and
+KubeRay's group templates do::
+
+    spec:
+      podTemplate:
+        mesh:
+          resources: {requests: {cpu: 8, memory: 64Gi}}
+          nodeSelector: {cloud.google.com/gke-nodepool: a3}
+          tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
+          env: [{name: NCCL_DEBUG, value: INFO}]
+          shmSize: 16Gi
+        head:
+          priorityClassName: training-high
+
+Every field is optional. What is not set keeps the operator's default: resources sized
+from the plan (:mod:`alpajob.operator.sizing`), ``fsGroup`` 1000, ``/dev/shm`` sized
+from the plan. What the job's own wiring needs stays the operator's and is refused
+here with the field named: ``ALPAJOB_*`` variables (the runtime contract), labels
+under ``alpajob.io/``, volumes named like the operator's, and anything Pod Security
+"restricted" forbids (host paths, running as root), so the pods are still admitted in
+a restricted namespace.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, StringConstraints, field_validator
+
+from alpajob.api.names import ANNOTATION_PREFIX
+from alpajob.api.runtime import ENV_PREFIX
+from alpajob.api.schema import Contract, k8s
+
+#: A Kubernetes resource quantity (``2``, ``500m``, ``16Gi``), as the API server checks it.
+QUANTITY = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+            r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
+def _quantity(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | str) or (
+            isinstance(value, str) and not re.fullmatch(QUANTITY, value)):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity; write e.g. 2, 500m or 16Gi")
+    return value
+
+
+Quantity = Annotated[int | str, BeforeValidator(_quantity),
+                     Field(json_schema_extra=k8s(x_kubernetes_int_or_string=True, pattern=QUANTITY))]
+LabelValue = Annotated[str, StringConstraints(max_length=63)]
+AnnotationValue = Annotated[str, StringConstraints(max_length=65536)]
+
+#: Volumes the operator mounts itself: a template's volume may not take these names.
+RESERVED_VOLUMES = frozenset({"config", "plan", "checkpoints", "dshm"})
+#: The volume sources Pod Security "restricted" admits.
+RESTRICTED_VOLUME_SOURCES = ("configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                             "persistentVolumeClaim", "projected", "secret")
+
+
+class PodMetadata(Contract):
+    """Labels and annotations added to the pods (the operator's own win)."""
+
+    labels: dict[str, LabelValue] = Field(default_factory=dict, max_length=64)
+    annotations: dict[str, AnnotationValue] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("labels", "annotations")
+    @classmethod
+    def _not_ours(cls, value: dict[str, str]) -> dict[str, str]:
+        ours = sorted(k for k in value if k.startswith(ANNOTATION_PREFIX))
+        if ours:
+            raise ValueError(f"{', '.join(ours)}: keys under {ANNOTATION_PREFIX} are the operator's; "
+                             "choose another prefix")
+        return value
+
+
+class Resources(Contract):
+    """The container's requests and limits (``cpu``, ``memory``, ``nvidia.com/gpu``,
+    any extended resource); a key set here replaces the operator's value for that key."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+
+
+class Toleration(Contract):
+    """A toleration, as in a pod spec."""
+
+    key: str | None = Field(None, max_length=316)
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, json_schema_extra=k8s(format="int64"))
+
+
+class EnvVar(Contract):
+    """An environment variable: a ``value``, or ``valueFrom`` as in a pod spec."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = Field(None, max_length=32768)
+    value_from: dict[str, Any] | None = Field(
+        None, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
+        description="As in a pod spec: secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef.")
+
+    @field_validator("name")
+    @classmethod
+    def _not_the_contract(cls, value: str) -> str:
+        if value.startswith(ENV_PREFIX):
+            raise ValueError(f"{value}: {ENV_PREFIX}* variables are the operator's runtime contract; "
+                             "choose another name")
+        return value
+
+
+class VolumeMount(Contract):
+    """Where a volume of ``volumes`` appears in the container."""
+
+    name: str = Field(min_length=1, max_length=63)
+    mount_path: str = Field(min_length=1, max_length=1024, pattern=r"^/")
+    read_only: bool = False
+    sub_path: str | None = Field(None, max_length=1024)
+
+
+class PodSecurity(Contract):
+    """Pod-level security settings a user may choose (the rest stays "restricted")."""
+
+    fs_group: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"), description=(
+        "Group that owns the pods' volumes (default 1000, the image's user's group), so "
+        "uid 1000 can write a volume made by root."))
+    fs_group_change_policy: Literal["OnRootMismatch", "Always"] | None = None
+    run_as_user: int | None = Field(None, ge=1, json_schema_extra=k8s(format="int64"),
+                                    description="Any uid but 0 (Pod Security restricted).")
+    run_as_group: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"))
+    supplemental_groups: list[int] = Field(default_factory=list, max_length=32)
+
+
+class PodOverrides(Contract):
+    """What one role's pods may change (module docstring)."""
+
+    metadata: PodMetadata | None = None
+    resources: Resources | None = None
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    affinity: dict[str, Any] | None = Field(
+        None, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True), description=(
+            "As in a pod spec. A mesh pod's node (from the plan) is added to every "
+            "nodeSelectorTerm of requiredDuringSchedulingIgnoredDuringExecution."))
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=32,
+        json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
+        description=("Volumes as in a pod spec, each with a name and one source that Pod Security "
+                     "restricted admits: " + ", ".join(RESTRICTED_VOLUME_SOURCES) + "."))
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=32)
+    security_context: PodSecurity | None = None
+    priority_class_name: str | None = Field(None, max_length=253)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: list[Annotated[str, StringConstraints(min_length=1, max_length=253)]] = Field(
+        default_factory=list, max_length=16, description="Names of Secrets to pull the image with.")
+    shm_size: Quantity | None = Field(None, description=(
+        "Size of the memory-backed /dev/shm (Ray's object store lives there); default: sized "
+        "from the plan. Counted in the pod's memory."))
+    termination_grace_period_seconds: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"),
+                                                         description="Seconds a deleted pod may take to stop.")
+
+    @field_validator("volumes")
+    @classmethod
+    def _volumes(cls, volumes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for index, volume in enumerate(volumes):
+            name = volume.get("name") if isinstance(volume, dict) else None
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"volumes[{index}] needs a name")
+            if name in RESERVED_VOLUMES:
+                raise ValueError(f"volumes[{index}]: the name {name!r} is the operator's own "
+                                 f"({', '.join(sorted(RESERVED_VOLUMES))}); choose another")
+            sources = [k for k in volume if k != "name"]
+            if len(sources) != 1:
+                raise ValueError(f"volumes[{index}] ({name}) needs exactly one source, got "
+                                 f"{', '.join(sources) or 'none'}")
+            if sources[0] not in RESTRICTED_VOLUME_SOURCES:
+                raise ValueError(f"volumes[{index}] ({name}): {sources[0]} is not admitted by Pod Security "
+                                 f"restricted; use one of {', '.join(RESTRICTED_VOLUME_SOURCES)}")
+        return volumes
+
+
+class PodTemplates(Contract):
+    """``spec.podTemplate``: overrides of each role's pods."""
+
+    planner: PodOverrides | None = Field(None, description="The planner pod (alpajob plan).")
+    head: PodOverrides | None = Field(None, description="The head pod (Ray head and the driver).")
+    mesh: PodOverrides | None = Field(None, description="Every mesh pod (one per mesh host).")
+
+    def of(self, role: str) -> PodOverrides:
+        """The overrides of ``role`` (planner, head or mesh); empty when unset."""
+        return getattr(self, role, None) or PodOverrides()
