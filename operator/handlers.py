@@ -15,6 +15,8 @@
   the daemon when the job is deleted; its children go with it (owner references);
 - the **validating webhook** for AlpaJobs (:func:`~.admission.validate_alpajob`):
   what the CRD's schema and CEL rules cannot judge;
+- a **liveness probe** that fails once the API server has not answered for
+  ``api_loss_seconds`` (:mod:`.health`);
 - **login** through the ``kubernetes`` client's configuration (in-cluster, or
   ``$KUBECONFIG``), and a **startup** hook that sets kopf's settings: progress kept in annotations, no
   kopf-generated events (the operator posts its own on every transition).
@@ -37,6 +39,7 @@ import kopf
 from alpajob.api.names import ANNOTATION_PREFIX, CRD_NAME, FINALIZER, GROUP, PLURAL, VERSION
 from alpajob.api.status import Phase
 from alpajob.operator import world
+from alpajob.operator.health import ApiContact, LostApiServer
 from alpajob.operator.kube import Kube
 from alpajob.operator.metrics import OperatorMetrics
 from alpajob.operator.reconcile import reconcile
@@ -57,6 +60,7 @@ class OperatorOptions:
     webhook_insecure: bool = False  # plain HTTP: for tests, never for an API server
     webhook_managed: bool = False  # kopf keeps a ValidatingWebhookConfiguration up to date
     webhook_bind_address: str = "0.0.0.0"  # the address the webhook listens on
+    api_loss_seconds: float = 60.0  # liveness fails after this long without an answer from the API server
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,17 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
                 options.webhook_bind_address)
             if options.webhook_managed:
                 settings.admission.managed = CRD_NAME
+
+    contact = ApiContact(lambda: kube.core.get_api_resources(_request_timeout=5.0),
+                         threshold=options.api_loss_seconds)
+
+    @kopf.on.probe(registry=registry, id="api-server", errors=kopf.ErrorsMode.PERMANENT)
+    async def api_server(**_: Any) -> dict[str, float]:
+        """Liveness: the API server answered within ``api_loss_seconds`` (:mod:`.health`)."""
+        try:
+            return await contact.check()
+        except LostApiServer as error:
+            raise kopf.PermanentError(str(error)) from None
 
     wakers = Wakers()
     world.register(registry, wakers)

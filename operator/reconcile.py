@@ -55,7 +55,7 @@ from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, PLAN_KEY, PROGRESS_KEY,
 from alpajob.api.plan import Plan, plan_from_json
 from alpajob.api.pod_template import PodTemplates
 from alpajob.api.progress import progress_from_json
-from alpajob.api.spec import ExitCodeOperator, FailureAction, PodFailureRule, RunPolicy
+from alpajob.api.spec import CleanPodPolicy, ExitCodeOperator, FailureAction, PodFailureRule, RunPolicy
 from alpajob.api.status import (
     ConditionStatus,
     ConditionType,
@@ -120,6 +120,11 @@ def _parse_time(text: str | None) -> datetime | None:
 
 def _phase(pod: Mapping[str, Any] | None) -> str | None:
     return None if pod is None else (pod.get("status") or {}).get("phase", "Pending")
+
+
+def _done(pod: Mapping[str, Any]) -> bool:
+    """Has the pod finished (its containers ended: it holds no resources any more)?"""
+    return _phase(pod) in ("Succeeded", "Failed")
 
 
 def _terminating(pod: Mapping[str, Any]) -> bool:
@@ -301,6 +306,11 @@ class _Pass:
             else:
                 self.decision.wake(left)
 
+    def stop_pods(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
+        """Delete those of ``pods`` that still run; finished ones keep their logs (but
+        one whose deletion was asked already is seen through: forced when stuck)."""
+        self.delete_pods({n: p for n, p in pods.items() if not _done(p) or _terminating(p)})
+
     @property
     def plan(self) -> Plan:
         assert self.plan_doc is not None, "the plan step found no plan"
@@ -320,9 +330,17 @@ class _Pass:
 
     # ------------------------------------------------------------ steps
     def finished(self) -> bool:
+        """A finished job: its pods go as ``runPolicy.cleanPodPolicy`` says (Running:
+        those still running, so the finished ones keep their logs for ``kubectl logs``
+        until the job is deleted or its TTL passes; All: every pod; None: none), and
+        after ``ttlSecondsAfterFinished`` the job itself."""
         if not self.status.phase.finished:
             return False
-        self.delete_pods(dict(self.seen.pods))
+        policy = self.run_policy.get("cleanPodPolicy", CleanPodPolicy.RUNNING.value)
+        if policy == CleanPodPolicy.ALL.value:
+            self.delete_pods(self.seen.pods)
+        elif policy == CleanPodPolicy.RUNNING.value:
+            self.stop_pods(self.seen.pods)
         ttl = self.run_policy.get("ttlSecondsAfterFinished")
         done = _parse_time(self.status.completion_time)
         if ttl is not None and done is not None:
@@ -342,14 +360,14 @@ class _Pass:
         if left > 0:
             self.decision.wake(left)
             return False
-        self.delete_pods(self.seen.pods)
+        self.stop_pods(self.seen.pods)
         self.phase(Phase.FAILED, "DeadlineExceeded",
                    f"the job ran longer than activeDeadlineSeconds ({limit} s)")
         return True
 
     def suspend(self) -> bool:
         if self.run_policy.get("suspend"):
-            self.delete_pods(self.seen.pods)
+            self.stop_pods(self.seen.pods)
             if self.status.phase is not Phase.SUSPENDED:
                 self.phase(Phase.SUSPENDED, "Suspended", "spec.runPolicy.suspend is true; pods deleted")
             return True
@@ -394,9 +412,11 @@ class _Pass:
         if self.plan_doc is not None:
             if self.status.plan is None or self.status.plan.hash != self.plan_doc.content_hash():
                 self.status.plan = self.summary()
-            planner = self.seen.pods.get(names.planner)
-            if planner is not None and _phase(planner) in ("Succeeded", "Failed"):
-                self.delete_pods({names.planner: planner})
+                shapes = ", ".join("x".join(map(str, s.submesh_shape)) for s in self.plan.stages)
+                self.decision.events.append(("Normal", "Planned", (
+                    f"{len(self.plan.stages)} stage(s) on submeshes {shapes}, {self.plan.num_micro_batches} "
+                    f"micro-batches, predicted step {self.plan.predicted_step_seconds:.4g} s; the whole plan is "
+                    f"in ConfigMap {names.plan}, the planner's output in `kubectl logs {names.planner}`")))
             return False
         planner = self.seen.pods.get(names.planner)
         if planner is None:
@@ -454,7 +474,6 @@ class _Pass:
         actions = {action for action, _ in judged}
         if FailureAction.FAIL_JOB in actions:
             index = next(i for a, i in judged if a is FailureAction.FAIL_JOB)
-            self.delete_pods(current)
             self.phase(Phase.FAILED, "PodFailurePolicy",
                        f"{what}; podFailurePolicy rule {index} says FailJob: restarting cannot help, "
                        "fix the cause and create the job again")
@@ -475,8 +494,7 @@ class _Pass:
         ``backoffLimit`` counted restarts are spent."""
         tally = self.book_restart(what, counted)
         if tally is None:
-            self.delete_pods(self.pods_of(self.attempt))
-            return
+            return  # Failed: its pods go as cleanPodPolicy says (finished)
         self.delete_pods(pods)
         self.status.children.replaced = sorted({*(self.status.children.replaced or []),
                                                 *(uid for p in pods.values() if (uid := _uid(p)))})
@@ -487,11 +505,12 @@ class _Pass:
     def restart_attempt(self, current: Mapping[str, Mapping[str, Any]], reason: str, what: str,
                         counted: bool = True) -> None:
         """Delete the attempt's pods and start the next attempt (every mesh, from the
-        last checkpoint), or fail once ``backoffLimit`` counted restarts are spent."""
-        self.delete_pods(current)
+        last checkpoint), or fail once ``backoffLimit`` counted restarts are spent. The
+        attempt's finished pods stay for ``kubectl logs`` (``cleanPodPolicy``)."""
         tally = self.book_restart(what, counted)
         if tally is None:
-            return
+            return  # Failed: its pods go as cleanPodPolicy says (finished)
+        self.stop_pods(current)
         self.next_attempt()
         self.phase(Phase.RESTARTING, reason, f"{what}; restarting every mesh from the last checkpoint ({tally})")
         if self.pool_changed():
@@ -564,10 +583,10 @@ class _Pass:
         attempt's pods are created only once every one is gone, so two attempts never
         run side by side; :meth:`delete_pods` forces the stragglers."""
         old = {n: p for n, p in self.seen.pods.items()
-               if n != self.names.planner and n not in self.pods_of(self.attempt)}
+               if n != self.names.planner and n not in self.pods_of(self.attempt) and not _done(p)}
         if not old:
             return False
-        self.delete_pods(old)
+        self.stop_pods(old)
         phase = self.status.phase if self.status.phase in (Phase.RESTARTING, Phase.STARTING) else Phase.RESTARTING
         self.phase(phase, "OldPodsTerminating",
                    f"waiting for {len(old)} pod(s) of an earlier attempt to terminate: {', '.join(sorted(old))}")
@@ -579,7 +598,7 @@ class _Pass:
         try:
             nodes = assign_nodes(self.plan.stages, self.seen.pool)
         except PoolError as error:
-            self.delete_pods(self.pods_of(self.attempt))
+            self.stop_pods(self.pods_of(self.attempt))
             self.replan(f"the plan no longer fits the node pool ({error})")
             self.phase(Phase.PLANNING, "Replanning", "planning again for the node pool as it is now")
             return True
@@ -635,7 +654,7 @@ class _Pass:
             # (its node lost, evicted) counts as a failure.
             self.status.children.created = self.attempt
         if _phase(head) == "Succeeded":
-            self.delete_pods({n: p for n, p in current.items() if n != self.names.head})
+            self.stop_pods(current)
             self.phase(Phase.SUCCEEDED, "TrainingFinished", "the driver finished every step")
             return
         running = head is not None and _phase(head) == "Running" and all(
@@ -652,7 +671,7 @@ class _Pass:
         if self.finished():
             return
         if self.template_error:
-            self.delete_pods(self.seen.pods)
+            self.stop_pods(self.seen.pods)
             self.phase(Phase.FAILED, "InvalidPodTemplate", f"{self.template_error}; fix it and create the job again")
             return
         if self.deadline() or self.suspend() or self.ensure_plan():
@@ -722,7 +741,7 @@ class _Pass:
             message += f"; {len(long) - 1} more pod(s) unschedulable"
         limit = self.run_policy.get("schedulingTimeoutSeconds")
         if limit is not None and age >= limit:
-            self.delete_pods(self.seen.pods)
+            self.stop_pods(self.seen.pods)
             self.phase(Phase.FAILED, "SchedulingTimeout",
                        f"{message}; schedulingTimeoutSeconds {limit} passed")
             return

@@ -137,6 +137,10 @@ class Cluster:
         items = self.core.list_namespaced_pod(NS).items
         return {p.metadata.name: p for p in items if (p.metadata.labels or {}).get(LABEL_JOB) == job}
 
+    def running(self, job: str) -> set[str]:
+        """The job's pods that have not finished."""
+        return {n for n, p in self.pods(job).items() if (p.status and p.status.phase) not in ("Succeeded", "Failed")}
+
     def set_phase(self, pod: str, phase: str, **extra: Any) -> None:
         self.core.patch_namespaced_pod_status(pod, NS, {"status": {"phase": phase, **extra}})
 
@@ -236,7 +240,10 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
         assert cluster.emu.requests("GET", "/namespaces/ml/pods?") == lists
     cluster.set_phase("gpt-a-0-head", "Succeeded")
     _wait("phase Succeeded", lambda: cluster.phase("gpt-a") == "Succeeded", op=operator)
-    _wait("the pods cleaned up", lambda: not cluster.pods("gpt-a"), op=operator)
+    # cleanPodPolicy Running: what still ran is deleted; the finished planner and head
+    # stay for `kubectl logs` until the job goes.
+    _wait("the running pods cleaned up", lambda: cluster.running("gpt-a") == set(), op=operator)
+    assert set(cluster.pods("gpt-a")) == {"gpt-a-planner", "gpt-a-0-head"}
     def reasons() -> set[str]:
         return {e.reason for e in cluster.core.list_namespaced_event(NS).items if e.involved_object.name == "gpt-a"}
 
@@ -265,7 +272,8 @@ def test_a_failed_pod_restarts_the_whole_job_until_the_backoff_limit(cluster: Cl
         {"name": "worker", "ready": False, "restartCount": 0, "image": "x", "imageID": "x",
          "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}])
     _wait("attempt 1", lambda: "gpt-b-1-head" in cluster.pods("gpt-b"), op=operator)
-    assert not {n for n in cluster.pods("gpt-b") if n.startswith("gpt-b-0-")}  # every mesh restarted
+    assert not {n for n in cluster.running("gpt-b") if n.startswith("gpt-b-0-")}  # every mesh restarted
+    assert "gpt-b-0-m1-h0" in cluster.pods("gpt-b")  # the failed pod stays, stopped, for its logs
     assert cluster.job("gpt-b")["status"]["restarts"] == 1
     _to_running(cluster, operator, "gpt-b", tmp_path, attempt=1)
     cluster.set_phase("gpt-b-1-head", "Failed")
@@ -273,7 +281,8 @@ def test_a_failed_pod_restarts_the_whole_job_until_the_backoff_limit(cluster: Cl
     failed = _condition(cluster, "gpt-b", "Failed")
     assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
     assert _condition(cluster, "gpt-b", "Ready")["status"] == "False"
-    _wait("the pods cleaned up", lambda: not cluster.pods("gpt-b"), op=operator)
+    _wait("the running pods cleaned up", lambda: cluster.running("gpt-b") == set(), op=operator)
+    assert {"gpt-b-1-head", "gpt-b-0-m1-h0"} <= set(cluster.pods("gpt-b"))  # the failed ones, for their logs
     def warnings() -> list[str]:  # events are posted right after the status patch
         return [e.reason for e in cluster.core.list_namespaced_event(NS).items
                 if e.involved_object.name == "gpt-b" and e.type == "Warning"]
@@ -288,7 +297,7 @@ def test_suspend_and_resume(cluster: Cluster, operator: Operator, tmp_path: Path
     cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-c",
                                                   {"spec": {"runPolicy": {"suspend": True}}})
     _wait("phase Suspended", lambda: cluster.phase("gpt-c") == "Suspended", op=operator)
-    _wait("no pods while suspended", lambda: not cluster.pods("gpt-c"), op=operator)
+    _wait("no pods running while suspended", lambda: cluster.running("gpt-c") == set(), op=operator)
     cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-c",
                                                   {"spec": {"runPolicy": {"suspend": False}}})
     _to_running(cluster, operator, "gpt-c", tmp_path, attempt=1)
@@ -605,3 +614,38 @@ def test_gitops_tools_read_every_status_the_operator_wrote(seen: dict[tuple[str,
             job["metadata"].pop("managedFields", None)
             out = ARGOCD / "testdata" / f"e2e-{name}-{phase.lower()}.yaml"
             out.write_text(yaml.safe_dump(job, sort_keys=False))
+
+
+def test_liveness_fails_once_the_api_server_is_gone(tmp_path: Path) -> None:
+    """``/healthz`` answers 200 while the API server answers, and 500 once it has been
+    silent for ``--liveness-api-timeout`` (kopf alone kept answering 200 on a real
+    cluster while it could not connect); the Deployment's probe then restarts it."""
+    import urllib.error
+    import urllib.request
+
+    from alpajob.trainer_image.distributed.loopback import free_port
+
+    emu = Emulator(tmp_path / "api")
+    (tmp_path / "api").mkdir()
+    emu.start()
+    op = Operator(emu, tmp_path / "operator.log")
+    port = free_port()
+    op.args = ["--liveness", f"http://127.0.0.1:{port}/healthz", "--liveness-api-timeout", "2"]
+    op.start()
+
+    def status() -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as answer:
+                return answer.status
+        except urllib.error.HTTPError as error:
+            return error.code
+        except OSError:
+            return 0
+
+    try:
+        assert _wait("a healthy probe", lambda: status() == 200, op=op)
+        emu.stop()  # the API server is gone
+        _wait("the probe failing", lambda: status() == 500, timeout=60, op=op)
+        assert op.proc is not None and op.proc.poll() is None  # alive, but says it is not well
+    finally:
+        op.stop()

@@ -62,6 +62,11 @@ class World:
     def pods(self) -> dict[str, dict[str, Any]]:
         return {name: obj for (kind, name), obj in self.objects.items() if kind == "Pod"}
 
+    def running(self) -> dict[str, dict[str, Any]]:
+        """The pods that have not finished (finished ones stay for their logs)."""
+        return {n: p for n, p in self.pods().items()
+                if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
+
     def step(self, seconds: float = 1.0):
         self.now += timedelta(seconds=seconds)
         seen = Observed(
@@ -108,8 +113,12 @@ class World:
         return self.job["status"]
 
     def set_pods(self, phase: str, role: str | None = None, **status: Any) -> None:
+        """Move the pods of ``role`` (default: every head and mesh pod that has not
+        finished) to ``phase``, as their kubelets would."""
         for pod in self.pods().values():
-            if role is None or pod["metadata"]["labels"]["alpajob.io/role"] == role:
+            mine = pod["metadata"]["labels"]["alpajob.io/role"]
+            finished = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+            if (role is None and mine != "planner" and not finished) or mine == role:
                 pod["status"] = {"phase": phase, **status}
 
     def planned(self, plan_json: str) -> None:
@@ -155,7 +164,8 @@ def test_after_planning_every_child_is_created_once_with_its_environment(plan_js
                        ("Pod", "manual-gpt-0-head"), ("Pod", "manual-gpt-0-m0-h0"), ("Pod", "manual-gpt-0-m1-h0")]
     assert world.status["children"]["meshPods"] == ["manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0"]
     assert world.status["plan"]["stages"] == 2 and world.status["plan"]["hash"]
-    assert ("Pod", "manual-gpt-planner") not in world.objects  # done: cleaned up
+    planner = world.objects["Pod", "manual-gpt-planner"]
+    assert planner["status"]["phase"] == "Succeeded"  # done, kept for `kubectl logs` (cleanPodPolicy Running)
     pod = world.objects["Pod", "manual-gpt-0-m1-h0"]
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
     assert env["ALPAJOB_RAY_ADDRESS"] == "manual-gpt-head.ml.svc:6379"
@@ -179,7 +189,7 @@ def test_running_then_succeeded_then_cleaned_up_and_deleted_after_ttl(plan_json:
     world.step()
     assert world.status["phase"] == "Succeeded" and world.status["completionTime"]
     world.step()
-    assert not world.pods()  # nothing left running
+    assert not world.running()  # nothing left running
     assert not world.deleted_job
     world.step(61)
     assert world.deleted_job
@@ -194,9 +204,9 @@ def test_a_failed_pod_restarts_every_mesh_then_backoff_fails_the_job(plan_json: 
     world.step()
     assert world.status["phase"] == "Restarting" and world.status["restarts"] == 1
     assert any("OOMKilled" in e[2] and e[1] == "PodFailed" for e in world.events)
-    assert not [n for n in world.pods() if n.startswith("manual-gpt-0-")]  # the whole attempt went
+    assert not [n for n in world.running() if n.startswith("manual-gpt-0-")]  # the whole attempt went
     world.step()
-    assert sorted(world.pods()) == ["manual-gpt-1-head", "manual-gpt-1-m0-h0", "manual-gpt-1-m1-h0"]
+    assert sorted(world.running()) == ["manual-gpt-1-head", "manual-gpt-1-m0-h0", "manual-gpt-1-m1-h0"]
     world.set_pods("Running")
     world.step()
     assert world.status["phase"] == "Running"
@@ -206,7 +216,7 @@ def test_a_failed_pod_restarts_every_mesh_then_backoff_fails_the_job(plan_json: 
     failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "BackoffLimitExceeded" and failed["status"] == "True"
     world.step()
-    assert not world.pods()
+    assert not world.running()
 
 
 def test_a_pod_lost_with_its_node_restarts_the_job_and_never_hangs_it(plan_json: str) -> None:
@@ -244,7 +254,7 @@ def test_a_configuration_error_exit_code_fails_the_job_at_once(plan_json: str) -
     assert failed["reason"] == "PodFailurePolicy"
     assert "manual-gpt-0-m1-h0 failed: exit 2" in failed["message"] and "rule 0 says FailJob" in failed["message"]
     world.step()
-    assert not world.pods()
+    assert not world.running()
 
 
 def test_preemption_and_a_lost_node_restart_without_spending_the_backoff_limit(plan_json: str) -> None:
@@ -324,10 +334,10 @@ def test_with_restart_scope_failed_pods_only_the_failed_mesh_pod_is_replaced(pla
     world.step()
     assert world.status["phase"] == "Restarting" and world.status["restarts"] == 1
     assert world.status["children"]["attempt"] == 0
-    assert sorted(world.pods()) == ["manual-gpt-0-head", "manual-gpt-0-m0-h0"]  # only the failed one went
+    assert sorted(world.running()) == ["manual-gpt-0-head", "manual-gpt-0-m0-h0"]  # only the failed one went
     assert ("Warning", "MeshPodReplaced") in [(k, r) for k, r, _ in world.events]
     world.step()
-    assert sorted(world.pods()) == ["manual-gpt-0-head", "manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0"]
+    assert sorted(world.running()) == ["manual-gpt-0-head", "manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0"]
     assert world.objects["Pod", "manual-gpt-0-head"] is head  # never restarted
     world.objects["Pod", "manual-gpt-0-m1-h0"]["status"] = {"phase": "Running"}
     world.step()
@@ -355,9 +365,9 @@ def test_suspend_deletes_the_pods_and_resume_starts_a_new_attempt(plan_json: str
     world.job["spec"]["runPolicy"] = {"suspend": True}
     world.step()
     assert world.status["phase"] == "Suspended" and world.condition("Suspended") == "True"
-    assert not world.pods()
+    assert not world.running()
     world.step()
-    assert not world.pods()
+    assert not world.running()
     world.job["spec"]["runPolicy"] = {"suspend": False}
     world.step()
     assert world.status["children"]["attempt"] == 1
@@ -432,7 +442,7 @@ def test_with_volcano_the_pod_group_comes_first_and_pods_join_it(plan_json: str)
     assert kinds.index("PodGroup") < kinds.index("Pod")
     group = world.objects["PodGroup", "manual-gpt-0"]
     assert group["spec"]["minMember"] == 3 and group["spec"]["queue"] == "research"
-    for pod in world.pods().values():
+    for pod in world.running().values():
         assert pod["spec"]["schedulerName"] == "volcano"
         assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "manual-gpt-0"
 
@@ -531,7 +541,7 @@ def test_a_job_without_progress_past_its_deadline_is_restarted_as_hung(plan_json
     message = next(c for c in world.status["conditions"] if c["type"] == "Ready")["message"]
     assert "no progress for 65 s (progressDeadlineSeconds 60; last step 7)" in message
     assert ("Warning", "ProgressDeadlineExceeded") in [(k, r) for k, r, _ in world.events]
-    assert not [n for n in world.pods() if n.startswith("manual-gpt-0-")]  # attempt 0's pods deleted
+    assert not [n for n in world.running() if n.startswith("manual-gpt-0-")]  # attempt 0's pods deleted
     world.step()
     world.set_pods("Running")
     world.step()
@@ -597,7 +607,7 @@ def test_a_deleted_mesh_pod_is_a_disruption_and_the_next_attempt_waits_for_the_o
     world.step(due)  # its grace period and FORCE_AFTER over: forced
     assert world.forced == ["manual-gpt-0-head"]
     world.step()
-    assert sorted(world.pods()) == ["manual-gpt-1-head", "manual-gpt-1-m0-h0", "manual-gpt-1-m1-h0"]
+    assert sorted(world.running()) == ["manual-gpt-1-head", "manual-gpt-1-m0-h0", "manual-gpt-1-m1-h0"]
     world.set_pods("Running")
     world.step()
     assert world.status["phase"] == "Running"
@@ -719,7 +729,7 @@ def test_past_the_scheduling_timeout_the_job_fails(plan_json: str) -> None:
     assert failed["reason"] == "SchedulingTimeout" and "Insufficient memory" in failed["message"]
     assert "spec.podTemplate.mesh" in failed["message"]
     world.step()
-    assert not world.pods()
+    assert not world.running()
 
 
 def _quantity(text: str) -> float:
@@ -834,3 +844,24 @@ def test_an_invalid_pod_template_without_the_webhook_fails_the_job_naming_it() -
     world.step()
     failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "InvalidPodTemplate" and "spec.podTemplate.mesh.env" in failed["message"]
+
+
+@pytest.mark.parametrize(("policy", "left"), [
+    ("Running", {"manual-gpt-planner", "manual-gpt-0-head", "manual-gpt-0-m1-h0"}),
+    ("All", set()),
+    ("None", {"manual-gpt-planner", "manual-gpt-0-head", "manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0"}),
+])
+def test_a_failed_jobs_pods_stay_for_their_logs_as_clean_pod_policy_says(
+        plan_json: str, policy: str, left: set[str]) -> None:
+    """The head fails with exit 2 (FailJob): with cleanPodPolicy Running (the default)
+    the pods still running go and the finished ones stay, the planner's and the
+    failed pods', for `kubectl logs`; All deletes every pod; None keeps every pod."""
+    world = World({"runPolicy": {"cleanPodPolicy": policy}} if policy != "Running" else {})
+    _running(world, plan_json)
+    assert [m for k, r, m in world.events if r == "Planned"][0].startswith("2 stage(s) on submeshes 1x4, 1x4")
+    _fail(world, "manual-gpt-0-head", 2)
+    world.objects["Pod", "manual-gpt-0-m1-h0"]["status"] = {"phase": "Failed"}
+    world.step()
+    world.step()
+    assert world.status["phase"] == "Failed"
+    assert set(world.pods()) == left

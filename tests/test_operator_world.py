@@ -71,3 +71,31 @@ def test_a_change_wakes_its_job_only_and_a_forgotten_job_is_not_woken() -> None:
         assert list(wakers.jobs()) == [("ml", "b")]
 
     asyncio.run(scenario())
+
+
+def test_the_api_contact_fails_only_after_its_threshold_of_silence() -> None:
+    import asyncio
+
+    from alpajob.operator.health import ApiContact, LostApiServer
+
+    now = [0.0]
+    up = [True]
+
+    def ask() -> None:
+        if not up[0]:
+            raise ConnectionRefusedError("Connect call failed ('10.96.0.1', 443)")
+
+    contact = ApiContact(ask, threshold=60.0, clock=lambda: now[0])
+    assert asyncio.run(contact.check()) == {"apiServerSilentSeconds": 0.0}
+    up[0] = False
+    now[0] = 45.0
+    assert asyncio.run(contact.check()) == {"apiServerSilentSeconds": 45.0}  # a blip: still alive
+    now[0] = 61.0
+    try:
+        asyncio.run(contact.check())
+    except LostApiServer as error:
+        assert "for 61 s" in str(error) and "Connect call failed" in str(error)
+    else:
+        raise AssertionError("61 s of silence must fail the probe")
+    up[0] = True
+    assert asyncio.run(contact.check()) == {"apiServerSilentSeconds": 0.0}

@@ -449,6 +449,14 @@ class RestartScope(StrEnum):
     FAILED_PODS = "FailedPods"  # only a failed mesh pod; the driver restarts the stages in place
 
 
+class CleanPodPolicy(StrEnum):
+    """Which pods go when the job finishes (Kubeflow's names)."""
+
+    NONE = "None"  # every pod stays (running ones too: for debugging)
+    RUNNING = "Running"  # the pods still running go; finished ones stay for `kubectl logs`
+    ALL = "All"  # every pod goes
+
+
 class RunPolicy(Contract):
     """``spec.runPolicy``: restarts, deadlines, clean-up and suspension."""
 
@@ -472,6 +480,10 @@ class RunPolicy(Contract):
         "Seconds a pod of the job may stay unschedulable (the scheduler finds no node for it) "
         "before the job fails with reason SchedulingTimeout. Unset: it waits, and says why "
         "(condition PodsScheduled=False with the scheduler's message)."))
+    clean_pod_policy: CleanPodPolicy = Field(CleanPodPolicy.RUNNING, description=(
+        "Which pods are deleted when the job finishes: Running (default: the ones still running; "
+        "finished pods, the planner's included, stay for kubectl logs until the job is deleted or "
+        "its TTL passes), All, or None. Pods of a failed attempt also stay, stopped."))
     progress_deadline_seconds: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
         "Seconds a Running job may go without a progress report from its trainer before it is "
         "restarted as a hung job (reason ProgressDeadlineExceeded, counted against "
@@ -570,7 +582,7 @@ class Spec(Contract):
 #: immutable (a running job's plan, pods and checkpoints all follow from it).
 MUTABLE: dict[str, frozenset[str]] = {
     "runPolicy": frozenset({"suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished",
-                            "schedulingTimeoutSeconds"}),
+                            "schedulingTimeoutSeconds", "cleanPodPolicy"}),
     "scheduling": frozenset({"queue"}),
     "podTemplate": frozenset({"planner", "head", "mesh"}),
 }

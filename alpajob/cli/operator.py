@@ -30,6 +30,9 @@ def add_parser(sub: Any) -> None:
                         help="pass over every job at least this often in seconds, changed or not "
                              "(a safety net: passes run on changes; default 600)")
     parser.add_argument("--liveness", help="serve kopf's liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--liveness-api-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="the liveness probe fails once the API server has not answered for this long "
+                             "(default 60)")
     parser.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
     parser.add_argument("--metrics-bind-address", default="0.0.0.0",
                         help="the address the metrics listener binds (default 0.0.0.0: every interface)")
@@ -63,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise ManifestError("--interval", f"must be positive, got {args.interval}")
     if args.resync < args.interval:
         raise ManifestError("--resync", f"must be at least --interval ({args.interval}), got {args.resync}")
+    if args.liveness_api_timeout <= 0:
+        raise ManifestError("--liveness-api-timeout", f"must be positive, got {args.liveness_api_timeout}")
     for flag, port in (("--metrics-port", args.metrics_port), ("--webhook-port", args.webhook_port)):
         if port is not None and not 1 <= port <= 65535:
             raise ManifestError(flag, f"must be a port number from 1 to 65535, got {port}")
@@ -77,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         interval=args.interval, resync=args.resync, scanning=not args.no_scanning, webhook_port=args.webhook_port,
         webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,
         webhook_key=args.webhook_key, webhook_insecure=args.webhook_insecure,
-        webhook_managed=args.webhook_managed, webhook_bind_address=args.webhook_bind_address)
+        webhook_managed=args.webhook_managed, webhook_bind_address=args.webhook_bind_address,
+        api_loss_seconds=args.liveness_api_timeout)
     return run_operator(options, namespaces=tuple(args.namespace or ()),
                         clusterwide=bool(args.all_namespaces), liveness=args.liveness,
                         metrics_port=args.metrics_port, default_image=args.default_image,
