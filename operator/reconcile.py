@@ -55,7 +55,13 @@ from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, PLAN_KEY, PROGRESS_KEY,
 from alpajob.api.plan import Plan, plan_from_json
 from alpajob.api.pod_template import PodTemplates
 from alpajob.api.progress import progress_from_json
-from alpajob.api.spec import CleanPodPolicy, ExitCodeOperator, FailureAction, PodFailureRule, RunPolicy
+from alpajob.api.spec import (
+    CleanPodPolicy,
+    ExitCodeOperator,
+    FailureAction,
+    PodFailureRule,
+    RunPolicy,
+)
 from alpajob.api.status import (
     ConditionStatus,
     ConditionType,
