@@ -6,60 +6,66 @@ delete, the events to post). The handlers apply it and call it again a moment la
 every step is safe to repeat, so a restarted operator simply carries on. The steps,
 in order (the first that has something to wait for ends the pass):
 
-1. **finished** (Succeeded/Failed): delete what still runs; after
-   ``ttlSecondsAfterFinished`` delete the job itself;
+1. **finished** (Succeeded/Failed): its pods go as ``runPolicy.cleanPodPolicy`` says
+   (by default the running ones: finished pods keep their logs); after
+   ``ttlSecondsAfterFinished`` the job itself;
 2. **deadline**: past ``activeDeadlineSeconds`` since the start, fail;
-3. **suspend**: delete the pods of the attempt, phase Suspended; on resume a new
+3. **suspend**: stop the pods of the attempt, phase Suspended; on resume a new
    attempt starts (from the last checkpoint);
 4. **plan**: the config and plan ConfigMaps, then the planner pod (the pool
    decides the cluster it plans for); its failure fails the job with the
    planner's message;
-5. **restart**: a failed pod of the attempt (head or mesh), or one gone missing
-   after it ran, restarts the *whole* job as a new attempt (every mesh, resuming
-   from the last complete checkpoint). ``runPolicy.podFailurePolicy`` judges each
-   failed pod (:func:`failure_action`): FailJob fails the job at once (by default:
-   exit code 2, a configuration error), Ignore restarts without counting against
-   ``backoffLimit`` (by default: preemption, eviction, a lost node), Count restarts
-   counted (everything else). With ``runPolicy.restartScope: FailedPods`` a failed
-   mesh pod is replaced alone while the head runs on (its driver restarts every
-   stage from the checkpoint in place); a pod of
-   an old attempt stuck terminating on a lost node is force-deleted, so it never
-   holds the job up. When the node pool has changed since the plan was made (nodes
-   lost or added, fewer GPUs), the new attempt is **planned again** for the pool as
-   it is, instead of failing;
-   a Running job whose trainer reports no progress for ``progressDeadlineSeconds``
-   is restarted the same way (reason ``ProgressDeadlineExceeded``);
-6. **children**: the Services, the PodGroup (when a gang scheduler is installed:
+5. **restart**: a failed pod of the attempt (head or mesh), one deleted through the
+   API, or one gone missing after it ran, restarts the *whole* job as a new attempt
+   (every mesh, resuming from the last complete checkpoint). The pods are named in
+   the message in the order they ended, the cause first.
+   ``runPolicy.podFailurePolicy`` judges each pod (:func:`~.pods.failure_action`):
+   FailJob fails the job at once (by default: exit code 2, a configuration error),
+   Ignore restarts without counting against ``backoffLimit`` (by default: a pod
+   preempted, evicted, deleted, or lost with its node), Count restarts counted
+   (everything else). With ``runPolicy.restartScope: FailedPods`` a failed mesh pod
+   is replaced alone while the head runs on (its driver restarts every stage from the
+   checkpoint in place), and is judged once while it terminates. When the node pool
+   has changed since the plan was made, the new attempt is **planned again** for the
+   pool as it is, instead of failing; a Running job whose trainer reports no
+   progress for ``progressDeadlineSeconds`` is restarted the same way (reason
+   ``ProgressDeadlineExceeded``);
+6. **old pods**: the new attempt waits until every running pod of an earlier one is
+   gone (the old head may still save its last checkpoint and hold the checkpoint
+   folder); one still there :data:`~.decision.FORCE_AFTER` seconds past its grace
+   period, or on a node that is not Ready, is force-deleted, so it never holds the
+   job up;
+7. **children**: the Services, the PodGroup (when a gang scheduler is installed:
    before the pods), the head pod and every mesh pod, named in ``status.children``
-   before they are created;
-7. **observe**: Starting until every pod runs, then Running; the head pod's
+   before they are created, sized from the plan and ``spec.podTemplate``;
+8. **observe**: Starting until every pod runs, then Running; the head pod's
    success is the job's.
+
+After the steps, **scheduling**: a pod unschedulable for :data:`SCHEDULING_GRACE`
+seconds shows as ``PodsScheduled=False`` with the scheduler's message (past
+``schedulingTimeoutSeconds`` the job fails), and ``status.progress.restarts`` is set
+to the job's restarts.
 
 The handlers run a pass when the job or one of its children changes; a rule that
 fires with time alone (``ttlSecondsAfterFinished``, ``activeDeadlineSeconds``,
-``progressDeadlineSeconds``) says when in :attr:`Decision.wake_after`, so nothing
-needs polling.
+``progressDeadlineSeconds``, a grace period, the scheduling grace) says when in
+:attr:`Decision.wake_after`, so nothing needs polling.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from collections.abc import Mapping
+from datetime import UTC
 from typing import Any
 
-from pydantic import ValidationError
-
 from alpajob.api.errors import AlpaJobError, PlanFormatError
-from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, PLAN_KEY, PROGRESS_KEY, Role
-from alpajob.api.plan import Plan, plan_from_json
+from alpajob.api.names import LABEL_ROLE, PLAN_KEY, PROGRESS_KEY
+from alpajob.api.plan import plan_from_json
 from alpajob.api.pod_template import PodTemplates
 from alpajob.api.progress import progress_from_json
 from alpajob.api.spec import (
     CleanPodPolicy,
-    ExitCodeOperator,
     FailureAction,
-    PodFailureRule,
     RunPolicy,
 )
 from alpajob.api.status import (
@@ -68,271 +74,35 @@ from alpajob.api.status import (
     MeshStatus,
     Phase,
     PlanSummary,
-    Status,
 )
 from alpajob.operator import children, sizing
-from alpajob.operator.names import ChildNames
+from alpajob.operator.decision import Decision, Observed, PassState
 from alpajob.operator.pod_overrides import TEMPLATE_ANNOTATION, template_hash
-from alpajob.operator.pool import PoolError, PoolNode, assign_nodes, pool_cluster
-from alpajob.operator.status import set_condition, set_phase
-
-
-@dataclass(frozen=True)
-class Observed:
-    """The job and its world as the handlers read them."""
-
-    job: Mapping[str, Any]
-    now: datetime
-    manifest_yaml: str
-    pool: Sequence[PoolNode] = ()
-    configmaps: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # the job's pods, by name
-    services: frozenset[str] = frozenset()
-    pod_groups: frozenset[str] = frozenset()
-    gang: str | None = None  # installed gang scheduler: volcano, coscheduling or None
-    ready_nodes: frozenset[str] = frozenset()
-    default_image: str = children.DEFAULT_IMAGE  # for jobs without spec.image
-
-
-@dataclass
-class Decision:
-    """What to do: status first (children's names included), then creations, deletions."""
-
-    status: Status
-    create: list[dict[str, Any]] = field(default_factory=list)
-    delete: list[tuple[str, str, int | None]] = field(default_factory=list)  # kind, name, grace seconds
-    events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
-    delete_job: bool = False
-    clear_plan: bool = False  # empty the plan ConfigMap: the job is planned again
-    #: Seconds until a rule may fire with no change in the world (a deadline, a TTL);
-    #: None: only a change can alter the decision.
-    wake_after: float | None = None
-
-    def wake(self, seconds: float) -> None:
-        """Ask for a pass ``seconds`` from now (the earliest of the asked)."""
-        seconds = max(seconds, 0.0)
-        self.wake_after = seconds if self.wake_after is None else min(self.wake_after, seconds)
-
-
-def _time(now: datetime) -> str:
-    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _parse_time(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=None)
-
-
-def _phase(pod: Mapping[str, Any] | None) -> str | None:
-    return None if pod is None else (pod.get("status") or {}).get("phase", "Pending")
-
-
-def _done(pod: Mapping[str, Any]) -> bool:
-    """Has the pod finished (its containers ended: it holds no resources any more)?"""
-    return _phase(pod) in ("Succeeded", "Failed")
-
-
-def _terminating(pod: Mapping[str, Any]) -> bool:
-    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
-
-
-def _uid(pod: Mapping[str, Any]) -> str:
-    return str((pod.get("metadata") or {}).get("uid") or "")
-
-
-def _finished_at(pod: Mapping[str, Any]) -> str:
-    """When the pod's container terminated (RFC 3339, sorts as text); ``~`` (after
-    every time) when it has not."""
-    for container in (pod.get("status") or {}).get("containerStatuses") or []:
-        at = ((container.get("state") or {}).get("terminated") or {}).get("finishedAt")
-        if at:
-            return str(at)
-    return "~"
-
-
-def _by_finish(names: list[str], pods: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """``names`` in the order their pods' containers ended, the first first: when one
-    pod's failure takes the others down (the head's error, then every mesh's lost
-    Ray connection), the cause is named first. Ties keep the head first."""
-    return sorted(names, key=lambda n: (_finished_at(pods[n]), (pods[n].get("metadata") or {})
-                                        .get("labels", {}).get(LABEL_ROLE) != Role.HEAD.value, n))
-
-
-def _ending(name: str, pod: Mapping[str, Any]) -> str:
-    """How pod ``name`` ended, for a message: ``<pod> failed: <its message>``,
-    ``<pod> was evicted: ...``, or ``<pod> was deleted`` (through the API, while it ran)."""
-    if _terminating(pod) and _phase(pod) != "Failed":
-        return f"{name} was deleted"
-    how = "was evicted" if (pod.get("status") or {}).get("reason") == "Evicted" else "failed"
-    return f"{name} {how}: {_pod_message(pod)}"
-
-
-def _pod_message(pod: Mapping[str, Any]) -> str:
-    """The reason a pod failed: its container's termination message, else its status."""
-    status = pod.get("status") or {}
-    for container in status.get("containerStatuses") or []:
-        terminated = (container.get("state") or {}).get("terminated") or {}
-        if terminated.get("message"):
-            return str(terminated["message"]).strip()[-2000:]
-        if terminated.get("reason"):
-            return f"{terminated['reason']} (exit code {terminated.get('exitCode')})"
-    return str(status.get("message") or status.get("reason") or "the pod failed")
-
-
-def _exit_code(pod: Mapping[str, Any]) -> int | None:
-    """The exit code of the pod's container that terminated with a failure, if any."""
-    for container in (pod.get("status") or {}).get("containerStatuses") or []:
-        code = ((container.get("state") or {}).get("terminated") or {}).get("exitCode")
-        if code:
-            return int(code)
-    return None
-
-
-#: Seconds after a pod's deletion time (its ``deletionTimestamp``: the delete plus its
-#: grace period) when the operator forces the deletion of a pod still there: past the
-#: grace period its kubelet has sent SIGKILL already, so only a kubelet that cannot
-#: confirm (a hung or partitioned node) keeps the pod, and a new attempt waits for it.
-FORCE_AFTER = 15.0
+from alpajob.operator.pods import (
+    by_finish,
+    done,
+    ending,
+    failure_action,
+    parse_time,
+    phase_of,
+    pod_message,
+    terminating,
+    uid,
+    unschedulable,
+)
+from alpajob.operator.pool import PoolError, assign_nodes, pool_cluster
+from alpajob.operator.status import set_condition
 
 #: Seconds a pod may be unschedulable before the job says so (the scheduler retries
 #: at once when the cluster changes; a pod still unplaced after this waits for a change).
 SCHEDULING_GRACE = 5.0
 
-#: The condition Kubernetes gives a pod it disrupts (preemption, eviction, its node
-#: lost); the operator also gives it to a pod that vanished or whose node is not Ready.
-DISRUPTION = ("DisruptionTarget", "True")
-
-
-def disrupted(pod: Mapping[str, Any], ready_nodes: frozenset[str]) -> bool:
-    """Did Kubernetes or a person, not the job, end ``pod``? It was deleted through the
-    API (``kubectl delete pod``: a current attempt's pod is never deleted by the
-    operator), evicted (the kubelet's ``reason: Evicted``), or its node is not Ready."""
-    status = pod.get("status") or {}
-    node = (pod.get("spec") or {}).get("nodeName")
-    return _terminating(pod) or status.get("reason") == "Evicted" or bool(node and node not in ready_nodes)
-
-
-def failure_action(rules: Sequence[PodFailureRule], pod: Mapping[str, Any] | None,
-                   ready_nodes: frozenset[str]) -> tuple[FailureAction, int | None]:
-    """What a failed pod (None: one that vanished) does, by the first rule it matches
-    (Count when none does), and that rule's index. A pod that was :func:`disrupted`
-    has ``DisruptionTarget=True`` whatever its own conditions say."""
-    conditions: set[tuple[str, str]] = set()
-    code = None
-    if pod is None:
-        conditions.add(DISRUPTION)
-    else:
-        conditions |= {(str(c.get("type")), str(c.get("status"))) for c in (pod.get("status") or {}).get("conditions") or []}
-        if disrupted(pod, ready_nodes):
-            conditions.add(DISRUPTION)
-        code = _exit_code(pod)
-    for index, rule in enumerate(rules):
-        if rule.on_exit_codes is not None:
-            if code is None:
-                continue
-            inside = code in rule.on_exit_codes.values
-            if inside == (rule.on_exit_codes.operator is ExitCodeOperator.IN):
-                return rule.action, index
-        elif any((c.type, c.status) in conditions for c in rule.on_pod_conditions or []):
-            return rule.action, index
-    return FailureAction.COUNT, None
-
-
 def _data(configmap: Mapping[str, Any] | None, key: str) -> str | None:
     return ((configmap or {}).get("data") or {}).get(key)
 
 
-class _Pass:
-    """One reconciliation pass's state (see the module docstring)."""
-
-    def __init__(self, seen: Observed) -> None:
-        self.seen = seen
-        spec = dict(seen.job.get("spec") or {})
-        spec.setdefault("image", seen.default_image)  # a view: the operator never writes spec
-        self.job = {**seen.job, "spec": spec}
-        self.spec = spec
-        self.meta = seen.job["metadata"]
-        self.generation = int(self.meta.get("generation") or 1)
-        self.now = _time(seen.now)
-        self.status = Status.model_validate(seen.job.get("status") or {})
-        self.decision = Decision(status=self.status)
-        self.attempt = self.status.children.attempt
-        self.names = ChildNames(self.meta["name"], self.attempt)
-        self.run_policy = self.spec.get("runPolicy") or {}
-        self.plan_doc: Plan | None = None
-        self.templates, self.template_error = PodTemplates(), ""
-        try:
-            self.templates = PodTemplates.model_validate(self.spec.get("podTemplate") or {})
-        except ValidationError as error:  # the webhook refuses these; without it, say so here
-            first = error.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            self.template_error = f"spec.podTemplate.{where}: {first['msg']}"
-
-    # ------------------------------------------------------------ helpers
-    def phase(self, phase: Phase, reason: str, message: str = "", meshes_ready: bool = False) -> None:
-        before = self.status.phase
-        set_phase(self.status, phase, reason, message, self.generation, self.now, meshes_ready)
-        if phase is not before:
-            kind = "Warning" if phase in (Phase.FAILED, Phase.RESTARTING) else "Normal"
-            self.decision.events.append((kind, reason, message or f"phase {before} -> {phase}"))
-            if phase.finished:
-                self.status.completion_time = self.now
-
-    def pods_of(self, attempt: int | None = None, role: Role | None = None) -> dict[str, Mapping[str, Any]]:
-        out = {}
-        for name, pod in self.seen.pods.items():
-            labels = (pod.get("metadata") or {}).get("labels") or {}
-            if attempt is not None and labels.get(LABEL_ATTEMPT) != str(attempt):
-                continue
-            if role is not None and labels.get(LABEL_ROLE) != role.value:
-                continue
-            out[name] = pod
-        return out
-
-    def delete_pods(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
-        """Delete ``pods``. One already terminating is left to its kubelet for its grace
-        period, then forced (its API object removed: the kubelet still kills what is
-        left) :data:`FORCE_AFTER` seconds later, or at once when its node is not Ready
-        (a lost node's kubelet never confirms), as the pod garbage collector does."""
-        for name, pod in pods.items():
-            node = (pod.get("spec") or {}).get("nodeName")
-            if not _terminating(pod):
-                self.decision.delete.append(("Pod", name, None))
-                continue
-            if node and node not in self.seen.ready_nodes:
-                self.decision.delete.append(("Pod", name, 0))
-                continue
-            due = _parse_time(pod["metadata"]["deletionTimestamp"])
-            if due is None:
-                continue
-            left = FORCE_AFTER - (self.seen.now.replace(tzinfo=None) - due).total_seconds()
-            if left <= 0:
-                self.decision.delete.append(("Pod", name, 0))
-            else:
-                self.decision.wake(left)
-
-    def stop_pods(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
-        """Delete those of ``pods`` that still run; finished ones keep their logs (but
-        one whose deletion was asked already is seen through: forced when stuck)."""
-        self.delete_pods({n: p for n, p in pods.items() if not _done(p) or _terminating(p)})
-
-    @property
-    def plan(self) -> Plan:
-        assert self.plan_doc is not None, "the plan step found no plan"
-        return self.plan_doc
-
-    def hosts(self) -> list[tuple[int, int, int]]:
-        """(mesh, host, hosts of the mesh) of the plan."""
-        return [(m, h, n) for m, h, n, _ in self.host_devices()]
-
-    def host_devices(self) -> list[tuple[int, int, int, int]]:
-        """(mesh, host, hosts of the mesh, devices per host) of the plan."""
-        out: list[tuple[int, int, int, int]] = []
-        for stage in self.plan.stages:
-            n, m = stage.submesh_shape
-            out.extend((stage.index, j, n, m) for j in range(n))
-        return out
+class _Pass(PassState):
+    """One reconciliation pass: its steps, in order (see the module docstring)."""
 
     # ------------------------------------------------------------ steps
     def finished(self) -> bool:
@@ -348,7 +118,7 @@ class _Pass:
         elif policy == CleanPodPolicy.RUNNING.value:
             self.stop_pods(self.seen.pods)
         ttl = self.run_policy.get("ttlSecondsAfterFinished")
-        done = _parse_time(self.status.completion_time)
+        done = parse_time(self.status.completion_time)
         if ttl is not None and done is not None:
             left = ttl - (self.seen.now.replace(tzinfo=None) - done).total_seconds()
             if left <= 0:
@@ -359,7 +129,7 @@ class _Pass:
 
     def deadline(self) -> bool:
         limit = self.run_policy.get("activeDeadlineSeconds")
-        started = _parse_time(self.status.start_time)
+        started = parse_time(self.status.start_time)
         if limit is None or started is None:
             return False
         left = limit - (self.seen.now.replace(tzinfo=None) - started).total_seconds()
@@ -382,12 +152,6 @@ class _Pass:
             self.next_attempt()
             self.phase(Phase.STARTING, "Resumed", "resumed; restarting every mesh from the last checkpoint")
         return False
-
-    def next_attempt(self) -> None:
-        self.attempt += 1
-        self.names = ChildNames(self.meta["name"], self.attempt)
-        self.status.children.attempt = self.attempt
-        self.status.children.replaced = None
 
     def read_plan(self) -> bool:
         """The plan from ``<job>-plan`` into ``plan_doc``; False (and Failed) if it is not
@@ -436,8 +200,8 @@ class _Pass:
             self.decision.create.append(children.planner_pod(self.job, names, cluster, self.templates))
             self.phase(Phase.PLANNING, "Planning",
                        f"planning for {cluster.nodes} x {cluster.gpus_per_node} {cluster.preset}")
-        elif _phase(planner) == "Failed":
-            self.phase(Phase.FAILED, "PlanningFailed", _pod_message(planner))
+        elif phase_of(planner) == "Failed":
+            self.phase(Phase.FAILED, "PlanningFailed", pod_message(planner))
         elif self.status.phase is not Phase.PLANNING:
             self.phase(Phase.PLANNING, "Planning", "the planner pod is running")
         return True
@@ -457,22 +221,22 @@ class _Pass:
         judged_before = set(self.status.children.replaced or [])
         # Failed, or deleted through the API while it ran (judged once: a pod replaced
         # in place is remembered by uid until it is gone).
-        failed = _by_finish([n for n, p in current.items()
-                             if (_phase(p) == "Failed" or _terminating(p)) and _phase(p) != "Succeeded"
-                             and _uid(p) not in judged_before], current)
+        failed = by_finish([n for n, p in current.items()
+                             if (phase_of(p) == "Failed" or terminating(p)) and phase_of(p) != "Succeeded"
+                             and uid(p) not in judged_before], current)
         missing = [n for n in expected if created and n not in self.seen.pods]
-        head_done = _phase(current.get(self.names.head)) == "Succeeded"
+        head_done = phase_of(current.get(self.names.head)) == "Succeeded"
         # restartScope FailedPods: while the head runs, a failed mesh pod is replaced
         # alone, and a missing one is simply created again (ensure_children).
         in_place = (self.run_policy.get("restartScope") == "FailedPods"
-                    and _phase(current.get(self.names.head)) == "Running"
-                    and not _terminating(current[self.names.head])
+                    and phase_of(current.get(self.names.head)) == "Running"
+                    and not terminating(current[self.names.head])
                     and self.names.head not in failed + missing)
         if in_place:
             missing = []
         if head_done or not (failed or missing):
             return False
-        what = ", ".join([_ending(n, current[n]) for n in failed] + [f"{n} is gone" for n in missing])
+        what = ", ".join([ending(n, current[n]) for n in failed] + [f"{n} is gone" for n in missing])
         policy = RunPolicy.model_validate(self.run_policy)
         rules = policy.failure_rules()
         judged = [failure_action(rules, current[n], self.seen.ready_nodes) for n in failed]
@@ -503,7 +267,7 @@ class _Pass:
             return  # Failed: its pods go as cleanPodPolicy says (finished)
         self.delete_pods(pods)
         self.status.children.replaced = sorted({*(self.status.children.replaced or []),
-                                                *(uid for p in pods.values() if (uid := _uid(p)))})
+                                                *(key for p in pods.values() if (key := uid(p)))})
         self.phase(Phase.RESTARTING, "MeshPodReplaced",
                    f"{what}; replacing {', '.join(sorted(pods))} while the driver restarts every stage "
                    f"from the last checkpoint ({tally})")
@@ -548,7 +312,7 @@ class _Pass:
             return False
         since = next((c.last_transition_time for c in self.status.conditions
                       if c.type is ConditionType.RUNNING and c.status is ConditionStatus.TRUE), None)
-        started = _parse_time(since)
+        started = parse_time(since)
         if started is None:
             return False
         last = started.replace(tzinfo=UTC).timestamp()
@@ -589,7 +353,7 @@ class _Pass:
         attempt's pods are created only once every one is gone, so two attempts never
         run side by side; :meth:`delete_pods` forces the stragglers."""
         old = {n: p for n, p in self.seen.pods.items()
-               if n != self.names.planner and n not in self.pods_of(self.attempt) and not _done(p)}
+               if n != self.names.planner and n not in self.pods_of(self.attempt) and not done(p)}
         if not old:
             return False
         self.stop_pods(old)
@@ -651,7 +415,7 @@ class _Pass:
         for mesh, host, count in self.hosts():
             entry = meshes.setdefault(mesh, MeshStatus(name=f"mesh-{mesh}", nodes=count,
                                                        ready_pods=0, total_pods=count))
-            if _phase(current.get(self.names.mesh_pod(mesh, host))) == "Running":
+            if phase_of(current.get(self.names.mesh_pod(mesh, host))) == "Running":
                 entry.ready_pods += 1
         self.status.meshes = [meshes[k] for k in sorted(meshes)]
         expected = [self.names.head] + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts()]
@@ -659,11 +423,11 @@ class _Pass:
             # Every pod of the attempt has been seen: from now on one that vanishes
             # (its node lost, evicted) counts as a failure.
             self.status.children.created = self.attempt
-        if _phase(head) == "Succeeded":
+        if phase_of(head) == "Succeeded":
             self.stop_pods(current)
             self.phase(Phase.SUCCEEDED, "TrainingFinished", "the driver finished every step")
             return
-        running = head is not None and _phase(head) == "Running" and all(
+        running = head is not None and phase_of(head) == "Running" and all(
             m.ready_pods == m.total_pods for m in meshes.values())
         if running:
             self.phase(Phase.RUNNING, "Training", "every mesh is running", meshes_ready=True)
@@ -696,21 +460,6 @@ class _Pass:
         if progress is not None and progress.restarts != total:
             self.status.progress = progress.model_copy(update={"restarts": total})
 
-    def unschedulable(self) -> dict[str, tuple[float, str]]:
-        """The job's pods the scheduler could not place: name -> (seconds since it
-        said so, its message)."""
-        out = {}
-        for name, pod in self.seen.pods.items():
-            if _terminating(pod) or _phase(pod) != "Pending":
-                continue
-            for c in (pod.get("status") or {}).get("conditions") or []:
-                if c.get("type") == "PodScheduled" and c.get("status") == "False" \
-                        and c.get("reason") == "Unschedulable":
-                    since = _parse_time(c.get("lastTransitionTime"))
-                    age = (self.seen.now.replace(tzinfo=None) - since).total_seconds() if since else 0.0
-                    out[name] = (max(age, 0.0), str(c.get("message") or "no node can take it"))
-        return out
-
     def scheduling(self) -> None:
         """Say why pods wait: a pod unschedulable for :data:`SCHEDULING_GRACE` seconds
         sets ``PodsScheduled=False`` with the scheduler's message (and the phase's
@@ -718,7 +467,7 @@ class _Pass:
         event; past ``runPolicy.schedulingTimeoutSeconds`` the job fails. Once every
         pod is placed the condition turns True again."""
         before = next((c for c in self.status.conditions if c.type is ConditionType.PODS_SCHEDULED), None)
-        waiting = self.unschedulable()
+        waiting = unschedulable(self.seen.pods, self.seen.now)
         for name in list(waiting):
             pod = self.seen.pods[name]
             role = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE, "")

@@ -1,0 +1,174 @@
+"""One reconciliation pass's input, output and state: what the steps of
+:mod:`.reconcile` read and the primitive actions they take.
+
+:class:`Observed` is what the handlers read (the job, its children, the pool, the
+time), :class:`Decision` what a pass decides (the new status, children to create or
+delete, events, when to run again), and :class:`PassState` one pass's working state
+with the actions every step shares: set the phase (and every condition with it), find
+the pods of an attempt, delete or stop pods (forcing the stuck), start the next
+attempt, read the plan's hosts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, Role
+from alpajob.api.plan import Plan
+from alpajob.api.pod_template import PodTemplates
+from alpajob.api.status import Phase, Status
+from alpajob.operator import children
+from alpajob.operator.names import ChildNames
+from alpajob.operator.pods import done, parse_time, terminating
+from alpajob.operator.pool import PoolNode
+from alpajob.operator.status import set_phase
+
+#: Seconds after a pod's deletion time (its ``deletionTimestamp``: the delete plus its
+#: grace period) when the operator forces the deletion of a pod still there: past the
+#: grace period its kubelet has sent SIGKILL already, so only a kubelet that cannot
+#: confirm (a hung or partitioned node) keeps the pod, and a new attempt waits for it.
+FORCE_AFTER = 15.0
+
+@dataclass(frozen=True)
+class Observed:
+    """The job and its world as the handlers read them."""
+
+    job: Mapping[str, Any]
+    now: datetime
+    manifest_yaml: str
+    pool: Sequence[PoolNode] = ()
+    configmaps: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # the job's pods, by name
+    services: frozenset[str] = frozenset()
+    pod_groups: frozenset[str] = frozenset()
+    gang: str | None = None  # installed gang scheduler: volcano, coscheduling or None
+    ready_nodes: frozenset[str] = frozenset()
+    default_image: str = children.DEFAULT_IMAGE  # for jobs without spec.image
+
+
+@dataclass
+class Decision:
+    """What to do: status first (children's names included), then creations, deletions."""
+
+    status: Status
+    create: list[dict[str, Any]] = field(default_factory=list)
+    delete: list[tuple[str, str, int | None]] = field(default_factory=list)  # kind, name, grace seconds
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
+    delete_job: bool = False
+    clear_plan: bool = False  # empty the plan ConfigMap: the job is planned again
+    #: Seconds until a rule may fire with no change in the world (a deadline, a TTL);
+    #: None: only a change can alter the decision.
+    wake_after: float | None = None
+
+    def wake(self, seconds: float) -> None:
+        """Ask for a pass ``seconds`` from now (the earliest of the asked)."""
+        seconds = max(seconds, 0.0)
+        self.wake_after = seconds if self.wake_after is None else min(self.wake_after, seconds)
+
+
+def time_text(now: datetime) -> str:
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+
+class PassState:
+    """One pass's working state and shared actions (module docstring)."""
+
+    def __init__(self, seen: Observed) -> None:
+        self.seen = seen
+        spec = dict(seen.job.get("spec") or {})
+        spec.setdefault("image", seen.default_image)  # a view: the operator never writes spec
+        self.job = {**seen.job, "spec": spec}
+        self.spec = spec
+        self.meta = seen.job["metadata"]
+        self.generation = int(self.meta.get("generation") or 1)
+        self.now = time_text(seen.now)
+        self.status = Status.model_validate(seen.job.get("status") or {})
+        self.decision = Decision(status=self.status)
+        self.attempt = self.status.children.attempt
+        self.names = ChildNames(self.meta["name"], self.attempt)
+        self.run_policy = self.spec.get("runPolicy") or {}
+        self.plan_doc: Plan | None = None
+        self.templates, self.template_error = PodTemplates(), ""
+        try:
+            self.templates = PodTemplates.model_validate(self.spec.get("podTemplate") or {})
+        except ValidationError as error:  # the webhook refuses these; without it, say so here
+            first = error.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            self.template_error = f"spec.podTemplate.{where}: {first['msg']}"
+
+    def phase(self, phase: Phase, reason: str, message: str = "", meshes_ready: bool = False) -> None:
+        before = self.status.phase
+        set_phase(self.status, phase, reason, message, self.generation, self.now, meshes_ready)
+        if phase is not before:
+            kind = "Warning" if phase in (Phase.FAILED, Phase.RESTARTING) else "Normal"
+            self.decision.events.append((kind, reason, message or f"phase {before} -> {phase}"))
+            if phase.finished:
+                self.status.completion_time = self.now
+
+    def pods_of(self, attempt: int | None = None, role: Role | None = None) -> dict[str, Mapping[str, Any]]:
+        out = {}
+        for name, pod in self.seen.pods.items():
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            if attempt is not None and labels.get(LABEL_ATTEMPT) != str(attempt):
+                continue
+            if role is not None and labels.get(LABEL_ROLE) != role.value:
+                continue
+            out[name] = pod
+        return out
+
+    def delete_pods(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
+        """Delete ``pods``. One already terminating is left to its kubelet for its grace
+        period, then forced (its API object removed: the kubelet still kills what is
+        left) :data:`FORCE_AFTER` seconds later, or at once when its node is not Ready
+        (a lost node's kubelet never confirms), as the pod garbage collector does."""
+        for name, pod in pods.items():
+            node = (pod.get("spec") or {}).get("nodeName")
+            if not terminating(pod):
+                self.decision.delete.append(("Pod", name, None))
+                continue
+            if node and node not in self.seen.ready_nodes:
+                self.decision.delete.append(("Pod", name, 0))
+                continue
+            due = parse_time(pod["metadata"]["deletionTimestamp"])
+            if due is None:
+                continue
+            left = FORCE_AFTER - (self.seen.now.replace(tzinfo=None) - due).total_seconds()
+            if left <= 0:
+                self.decision.delete.append(("Pod", name, 0))
+            else:
+                self.decision.wake(left)
+
+    def stop_pods(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
+        """Delete those of ``pods`` that still run; finished ones keep their logs (but
+        one whose deletion was asked already is seen through: forced when stuck)."""
+        self.delete_pods({n: p for n, p in pods.items() if not done(p) or terminating(p)})
+
+    @property
+    def plan(self) -> Plan:
+        assert self.plan_doc is not None, "the plan step found no plan"
+        return self.plan_doc
+
+    def hosts(self) -> list[tuple[int, int, int]]:
+        """(mesh, host, hosts of the mesh) of the plan."""
+        return [(m, h, n) for m, h, n, _ in self.host_devices()]
+
+    def host_devices(self) -> list[tuple[int, int, int, int]]:
+        """(mesh, host, hosts of the mesh, devices per host) of the plan."""
+        out: list[tuple[int, int, int, int]] = []
+        for stage in self.plan.stages:
+            n, m = stage.submesh_shape
+            out.extend((stage.index, j, n, m) for j in range(n))
+        return out
+
+    def next_attempt(self) -> None:
+        self.attempt += 1
+        self.names = ChildNames(self.meta["name"], self.attempt)
+        self.status.children.attempt = self.attempt
+        self.status.children.replaced = None
+

@@ -1,0 +1,144 @@
+"""What a pod's status says, as the reconciliation reads it (pure functions).
+
+Its phase, whether it finished or is being deleted, how it ended and with what message
+(the container's termination message: its error, or the log's tail under
+``terminationMessagePolicy: FallbackToLogsOnError``), when, whether Kubernetes or a
+person rather than the job ended it (:func:`disrupted`), what
+``runPolicy.podFailurePolicy`` does about it (:func:`failure_action`), and whether the
+scheduler could not place it (:func:`unschedulable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from alpajob.api.names import LABEL_ROLE, Role
+from alpajob.api.spec import ExitCodeOperator, FailureAction, PodFailureRule
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=None)
+
+
+def phase_of(pod: Mapping[str, Any] | None) -> str | None:
+    return None if pod is None else (pod.get("status") or {}).get("phase", "Pending")
+
+
+def done(pod: Mapping[str, Any]) -> bool:
+    """Has the pod finished (its containers ended: it holds no resources any more)?"""
+    return phase_of(pod) in ("Succeeded", "Failed")
+
+
+def terminating(pod: Mapping[str, Any]) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def uid(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("uid") or "")
+
+
+def finished_at(pod: Mapping[str, Any]) -> str:
+    """When the pod's container terminated (RFC 3339, sorts as text); ``~`` (after
+    every time) when it has not."""
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        at = ((container.get("state") or {}).get("terminated") or {}).get("finishedAt")
+        if at:
+            return str(at)
+    return "~"
+
+
+def by_finish(names: list[str], pods: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """``names`` in the order their pods' containers ended, the first first: when one
+    pod's failure takes the others down (the head's error, then every mesh's lost
+    Ray connection), the cause is named first. Ties keep the head first."""
+    return sorted(names, key=lambda n: (finished_at(pods[n]), (pods[n].get("metadata") or {})
+                                        .get("labels", {}).get(LABEL_ROLE) != Role.HEAD.value, n))
+
+
+def ending(name: str, pod: Mapping[str, Any]) -> str:
+    """How pod ``name`` ended, for a message: ``<pod> failed: <its message>``,
+    ``<pod> was evicted: ...``, or ``<pod> was deleted`` (through the API, while it ran)."""
+    if terminating(pod) and phase_of(pod) != "Failed":
+        return f"{name} was deleted"
+    how = "was evicted" if (pod.get("status") or {}).get("reason") == "Evicted" else "failed"
+    return f"{name} {how}: {pod_message(pod)}"
+
+
+def pod_message(pod: Mapping[str, Any]) -> str:
+    """The reason a pod failed: its container's termination message, else its status."""
+    status = pod.get("status") or {}
+    for container in status.get("containerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if terminated.get("message"):
+            return str(terminated["message"]).strip()[-2000:]
+        if terminated.get("reason"):
+            return f"{terminated['reason']} (exit code {terminated.get('exitCode')})"
+    return str(status.get("message") or status.get("reason") or "the pod failed")
+
+
+def exit_code(pod: Mapping[str, Any]) -> int | None:
+    """The exit code of the pod's container that terminated with a failure, if any."""
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        code = ((container.get("state") or {}).get("terminated") or {}).get("exitCode")
+        if code:
+            return int(code)
+    return None
+
+
+#: The condition Kubernetes gives a pod it disrupts (preemption, eviction, its node
+#: lost); the operator also gives it to a pod that vanished or whose node is not Ready.
+DISRUPTION = ("DisruptionTarget", "True")
+
+
+def disrupted(pod: Mapping[str, Any], ready_nodes: frozenset[str]) -> bool:
+    """Did Kubernetes or a person, not the job, end ``pod``? It was deleted through the
+    API (``kubectl delete pod``: a current attempt's pod is never deleted by the
+    operator), evicted (the kubelet's ``reason: Evicted``), or its node is not Ready."""
+    status = pod.get("status") or {}
+    node = (pod.get("spec") or {}).get("nodeName")
+    return terminating(pod) or status.get("reason") == "Evicted" or bool(node and node not in ready_nodes)
+
+
+def failure_action(rules: Sequence[PodFailureRule], pod: Mapping[str, Any] | None,
+                   ready_nodes: frozenset[str]) -> tuple[FailureAction, int | None]:
+    """What a failed pod (None: one that vanished) does, by the first rule it matches
+    (Count when none does), and that rule's index. A pod that was :func:`disrupted`
+    has ``DisruptionTarget=True`` whatever its own conditions say."""
+    conditions: set[tuple[str, str]] = set()
+    code = None
+    if pod is None:
+        conditions.add(DISRUPTION)
+    else:
+        conditions |= {(str(c.get("type")), str(c.get("status"))) for c in (pod.get("status") or {}).get("conditions") or []}
+        if disrupted(pod, ready_nodes):
+            conditions.add(DISRUPTION)
+        code = exit_code(pod)
+    for index, rule in enumerate(rules):
+        if rule.on_exit_codes is not None:
+            if code is None:
+                continue
+            inside = code in rule.on_exit_codes.values
+            if inside == (rule.on_exit_codes.operator is ExitCodeOperator.IN):
+                return rule.action, index
+        elif any((c.type, c.status) in conditions for c in rule.on_pod_conditions or []):
+            return rule.action, index
+    return FailureAction.COUNT, None
+
+
+def unschedulable(pods: Mapping[str, Mapping[str, Any]], now: datetime) -> dict[str, tuple[float, str]]:
+    """The pods the scheduler could not place: name -> (seconds since it said so, its
+    message), from the ``PodScheduled`` condition (the only place a real cluster says it)."""
+    out = {}
+    for name, pod in pods.items():
+        if terminating(pod) or phase_of(pod) != "Pending":
+            continue
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                since = parse_time(c.get("lastTransitionTime"))
+                age = (now.replace(tzinfo=None) - since).total_seconds() if since else 0.0
+                out[name] = (max(age, 0.0), str(c.get("message") or "no node can take it"))
+    return out
