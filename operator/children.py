@@ -35,6 +35,7 @@ from alpajob.api.names import (
     Role,
 )
 from alpajob.api.pod_template import PodTemplates
+from alpajob.api.spec import CHECKPOINT_CLAIM_SUFFIX
 from alpajob.api.runtime import (
     CHECKPOINT_DIR,
     CONFIG_DIR,
@@ -101,6 +102,36 @@ def progress_config_map(job: Mapping[str, Any], names: ChildNames) -> dict[str, 
             "data": {}}
 
 
+def checkpoint_claim(job: Mapping[str, Any]) -> str | None:
+    """The PersistentVolumeClaim of the job's checkpoints: ``spec.checkpoint.volume``,
+    or the one made from ``volumeClaimTemplate``; None without checkpoints."""
+    checkpoint = job["spec"].get("checkpoint") or {}
+    if checkpoint.get("volume"):
+        return str(checkpoint["volume"])
+    if checkpoint.get("volumeClaimTemplate"):
+        return f"{job['metadata']['name']}-{CHECKPOINT_CLAIM_SUFFIX}"
+    return None
+
+
+def checkpoint_volume_claim(job: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``<job>-checkpoints``, from ``spec.checkpoint.volumeClaimTemplate`` (None when the
+    job names its own claim, or has none). Owned by the job, so it goes with it, unless
+    ``retain``: then it only carries the job's label, and outlives the job."""
+    template = (job["spec"].get("checkpoint") or {}).get("volumeClaimTemplate")
+    if not template:
+        return None
+    name = checkpoint_claim(job)
+    assert name is not None
+    meta = _meta(job, name, Role.CHECKPOINTS)
+    if template.get("retain"):
+        del meta["ownerReferences"]
+    spec: dict[str, Any] = {"accessModes": list(template.get("accessModes") or ["ReadWriteMany"]),
+                            "resources": {"requests": {"storage": str(template["size"])}}}
+    if template.get("storageClassName"):
+        spec["storageClassName"] = template["storageClassName"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
+
+
 #: Pod Security "restricted" (what a namespace labelled
 #: ``pod-security.kubernetes.io/enforce=restricted`` admits): non-root, the runtime's
 #: default seccomp profile, no privilege escalation, every capability dropped. Set on
@@ -123,11 +154,16 @@ def _volumes(names: ChildNames, with_plan: bool, job: Mapping[str, Any]) -> tupl
     if with_plan:
         volumes.append({"name": "plan", "configMap": {"name": names.plan}})
         mounts.append({"name": "plan", "mountPath": PLAN_DIR, "readOnly": True})
-    claim = (job["spec"].get("checkpoint") or {}).get("volume")
+    claim = checkpoint_claim(job)
     if claim:
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}})
         mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
     return volumes, mounts
+
+
+def _templates(job: Mapping[str, Any], templates: PodTemplates | None) -> PodTemplates:
+    """The job's ``spec.podTemplate`` (given parsed, or read from the job)."""
+    return templates if templates is not None else PodTemplates.model_validate(job["spec"].get("podTemplate") or {})
 
 
 def _runtime(job: Mapping[str, Any], names: ChildNames, role: Role, **fields: Any) -> TrainerRuntime:
@@ -141,7 +177,7 @@ def _env(runtime: TrainerRuntime) -> list[dict[str, str]]:
 
 
 def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster,
-                templates: PodTemplates) -> dict[str, Any]:
+                templates: PodTemplates | None = None) -> dict[str, Any]:
     """The pod that plans the job for the pool (``alpajob plan``), once."""
     namespace = job["metadata"]["namespace"]
     volumes, mounts = _volumes(names, False, job)
@@ -161,7 +197,7 @@ def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster,
             "securityContext": _pod_security(),
         },
     }
-    return finish(pod, templates.of(Role.PLANNER.value), sizing.planner_size())
+    return finish(pod, _templates(job, templates).of(Role.PLANNER.value), sizing.planner_size())
 
 
 def head_service(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
@@ -228,16 +264,17 @@ def _driver_restarts(job: Mapping[str, Any]) -> int:
     return int(policy.get("backoffLimit", 3))
 
 
-def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None, templates: PodTemplates,
-             size: sizing.PodSize) -> dict[str, Any]:
+def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None,
+             templates: PodTemplates | None = None, size: sizing.PodSize | None = None) -> dict[str, Any]:
     """Attempt ``a``'s head: the Ray head and the driver, which resumes from the last
     complete checkpoint; the pod succeeds when training is done."""
     checkpoint = job["spec"].get("checkpoint") or {}
     saves: dict[str, Any] = {}
-    if checkpoint.get("volume"):
+    claim = checkpoint_claim(job)
+    if claim:
         saves = {"checkpoint_dir": f"{CHECKPOINT_DIR}/{checkpoint.get('path') or names.job}",
                  "checkpoint_every": checkpoint.get("intervalSteps", 500),
-                 "checkpoint_volume": f"PersistentVolumeClaim {checkpoint['volume']} at {CHECKPOINT_DIR}"}
+                 "checkpoint_volume": f"PersistentVolumeClaim {claim} at {CHECKPOINT_DIR}"}
     runtime = _runtime(job, names, Role.HEAD, plan=PLAN_PATH, ray_port=RAY_PORT,
                        metrics_port=METRICS_PORT,
                        progress_configmap=f"{job['metadata']['namespace']}/{names.progress}", **saves)
@@ -247,12 +284,12 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None, templa
                            {"name": "metrics", "containerPort": METRICS_PORT}],
                  "env": _env(runtime)}
     pod = _pod(job, names, names.head, Role.HEAD, gang, container, {}, None)
-    return finish(pod, templates.of(Role.HEAD.value), size)
+    return finish(pod, _templates(job, templates).of(Role.HEAD.value), size or sizing.head_size(None))
 
 
 def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, hosts: int,
-             node: str, gpus: int, cpu: bool, gang: str | None, templates: PodTemplates,
-             size: sizing.PodSize) -> dict[str, Any]:
+             node: str, gpus: int, cpu: bool, gang: str | None, templates: PodTemplates | None = None,
+             size: sizing.PodSize | None = None) -> dict[str, Any]:
     """Host ``host`` of mesh ``mesh``: a Ray worker offering that host's resource, on
     ``node``, with the mesh's JAX process-group coordinates."""
     namespace = job["metadata"]["namespace"]
@@ -269,7 +306,8 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}]}
     labels = {LABEL_MESH: str(mesh), LABEL_HOST: str(host)}
     pod = _pod(job, names, names.mesh_pod(mesh, host), Role.MESH, gang, container, labels, hostname)
-    return finish(pod, templates.of(Role.MESH.value), size, node)
+    size = size or sizing.mesh_size(None, None, gpus, cpu)
+    return finish(pod, _templates(job, templates).of(Role.MESH.value), size, node)
 
 
 def pod_group(job: Mapping[str, Any], names: ChildNames, gang: str, members: int, gpus: int) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class Observed:
     configmaps: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # the job's pods, by name
     services: frozenset[str] = frozenset()
+    claims: frozenset[str] = frozenset()  # the job's PersistentVolumeClaims (labelled with it)
     pod_groups: frozenset[str] = frozenset()
     gang: str | None = None  # installed gang scheduler: volcano, coscheduling or None
     ready_nodes: frozenset[str] = frozenset()

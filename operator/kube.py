@@ -155,6 +155,7 @@ class Kube:
         pods = {pod["metadata"]["name"]: pod for pod in world.pods}
         configmaps = {cm["metadata"]["name"]: cm for cm in world.configmaps}
         services = frozenset(s["metadata"]["name"] for s in world.services)
+        claims = frozenset(c["metadata"]["name"] for c in world.claims)
         gang = self.gang(job)
         groups: frozenset[str] = frozenset()
         if gang:
@@ -173,7 +174,7 @@ class Kube:
         manifest = {"apiVersion": API_VERSION, "kind": KIND,
                     "metadata": {"name": name, "namespace": namespace}, "spec": spec}
         return Observed(job=job, now=now, manifest_yaml=yaml.safe_dump(manifest, sort_keys=False),
-                        pool=pool, configmaps=configmaps, pods=pods, services=services,
+                        pool=pool, configmaps=configmaps, pods=pods, services=services, claims=claims,
                         pod_groups=groups, gang=gang, ready_nodes=ready,
                         **({"default_image": self.default_image} if self.default_image else {}))
 
@@ -241,6 +242,8 @@ class Kube:
                 self.core.create_namespaced_config_map(namespace, obj)
             elif kind == "Service":
                 self.core.create_namespaced_service(namespace, obj)
+            elif kind == "PersistentVolumeClaim":
+                self.core.create_namespaced_persistent_volume_claim(namespace, obj)
             elif kind == "PodGroup":
                 group, version = obj["apiVersion"].split("/")
                 self.custom.create_namespaced_custom_object(group, version, namespace, "podgroups", obj)

@@ -177,6 +177,9 @@ class _Pass(PassState):
             self.decision.create.append(children.plan_config_map(self.job, names))
         if names.progress not in configmaps:
             self.decision.create.append(children.progress_config_map(self.job, names))
+        claim = children.checkpoint_volume_claim(self.job)
+        if claim is not None and claim["metadata"]["name"] not in self.seen.claims:
+            self.decision.create.append(claim)
         if not self.read_plan():
             return True
         if self.plan_doc is not None:

@@ -61,12 +61,14 @@ def _millicores(cores: float) -> str:
     return f"{max(1, round(cores * 1000))}m"
 
 
-def shm_bytes(plan: Plan) -> int:
+def shm_bytes(plan: Plan | None) -> int:
     """``/dev/shm`` of a Ray pod: the object store holds the activations and gradients
     crossing between meshes (every resharding task, for each micro-batch of a step:
     under GPipe all may be in flight), twice over (Ray keeps a copy while it transfers
     one); at least :data:`MIN_SHM` (the step's batch, Ray's own objects), at most
     :data:`MAX_SHM`."""
+    if plan is None:
+        return MIN_SHM
     crossing = sum(task.bytes for task in plan.resharding) * plan.num_micro_batches
     return int(min(max(2 * crossing, MIN_SHM), MAX_SHM) // MI * MI)
 
@@ -75,16 +77,19 @@ def planner_size() -> PodSize:
     return PodSize(cpu="500m", memory="2Gi")
 
 
-def head_size(plan: Plan) -> PodSize:
+def head_size(plan: Plan | None) -> PodSize:
+    """The head pod (None: before there is a plan: no parameters counted)."""
     shm = shm_bytes(plan)
-    parameters = plan.model.num_parameters * 4
+    parameters = plan.model.num_parameters * 4 if plan is not None else 0
     return PodSize(cpu="250m", memory=_mebibytes(GI + 2 * parameters + shm), shm=shm)
 
 
-def mesh_size(plan: Plan, stage: StagePlan, devices: int, cpu: bool) -> PodSize:
-    """One host of ``stage`` with ``devices`` devices (``cpu``: forced host devices)."""
+def mesh_size(plan: Plan | None, stage: StagePlan | None, devices: int, cpu: bool) -> PodSize:
+    """One host of ``stage`` with ``devices`` devices (``cpu``: forced host devices;
+    None: no plan to size memory from, only the base)."""
     shm = shm_bytes(plan)
+    peak = stage.peak_memory_bytes if stage is not None else 0.0
+    weights = stage.weight_bytes if stage is not None else 0.0
     if cpu:
-        return PodSize(cpu=_millicores(0.1 * devices),
-                       memory=_mebibytes(GI + devices * stage.peak_memory_bytes + shm), shm=shm)
-    return PodSize(cpu=str(devices), memory=_mebibytes(4 * GI + devices * stage.weight_bytes + shm), shm=shm)
+        return PodSize(cpu=_millicores(0.1 * devices), memory=_mebibytes(GI + devices * peak + shm), shm=shm)
+    return PodSize(cpu=str(devices), memory=_mebibytes(4 * GI + devices * weights + shm), shm=shm)

@@ -27,7 +27,7 @@ import kopf
 from alpajob.api.names import GPU_RESOURCE, LABEL_JOB
 
 #: The kinds of a job's children that are watched, each in the index of that name.
-CHILD_KINDS = ("pods", "configmaps", "services")
+CHILD_KINDS = ("pods", "configmaps", "services", "persistentvolumeclaims")
 NODES = "nodes"
 
 
@@ -38,6 +38,7 @@ class World:
     pods: tuple[dict[str, Any], ...] = ()
     configmaps: tuple[dict[str, Any], ...] = ()
     services: tuple[dict[str, Any], ...] = ()
+    claims: tuple[dict[str, Any], ...] = ()
     nodes: tuple[dict[str, Any], ...] = ()
 
     @staticmethod
@@ -49,7 +50,8 @@ class World:
             return tuple(store) if store is not None else ()
 
         return World(pods=values("pods", (namespace, job)), configmaps=values("configmaps", (namespace, job)),
-                     services=values("services", (namespace, job)), nodes=values(NODES, NODES))
+                     services=values("services", (namespace, job)),
+                     claims=values("persistentvolumeclaims", (namespace, job)), nodes=values(NODES, NODES))
 
 
 def slim_node(body: Mapping[str, Any]) -> dict[str, Any]:

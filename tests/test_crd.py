@@ -525,6 +525,7 @@ NEEDED_VERBS = {
     ("", "pods"): {"create", "get", "list", "watch", "delete"},
     ("", "services"): {"create", "get", "list", "watch"},
     ("", "configmaps"): {"create", "get", "list", "watch"},
+    ("", "persistentvolumeclaims"): {"create", "get", "list", "watch"},
     ("", "events"): {"create"},
     ("", "nodes"): {"get", "list", "watch"},
     ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "watch", "delete"},
@@ -542,7 +543,7 @@ NEEDED_NAMED_VERBS = {
     ("admissionregistration.k8s.io", "validatingwebhookconfigurations", WEBHOOK_CONFIGURATION): {"patch"},
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", WEBHOOK_CONFIGURATION): {"patch"},
 }
-CREATED = [("", "pods"), ("", "services"), ("", "configmaps"), ("", "events"),
+CREATED = [("", "pods"), ("", "services"), ("", "configmaps"), ("", "persistentvolumeclaims"), ("", "events"),
            ("scheduling.volcano.sh", "podgroups"), ("scheduling.x-k8s.io", "podgroups"),
            ("admissionregistration.k8s.io", "validatingwebhookconfigurations")]
 

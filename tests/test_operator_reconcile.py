@@ -75,6 +75,7 @@ class World:
             configmaps={n: o for (k, n), o in self.objects.items() if k == "ConfigMap"},
             pods=self.pods(),
             services=frozenset(n for k, n in self.objects if k == "Service"),
+            claims=frozenset(n for k, n in self.objects if k == "PersistentVolumeClaim"),
             pod_groups=frozenset(n for k, n in self.objects if k == "PodGroup"),
             gang=self.gang, ready_nodes=self.ready,
         )
@@ -83,7 +84,8 @@ class World:
         for obj in decision.create:
             key = (obj["kind"], obj["metadata"]["name"])
             assert key not in self.objects, f"{key} created twice"
-            assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+            retained = obj["kind"] == "PersistentVolumeClaim" and "ownerReferences" not in obj["metadata"]
+            assert retained or obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
             self.objects[key] = copy.deepcopy(obj)
             self.uids += 1
             self.objects[key]["metadata"]["uid"] = f"uid-{self.uids}"
@@ -865,3 +867,30 @@ def test_a_failed_jobs_pods_stay_for_their_logs_as_clean_pod_policy_says(
     world.step()
     assert world.status["phase"] == "Failed"
     assert set(world.pods()) == left
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_volume_claim_template_makes_the_checkpoint_claim_that_every_pod_mounts(
+        plan_json: str, retain: bool) -> None:
+    """No claim made by hand: ``<job>-checkpoints`` is created with the planner's
+    ConfigMaps, owned by the job (deleted with it) unless ``retain``; every pod mounts
+    it with fsGroup 1000, so uid 1000 can write it, and the head is told its name."""
+    template = {"size": "20Gi", "storageClassName": "fast", **({"retain": True} if retain else {})}
+    world = World({"checkpoint": {"volumeClaimTemplate": template, "intervalSteps": 5}})
+    created = [(o["kind"], o["metadata"]["name"]) for o in world.step().create]
+    assert ("PersistentVolumeClaim", "manual-gpt-checkpoints") in created
+    claim = world.objects["PersistentVolumeClaim", "manual-gpt-checkpoints"]
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}},
+                             "storageClassName": "fast"}
+    assert claim["metadata"]["labels"]["alpajob.io/job"] == "manual-gpt"
+    assert ("ownerReferences" in claim["metadata"]) is not retain
+    world.planned(plan_json)
+    world.step()
+    assert not [o for o in world.step().create if o["kind"] == "PersistentVolumeClaim"]  # once
+    for name in ("manual-gpt-0-head", "manual-gpt-0-m0-h0"):
+        spec = world.objects["Pod", name]["spec"]
+        assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "manual-gpt-checkpoints"}} in spec["volumes"]
+        assert spec["securityContext"]["fsGroup"] == 1000
+    head = runtime_of(world.objects["Pod", "manual-gpt-0-head"])
+    assert head.checkpoint_dir == "/checkpoints/manual-gpt"
+    assert head.checkpoint_volume == "PersistentVolumeClaim manual-gpt-checkpoints at /checkpoints"

@@ -52,7 +52,7 @@ def test_a_heartbeat_wakes_no_job_but_readiness_gpus_labels_and_cordoning_do() -
 def test_the_snapshot_is_the_jobs_own_children_and_every_node() -> None:
     pod = {"metadata": {"name": "a-0-head"}}
     indexes = {"pods": {("ml", "a"): [pod], ("ml", "b"): [{"metadata": {"name": "b-0-head"}}]},
-               "configmaps": {}, "services": {}, NODES: {NODES: [slim_node(NODE)]}}
+               "configmaps": {}, "services": {}, "persistentvolumeclaims": {}, NODES: {NODES: [slim_node(NODE)]}}
     world = World.of(indexes, "ml", "a")
     assert world.pods == (pod,) and world.configmaps == () and len(world.nodes) == 1
     assert World.of(indexes, "other", "a").pods == ()

@@ -53,6 +53,7 @@ class Role(StrEnum):
     HEAD = "head"  # Pod and Service: the Ray head and the driver
     MESH = "mesh"  # Pods and the headless Service: the mesh hosts
     GANG = "gang"  # PodGroup
+    CHECKPOINTS = "checkpoints"  # PersistentVolumeClaim made from spec.checkpoint.volumeClaimTemplate
 
 
 # --------------------------------------------------------------------------- ConfigMap keys

@@ -32,7 +32,7 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from alpajob.api.catalog import GPU_PRODUCT_PRESETS, DevicePreset
 from alpajob.api.names import GPU_PRODUCT_LABEL
-from alpajob.api.pod_template import PodTemplates
+from alpajob.api.pod_template import PodTemplates, Quantity
 from alpajob.api.schema import Contract, cel, k8s, unchanged
 
 #: A DNS-1123 subdomain (a Kubernetes object name).
@@ -355,11 +355,42 @@ class DataSpec(Contract):
         return [] if self.eval is None else [self.eval] if isinstance(self.eval, str) else list(self.eval)
 
 
-class CheckpointSpec(Contract):
-    """``spec.checkpoint``: periodic checkpoints on a volume every pod mounts."""
+class AccessMode(StrEnum):
+    READ_WRITE_MANY = "ReadWriteMany"
+    READ_WRITE_ONCE = "ReadWriteOnce"
+    READ_WRITE_ONCE_POD = "ReadWriteOncePod"
 
-    volume: ObjectName = Field(description="Name of the PersistentVolumeClaim (ReadWriteMany) "
-                                           "in the job's namespace.")
+
+class VolumeClaimTemplate(Contract):
+    """``spec.checkpoint.volumeClaimTemplate``: the claim the operator makes for the
+    checkpoints (``<job>-checkpoints``), so no one has to make it by hand."""
+
+    size: Quantity = Field(description="The claim's storage request, e.g. 50Gi.")
+    storage_class_name: ObjectName | None = Field(None, description=(
+        "The StorageClass (default: the cluster's default class)."))
+    access_modes: list[AccessMode] = Field(
+        default_factory=lambda: [AccessMode.READ_WRITE_MANY], min_length=1, max_length=3,
+        description="ReadWriteMany (default: the head and every mesh host write their parts); "
+                    "ReadWriteOnce serves a job whose pods share one node.")
+    retain: bool = Field(False, description=(
+        "false (default): the claim belongs to the job and is deleted with it; true: it is kept "
+        "(its checkpoints with it) after the job is deleted."))
+
+
+class CheckpointSpec(Contract):
+    """``spec.checkpoint``: periodic checkpoints on a volume every pod mounts: an
+    existing claim (``volume``) or one the operator makes (``volumeClaimTemplate``)."""
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        cel("has(self.volume) != has(self.volumeClaimTemplate)",
+            "set exactly one of spec.checkpoint.volume (an existing PersistentVolumeClaim) and "
+            "spec.checkpoint.volumeClaimTemplate (the operator makes one)"))}
+
+    volume: ObjectName | None = Field(None, description=(
+        "Name of an existing PersistentVolumeClaim (ReadWriteMany) in the job's namespace."))
+    volume_claim_template: VolumeClaimTemplate | None = Field(None, description=(
+        "A claim the operator makes for the job (<job>-checkpoints): size, storageClassName, "
+        "accessModes, retain."))
     interval_steps: int = Field(500, ge=1, json_schema_extra=INT64,
                                 description="Steps between two checkpoints.")
     path: str | None = Field(
@@ -370,6 +401,21 @@ class CheckpointSpec(Contract):
     async_save: bool = Field(True, description=(
         "Write checkpoints in the background while training goes on (false: training waits "
         "for every save)."))
+
+    @model_validator(mode="after")
+    def _one_volume(self) -> CheckpointSpec:
+        if (self.volume is None) == (self.volume_claim_template is None):
+            raise ValueError("set exactly one of spec.checkpoint.volume (an existing PersistentVolumeClaim) "
+                             "and spec.checkpoint.volumeClaimTemplate (the operator makes one)")
+        return self
+
+    def claim_name(self, job: str) -> str:
+        """The claim the pods mount: ``volume``, or ``<job>-checkpoints``."""
+        return self.volume or f"{job}-{CHECKPOINT_CLAIM_SUFFIX}"
+
+
+#: ``<job>-checkpoints``: the claim made from ``spec.checkpoint.volumeClaimTemplate``.
+CHECKPOINT_CLAIM_SUFFIX = "checkpoints"
 
 
 class FailureAction(StrEnum):
