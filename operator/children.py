@@ -35,7 +35,6 @@ from alpajob.api.names import (
     Role,
 )
 from alpajob.api.pod_template import PodTemplates
-from alpajob.api.spec import CHECKPOINT_CLAIM_SUFFIX
 from alpajob.api.runtime import (
     CHECKPOINT_DIR,
     CONFIG_DIR,
@@ -47,6 +46,7 @@ from alpajob.api.runtime import (
     RAY_PORT,
     TrainerRuntime,
 )
+from alpajob.api.spec import CHECKPOINT_CLAIM_SUFFIX
 from alpajob.operator import sizing
 from alpajob.operator.names import ChildNames
 from alpajob.operator.pod_overrides import finish
