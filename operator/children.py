@@ -49,7 +49,7 @@ from alpajob.api.runtime import (
 from alpajob.api.spec import CHECKPOINT_CLAIM_SUFFIX
 from alpajob.operator import sizing
 from alpajob.operator.names import ChildNames
-from alpajob.operator.pod_overrides import finish
+from alpajob.operator.pod_overrides import finish, object_store_bytes
 from alpajob.operator.pool import PoolCluster
 
 DEFAULT_IMAGE = "ghcr.io/alpajob/alpajob:0.1.0"
@@ -275,8 +275,9 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None,
         saves = {"checkpoint_dir": f"{CHECKPOINT_DIR}/{checkpoint.get('path') or names.job}",
                  "checkpoint_every": checkpoint.get("intervalSteps", 500),
                  "checkpoint_volume": f"PersistentVolumeClaim {claim} at {CHECKPOINT_DIR}"}
+    overrides, size = _templates(job, templates).of(Role.HEAD.value), size or sizing.head_size(None)
     runtime = _runtime(job, names, Role.HEAD, plan=PLAN_PATH, ray_port=RAY_PORT,
-                       metrics_port=METRICS_PORT,
+                       metrics_port=METRICS_PORT, object_store_bytes=object_store_bytes(overrides, size),
                        progress_configmap=f"{job['metadata']['namespace']}/{names.progress}", **saves)
     container = {"name": "driver", "image": _image(job),
                  "command": ["alpajob", "driver", "--max-restarts", str(_driver_restarts(job))],
@@ -284,7 +285,7 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None,
                            {"name": "metrics", "containerPort": METRICS_PORT}],
                  "env": _env(runtime)}
     pod = _pod(job, names, names.head, Role.HEAD, gang, container, {}, None)
-    return finish(pod, _templates(job, templates).of(Role.HEAD.value), size or sizing.head_size(None))
+    return finish(pod, overrides, size)
 
 
 def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, hosts: int,
@@ -295,7 +296,8 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
     namespace = job["metadata"]["namespace"]
     hostname = names.mesh_hostname(mesh, host)
     coordinator = f"{names.mesh_hostname(mesh, 0)}.{names.hosts_service}.{namespace}.svc"
-    runtime = _runtime(job, names, Role.MESH, plan=PLAN_PATH,
+    overrides, size = _templates(job, templates).of(Role.MESH.value), size or sizing.mesh_size(None, None, gpus, cpu)
+    runtime = _runtime(job, names, Role.MESH, plan=PLAN_PATH, object_store_bytes=object_store_bytes(overrides, size),
                        ray_address=f"{names.service}.{namespace}.svc:{RAY_PORT}", mesh=mesh,
                        host=host, process_id=host, process_count=hosts,
                        coordinator=f"{coordinator}:{COORDINATOR_PORT}",
@@ -306,8 +308,12 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}]}
     labels = {LABEL_MESH: str(mesh), LABEL_HOST: str(host)}
     pod = _pod(job, names, names.mesh_pod(mesh, host), Role.MESH, gang, container, labels, hostname)
-    size = size or sizing.mesh_size(None, None, gpus, cpu)
-    return finish(pod, _templates(job, templates).of(Role.MESH.value), size, node)
+    pod["spec"]["initContainers"] = [{
+        "name": "wait-for-head", "image": _image(job), "command": ["alpajob", "wait-for-head"],
+        "env": _env(runtime), "securityContext": _security(),
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
+        "terminationMessagePolicy": "FallbackToLogsOnError"}]
+    return finish(pod, overrides, size, node)
 
 
 def pod_group(job: Mapping[str, Any], names: ChildNames, gang: str, members: int, gpus: int) -> dict[str, Any]:

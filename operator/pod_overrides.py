@@ -26,6 +26,8 @@ import hashlib
 import json
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from alpajob.api.names import GROUP, HOSTNAME_LABEL
 from alpajob.api.pod_template import PodOverrides
 from alpajob.operator.sizing import MI, PodSize
@@ -40,6 +42,19 @@ SHM_VOLUME = "dshm"
 def template_hash(overrides: PodOverrides) -> str:
     text = json.dumps(overrides.model_dump(mode="json", by_alias=True, exclude_defaults=True), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def object_store_bytes(overrides: PodOverrides, size: PodSize) -> int | None:
+    """Ray's object store in a pod: four fifths of its /dev/shm (``shmSize``, else the
+    plan's), the rest for Ray's own files there; None for a pod without Ray."""
+    if size.shm is None:
+        return None
+    shm = parse_quantity(overrides.shm_size) if overrides.shm_size is not None else size.shm
+    return max(int(shm * 4 // 5), OBJECT_STORE_MINIMUM)
+
+
+#: Ray refuses an object store under 75 MiB.
+OBJECT_STORE_MINIMUM = 75 * MI
 
 
 def _bytes(quantity: int | str) -> str:
@@ -78,7 +93,8 @@ def finish(pod: dict[str, Any], overrides: PodOverrides, size: PodSize, node: st
     if overrides.priority_class_name:
         spec["priorityClassName"] = overrides.priority_class_name
     if overrides.image_pull_policy:
-        container["imagePullPolicy"] = overrides.image_pull_policy
+        for each in [container, *spec.get("initContainers", [])]:
+            each["imagePullPolicy"] = overrides.image_pull_policy
     if overrides.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": name} for name in overrides.image_pull_secrets]
     if overrides.termination_grace_period_seconds is not None:

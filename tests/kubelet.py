@@ -8,7 +8,9 @@ an AlpaJob really trains from the pods' own commands and environment:
   started, not being deleted) gets a folder of its own, where each ConfigMap volume
   is written as files and each PersistentVolumeClaim volume is a folder shared by
   every pod that mounts the claim (the job's checkpoint volume);
-- its container's ``command`` and ``args`` run as a process with the pod's ``env``,
+- its init containers run first, one after another (a pod stays Pending with its
+  init containers running, as ``kubectl get pods`` shows ``Init:0/1``), then its
+  container's ``command`` and ``args`` run as a process with the pod's ``env``,
   where every mount path is replaced by the local folder behind it and every cluster
   DNS name (``*.svc``) by 127.0.0.1: every pod of the test shares the loopback
   address, as pods of one node would share the node's (so two pods cannot bind one
@@ -30,6 +32,7 @@ an AlpaJob really trains from the pods' own commands and environment:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -42,6 +45,19 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client
+
+#: Runs a pod's init containers in order (any failure ends the pod with its code), marks
+#: them done, then becomes the main container.
+_CHAIN = """
+import json, os, subprocess, sys
+steps, marker = json.loads(sys.argv[1]), sys.argv[2]
+for command in steps[:-1]:
+    code = subprocess.call(command)
+    if code:
+        sys.exit(code)
+open(marker, "w").close()
+os.execvp(steps[-1][0], steps[-1])
+"""
 
 _SERVICE_HOST = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?\.svc(\.cluster\.local)?")
 
@@ -56,6 +72,8 @@ class RunningPod:
     log: Path
     uid: str = ""
     tracked: set[int] = field(default_factory=set)  # every process seen below it
+    initialized: Path | None = None  # a file that appears once the init containers are done
+    container: str = "main"
 
 
 class Kubelet:
@@ -131,6 +149,9 @@ class Kubelet:
 
         for running in list(self.pods.values()):
             running.tracked |= descendants([running.process.pid])
+            if running.initialized is not None and running.initialized.exists():
+                running.initialized = None
+                self._running(running.name, running.container)
             code = running.process.poll()
             if code is not None:
                 self._end(running)  # what it left behind goes with the container
@@ -167,17 +188,33 @@ class Kubelet:
         [container] = pod.spec.containers
         self.envs[name] = {e.name: e.value or "" for e in container.env or []}
         env = {k: self._local(v, mounts) for k, v in self.envs[name].items()}
-        command = list(container.command or []) + list(container.args or [])
-        if command and command[0] == "alpajob":
-            command = [sys.executable, "-m", "alpajob", *command[1:]]
+        steps = [self._command(c) for c in [*(pod.spec.init_containers or []), container]]
+        initialized = folder / "initialized" if len(steps) > 1 else None
+        command = steps[0] if initialized is None else [sys.executable, "-c", _CHAIN, json.dumps(steps),
+                                                        str(initialized)]
         log = folder / "log.txt"
         with open(log, "ab") as out:
             process = subprocess.Popen(command, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
                                        cwd=folder, start_new_session=True)
-        self.pods[name] = RunningPod(name, folder, process, log, pod.metadata.uid)
+        self.pods[name] = RunningPod(name, folder, process, log, pod.metadata.uid, initialized=initialized,
+                                     container=container.name)
         self.started.append(name)
+        if initialized is None:
+            self._running(name, container.name)
+        else:
+            self._status(name, {"phase": "Pending", "initContainerStatuses": [
+                self._container(c.name, {"running": {}}) for c in pod.spec.init_containers[:1]]})
+
+    def _running(self, name: str, container: str) -> None:
         self._status(name, {"phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1",
-                            "containerStatuses": [self._container(container.name, {"running": {}})]})
+                            "containerStatuses": [self._container(container, {"running": {}})]})
+
+    @staticmethod
+    def _command(container: Any) -> list[str]:
+        command = list(container.command or []) + list(container.args or [])
+        if command and command[0] == "alpajob":
+            command = [sys.executable, "-m", "alpajob", *command[1:]]
+        return command
 
     def _volumes(self, pod: Any, folder: Path) -> list[tuple[str, Path]]:
         """Each volume's contents as a local folder; (mount path, folder), longest first."""

@@ -35,6 +35,7 @@ variable                   pods         meaning
 ``ALPAJOB_CHECKPOINT_EVERY`` head       steps between two checkpoints
 ``ALPAJOB_CHECKPOINT_VOLUME`` head      what holds it, for messages (``PersistentVolumeClaim x``)
 ``ALPAJOB_JOIN_TIMEOUT``   head         seconds the driver waits for every mesh host
+``ALPAJOB_OBJECT_STORE_BYTES`` head, mesh  Ray's object store: what the pod's /dev/shm holds
 ``ALPAJOB_TRANSPORT``      head         ``object-store`` or ``collective``
 =========================  ===========  ===========================================
 """
@@ -102,6 +103,7 @@ class TrainerRuntime(Contract):
     checkpoint_every: int | None = Field(None, ge=1)
     checkpoint_volume: str | None = None
     join_timeout: float | None = Field(None, gt=0)
+    object_store_bytes: int | None = Field(None, ge=78643200)  # Ray's least: 75 MiB
     transport: Transport | None = None
 
     @staticmethod

@@ -2,7 +2,10 @@
 
 - ``alpajob ray-head``: start the job's Ray head (foreground, as a pod's main process);
 - ``alpajob mesh-worker``: join the job's Ray cluster as host ``--host`` of mesh
-  ``--mesh`` (foreground), offering the resource that pins that host's actor to it;
+  ``--mesh`` (foreground), offering the resource that pins that host's actor to it; a
+  raylet that fails to start is started again (:mod:`~alpajob.trainer_image.distributed.raylet`);
+- ``alpajob wait-for-head``: return once the job's Ray head accepts connections (a mesh
+  pod's init container);
 - ``alpajob driver [MANIFEST]``: wait for every mesh host, then train the plan across
   them (:mod:`alpajob.trainer_image.distributed.driver`).
 
@@ -47,6 +50,11 @@ def add_parsers(sub: Any) -> None:
     worker.add_argument("--host", type=int, help=f"host index in the mesh (default ${_ENV('host')} or 0)")
     worker.add_argument("--devices", type=int,
                         help=f"on CPU: force this many host devices (default ${_ENV('devices')})")
+    wait = sub.add_parser("wait-for-head", help="wait until the job's Ray head accepts connections "
+                                                "(a mesh pod's init container)")
+    wait.add_argument("--address", help=f"the head's host:port (default ${_ENV('ray_address')})")
+    wait.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds to wait before failing (exit 3; default 600)")
     driver = sub.add_parser("driver", help="train a plan across the mesh hosts of the job's Ray cluster")
     driver.add_argument("manifest", nargs="?", help=f"AlpaJob YAML (default ${_ENV('manifest')})")
     driver.add_argument("--plan", help=f"the Plan file (`alpajob plan --output`; default ${_ENV('plan')})")
@@ -99,8 +107,10 @@ def _address(args: argparse.Namespace, runtime: TrainerRuntime) -> str:
 
 
 def cmd_ray_head(args: argparse.Namespace) -> int:
-    port = args.port or _runtime().ray_port or RAY_PORT
-    command = ray_cluster.head_command(port, args.temp_dir, block=True)
+    runtime = _runtime()
+    port = args.port or runtime.ray_port or RAY_PORT
+    command = ray_cluster.head_command(port, args.temp_dir, block=True,
+                                       object_store_bytes=runtime.object_store_bytes)
     return ray_cluster.run_command(command, ray_cluster.ray_env())
 
 
@@ -117,10 +127,25 @@ def worker_settings(args: argparse.Namespace, runtime: TrainerRuntime) -> tuple[
     return _address(args, runtime), mesh, host, devices
 
 
-def cmd_mesh_worker(args: argparse.Namespace) -> int:
-    address, mesh, host, devices = worker_settings(args, _runtime())
-    command = ray_cluster.worker_command(address, mesh, host, block=True)
-    return ray_cluster.run_command(command, ray_cluster.ray_env(devices))
+def cmd_mesh_worker(args: argparse.Namespace, out: Console) -> int:
+    from alpajob.trainer_image.distributed.raylet import run_raylet
+
+    runtime = _runtime()
+    address, mesh, host, devices = worker_settings(args, runtime)
+    command = ray_cluster.worker_command(address, mesh, host, block=True,
+                                         object_store_bytes=runtime.object_store_bytes)
+    return run_raylet(command, ray_cluster.ray_env(devices), out.print)
+
+
+def cmd_wait_for_head(args: argparse.Namespace, out: Console) -> int:
+    from alpajob.trainer_image.distributed.raylet import wait_for_head
+
+    if args.timeout <= 0:
+        raise ManifestError("--timeout", f"must be positive, got {args.timeout}")
+    address = _address(args, _runtime())
+    waited = wait_for_head(address, args.timeout, out.print)
+    out.print(f"the Ray head at {address} answers (after {waited:.1f} s)")
+    return 0
 
 
 @dataclass(frozen=True)
@@ -198,7 +223,8 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
         out.print(f"[yellow]{what}[/yellow]")
 
     if run.head_port:
-        command = ray_cluster.head_command(run.head_port, None, block=False)
+        command = ray_cluster.head_command(run.head_port, None, block=False,
+                                           object_store_bytes=_runtime().object_store_bytes)
         subprocess.run(command, env=ray_cluster.ray_env(), check=True)
     try:
         result = drive(Path(run.manifest).read_text(), plan, options, on_step=on_step, on_event=on_event)
@@ -219,7 +245,9 @@ def dispatch(args: argparse.Namespace, out: Console) -> int | None:
     if args.command == "ray-head":
         return cmd_ray_head(args)
     if args.command == "mesh-worker":
-        return cmd_mesh_worker(args)
+        return cmd_mesh_worker(args, out)
+    if args.command == "wait-for-head":
+        return cmd_wait_for_head(args, out)
     if args.command == "driver":
         return cmd_driver(args, out)
     return None

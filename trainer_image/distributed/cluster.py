@@ -75,10 +75,23 @@ def ray_binary() -> str:
     return candidate if os.path.exists(candidate) else "ray"
 
 
-def head_command(port: int, temp_dir: str | None, block: bool, num_cpus: int | None = 0) -> list[str]:
+#: What every ``ray start`` leaves out: the dashboard (no one browses it; the trainer
+#: serves Prometheus metrics itself), the log monitor (the driver runs with
+#: ``log_to_driver=False``; logs stay in the session folder), usage statistics.
+_LEAN = ["--include-log-monitor=false", "--disable-usage-stats"]
+
+
+def _store(object_store_bytes: int | None) -> list[str]:
+    """Ray's object store size: what the pod's memory-backed /dev/shm holds (else Ray
+    sizes it from the node's memory, finds /dev/shm smaller, and falls back to disk)."""
+    return [f"--object-store-memory={object_store_bytes}"] if object_store_bytes else []
+
+
+def head_command(port: int, temp_dir: str | None, block: bool, num_cpus: int | None = 0,
+                 object_store_bytes: int | None = None) -> list[str]:
     """``ray start --head``: the GCS and a raylet that runs no mesh actor (0 CPUs)."""
-    command = [ray_binary(), "start", "--head", f"--port={port}", "--include-dashboard=false",
-               "--disable-usage-stats"]
+    command = [ray_binary(), "start", "--head", f"--port={port}", "--include-dashboard=false", *_LEAN,
+               *_store(object_store_bytes)]
     if num_cpus is not None:
         command.append(f"--num-cpus={num_cpus}")
     if temp_dir:
@@ -88,11 +101,12 @@ def head_command(port: int, temp_dir: str | None, block: bool, num_cpus: int | N
     return command
 
 
-def worker_command(address: str, mesh: int, host: int, block: bool, num_cpus: int = 1) -> list[str]:
+def worker_command(address: str, mesh: int, host: int, block: bool, num_cpus: int = 1,
+                   object_store_bytes: int | None = None) -> list[str]:
     """``ray start --address``: a raylet offering this mesh host's resource."""
     resources = json.dumps({host_resource(mesh, host): 1})
     command = [ray_binary(), "start", f"--address={address}", f"--resources={resources}",
-               f"--num-cpus={num_cpus}", "--disable-usage-stats"]
+               f"--num-cpus={num_cpus}", *_LEAN, *_store(object_store_bytes)]
     if block:
         command.append("--block")
     return command

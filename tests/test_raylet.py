@@ -1,0 +1,91 @@
+"""A pod's Ray processes in a real cluster: the mesh pod waits for its head, and a raylet
+that fails to start (five raylets on two busy cores miss Ray's 30 s registration) is
+started again, spread out; one that fails later, or after SIGTERM, is not."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from alpajob.cli.main import main
+from alpajob.trainer_image.distributed.loopback import free_port
+from alpajob.trainer_image.distributed.raylet import HeadUnreachable, run_raylet, wait_for_head
+
+
+def test_the_init_container_waits_until_the_head_listens() -> None:
+    port = free_port()
+    said: list[str] = []
+    server = socket.socket()
+
+    def listen_later() -> None:
+        time.sleep(1.5)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    threading.Thread(target=listen_later, daemon=True).start()
+    try:
+        waited = wait_for_head(f"127.0.0.1:{port}", 30.0, said.append, poll=0.2)
+    finally:
+        server.close()
+    assert waited >= 1.4 and said == [f"waiting for the Ray head at 127.0.0.1:{port} "
+                                      f"([Errno 111] Connection refused)"]
+
+
+def test_a_head_that_never_answers_is_a_transient_failure(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(HeadUnreachable) as error:
+        wait_for_head(f"127.0.0.1:{free_port()}", 0.5, lambda _: None, poll=0.1)
+    assert error.value.exit_code == 3 and "is the head pod running?" in str(error.value)
+    monkeypatch.setenv("ALPAJOB_RAY_ADDRESS", f"127.0.0.1:{free_port()}")
+    assert main(["wait-for-head", "--timeout", "0.5"]) == 3  # the pod's command, from its env
+    assert "did not answer within 0 s" in capsys.readouterr().err
+
+
+def _flaky(tmp_path: Path, fails: int, seconds: float = 0.0) -> list[str]:
+    """A command that fails its first ``fails`` runs (after ``seconds``), then succeeds."""
+    script = (f"import pathlib, sys, time\np = pathlib.Path({str(tmp_path / 'runs')!r})\n"
+              "n = int(p.read_text()) if p.exists() else 0\np.write_text(str(n + 1))\n"
+              f"time.sleep({seconds})\nsys.exit(1 if n < {fails} else 0)\n")
+    return [sys.executable, "-c", script]
+
+
+def test_a_raylet_that_fails_to_start_is_started_again(tmp_path: Path) -> None:
+    said: list[str] = []
+    code = run_raylet(_flaky(tmp_path, 2), dict(os.environ), said.append, tries=5, pause=lambda n: 0.1)
+    assert code == 0 and (tmp_path / "runs").read_text() == "3"
+    assert said[0].startswith("ray start exited 1 after 0 s (try 1 of 5); trying again in 0.1 s")
+    (tmp_path / "x").mkdir()
+    code = run_raylet(_flaky(tmp_path / "x", 9), dict(os.environ), said.append, tries=3, pause=lambda n: 0.0)
+    assert code == 1 and (tmp_path / "x" / "runs").read_text() == "3"  # gives up after its tries
+
+
+def test_a_raylet_that_ran_a_while_is_not_restarted(tmp_path: Path) -> None:
+    code = run_raylet(_flaky(tmp_path, 5, seconds=0.3), dict(os.environ), lambda _: None, tries=5,
+                      window=0.2, pause=lambda n: 0.0)
+    assert code == 1 and (tmp_path / "runs").read_text() == "1"  # its head went: the pod fails
+
+
+def test_sigterm_stops_the_raylet_and_no_retry_follows(tmp_path: Path) -> None:
+    """As a pod's main process: SIGTERM reaches ``ray start`` and nothing starts again."""
+    runs = tmp_path / "runs"
+    code = (f"import pathlib, time\np = pathlib.Path({str(runs)!r})\n"
+            "p.write_text(str(int(p.read_text()) + 1 if p.exists() else 1))\ntime.sleep(60)\n")
+    worker = ("import os, sys\nfrom alpajob.trainer_image.distributed.raylet import run_raylet\n"
+              f"sys.exit(run_raylet([sys.executable, '-c', {code!r}], dict(os.environ), print, "
+              "pause=lambda n: 0.0))\n")
+    process = subprocess.Popen([sys.executable, "-c", worker])
+    deadline = time.monotonic() + 30
+    while not runs.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) != 0
+    time.sleep(0.5)
+    assert runs.read_text() == "1"
