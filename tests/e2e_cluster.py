@@ -4,7 +4,10 @@
 (``test_operator_e2e.py``, ``test_pods_train.py``) at a real kube-apiserver, as kopf's
 and KubeRay's e2e suites run: the same tests, the same assertions. :func:`open_cluster`
 gives either an :class:`~kube_emulator.Emulator` or a :class:`RealCluster`, which offer
-what the tests use: ``kubeconfig``, ``api()``, ``cluster_of()``, ``claim()`` and ``stop()``.
+what the tests use: ``kubeconfig``, ``api()``, ``cluster_of()``, ``claim()``, ``release()``
+and ``stop()``. Every test runs in a namespace of its own (:func:`unique_namespace`),
+released (deleted, and waited for) after it: a real namespace deletion takes time, and
+a test that reused the name would be refused with 403 NamespaceTerminating.
 
 On a real cluster :meth:`RealCluster.cluster_of` applies the CRD, labels the namespace
 Pod Security ``restricted``, creates the trainer's ServiceAccount and registers fake
@@ -37,14 +40,22 @@ def real_kubeconfig() -> Path | None:
     return Path(path) if path else None
 
 
-def open_cluster(root: Path) -> Any:
-    """A started test cluster: the real one named by ``$ALPAJOB_E2E_KUBECONFIG``, else KMock."""
+def open_cluster(root: Path, graceful_pods: bool = False) -> Any:
+    """A started test cluster: the real one named by ``$ALPAJOB_E2E_KUBECONFIG``, else KMock
+    (``graceful_pods``: pod deletions wait for the test kubelet, as a real cluster's do)."""
     real = real_kubeconfig()
     if real is not None:
         return RealCluster(real).start()
     from kube_emulator import Emulator
 
-    return Emulator(root).start()
+    return Emulator(root, graceful_pods=graceful_pods).start()
+
+
+def unique_namespace(prefix: str) -> str:
+    """A namespace name no test used before: ``<prefix>-<6 hex digits>``."""
+    import uuid
+
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 def emulator_only(cluster: Any, why: str) -> None:
@@ -127,6 +138,27 @@ class RealCluster:
                                                      "conditions": [{"type": "Ready", "status": "True",
                                                                      "reason": "KubeletReady"}]}})
             self.nodes.append(name)
+
+    def release(self, namespace: str, timeout: float = 300.0) -> None:
+        """Delete ``namespace`` and wait until it is gone: a real namespace deletion takes
+        time (its content is deleted first; creations meanwhile are refused with 403
+        NamespaceTerminating). The jobs' finalizers are released first (the operator
+        that would release them may be stopped already)."""
+        from alpajob.api.names import GROUP, PLURAL, VERSION
+
+        api = self.api()
+        custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+        for job in custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]:
+            _unless(404, custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                    job["metadata"]["name"], {"metadata": {"finalizers": None}})
+        _unless(404, core.delete_namespace, namespace)
+        deadline = time.monotonic() + timeout
+        while _unless(404, core.read_namespace, namespace):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"namespace {namespace} not gone after {timeout:.0f} s")
+            time.sleep(1.0)
+        if namespace in self.namespaces:
+            self.namespaces.remove(namespace)
 
     def claim(self, namespace: str, name: str) -> None:
         """A ReadWriteMany PersistentVolumeClaim ``name``, bound to a volume made for it

@@ -17,8 +17,11 @@ watchers, and watchers see only what was kept (with the messages in
 ``data/apiserver-observed``): a pod whose ServiceAccount does not exist is refused
 with 403 (``default`` always exists, as the ServiceAccount controller makes it), and
 so is a pod that breaks Pod Security "restricted" in a namespace of
-:attr:`Emulator.restricted` (kmock cannot store namespaces, so their
-``pod-security.kubernetes.io/enforce=restricted`` label is kept here). Every AlpaJob
+:attr:`Emulator.restricted`. kmock cannot store namespaces, so they live here
+(:attr:`Emulator.namespaces`, with their ``enforce=restricted`` label): a creation in
+a namespace that does not exist is refused with 404, and one in a namespace being
+deleted with 403 ``NamespaceTerminating``; a namespace deletion takes
+``namespace_seconds``, then everything in it goes, as on a real API server. Every AlpaJob
 written (created, patched or replaced, status included) is pruned by the CRD's
 structural schema, as the API server prunes it.
 """
@@ -65,6 +68,7 @@ class _Admitting(kmock.KubernetesEmulator):
     """
 
     admit: Any = None
+    graceful_pods: bool = False  # a kubelet confirms pod deletions (module docstring of Emulator)
     version: int = 0  # the last resource version given
     deletions: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list)  # version, resource, last state
 
@@ -72,6 +76,9 @@ class _Admitting(kmock.KubernetesEmulator):
         refusal = await self.admit(request) if self.admit is not None and request.resource is not None else None
         if refusal is not None:
             return await self._render_error(refusal)
+        if self.graceful_pods and request.action == kmock.action.DELETE and request.name is not None \
+                and request.resource.plural == "pods" and request.resource.group == "":
+            await self._graceful_delete(request)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if request.action == kmock.action.CREATE:
@@ -104,6 +111,40 @@ class _Admitting(kmock.KubernetesEmulator):
             before["metadata"]["resourceVersion"] = str(self.version)
             self.deletions = [*self.deletions[-9999:], (self.version, request.resource, before)]
         return response
+
+    async def _graceful_delete(self, request: Any) -> None:
+        """A pod's deletion as the API server does it once a kubelet runs the pod: a
+        DELETE with a grace period only marks it (``deletionTimestamp`` = now + grace,
+        ``deletionGracePeriodSeconds``); the pod stays, terminating, until its kubelet
+        (or a force delete) sends a DELETE with grace period 0. A pod no kubelet
+        started, or one that finished, goes at once. (kmock keeps an object marked for
+        deletion while it has finalizers, so one is held for the kubelet meanwhile.)"""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            return
+        stored = self._objects[key].raw
+        meta, status = stored.get("metadata", {}), stored.get("status") or {}
+        options = request.data if isinstance(request.data, dict) else {}
+        grace = options.get("gracePeriodSeconds", request.params.get("gracePeriodSeconds"))
+        if grace is None:
+            grace = (stored.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+        grace = int(grace)
+        if meta.get("deletionTimestamp"):
+            if grace == 0:  # the kubelet's confirmation, or a force delete: now it goes
+                async with self._lock:
+                    self._objects[key].patch({"metadata": {"finalizers": [
+                        f for f in meta.get("finalizers", []) if f != KUBELET_FINALIZER]}})
+            return
+        started = status.get("phase") == "Running" or bool(status.get("hostIP"))
+        if grace == 0 or not started or status.get("phase") in ("Succeeded", "Failed"):
+            return
+        due = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + grace))
+        self.version += 1
+        async with self._lock:
+            self._objects[key].patch({"metadata": {
+                "deletionTimestamp": due, "deletionGracePeriodSeconds": grace, "resourceVersion": str(self.version),
+                "finalizers": [*meta.get("finalizers", []), KUBELET_FINALIZER]}})
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": self._objects[key].raw})
 
     def _failed_test(self, key: Any, ops: list[Any]) -> str | None:
         """The first ``test`` operation of a JSON patch that the stored object fails,
@@ -161,6 +202,13 @@ class _Admitting(kmock.KubernetesEmulator):
                 yield event
 
 
+#: A namespace's states (``Emulator.namespaces``).
+ACTIVE, TERMINATING = "Active", "Terminating"
+
+#: Held on a pod marked for deletion until its kubelet confirms it (``_graceful_delete``).
+KUBELET_FINALIZER = "kmock.test/kubelet"
+
+
 def _version(text: str | None) -> int | None:
     """A resource version as a number (None: absent, or not one this server gave)."""
     return int(text) if text and text.isdigit() and text != "0" else None
@@ -169,12 +217,15 @@ def _version(text: str | None) -> int | None:
 class Emulator:
     """A running KubernetesEmulator; ``url``, ``kubeconfig`` and a configured client."""
 
-    def __init__(self, root: Path, keep_history: bool = True) -> None:
+    def __init__(self, root: Path, keep_history: bool = True, graceful_pods: bool = False) -> None:
         """``keep_history=False``: forget served requests (kmock matches every new
         request against its whole history, so a long run slows down quadratically;
-        benchmarks turn it off, tests that count requests keep it)."""
+        benchmarks turn it off, tests that count requests keep it).
+        ``graceful_pods=True``: pod deletions wait for a kubelet's confirmation, as on a
+        real cluster (for tests that run a kubelet, ``kubelet.Kubelet``)."""
         self.root = root
         self.keep_history = keep_history
+        self.graceful_pods = graceful_pods
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -182,6 +233,11 @@ class Emulator:
         self.url = ""
         self._thread = threading.Thread(target=self._serve, name="kmock", daemon=True)
         self.restricted: set[str] = set()  # namespaces labelled enforce=restricted
+        #: The namespaces that exist (kmock cannot store them), each ACTIVE or
+        #: TERMINATING; the ones every cluster has are there from the start.
+        self.namespaces: dict[str, str] = {n: ACTIVE for n in ("default", "kube-system", "kube-public",
+                                                               "kube-node-lease")}
+        self.namespace_seconds = 3.0  # how long a namespace deletion takes
         #: The URL of a validating webhook for AlpaJob creates and updates (plain HTTP),
         #: called as the API server calls it: with the whole new object and the old one.
         self.webhook: str | None = None
@@ -197,7 +253,8 @@ class Emulator:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with _Admitting(admit=self._admit) as emulator, kmock.Server(emulator) as server:
+        async with _Admitting(admit=self._admit, graceful_pods=self.graceful_pods) as emulator, \
+                kmock.Server(emulator) as server:
             emulator.resources["alpajob.io/v1alpha1/alpajobs"] = kmock.ResourceInfo(
                 kind="AlpaJob", singular="alpajob", namespaced=True, shortnames={"aj"},
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
@@ -229,6 +286,13 @@ class Emulator:
         """The API server's admission of a write (module docstring): the error to
         answer with, or None to store the request's (possibly pruned) body."""
         resource, action = request.resource, request.action
+        if action == kmock.action.CREATE:
+            data = request.data if isinstance(request.data, dict) else {}
+            namespace = request.namespace or (data.get("metadata") or {}).get("namespace")
+            if namespace:
+                refusal = self._namespace_refusal(namespace, resource.plural, (data.get("metadata") or {}).get("name"))
+                if refusal is not None:
+                    return refusal
         if resource.plural == "pods" and resource.group == "" and action == kmock.action.CREATE:
             pod = request.data if isinstance(request.data, dict) else {}
             name = (pod.get("metadata") or {}).get("name", "")
@@ -243,6 +307,68 @@ class Emulator:
             if self.webhook is not None:
                 return await self._review(request)
         return None
+
+    def _namespace_refusal(self, namespace: str, plural: str, name: str | None) -> KubernetesError | None:
+        """The API server's answer to a creation in ``namespace`` when it is being
+        deleted (403, cause NamespaceTerminating: seen on kube-apiserver 1.36) or does
+        not exist (404)."""
+        state = self.namespaces.get(namespace)
+        if state is None:
+            return KubernetesError(status=404, reason="NotFound", message=f'namespaces "{namespace}" not found',
+                                   details={"name": namespace, "kind": "namespaces"})
+        if state == TERMINATING:
+            return KubernetesError(
+                status=403, reason="Forbidden",
+                message=(f'{plural} "{name}" is forbidden: unable to create new content in namespace '
+                         f"{namespace} because it is being terminated"),
+                details={"name": name, "kind": plural, "causes": [{
+                    "reason": "NamespaceTerminating", "message": f"namespace {namespace} is being terminated",
+                    "field": "metadata.namespace"}]})
+        return None
+
+    def create_namespace(self, namespace: str, restricted: bool = True) -> None:
+        """Make ``namespace`` (kmock cannot store Namespace objects: they live here), with
+        Pod Security "restricted" enforced unless told otherwise; one being deleted
+        cannot be made again until it is gone (the API server answers 409)."""
+        if self.namespaces.get(namespace) == TERMINATING:
+            raise client.ApiException(status=409, reason=f'object is being deleted: namespaces "{namespace}" '
+                                                         "already exists")
+        self.namespaces[namespace] = ACTIVE
+        if restricted:
+            self.restricted.add(namespace)
+
+    def delete_namespace(self, namespace: str) -> None:
+        """Delete ``namespace`` as the API server does: it is Terminating at once (new
+        content refused) and gone, with everything in it, ``namespace_seconds`` later."""
+        if self.namespaces.get(namespace) != ACTIVE or self.loop is None:
+            return
+        self.namespaces[namespace] = TERMINATING
+        asyncio.run_coroutine_threadsafe(self._finish_namespace(namespace), self.loop)
+
+    async def _finish_namespace(self, namespace: str) -> None:
+        await asyncio.sleep(self.namespace_seconds)
+        emulator = self.kmock
+        async with emulator._lock:
+            for key, obj in list(emulator._objects.items()):
+                if key[1] == namespace and not obj.deleted:
+                    raw = obj.raw
+                    obj.delete()
+                    await emulator._buses[key[0]].put({"type": "DELETED", "object": raw})
+        self.namespaces.pop(namespace, None)
+        self.restricted.discard(namespace)
+
+    def namespace_gone(self, namespace: str) -> bool:
+        return namespace not in self.namespaces
+
+    def release(self, namespace: str, timeout: float = 60.0) -> None:
+        """Delete ``namespace`` and wait until it is gone (as on a real cluster, where the
+        next test could not create it meanwhile)."""
+        self.delete_namespace(namespace)
+        deadline = time.monotonic() + timeout
+        while not self.namespace_gone(namespace):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"namespace {namespace} not gone after {timeout:.0f} s")
+            time.sleep(0.2)
 
     async def _review(self, request: Any) -> KubernetesError | None:
         """Ask :attr:`webhook` about an AlpaJob write, as the API server asks a
@@ -321,16 +447,20 @@ class Emulator:
         nodes ``node-<i>`` of ``gpus`` allocatable GPUs."""
         from alpajob.api.names import GPU_RESOURCE
 
-        self.restricted.add(namespace)
+        self.create_namespace(namespace)
         core = client.CoreV1Api(self.api())
         core.create_namespaced_service_account(namespace, {
             "apiVersion": "v1", "kind": "ServiceAccount",
             "metadata": {"name": "alpajob-trainer", "namespace": namespace}})
         for i in range(nodes):
-            core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
-                "name": f"node-{i}", "labels": {"kubernetes.io/hostname": f"node-{i}"}},
-                "status": {"allocatable": {GPU_RESOURCE: str(gpus)},
-                           "conditions": [{"type": "Ready", "status": "True"}]}})
+            try:
+                core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+                    "name": f"node-{i}", "labels": {"kubernetes.io/hostname": f"node-{i}"}},
+                    "status": {"allocatable": {GPU_RESOURCE: str(gpus)},
+                               "conditions": [{"type": "Ready", "status": "True"}]}})
+            except client.ApiException as error:
+                if error.status != 409:  # a namespace before this one made them
+                    raise
 
     def claim(self, namespace: str, name: str) -> None:
         """A PersistentVolumeClaim ``name``, as a user makes one for the checkpoints

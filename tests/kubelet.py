@@ -20,8 +20,12 @@ an AlpaJob really trains from the pods' own commands and environment:
   asks, the log's tail as the termination message;
 - with ``stagger``, pods start one every ``stagger`` seconds (on 2 cores, Ray's
   raylets started together time out; on a cluster they start on separate nodes);
-- a pod deleted from the API (or marked for deletion) has its process group killed,
-  and :meth:`Kubelet.kill` kills one pod's processes as a lost node would;
+- a pod marked for deletion gets SIGTERM (its main process, as a container runtime
+  sends PID 1), SIGKILL for everything once its grace period is over, and is reported
+  and confirmed (a DELETE with grace period 0) once its process is gone, plus
+  ``linger`` seconds (a slow node); other pods start meanwhile. A pod gone from the
+  API (forced) is killed at once, and :meth:`Kubelet.kill` kills one pod's processes
+  as a lost node would;
 - on a real cluster (``nodes``: the fake nodes the test registered) it runs only the
   pods the scheduler bound to those nodes, and keeps the nodes alive as a kubelet
   does: every 10 s it renews each node's Lease in ``kube-node-lease`` and reports
@@ -73,6 +77,8 @@ class RunningPod:
     uid: str = ""
     tracked: set[int] = field(default_factory=set)  # every process seen below it
     initialized: Path | None = None  # a file that appears once the init containers are done
+    stopping: float | None = None  # when its deletion was seen (monotonic seconds)
+    kill_at: float = 0.0  # when its grace period ends
     container: str = "main"
 
 
@@ -80,10 +86,12 @@ class Kubelet:
     """Runs the pods of ``namespace`` (module docstring) until :meth:`stop`."""
 
     def __init__(self, api: client.ApiClient, namespace: str, root: Path, env: dict[str, str] | None = None,
-                 interval: float = 0.3, stagger: float = 0.0, nodes: frozenset[str] | None = None) -> None:
+                 interval: float = 0.3, stagger: float = 0.0, nodes: frozenset[str] | None = None,
+                 linger: float = 0.0) -> None:
         self.core = client.CoreV1Api(api)
         self.leases = client.CoordinationV1Api(api)
         self.nodes = nodes  # None: run every pod (an API without a scheduler)
+        self.linger = linger  # seconds a deleted pod stays after its process ended
         self._beat = 0.0
         self.namespace, self.root, self.interval, self.stagger = namespace, root, interval, stagger
         self._last_start = 0.0
@@ -131,11 +139,10 @@ class Kubelet:
                 if self.nodes is None or p.spec.node_name in self.nodes}
         for name in list(self.pods):
             pod = seen.get(name)
-            if pod is None or pod.metadata.deletion_timestamp:
+            if pod is None:  # gone from the API (forced): its processes go at once
                 self._kill(name)
-                if pod is not None:  # the kubelet confirms the deletion once the process is gone
-                    with contextlib.suppress(client.ApiException):
-                        self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+            elif pod.metadata.deletion_timestamp:
+                self._terminate(self.pods[name], pod)
         for name, pod in seen.items():
             if name in self.pods or pod.metadata.uid in self.ended or pod.metadata.deletion_timestamp:
                 continue
@@ -153,9 +160,29 @@ class Kubelet:
                 running.initialized = None
                 self._running(running.name, running.container)
             code = running.process.poll()
-            if code is not None:
+            if code is not None and running.name in self.pods:
+                if running.stopping is not None and time.monotonic() < running.stopping + self.linger:
+                    continue  # stopped, but the pod lingers (volumes unmounting, a slow node)
                 self._end(running)  # what it left behind goes with the container
                 self._report_exit(running, code)
+                if running.stopping is not None:  # the kubelet confirms the deletion once it is gone
+                    with contextlib.suppress(client.ApiException):
+                        self.core.delete_namespaced_pod(running.name, self.namespace, grace_period_seconds=0)
+
+    def _terminate(self, running: RunningPod, pod: Any) -> None:
+        """A pod marked for deletion: SIGTERM to its main process once (what a container
+        runtime sends PID 1), SIGKILL to everything once its grace period is over; the
+        loop reports and confirms it when the process is gone. Other pods keep starting
+        meanwhile, as on a real node."""
+        now = time.monotonic()
+        if running.stopping is None:
+            running.stopping = now
+            grace = pod.metadata.deletion_grace_period_seconds
+            running.kill_at = now + (30 if grace is None else grace)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(running.process.pid, signal.SIGTERM)
+        elif now >= running.kill_at and running.process.poll() is None:
+            self._end(running, signal.SIGKILL)
 
     def _heartbeat(self) -> None:
         """Renew every node's Lease and report it Ready, as a kubelet does."""

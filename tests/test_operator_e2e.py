@@ -30,7 +30,7 @@ pytest.importorskip("kopf")
 from kubernetes import client  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e_cluster import emulator_only, open_cluster  # noqa: E402
+from e2e_cluster import emulator_only, open_cluster, unique_namespace  # noqa: E402
 from gitops_health import ARGOCD, VERDICTS, argocd_health, flux_health, kstatus  # noqa: E402
 from kube_emulator import Emulator  # noqa: E402
 
@@ -38,7 +38,8 @@ from alpajob.api.names import FINALIZER, LABEL_JOB, MANIFEST_KEY  # noqa: E402
 from alpajob.api.progress import Progress, TrainerPhase  # noqa: E402
 from alpajob.api.runtime import MANIFEST_PATH, TrainerRuntime  # noqa: E402
 
-NS = "ml"
+#: The namespace of AdmissionReviews sent straight to the webhook (nothing is created there).
+REVIEW_NS = "ml"
 EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
 GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
 
@@ -46,16 +47,25 @@ GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     emu = open_cluster(Path(str(tmp_path_factory.mktemp("kmock"))))
-    emu.cluster_of(NS, nodes=2)
     yield emu
     emu.stop()
 
 
-class Operator:
-    """``alpajob operator`` as a process; restartable."""
+@pytest.fixture
+def ns(emulator: Emulator) -> Iterator[str]:
+    """A namespace of the test's own (Pod Security restricted, the trainer's account, two
+    nodes), deleted after it and waited for, as a real cluster needs."""
+    name = unique_namespace("ml")
+    emulator.cluster_of(name, nodes=2)
+    yield name
+    emulator.release(name)
 
-    def __init__(self, emu: Emulator, log: Path) -> None:
-        self.emu, self.log = emu, log
+
+class Operator:
+    """``alpajob operator`` as a process, watching namespace ``ns``; restartable."""
+
+    def __init__(self, emu: Emulator, log: Path, ns: str) -> None:
+        self.emu, self.log, self.ns = emu, log, ns
         self.proc: subprocess.Popen | None = None
         self.args: list[str] = []
         self.metrics_port = self.liveness_port = 0
@@ -64,7 +74,7 @@ class Operator:
         env = {**os.environ, "KUBECONFIG": str(self.emu.kubeconfig)}
         out = open(self.log, "a")  # noqa: SIM115 (closed with the process)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "alpajob", "operator", "--namespace", NS, "--interval", "0.3",
+            [sys.executable, "-m", "alpajob", "operator", "--namespace", self.ns, "--interval", "0.3",
              "--no-scanning", *self.args],
             stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -83,10 +93,10 @@ class Operator:
 
 
 @pytest.fixture
-def operator(emulator: Emulator, tmp_path: Path) -> Iterator[Operator]:
+def operator(emulator: Emulator, tmp_path: Path, ns: str) -> Iterator[Operator]:
     from alpajob.trainer_image.distributed.loopback import free_port
 
-    op = Operator(emulator, tmp_path / "operator.log")
+    op = Operator(emulator, tmp_path / "operator.log", ns)
     op.metrics_port, op.liveness_port = free_port(), free_port()
     op.args = ["--metrics-port", str(op.metrics_port),
                "--liveness", f"http://127.0.0.1:{op.liveness_port}/healthz"]
@@ -109,7 +119,8 @@ def _wait(what: str, check: Callable[[], Any], timeout: float = 60, op: Operator
 class Cluster:
     """The test's hands on the emulator: jobs, pods, and the kubelet's part."""
 
-    def __init__(self, emu: Emulator, seen: dict[tuple[str, str], dict[str, Any]] | None = None) -> None:
+    def __init__(self, emu: Emulator, ns: str, seen: dict[tuple[str, str], dict[str, Any]] | None = None) -> None:
+        self.ns = ns
         self.seen = seen if seen is not None else {}
         self.api = emu.api()
         self.core = client.CoreV1Api(self.api)
@@ -118,14 +129,14 @@ class Cluster:
 
     def create_job(self, name: str, **spec: Any) -> dict[str, Any]:
         doc = yaml.safe_load((EXAMPLES / "manual-gpt.yaml").read_text())
-        doc["metadata"] = {"name": name, "namespace": NS}
+        doc["metadata"] = {"name": name, "namespace": self.ns}
         doc["spec"].update(spec)
-        return self.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, doc)
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, doc)
 
     def job(self, name: str) -> dict[str, Any]:
         """The job as the API returns it; the first read of each (job, phase) is kept
         in ``seen`` for the GitOps checks at the end of the module."""
-        job = self.custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+        job = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
         phase = (job.get("status") or {}).get("phase", "(no status)")
         self.seen.setdefault((name, phase), copy.deepcopy(job))
         return job
@@ -134,7 +145,7 @@ class Cluster:
         return (self.job(name).get("status") or {}).get("phase")
 
     def pods(self, job: str) -> dict[str, Any]:
-        items = self.core.list_namespaced_pod(NS).items
+        items = self.core.list_namespaced_pod(self.ns).items
         return {p.metadata.name: p for p in items if (p.metadata.labels or {}).get(LABEL_JOB) == job}
 
     def running(self, job: str) -> set[str]:
@@ -142,14 +153,14 @@ class Cluster:
         return {n for n, p in self.pods(job).items() if (p.status and p.status.phase) not in ("Succeeded", "Failed")}
 
     def set_phase(self, pod: str, phase: str, **extra: Any) -> None:
-        self.core.patch_namespaced_pod_status(pod, NS, {"status": {"phase": phase, **extra}})
+        self.core.patch_namespaced_pod_status(pod, self.ns, {"status": {"phase": phase, **extra}})
 
     def run_planner(self, job: str, tmp: Path, succeeds: bool = True) -> None:
         """Play the kubelet for the planning pod: run its command, for real; a failed
         command fails the pod with its log's tail as the termination message (the pod's
         terminationMessagePolicy is FallbackToLogsOnError)."""
         pod = _wait("the planner pod", lambda: self.pods(job).get(f"{job}-planner"))
-        manifest = self.core.read_namespaced_config_map(f"{job}-config", NS).data[MANIFEST_KEY]
+        manifest = self.core.read_namespaced_config_map(f"{job}-config", self.ns).data[MANIFEST_KEY]
         (tmp / "manifest.yaml").write_text(manifest)
         [container] = pod.spec.containers
         command = container.command
@@ -178,8 +189,8 @@ def seen() -> dict[tuple[str, str], dict[str, Any]]:
 
 
 @pytest.fixture
-def cluster(emulator: Emulator, seen: dict[tuple[str, str], dict[str, Any]]) -> Cluster:
-    return Cluster(emulator, seen)
+def cluster(emulator: Emulator, ns: str, seen: dict[tuple[str, str], dict[str, Any]]) -> Cluster:
+    return Cluster(emulator, ns, seen)
 
 
 def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
@@ -192,7 +203,7 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     job = cluster.job("gpt-a")
     assert job["status"]["plan"]["stages"] == 2
     assert job["status"]["children"]["meshPods"] == ["gpt-a-0-m0-h0", "gpt-a-0-m1-h0"]
-    assert cluster.core.read_namespaced_service("gpt-a-head", NS).spec.ports[0].port == 6379
+    assert cluster.core.read_namespaced_service("gpt-a-head", cluster.ns).spec.ports[0].port == 6379
     env = {e.name: e.value for e in pods["gpt-a-0-m1-h0"].spec.containers[0].env}
     assert env["ALPAJOB_MESH"] == "1" and env["ALPAJOB_RAY_ADDRESS"] == "gpt-a-head.ml.svc:6379"
     for pod in pods.values():
@@ -245,7 +256,7 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     _wait("the running pods cleaned up", lambda: cluster.running("gpt-a") == set(), op=operator)
     assert set(cluster.pods("gpt-a")) == {"gpt-a-planner", "gpt-a-0-head"}
     def reasons() -> set[str]:
-        return {e.reason for e in cluster.core.list_namespaced_event(NS).items if e.involved_object.name == "gpt-a"}
+        return {e.reason for e in cluster.core.list_namespaced_event(cluster.ns).items if e.involved_object.name == "gpt-a"}
 
     _wait("an event per transition", lambda: {"Planning", "PodsStarting", "Training", "TrainingFinished"} <= reasons(),
           op=operator)
@@ -284,7 +295,7 @@ def test_a_failed_pod_restarts_the_whole_job_until_the_backoff_limit(cluster: Cl
     _wait("the running pods cleaned up", lambda: cluster.running("gpt-b") == set(), op=operator)
     assert {"gpt-b-1-head", "gpt-b-0-m1-h0"} <= set(cluster.pods("gpt-b"))  # the failed ones, for their logs
     def warnings() -> list[str]:  # events are posted right after the status patch
-        return [e.reason for e in cluster.core.list_namespaced_event(NS).items
+        return [e.reason for e in cluster.core.list_namespaced_event(cluster.ns).items
                 if e.involved_object.name == "gpt-b" and e.type == "Warning"]
 
     _wait("the Warning events", lambda: {"PodFailed", "BackoffLimitExceeded"} <= set(warnings()), op=operator)
@@ -294,11 +305,11 @@ def test_suspend_and_resume(cluster: Cluster, operator: Operator, tmp_path: Path
     cluster.create_job("gpt-c")
     cluster.run_planner("gpt-c", tmp_path)
     _to_running(cluster, operator, "gpt-c", tmp_path)
-    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-c",
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "gpt-c",
                                                   {"spec": {"runPolicy": {"suspend": True}}})
     _wait("phase Suspended", lambda: cluster.phase("gpt-c") == "Suspended", op=operator)
     _wait("no pods running while suspended", lambda: cluster.running("gpt-c") == set(), op=operator)
-    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-c",
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "gpt-c",
                                                   {"spec": {"runPolicy": {"suspend": False}}})
     _to_running(cluster, operator, "gpt-c", tmp_path, attempt=1)
     assert cluster.job("gpt-c")["status"]["restarts"] == 0  # a resume is not a failure
@@ -308,13 +319,13 @@ def test_deleting_the_job_stops_the_operator_acting_on_it(cluster: Cluster, oper
     uid = cluster.create_job("gpt-d")["metadata"]["uid"]
     cluster.run_planner("gpt-d", tmp_path)
     pods = _wait("the pods", lambda: len(cluster.pods("gpt-d")) == 3 and cluster.pods("gpt-d"), op=operator)
-    children = [*pods.values(), cluster.core.read_namespaced_config_map("gpt-d-plan", NS),
-                cluster.core.read_namespaced_config_map("gpt-d-config", NS),
-                cluster.core.read_namespaced_service("gpt-d-head", NS)]
+    children = [*pods.values(), cluster.core.read_namespaced_config_map("gpt-d-plan", cluster.ns),
+                cluster.core.read_namespaced_config_map("gpt-d-config", cluster.ns),
+                cluster.core.read_namespaced_service("gpt-d-head", cluster.ns)]
     for child in children:  # what makes the API server's garbage collector delete them
         ref = child.metadata.owner_references[0]
         assert (ref.kind, ref.name, ref.uid, ref.controller) == ("AlpaJob", "gpt-d", uid, True)
-    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-d")
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "gpt-d")
 
     def gone() -> bool:
         try:
@@ -360,7 +371,7 @@ def _review(url: str, body: dict[str, Any], old: dict[str, Any] | None = None) -
     review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
         "uid": "review-1", "kind": {"group": GROUP, "version": VERSION, "kind": "AlpaJob"},
         "resource": {"group": GROUP, "version": VERSION, "resource": PLURAL},
-        "namespace": NS, "name": body["metadata"].get("name"),
+        "namespace": REVIEW_NS, "name": body["metadata"].get("name"),
         "operation": "UPDATE" if old else "CREATE", "object": body, "oldObject": old,
         "userInfo": {"username": "test"}, "dryRun": False}}
     request = urllib.request.Request(url, json.dumps(review).encode(), {"Content-Type": "application/json"})
@@ -376,7 +387,7 @@ def test_the_webhook_refuses_bad_specs_naming_the_field(emulator: Emulator, tmp_
     from alpajob.trainer_image.distributed.loopback import free_port
 
     port = free_port()
-    op = Operator(emulator, tmp_path / "operator.log")
+    op = Operator(emulator, tmp_path / "operator.log", REVIEW_NS)
     op.args = ["--webhook-port", str(port), "--webhook-insecure"]
     op.start()
     try:
@@ -413,7 +424,7 @@ def test_with_the_webhook_called_as_the_api_server_calls_it_a_job_runs_suspends_
     from alpajob.trainer_image.distributed.loopback import free_port
 
     port = free_port()
-    op = Operator(emulator, tmp_path / "operator.log")
+    op = Operator(emulator, tmp_path / "operator.log", cluster.ns)
     op.args = ["--webhook-port", str(port), "--webhook-insecure"]
     op.start()
     url = f"http://127.0.0.1:{port}/validate-alpajob"
@@ -431,13 +442,13 @@ def test_with_the_webhook_called_as_the_api_server_calls_it_a_job_runs_suspends_
         _wait("kopf's finalizer, added through the webhook",
               lambda: FINALIZER in (cluster.job("gpt-w")["metadata"].get("finalizers") or []), op=op)
         with pytest.raises(client.ApiException) as immutable:
-            cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-w",
+            cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "gpt-w",
                                                           {"spec": {"training": {"steps": 7}}})
         assert immutable.value.status == 422 and "spec.training" in immutable.value.body
-        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-w",
+        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "gpt-w",
                                                       {"spec": {"runPolicy": {"suspend": True}}})
         _wait("phase Suspended", lambda: cluster.phase("gpt-w") == "Suspended", op=op)
-        cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-w")
+        cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "gpt-w")
 
         def gone() -> bool:
             try:
@@ -471,7 +482,7 @@ def test_a_model_that_cannot_fit_the_pool_fails_with_the_planners_message(
     _wait("phase Failed", lambda: cluster.phase("gpt-f") == "Failed", op=operator)
     failed = _condition(cluster, "gpt-f", "Failed")
     assert failed["reason"] == "PlanningFailed" and "GiB per device" in failed["message"]
-    events = [(e.type, e.reason, e.message) for e in cluster.core.list_namespaced_event(NS).items
+    events = [(e.type, e.reason, e.message) for e in cluster.core.list_namespaced_event(cluster.ns).items
               if e.involved_object.name == "gpt-f"]
     assert any(t == "Warning" and r == "PlanningFailed" and "GiB per device" in m for t, r, m in events)
     assert set(cluster.pods("gpt-f")) <= {"gpt-f-planner"}  # nothing else was started
@@ -494,7 +505,7 @@ def test_with_volcano_installed_the_pod_group_comes_before_the_pods(
                  "names": {"plural": "podgroups", "kind": "PodGroup"},
                  "versions": [{"name": "v1beta1", "served": True, "storage": True,
                                "schema": {"openAPIV3Schema": {"type": "object"}}}]}})
-    op = Operator(emulator, tmp_path / "operator.log")
+    op = Operator(emulator, tmp_path / "operator.log", cluster.ns)
     op.start()
     try:
         cluster.create_job("gpt-g", scheduling={"queue": "research"})
@@ -502,7 +513,7 @@ def test_with_volcano_installed_the_pod_group_comes_before_the_pods(
         attempt = {"gpt-g-0-head", "gpt-g-0-m0-h0", "gpt-g-0-m1-h0"}
         _wait("the pods", lambda: attempt <= set(cluster.pods("gpt-g")), op=op)
         group = cluster.custom.get_namespaced_custom_object(
-            "scheduling.volcano.sh", "v1beta1", NS, "podgroups", "gpt-g-0")
+            "scheduling.volcano.sh", "v1beta1", cluster.ns, "podgroups", "gpt-g-0")
         assert group["spec"]["minMember"] == 3 and group["spec"]["queue"] == "research"
         assert group["metadata"]["ownerReferences"][0]["uid"] == cluster.job("gpt-g")["metadata"]["uid"]
         order = [str(r.url) for r in list(emulator.kmock) if r.method.upper() == "POST"
@@ -535,12 +546,12 @@ def test_a_forbidden_pod_shows_as_a_condition_and_an_event_and_is_retried(
     assert condition["reason"] == "Forbidden"
     assert 'serviceaccount "no-such-sa" not found' in condition["message"]
     assert "gpt-sa-planner" in condition["message"]
-    events = [e for e in cluster.core.list_namespaced_event(NS).items
+    events = [e for e in cluster.core.list_namespaced_event(cluster.ns).items
               if e.involved_object.name == "gpt-sa" and e.reason == "FailedCreate"]
     assert events and events[0].type == "Warning" and "no-such-sa" in events[0].message
     assert "gpt-sa-planner" not in cluster.pods("gpt-sa")
-    cluster.core.create_namespaced_service_account(NS, {"apiVersion": "v1", "kind": "ServiceAccount",
-                                                        "metadata": {"name": "no-such-sa", "namespace": NS}})
+    cluster.core.create_namespaced_service_account(cluster.ns, {"apiVersion": "v1", "kind": "ServiceAccount",
+                                                        "metadata": {"name": "no-such-sa", "namespace": cluster.ns}})
     _wait("the planner pod", lambda: cluster.pods("gpt-sa").get("gpt-sa-planner"), op=operator)
 
     def created() -> bool:
@@ -548,7 +559,7 @@ def test_a_forbidden_pod_shows_as_a_condition_and_an_event_and_is_retried(
         return any(c["type"] == "ChildrenCreated" and c["status"] == "True" for c in conditions)
 
     _wait("ChildrenCreated=True", created, op=operator)
-    fails = [e for e in cluster.core.list_namespaced_event(NS).items
+    fails = [e for e in cluster.core.list_namespaced_event(cluster.ns).items
              if e.involved_object.name == "gpt-sa" and e.reason == "FailedCreate"]
     assert len(fails) <= 8  # backed off: 0.3 s doubling, not a try every 0.3 s
 
@@ -556,19 +567,19 @@ def test_a_forbidden_pod_shows_as_a_condition_and_an_event_and_is_retried(
 def test_the_test_api_server_refuses_what_a_real_one_refuses(cluster: Cluster) -> None:
     """The fixture's admission can fail: a plain pod in the restricted namespace, and a
     pod of a missing ServiceAccount, are refused with 403 and not stored."""
-    plain = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "namespace": NS},
+    plain = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "namespace": cluster.ns},
              "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
     with pytest.raises(client.ApiException) as refused:
-        cluster.core.create_namespaced_pod(NS, plain)
+        cluster.core.create_namespaced_pod(cluster.ns, plain)
     assert refused.value.status == 403
     assert 'violates PodSecurity "restricted:latest"' in json.loads(refused.value.body)["message"]
-    orphan = {**plain, "metadata": {"name": "orphan", "namespace": NS},
+    orphan = {**plain, "metadata": {"name": "orphan", "namespace": cluster.ns},
               "spec": {**plain["spec"], "serviceAccountName": "nobody"}}
     with pytest.raises(client.ApiException) as missing:
-        cluster.core.create_namespaced_pod(NS, orphan)
+        cluster.core.create_namespaced_pod(cluster.ns, orphan)
     assert missing.value.status == 403
     assert 'serviceaccount "nobody" not found' in json.loads(missing.value.body)["message"]
-    names = {p.metadata.name for p in cluster.core.list_namespaced_pod(NS).items}
+    names = {p.metadata.name for p in cluster.core.list_namespaced_pod(cluster.ns).items}
     assert not names & {"plain", "orphan"}
 
 
@@ -579,11 +590,11 @@ def test_the_test_api_server_prunes_undeclared_fields_as_a_real_one_does(cluster
     created = cluster.create_job("gpt-prune", undeclaredSpecField=True)
     assert "undeclaredSpecField" not in created["spec"]
     answer = cluster.custom.patch_namespaced_custom_object_status(
-        GROUP, VERSION, NS, PLURAL, "gpt-prune",
+        GROUP, VERSION, cluster.ns, PLURAL, "gpt-prune",
         {"status": {"undeclaredField": 1, "progress": {"step": 3, "undeclaredToo": 9}}})
     assert answer["status"] == {"progress": {"step": 3}}
     assert cluster.job("gpt-prune")["status"] == {"progress": {"step": 3}}
-    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-prune")
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "gpt-prune")
 
 
 
@@ -628,7 +639,7 @@ def test_liveness_fails_once_the_api_server_is_gone(tmp_path: Path) -> None:
     emu = Emulator(tmp_path / "api")
     (tmp_path / "api").mkdir()
     emu.start()
-    op = Operator(emu, tmp_path / "operator.log")
+    op = Operator(emu, tmp_path / "operator.log", "default")
     port = free_port()
     op.args = ["--liveness", f"http://127.0.0.1:{port}/healthz", "--liveness-api-timeout", "2"]
     op.start()

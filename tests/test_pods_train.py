@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_cluster import open_cluster
+from e2e_cluster import open_cluster, unique_namespace
 from kube_emulator import Emulator
 from kubelet import Kubelet
 from kubernetes import client
@@ -34,28 +34,30 @@ pytest.importorskip("ray")
 #: marker, run by .ci/run on its own.
 pytestmark = pytest.mark.slow
 
-NS = "ml"
 ROOT = Path(__file__).resolve().parent.parent
 GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
 
 
 @pytest.fixture
-def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path]]:
+def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path, str]]:
     (tmp_path / "kmock").mkdir()
-    emu = open_cluster(tmp_path / "kmock")  # KMock, or the cluster of $ALPAJOB_E2E_KUBECONFIG
-    emu.cluster_of(NS, nodes=4)
+    emu = open_cluster(tmp_path / "kmock", graceful_pods=True)  # KMock, or $ALPAJOB_E2E_KUBECONFIG's cluster
+    ns = unique_namespace("ml")  # each test its own, released after it
+    emu.cluster_of(ns, nodes=4)
     env = {"KUBECONFIG": str(emu.kubeconfig), "RAY_AUTH_MODE": "disabled"}
     fake_nodes = frozenset(emu.nodes) if getattr(emu, "real", False) else None  # a real scheduler binds pods
-    kubelet = Kubelet(emu.api(), NS, tmp_path / "kubelet", env=env, stagger=6.0, nodes=fake_nodes)
+    # Deleted pods stay 10 s after their process ends, as on a slow node: a new attempt
+    # must never start beside them.
+    kubelet = Kubelet(emu.api(), ns, tmp_path / "kubelet", env=env, stagger=6.0, nodes=fake_nodes, linger=10.0)
     kubelet.env.pop("XLA_FLAGS", None)  # each pod forces its own device count (ALPAJOB_DEVICES)
     kubelet.start()
     log = tmp_path / "operator.log"
     with open(log, "w") as out:
         operator = subprocess.Popen(
-            [sys.executable, "-m", "alpajob", "operator", "--namespace", NS, "--interval", "0.3", "--no-scanning"],
+            [sys.executable, "-m", "alpajob", "operator", "--namespace", ns, "--interval", "0.3", "--no-scanning"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
     try:
-        yield emu, kubelet, log
+        yield emu, kubelet, log, ns
     finally:
         operator.send_signal(signal.SIGTERM)
         try:
@@ -63,12 +65,14 @@ def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path]]:
         except subprocess.TimeoutExpired:
             operator.kill()
         kubelet.stop()
+        if getattr(emu, "real", False):
+            emu.release(ns)
         emu.stop()
 
 
-def _job(name: str, **spec: Any) -> dict[str, Any]:
+def _job(name: str, ns: str, **spec: Any) -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / "manifests" / "examples" / "manual-gpt.yaml").read_text())
-    doc["metadata"] = {"name": name, "namespace": NS}
+    doc["metadata"] = {"name": name, "namespace": ns}
     doc["spec"]["data"] = {"train": str(ROOT / "planner" / "**" / "*.py"), "eval": str(ROOT / "operator" / "*.py")}
     doc["spec"]["training"] = {"globalBatchSize": 16, "steps": 24, "evalEvery": 12, "evalSteps": 2,
                                "optimizer": {"name": "adamw", "learningRate": 3e-3, "warmupSteps": 4}}
@@ -91,13 +95,13 @@ def _wait(what: str, check: Callable[[], Any], kubelet: Kubelet, log: Path, time
 
 
 def test_kubectl_apply_trains_a_gpt_on_real_text_in_the_operators_pods(
-        world: tuple[Emulator, Kubelet, Path]) -> None:
-    emu, kubelet, log = world
+        world: tuple[Emulator, Kubelet, Path, str]) -> None:
+    emu, kubelet, log, ns = world
     custom = client.CustomObjectsApi(emu.api())
-    custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, _job("gpt-real"))
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _job("gpt-real", ns))
 
     def status() -> dict[str, Any]:
-        return custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-real").get("status") or {}
+        return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "gpt-real").get("status") or {}
 
     phases: list[str] = []
 
@@ -119,23 +123,23 @@ def test_kubectl_apply_trains_a_gpt_on_real_text_in_the_operators_pods(
 
 
 def test_with_restart_scope_failed_pods_only_the_killed_mesh_pod_is_replaced(
-        world: tuple[Emulator, Kubelet, Path]) -> None:
+        world: tuple[Emulator, Kubelet, Path, str]) -> None:
     """restartScope FailedPods: a killed mesh pod is replaced alone (same attempt); the
     head pod's driver keeps its Ray cluster, waits for the new pod's host and restarts
     every stage from the last checkpoint; the job succeeds with one restart and its
     head pod and the other mesh pod never restarted."""
-    emu, kubelet, log = world
+    emu, kubelet, log, ns = world
     custom = client.CustomObjectsApi(emu.api())
-    emu.claim(NS, "ckpt")
-    doc = _job("gpt-swap", checkpoint={"volume": "ckpt", "intervalSteps": 5},
+    emu.claim(ns, "ckpt")
+    doc = _job("gpt-swap", ns, checkpoint={"volume": "ckpt", "intervalSteps": 5},
                runPolicy={"restartScope": "FailedPods", "backoffLimit": 2})
     steps = 150  # long enough that the kill lands mid-run (progress is reported every 5 s)
     doc["spec"]["training"].update(steps=steps)
     doc["spec"]["training"].pop("evalEvery")
-    custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, doc)
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, doc)
 
     def status() -> dict[str, Any]:
-        return custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-swap").get("status") or {}
+        return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "gpt-swap").get("status") or {}
 
     def saved() -> dict[str, Any] | None:
         progress = status().get("progress") or {}
@@ -157,21 +161,21 @@ def test_with_restart_scope_failed_pods_only_the_killed_mesh_pod_is_replaced(
 
 
 def test_a_killed_mesh_pod_restarts_every_mesh_from_the_last_checkpoint(
-        world: tuple[Emulator, Kubelet, Path]) -> None:
+        world: tuple[Emulator, Kubelet, Path, str]) -> None:
     """A mesh pod's processes are killed mid-run (its node is lost): the driver fails,
     the operator restarts every mesh as attempt 1, which resumes from the newest
     checkpoint on the job's volume (so at most the checkpoint interval is lost), and
     the job still succeeds."""
-    emu, kubelet, log = world
+    emu, kubelet, log, ns = world
     custom = client.CustomObjectsApi(emu.api())
-    emu.claim(NS, "ckpt")  # the job's checkpoint volume, as a user makes it
-    doc = _job("gpt-kill", checkpoint={"volume": "ckpt", "intervalSteps": 5})
+    emu.claim(ns, "ckpt")  # the job's checkpoint volume, as a user makes it
+    doc = _job("gpt-kill", ns, checkpoint={"volume": "ckpt", "intervalSteps": 5})
     doc["spec"]["training"].update(steps=40, evalEvery=None)
     doc["spec"]["training"].pop("evalEvery")
-    custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, doc)
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, doc)
 
     def status() -> dict[str, Any]:
-        return custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-kill").get("status") or {}
+        return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "gpt-kill").get("status") or {}
 
     def saved() -> int | None:
         step = (status().get("progress") or {}).get("lastCheckpointStep")
@@ -194,22 +198,22 @@ def test_a_killed_mesh_pod_restarts_every_mesh_from_the_last_checkpoint(
 
 
 def test_a_mesh_on_two_hosts_forms_its_process_group_at_the_contracts_coordinator(
-        world: tuple[Emulator, Kubelet, Path]) -> None:
+        world: tuple[Emulator, Kubelet, Path, str]) -> None:
     """Mesh 1 spans two pods (nodes): its hosts join one JAX process group at the
     coordinator the operator wrote into their environment (``ALPAJOB_COORDINATOR``,
     host 0's name under the headless Service), and the job trains to Succeeded."""
-    emu, kubelet, log = world
+    emu, kubelet, log, ns = world
     custom = client.CustomObjectsApi(emu.api())
-    doc = _job("gpt-wide")
+    doc = _job("gpt-wide", ns)
     doc["spec"]["cluster"] = {"gpu": "cpu", "nodes": 4, "gpusPerNode": 2}
     doc["spec"]["parallelism"]["stages"] = [{"layers": [0, 2], "submeshShape": [1, 2]},
                                             {"layers": [2, 4], "submeshShape": [2, 2]}]
     doc["spec"]["training"].update(steps=8)
     doc["spec"]["training"].pop("evalEvery")
-    custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, doc)
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, doc)
 
     def status() -> dict[str, Any]:
-        return custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "gpt-wide").get("status") or {}
+        return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "gpt-wide").get("status") or {}
 
     _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, timeout=600)
     final = status()
@@ -217,5 +221,50 @@ def test_a_mesh_on_two_hosts_forms_its_process_group_at_the_contracts_coordinato
     assert final["progress"]["step"] == 8
     for host in (0, 1):  # both hosts were told host 0's name under the headless Service
         env = kubelet.envs[f"gpt-wide-0-m1-h{host}"]
-        assert env["ALPAJOB_COORDINATOR"] == "m1-h0.gpt-wide-hosts.ml.svc:8476", env
+        assert env["ALPAJOB_COORDINATOR"] == f"m1-h0.gpt-wide-hosts.{ns}.svc:8476", env
         assert (env["ALPAJOB_PROCESS_ID"], env["ALPAJOB_PROCESS_COUNT"]) == (str(host), "2")
+
+
+def test_deleting_a_mesh_pod_mid_run_never_fails_the_job(world: tuple[Emulator, Kubelet, Path, str]) -> None:
+    """``kubectl delete pod`` of a mesh pod mid-run, with the old pods slow to go (the
+    kubelet keeps each 10 s after its process ended; the old head saves a checkpoint on
+    SIGTERM): a disruption, not a failure. The next attempt starts only once every old
+    pod is gone, takes the checkpoint folder over, resumes from the last checkpoint,
+    and the job succeeds with restarts 0, disruptions 1 and progress.restarts 1."""
+    emu, kubelet, log, ns = world
+    custom = client.CustomObjectsApi(emu.api())
+    core = client.CoreV1Api(emu.api())
+    doc = _job("gpt-del", ns, checkpoint={"volumeClaimTemplate": {"size": "1Gi"}, "intervalSteps": 5})
+    doc["spec"]["training"].update(steps=40)
+    doc["spec"]["training"].pop("evalEvery")
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, doc)
+
+    def status() -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "gpt-del").get("status") or {}
+
+    def saved() -> int | None:
+        step = (status().get("progress") or {}).get("lastCheckpointStep")
+        return step if step and step >= 5 else None
+
+    _wait("a checkpoint", saved, kubelet, log, timeout=400)
+    core.delete_namespaced_pod("gpt-del-0-m1-h0", ns)  # as kubectl does: the pod's grace period
+    overlap: list[str] = []
+
+    def finished() -> bool:
+        names = {p.metadata.name: p for p in core.list_namespaced_pod(ns).items}
+        old = [n for n, p in names.items() if n.startswith("gpt-del-0-") and p.status.phase not in
+               ("Succeeded", "Failed")]
+        new = [n for n in kubelet.started if n.startswith("gpt-del-1-")]
+        if old and new:
+            overlap.append(f"{old} still there while {new} started")
+        return status().get("phase") in ("Succeeded", "Failed")
+
+    _wait("the job to finish", finished, kubelet, log, timeout=500)
+    final = status()
+    print(f"\nstatus.time: {final.get('time')}")
+    assert final["phase"] == "Succeeded", final
+    assert (final["restarts"], final["disruptions"], final["progress"]["restarts"]) == (0, 1, 1), final
+    assert final["children"]["attempt"] == 1 and final["progress"]["step"] == 40
+    assert not overlap, overlap
+    assert "restoring every mesh from the checkpoint of step" in kubelet.log("gpt-del-1-head")
+    assert (kubelet.root / "claims" / "gpt-del-checkpoints" / "gpt-del").is_dir()  # the claim the operator made
