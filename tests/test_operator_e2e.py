@@ -205,7 +205,7 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
     assert job["status"]["children"]["meshPods"] == ["gpt-a-0-m0-h0", "gpt-a-0-m1-h0"]
     assert cluster.core.read_namespaced_service("gpt-a-head", cluster.ns).spec.ports[0].port == 6379
     env = {e.name: e.value for e in pods["gpt-a-0-m1-h0"].spec.containers[0].env}
-    assert env["ALPAJOB_MESH"] == "1" and env["ALPAJOB_RAY_ADDRESS"] == "gpt-a-head.ml.svc:6379"
+    assert env["ALPAJOB_MESH"] == "1" and env["ALPAJOB_RAY_ADDRESS"] == f"gpt-a-head.{cluster.ns}.svc:6379"
     for pod in pods.values():
         assert pod.metadata.owner_references[0].uid == job["metadata"]["uid"]
     for name in expected:
@@ -226,7 +226,7 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
         assert probe.status == 200  # the Deployment's liveness and readiness probes
     head = cluster.pods("gpt-a")["gpt-a-0-head"].spec.containers[0]
     runtime = TrainerRuntime.from_env({e.name: e.value for e in head.env})
-    assert runtime.progress_configmap == "ml/gpt-a-progress"
+    assert runtime.progress_configmap == f"{cluster.ns}/gpt-a-progress"
     # Play the driver: its progress, as `alpajob driver` writes it there.
     from alpajob.trainer_image.publish import write_progress_configmap
 
@@ -244,11 +244,11 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
         time.sleep(1.0)
         writes = cluster.emu.requests("PATCH", "/alpajobs/gpt-a/status")
         reads = cluster.emu.requests("GET", "/alpajobs/gpt-a")
-        lists = cluster.emu.requests("GET", "/namespaces/ml/pods?")
+        lists = cluster.emu.requests("GET", f"/namespaces/{cluster.ns}/pods?")
         time.sleep(3.0)  # 10 passes of a polling operator (--interval 0.3)
         assert cluster.emu.requests("PATCH", "/alpajobs/gpt-a/status") == writes
         assert cluster.emu.requests("GET", "/alpajobs/gpt-a") == reads
-        assert cluster.emu.requests("GET", "/namespaces/ml/pods?") == lists
+        assert cluster.emu.requests("GET", f"/namespaces/{cluster.ns}/pods?") == lists
     cluster.set_phase("gpt-a-0-head", "Succeeded")
     _wait("phase Succeeded", lambda: cluster.phase("gpt-a") == "Succeeded", op=operator)
     # cleanPodPolicy Running: what still ran is deleted; the finished planner and head
@@ -318,7 +318,7 @@ def test_suspend_and_resume(cluster: Cluster, operator: Operator, tmp_path: Path
 def test_deleting_the_job_stops_the_operator_acting_on_it(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
     uid = cluster.create_job("gpt-d")["metadata"]["uid"]
     cluster.run_planner("gpt-d", tmp_path)
-    pods = _wait("the pods", lambda: len(cluster.pods("gpt-d")) == 3 and cluster.pods("gpt-d"), op=operator)
+    pods = _wait("the pods", lambda: len(cluster.pods("gpt-d")) == 4 and cluster.pods("gpt-d"), op=operator)  # the planner too
     children = [*pods.values(), cluster.core.read_namespaced_config_map("gpt-d-plan", cluster.ns),
                 cluster.core.read_namespaced_config_map("gpt-d-config", cluster.ns),
                 cluster.core.read_namespaced_service("gpt-d-head", cluster.ns)]
@@ -338,10 +338,10 @@ def test_deleting_the_job_stops_the_operator_acting_on_it(cluster: Cluster, oper
     if getattr(cluster.emu, "real", False):
         return  # what follows counts the test API server's requests
     time.sleep(1.0)  # a pass that read the job just before it went may still be answered
-    posts = cluster.emu.requests("POST", "/namespaces/ml/pods")
+    posts = cluster.emu.requests("POST", f"/namespaces/{cluster.ns}/pods")
     patches = cluster.emu.requests("PATCH", "/alpajobs/gpt-d")
     time.sleep(2.0)  # several reconcile intervals: nothing more may happen to it
-    assert cluster.emu.requests("POST", "/namespaces/ml/pods") == posts
+    assert cluster.emu.requests("POST", f"/namespaces/{cluster.ns}/pods") == posts
     assert cluster.emu.requests("PATCH", "/alpajobs/gpt-d") == patches
 
 
