@@ -66,6 +66,15 @@ os.execvp(steps[-1][0], steps[-1])
 _SERVICE_HOST = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?\.svc(\.cluster\.local)?")
 
 
+def _own(folder: Path, group: int) -> None:
+    """What the kubelet does to a volume for a pod's fsGroup: the group owns every file,
+    may write, and new files inherit it (setgid directories)."""
+    for path in [folder, *folder.rglob("*")]:
+        os.chown(path, -1, group)
+        mode = path.stat().st_mode
+        path.chmod(mode | 0o060 | (0o2010 if path.is_dir() else 0))
+
+
 @dataclass
 class RunningPod:
     """One pod's process and where it lives."""
@@ -80,6 +89,7 @@ class RunningPod:
     stopping: float | None = None  # when its deletion was seen (monotonic seconds)
     kill_at: float = 0.0  # when its grace period ends
     container: str = "main"
+    boxed: Any = None  # its container (containers.Container), in container mode
 
 
 class Kubelet:
@@ -87,11 +97,16 @@ class Kubelet:
 
     def __init__(self, api: client.ApiClient, namespace: str, root: Path, env: dict[str, str] | None = None,
                  interval: float = 0.3, stagger: float = 0.0, nodes: frozenset[str] | None = None,
-                 linger: float = 0.0) -> None:
+                 linger: float = 0.0, runtime: Any = None, fs_group: bool = True) -> None:
         self.core = client.CoreV1Api(api)
         self.leases = client.CoordinationV1Api(api)
         self.nodes = nodes  # None: run every pod (an API without a scheduler)
         self.linger = linger  # seconds a deleted pod stays after its process ended
+        #: containers.Runtime: run each pod as a container of the trainer image (None:
+        #: as a local process); fs_group False: volumes keep their owner (root), as
+        #: hostPath and NFS volumes do, whatever the pod's fsGroup
+        self.runtime, self.fs_group = runtime, fs_group
+        self.extra_env = dict(env or {})  # what the test adds to every pod's env (KUBECONFIG)
         self._beat = 0.0
         self.namespace, self.root, self.interval, self.stagger = namespace, root, interval, stagger
         self._last_start = 0.0
@@ -216,15 +231,21 @@ class Kubelet:
         self.envs[name] = {e.name: e.value or "" for e in container.env or []}
         env = {k: self._local(v, mounts) for k, v in self.envs[name].items()}
         steps = [self._command(c) for c in [*(pod.spec.init_containers or []), container]]
-        initialized = folder / "initialized" if len(steps) > 1 else None
-        command = steps[0] if initialized is None else [sys.executable, "-c", _CHAIN, json.dumps(steps),
-                                                        str(initialized)]
+        initialized = folder / "status" / "initialized" if len(steps) > 1 else None
         log = folder / "log.txt"
-        with open(log, "ab") as out:
-            process = subprocess.Popen(command, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                       cwd=folder, start_new_session=True)
+        boxed = None
+        if self.runtime is not None:
+            boxed = self._boxed(pod, folder, steps, initialized)
+            process = self.runtime.start(boxed, log)
+        else:
+            steps = [[sys.executable, "-m", "alpajob", *c[1:]] if c[:1] == ["alpajob"] else c for c in steps]
+            command = steps[0] if initialized is None else [sys.executable, "-c", _CHAIN, json.dumps(steps),
+                                                            str(initialized)]
+            with open(log, "ab") as out:
+                process = subprocess.Popen(command, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                           cwd=folder, start_new_session=True)
         self.pods[name] = RunningPod(name, folder, process, log, pod.metadata.uid, initialized=initialized,
-                                     container=container.name)
+                                     container=container.name, boxed=boxed)
         self.started.append(name)
         if initialized is None:
             self._running(name, container.name)
@@ -238,10 +259,64 @@ class Kubelet:
 
     @staticmethod
     def _command(container: Any) -> list[str]:
-        command = list(container.command or []) + list(container.args or [])
-        if command and command[0] == "alpajob":
-            command = [sys.executable, "-m", "alpajob", *command[1:]]
-        return command
+        return list(container.command or []) + list(container.args or [])
+
+    def _boxed(self, pod: Any, folder: Path, steps: list[list[str]], initialized: Path | None) -> Any:
+        """The pod as a container of the runtime's image (``containers.Container``): its
+        volumes at their mount paths (group-owned by its fsGroup, as the kubelet makes a
+        volume that supports ownership, unless ``fs_group`` is off), its user and groups,
+        its /dev/shm and memory limit, its env with cluster names on loopback, and the
+        init containers run first inside it."""
+        from containers import Container
+        from kubernetes.utils import parse_quantity
+
+        [container] = pod.spec.containers
+        security = pod.spec.security_context
+        fs_group = security.fs_group if security is not None else None
+        uid = (container.security_context and container.security_context.run_as_user) or \
+            (security and security.run_as_user) or 1000
+        gid = (security and security.run_as_group) or 1000
+        sources = {v.name: v for v in pod.spec.volumes or []}
+        mounts: list[tuple[str, Path, bool]] = []
+        shm = 64 << 20
+        for mount in container.volume_mounts or []:
+            volume = sources[mount.name]
+            if volume.empty_dir is not None and volume.empty_dir.medium == "Memory" and mount.mount_path == "/dev/shm":
+                shm = int(parse_quantity(volume.empty_dir.size_limit or "64Mi"))
+                continue
+            where = self._where(pod, folder, volume)
+            if fs_group is not None and (volume.persistent_volume_claim is not None or volume.empty_dir is not None) \
+                    and (self.fs_group or volume.empty_dir is not None):
+                _own(where, fs_group)
+            mounts.append((mount.mount_path, where, bool(mount.read_only)))
+        for inside, outside, _ in mounts:  # a mount inside a read-only one needs its folder there first
+            for other, _, _ in mounts:
+                if other.startswith(inside.rstrip("/") + "/") and outside.is_dir():
+                    (outside / other[len(inside.rstrip("/")) + 1:]).mkdir(parents=True, exist_ok=True)
+        env = {k: _SERVICE_HOST.sub("127.0.0.1", v) for k, v in self.envs[pod.metadata.name].items()}
+        env.update(self.extra_env)
+        kubeconfig = self.extra_env.get("KUBECONFIG")
+        if kubeconfig:
+            mounts.append((kubeconfig, Path(kubeconfig), True))
+        command = steps[0]
+        if initialized is not None:
+            status = initialized.parent
+            status.mkdir(parents=True, exist_ok=True)
+            status.chmod(0o777)
+            mounts.append(("/run/kubelet-status", status, False))
+            command = ["python", "-c", _CHAIN, json.dumps(steps), "/run/kubelet-status/initialized"]
+        limit = (container.resources and container.resources.limits or {}).get("memory")
+        return Container(name=f"{pod.metadata.name}-{pod.metadata.uid[:8]}",
+                         hostname=pod.spec.hostname or pod.metadata.name, command=command, env=env,
+                         mounts=mounts, uid=int(uid), gid=int(gid),
+                         groups=[int(fs_group)] if fs_group is not None else [], shm_bytes=shm,
+                         memory_limit=int(parse_quantity(limit)) if limit else None)
+
+    def _where(self, pod: Any, folder: Path, volume: Any) -> Path:
+        """The folder behind a volume (written by :meth:`_volumes`)."""
+        if volume.persistent_volume_claim is not None:
+            return self.root / "claims" / volume.persistent_volume_claim.claim_name
+        return folder / "volumes" / volume.name
 
     def _volumes(self, pod: Any, folder: Path) -> list[tuple[str, Path]]:
         """Each volume's contents as a local folder; (mount path, folder), longest first."""
@@ -279,6 +354,8 @@ class Kubelet:
 
     def _report_exit(self, running: RunningPod, code: int) -> None:
         code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as container runtimes say
+        if running.boxed is not None:
+            self.runtime.remove(running.boxed, keep_logs=running.folder / "ray-logs")
         del self.pods[running.name]
         self.finished[running.name] = code
         self.ended.add(running.uid)
@@ -311,6 +388,8 @@ class Kubelet:
             self._end(running, signal.SIGKILL)
             running.process.wait(10)
         self._end(running, signal.SIGKILL)
+        if running.boxed is not None:
+            self.runtime.remove(running.boxed, keep_logs=running.folder / "ray-logs")
         self.finished[name] = running.process.returncode
         self.ended.add(running.uid)
 

@@ -61,9 +61,12 @@ def pinned(package: str) -> str:
 
 # --- the Dockerfile --------------------------------------------------------------------
 
-def test_base_is_a_pinned_cuda_12_runtime_on_ubuntu_lts() -> None:
+def test_base_is_a_pinned_cuda_12_runtime_on_ubuntu_lts_unless_told() -> None:
     (base,) = only("FROM")
-    assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-runtime-ubuntu(22|24)\.04", base), base
+    assert base == "${BASE_IMAGE}"
+    default = dict(arg.split("=", 1) for arg in only("ARG"))["BASE_IMAGE"]
+    assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-runtime-ubuntu(22|24)\.04", default), default
+    assert [word for word, _ in instructions()][0] == "ARG"  # declared before FROM, so FROM may use it
 
 
 def test_python_is_3_11_in_a_virtual_environment() -> None:
@@ -76,7 +79,8 @@ def test_gpu_jax_is_pinned_to_the_project_version() -> None:
     args = dict(arg.split("=", 1) for arg in only("ARG"))
     assert args["JAX_VERSION"] == pinned("jax") == pinned("jaxlib")
     runs = only("RUN")
-    assert any('pip install "jax[cuda12]==${JAX_VERSION}"' in run for run in runs)
+    assert args["JAX_EXTRA"] == "cuda12"  # the GPU build by default; empty for a CPU image
+    assert any('pip install "jax${JAX_EXTRA:+[${JAX_EXTRA}]}==${JAX_VERSION}"' in run for run in runs)
     assert any(re.search(r"pip install \.(\s|$)", run) for run in runs)
 
 

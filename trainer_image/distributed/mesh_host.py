@@ -353,7 +353,12 @@ class MeshHost:
         with ``asynchronous`` the write goes on in the background: :meth:`wait_saved`)."""
         if self.writer is None:
             self.writer = PartWriter(root, mesh_part(self.index), asynchronous)
-        self.writer.save(step, self.arrays(), parts, run)
+        # The last step's update may still run (JAX dispatches asynchronously) on another
+        # of the actor's threads; the save's own collectives (a sharded array's
+        # fingerprint) must not interleave with it on the mesh's devices, or each device
+        # waits in a different collective (seen on CPU: XLA aborts the rendezvous).
+        arrays = jax.block_until_ready(self.arrays())
+        self.writer.save(step, arrays, parts, run)
 
     def wait_saved(self) -> None:
         """Block until this host's last save is finalized."""

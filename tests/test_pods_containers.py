@@ -1,0 +1,177 @@
+"""`kubectl apply` to a trained model, every pod a real container of the project's image.
+
+The closest thing to a real node this machine allows: the trainer image is built from
+``trainer_image/Dockerfile`` (a CPU build on a local Debian base, by buildah:
+``containers.py``), and the test kubelet runs each pod the operator makes as a runc
+container of it, as uid 1000 with the pod's volumes, env, memory-backed /dev/shm and
+memory limit, and its fsGroup on the volumes; all pods start at once, as a real
+kubelet starts them (no stagger). The API server is the test's (KMock, with graceful
+pod deletion and namespaces), the operator a process. Nothing is done by hand: no
+claim made, no fix applied.
+
+Slow (the first image build takes several minutes, each job a few): run with
+``python -m pytest -m slow tests/test_pods_containers.py`` as root on a machine with
+``runc``, ``buildah`` and ``debootstrap`` (``apt-get install runc buildah debootstrap``);
+skipped elsewhere, saying why.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from containers import Image, Runtime, available, build_image
+from e2e_cluster import unique_namespace
+from kube_emulator import Emulator
+from kubelet import Kubelet
+from kubernetes import client
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(available() is not None, reason=str(available()))]
+
+ROOT = Path(__file__).resolve().parent.parent
+GROUP, VERSION, PLURAL = "alpajob.io", "v1alpha1", "alpajobs"
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
+    log = tmp_path_factory.mktemp("image") / "build.log"
+    began = time.monotonic()
+    built = build_image(log)
+    print(f"\nimage built and mounted in {time.monotonic() - began:.0f} s")
+    return built
+
+
+def _world(image: Image, tmp_path: Path, fs_group: bool) -> Iterator[tuple[Emulator, Kubelet, Path, str]]:
+    (tmp_path / "api").mkdir()
+    emu = Emulator(tmp_path / "api", graceful_pods=True).start()
+    ns = unique_namespace("ml")
+    emu.cluster_of(ns, nodes=1)
+    env = {"KUBECONFIG": str(emu.kubeconfig), "RAY_AUTH_MODE": "disabled"}
+    runtime = Runtime(image, Path("/var/tmp/alpajob-images/pods") / tmp_path.name)
+    kubelet = Kubelet(emu.api(), ns, tmp_path / "kubelet", env=env, runtime=runtime, fs_group=fs_group).start()
+    log = tmp_path / "operator.log"
+    with open(log, "w") as out:
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "alpajob", "operator", "--namespace", ns, "--interval", "0.3", "--no-scanning"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    try:
+        yield emu, kubelet, log, ns
+    finally:
+        operator.send_signal(signal.SIGTERM)
+        try:
+            operator.wait(15)
+        except subprocess.TimeoutExpired:
+            operator.kill()
+        kubelet.stop()
+        emu.stop()
+
+
+@pytest.fixture
+def world(image: Image, tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path, str]]:
+    yield from _world(image, tmp_path, fs_group=True)
+
+
+@pytest.fixture
+def root_owned_volumes(image: Image, tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path, str]]:
+    """Volumes that ignore fsGroup (hostPath, NFS): owned by root, as on the real node."""
+    yield from _world(image, tmp_path, fs_group=False)
+
+
+def _readme_job(name: str, ns: str, steps: int) -> dict[str, Any]:
+    """The README's job, as written (its data in the image's own standard library), with
+    fewer steps and checkpoints on a claim the operator makes."""
+    doc = yaml.safe_load((ROOT / "manifests" / "examples" / "text-gpt.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": ns}
+    doc["spec"]["training"].update(steps=steps, evalEvery=steps // 2)
+    doc["spec"]["checkpoint"] = {"volumeClaimTemplate": {"size": "1Gi"}, "intervalSteps": 10}
+    return doc
+
+
+def _wait(what: str, check: Callable[[], Any], kubelet: Kubelet, log: Path, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(1.0)
+    folder = kubelet.root / "pods"
+    names = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+    pods = "\n".join(f"--- {name}\n{kubelet.log(name)[-2500:]}" for name in names)
+    raise AssertionError(f"timed out waiting for {what}\nkubelet errors: {kubelet.errors}\n"
+                         f"operator:\n{log.read_text()[-2000:]}\n{pods}")
+
+
+def _inside(kubelet: Kubelet, pod: str, command: str) -> str:
+    """``command`` run inside pod ``pod``'s container (``runc exec``, as ``kubectl exec``)."""
+    box = kubelet.pods[pod].boxed
+    return subprocess.run(["runc", "exec", box.name, "sh", "-c", command], capture_output=True, text=True,
+                          timeout=60, check=True).stdout
+
+
+def test_the_readme_job_trains_in_containers_of_the_projects_image(world: tuple[Emulator, Kubelet, Path, str]) -> None:
+    emu, kubelet, log, ns = world
+    custom = client.CustomObjectsApi(emu.api())
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _readme_job("text-gpt", ns, 30))
+
+    def status() -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "text-gpt").get("status") or {}
+
+    head = "text-gpt-0-head"
+    _wait("the job running", lambda: status().get("phase") == "Running" and head in kubelet.pods, kubelet, log, 600)
+    user, shm, groups = _inside(kubelet, head, "id -u; df -B1 --output=size /dev/shm | tail -1; "
+                                               "id -G").split("\n")[:3]
+    assert user == "1000"
+    pod = client.CoreV1Api(emu.api()).read_namespaced_pod(head, ns)
+    [dshm] = [v for v in pod.spec.volumes if v.name == "dshm"]
+    from kubernetes.utils import parse_quantity
+
+    assert int(shm) == int(parse_quantity(dshm.empty_dir.size_limit))  # the plan's /dev/shm, not 64 MiB
+    assert "1000" in groups.split()  # fsGroup among its groups
+    began = time.monotonic()
+    _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, 900)
+    final = status()
+    print(f"\ntrained in containers for {time.monotonic() - began:.0f} s after Running; status.time: "
+          f"{final.get('time')}; progress: {final.get('progress')}")
+    assert final["phase"] == "Succeeded", final
+    progress = final["progress"]
+    assert progress["step"] == 30 and progress["loss"] < math.log(256) - 0.5, progress
+    assert progress["evalLoss"] < math.log(256) - 0.5, progress
+    assert final["restarts"] == 0 and final["disruptions"] == 0
+    checkpoints = kubelet.root / "claims" / "text-gpt-checkpoints" / "text-gpt"
+    written = [p for p in checkpoints.rglob("*") if p.is_file()]
+    assert written and {p.stat().st_uid for p in written} == {1000}  # written by the image's user
+    assert {p.stat().st_gid for p in written} == {1000}  # the pod's fsGroup, through setgid folders
+
+
+def test_a_volume_uid_1000_cannot_write_fails_the_job_in_one_line_naming_it(
+        root_owned_volumes: tuple[Emulator, Kubelet, Path, str]) -> None:
+    """The real node's checkpoint volume (hostPath, owned by root): the head fails at
+    once with one line naming the folder, the claim and the uid; the job fails (exit 2:
+    no restart helps) with the head's message first, and the head's log stays."""
+    emu, kubelet, log, ns = root_owned_volumes
+    custom = client.CustomObjectsApi(emu.api())
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _readme_job("text-gpt-ro", ns, 20))
+
+    def status() -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "text-gpt-ro").get("status") or {}
+
+    _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, 900)
+    final = status()
+    failed = next(c for c in final["conditions"] if c["type"] == "Failed")
+    assert final["phase"] == "Failed" and failed["reason"] == "PodFailurePolicy", final
+    assert failed["message"].startswith("text-gpt-ro-0-head failed:"), failed["message"]
+    assert "is not writable by uid 1000" in failed["message"]
+    assert "PersistentVolumeClaim text-gpt-ro-checkpoints at /checkpoints" in failed["message"]
+    assert final["restarts"] == 0
+    pods = {p.metadata.name for p in client.CoreV1Api(emu.api()).list_namespaced_pod(ns).items}
+    assert "text-gpt-ro-0-head" in pods  # kept for `kubectl logs` (cleanPodPolicy Running)
+    assert "not writable by uid 1000" in kubelet.log("text-gpt-ro-0-head")
