@@ -232,6 +232,8 @@ class Kubelet:
         env = {k: self._local(v, mounts) for k, v in self.envs[name].items()}
         steps = [self._command(c) for c in [*(pod.spec.init_containers or []), container]]
         initialized = folder / "status" / "initialized" if len(steps) > 1 else None
+        if initialized is not None:
+            initialized.parent.mkdir(parents=True, exist_ok=True)
         log = folder / "log.txt"
         boxed = None
         if self.runtime is not None:

@@ -93,6 +93,29 @@ def test_a_fingerprint_sees_swapped_elements_and_not_the_sharding() -> None:
     assert mismatches({"a": prints["a"]}, {"a": swapped}) == ["a"]
 
 
+def _definition(x: np.ndarray) -> int:
+    """``F`` as the module docstring defines it, in NumPy."""
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.itemsize]
+    words = x.view(unsigned).astype(np.uint64).reshape(-1)
+    weights = (np.arange(words.size, dtype=np.uint64) * 2 + 1) * 2654435761 % 2**32
+    return int((words * weights).sum() % 2**32)
+
+
+@pytest.mark.parametrize("spec", [P("x", "y"), P(None, "z"), P("z", None), P()])
+def test_a_sharded_arrays_fingerprint_is_its_definition_shard_by_shard(spec: P) -> None:
+    """Each distinct shard is summed on its own device with its elements' global
+    weights (no collective: a save's fingerprints never wait in a rendezvous beside a
+    step's collectives), replicated shards counted once."""
+    first, second = _meshes()
+    mesh = second if "z" in str(spec) else first
+    data = (np.arange(12 * 8, dtype=np.float32).reshape(12, 8) * 1.37).astype(np.float32)
+    placed = jax.device_put(jnp.asarray(data), NamedSharding(mesh, spec))
+    assert fingerprints({"a": placed})["a"] == _definition(data)
+    halves = np.arange(48, dtype=np.float32).astype(jnp.bfloat16).reshape(8, 6)
+    assert fingerprints({"b": jax.device_put(jnp.asarray(halves), NamedSharding(first, P("x")))})["b"] == \
+        _definition(halves)
+
+
 # ------------------------------------------------------------------ parts and completeness
 
 
