@@ -660,3 +660,32 @@ def test_liveness_fails_once_the_api_server_is_gone(tmp_path: Path) -> None:
         assert op.proc is not None and op.proc.poll() is None  # alive, but says it is not well
     finally:
         op.stop()
+
+
+def test_an_unschedulable_planner_pod_shows_why_within_seconds(cluster: Cluster, operator: Operator) -> None:
+    """The scheduler's verdict on a pod (``PodScheduled=False``, reason Unschedulable,
+    as a real scheduler writes it; here the test plays the scheduler) reaches the job
+    within seconds: the condition PodsScheduled=False with the scheduler's message, the
+    phase's reason, and a Warning event; not a silent Planning."""
+    emulator_only(cluster.emu, "a real scheduler places the pod on the fake nodes")
+    cluster.create_job("gpt-u")
+    _wait("the planner pod", lambda: "gpt-u-planner" in cluster.pods("gpt-u"), op=operator)
+    why = "0/2 nodes are available: 2 Insufficient cpu. preemption: 0/2 nodes are available"
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    cluster.set_phase("gpt-u-planner", "Pending", conditions=[
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why,
+         "lastTransitionTime": since}])
+    began = time.monotonic()
+
+    def explained() -> dict[str, Any] | None:
+        conditions = (cluster.job("gpt-u").get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "PodsScheduled" and c["status"] == "False"), None)
+
+    condition = _wait("PodsScheduled=False", explained, timeout=30, op=operator)
+    assert time.monotonic() - began < 15  # the 5 s grace, then the next pass
+    assert "Insufficient cpu" in condition["message"] and "spec.podTemplate.planner" in condition["message"]
+    reconciling = _condition(cluster, "gpt-u", "Reconciling")
+    assert reconciling["reason"] == "Unschedulable" and "Insufficient cpu" in reconciling["message"]
+    _wait("the Warning event", lambda: any(
+        e.reason == "Unschedulable" and e.type == "Warning" for e in cluster.core.list_namespaced_event(cluster.ns).items
+        if e.involved_object.name == "gpt-u"), op=operator)

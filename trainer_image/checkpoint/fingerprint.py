@@ -11,8 +11,9 @@ changing one element by ``d != 0`` changes ``F`` by ``d * w_i != 0``: every corr
 of one element is caught, and a corruption of several escapes with probability
 ``2**-32``. Weights that grow with ``i`` also catch swapped elements. ``F`` is computed
 where the array lives, one shard at a time on the shard's own device (each shard's
-elements weighted by their global index, so the sharding does not change ``F``), and
-only the 32-bit partial sums leave the devices.
+elements weighted by their global index, so the sharding does not change ``F``; an
+array spread over several processes in one jitted sum), and only 32-bit sums leave
+the devices.
 
 Example: ``x = [1.0]`` (float32 bits ``0x3F800000``) has ``F = 0x3F800000 * 2654435761
 mod 2**32``.
@@ -76,19 +77,31 @@ def _shard_sums(x: jax.Array) -> list[jax.Array]:
     return out
 
 
-def fingerprints(arrays: Mapping[str, jax.Array]) -> dict[str, int]:
-    """``{name: F(array)}`` for every array (module docstring): the distinct shards'
-    partial sums, each on its own device, added on the host modulo ``2**32`` (summed
-    over the processes of a mesh that spans several, in one exchange)."""
-    names = sorted(arrays)
-    parts = {name: _shard_sums(jnp.asarray(arrays[name])) for name in names}
-    fetched = jax.device_get(parts)
-    sums = np.array([sum(int(v) for v in fetched[name]) % 2**32 for name in names], dtype=np.uint64)
-    if any(not getattr(arrays[name], "is_fully_addressable", True) for name in names):
-        from jax.experimental import multihost_utils
+@jax.jit
+def _whole(x: jax.Array) -> jax.Array:
+    """``F`` of a global array in one jitted sum (an all-reduce across its devices)."""
+    words = _words(x)
+    index = jnp.arange(words.size, dtype=jnp.uint32)
+    weights = (index * jnp.uint32(2) + jnp.uint32(1)) * jnp.uint32(_GOLDEN)
+    return jnp.sum(words * weights, dtype=jnp.uint32)
 
-        sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(-1, len(names)).sum(axis=0) % 2**32
-    return {name: int(value) for name, value in zip(names, sums, strict=True)}
+
+def fingerprints(arrays: Mapping[str, jax.Array]) -> dict[str, int]:
+    """``{name: F(array)}`` for every array (module docstring). An array this process
+    holds whole: its distinct shards' partial sums, each on its own device, added on
+    the host modulo ``2**32``, all dispatched at once. An array spread over several
+    processes (a mesh of several hosts): one jitted sum, whose all-reduce every process
+    of the mesh joins, waited for before the next, so no two collectives are ever in
+    flight at once."""
+    names = sorted(arrays)
+    local = {name: _shard_sums(jnp.asarray(arrays[name])) for name in names
+             if getattr(arrays[name], "is_fully_addressable", True)}
+    fetched = jax.device_get(local)
+    out = {name: sum(int(v) for v in parts) % 2**32 for name, parts in fetched.items()}
+    for name in names:
+        if name not in out:
+            out[name] = int(jax.device_get(_whole(arrays[name])))
+    return {name: out[name] for name in names}
 
 
 def mismatches(expected: Mapping[str, int], arrays: Mapping[str, jax.Array]) -> list[str]:
