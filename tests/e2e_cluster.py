@@ -21,8 +21,13 @@ counted, kmock resources declared) say so and are skipped there.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,24 @@ def open_cluster(root: Path, graceful_pods: bool = False) -> Any:
     from kube_emulator import Emulator
 
     return Emulator(root, graceful_pods=graceful_pods).start()
+
+
+@contextlib.contextmanager
+def operator_process(namespace: str, env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
+    """``alpajob operator`` watching ``namespace`` as a process (its output in ``log``),
+    stopped with SIGTERM at the end (killed if it does not stop in 15 s)."""
+    with open(log, "w") as out:
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "alpajob", "operator", "--namespace", namespace, "--interval", "0.3",
+             "--no-scanning"], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    try:
+        yield operator
+    finally:
+        operator.send_signal(signal.SIGTERM)
+        try:
+            operator.wait(15)
+        except subprocess.TimeoutExpired:
+            operator.kill()
 
 
 def unique_namespace(prefix: str) -> str:

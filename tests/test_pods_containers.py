@@ -18,10 +18,7 @@ skipped elsewhere, saying why.
 from __future__ import annotations
 
 import math
-import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 from containers import Image, Runtime, available, build_image
-from e2e_cluster import unique_namespace
+from e2e_cluster import operator_process, unique_namespace
 from kube_emulator import Emulator
 from kubelet import Kubelet
 from kubernetes import client
@@ -59,18 +56,10 @@ def _world(image: Image, tmp_path: Path, fs_group: bool) -> Iterator[tuple[Emula
     runtime = Runtime(image, Path("/var/tmp/alpajob-images/pods") / tmp_path.name)
     kubelet = Kubelet(emu.api(), ns, tmp_path / "kubelet", env=env, runtime=runtime, fs_group=fs_group).start()
     log = tmp_path / "operator.log"
-    with open(log, "w") as out:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "alpajob", "operator", "--namespace", ns, "--interval", "0.3", "--no-scanning"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
     try:
-        yield emu, kubelet, log, ns
+        with operator_process(ns, env, log):
+            yield emu, kubelet, log, ns
     finally:
-        operator.send_signal(signal.SIGTERM)
-        try:
-            operator.wait(15)
-        except subprocess.TimeoutExpired:
-            operator.kill()
         kubelet.stop()
         emu.stop()
 

@@ -13,10 +13,6 @@ Succeeded, and its status shows the trainer's progress, a real text's loss falli
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_cluster import open_cluster, unique_namespace
+from e2e_cluster import open_cluster, operator_process, unique_namespace
 from kube_emulator import Emulator
 from kubelet import Kubelet
 from kubernetes import client
@@ -52,18 +48,10 @@ def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path, str]]:
     kubelet.env.pop("XLA_FLAGS", None)  # each pod forces its own device count (ALPAJOB_DEVICES)
     kubelet.start()
     log = tmp_path / "operator.log"
-    with open(log, "w") as out:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "alpajob", "operator", "--namespace", ns, "--interval", "0.3", "--no-scanning"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
     try:
-        yield emu, kubelet, log, ns
+        with operator_process(ns, env, log):
+            yield emu, kubelet, log, ns
     finally:
-        operator.send_signal(signal.SIGTERM)
-        try:
-            operator.wait(15)
-        except subprocess.TimeoutExpired:
-            operator.kill()
         kubelet.stop()
         if getattr(emu, "real", False):
             emu.release(ns)

@@ -409,10 +409,6 @@ class CheckpointSpec(Contract):
                              "and spec.checkpoint.volumeClaimTemplate (the operator makes one)")
         return self
 
-    def claim_name(self, job: str) -> str:
-        """The claim the pods mount: ``volume``, or ``<job>-checkpoints``."""
-        return self.volume or f"{job}-{CHECKPOINT_CLAIM_SUFFIX}"
-
 
 #: ``<job>-checkpoints``: the claim made from ``spec.checkpoint.volumeClaimTemplate``.
 CHECKPOINT_CLAIM_SUFFIX = "checkpoints"
