@@ -56,6 +56,15 @@ CASES = {
     "gpt-shard": ("gpt", {"method": "shard"}),
     "moe-shard": ("moe", {"method": "shard"}),
     "wresnet-data": ("wresnet", {"method": "data"}),
+    "gpt-1stage-m4": (  # one executable: four micro-batches under a scan, grouped
+        "gpt",
+        {"method": "manual", "numMicroBatches": 4, "numLayers": 2, "stages": _stages(((0, 2), (1, 8)))},
+    ),
+    "moe-1stage-2d-m2": (  # one executable on a 2x4 mesh, whatever the ILP shards
+        "moe",
+        {"method": "manual", "numMicroBatches": 2, "numLayers": 2,
+         "stages": [{"layers": [0, 2], "submeshShape": [1, 8], "logicalMeshShape": [2, 4]}]},
+    ),
     "gpt-2stage-1f1b-uneven": (
         "gpt",
         {"method": "manual", "numMicroBatches": 4, "schedule": "1f1b",

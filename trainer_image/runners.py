@@ -49,7 +49,13 @@ class SerialRunner:
         self._batch_def = jax.tree.structure(model.batch_shapes(batch_size))
         self.params = jax.device_put(params, device)
         self.opt_state = jax.jit(lambda p: init_optimizer_state(optimizer, p))(self.params)
-        self._step = jax.jit(make_train_step(model.loss, optimizer), donate_argnums=(0, 1))
+        train = make_train_step(model.loss, optimizer)
+
+        def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+            loss, _, new_params, new_state = train(params, opt_state, batch)
+            return loss, new_params, new_state  # the gradients never leave the executable
+
+        self._step = jax.jit(step, donate_argnums=(0, 1))
         self._scaled = jax.jit(make_scaled_train_step(model.loss, optimizer), donate_argnums=(0, 1))
         self._loss = jax.jit(model.loss)
         self.device = device
@@ -58,7 +64,7 @@ class SerialRunner:
     def step(self, batch: list[np.ndarray], timed: bool) -> tuple[float, tuple[StageTimes, ...]]:
         tree = jax.tree.unflatten(self._batch_def, batch)
         if self.scale is None:
-            loss, _, self.params, self.opt_state = self._step(self.params, self.opt_state, tree)
+            loss, self.params, self.opt_state = self._step(self.params, self.opt_state, tree)
             return float(loss), ()
         loss, finite, self.params, self.opt_state = self._scaled(
             self.params, self.opt_state, tree, jnp.float32(self.scale.scale))

@@ -28,6 +28,7 @@ class SpanKind(StrEnum):
     BACKWARD = "backward"
     UPDATE = "update"
     COMMUNICATION = "communication"
+    STEP = "step"  # a whole step in one executable (a one-stage plan: forward, backward, update)
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,9 @@ class Span:
 
     @property
     def label(self) -> str:
-        """``F3`` / ``B3`` (forward / backward of micro-batch 3), ``U``, ``C3``."""
+        """``F3`` / ``B3`` (forward / backward of micro-batch 3), ``U``, ``C3``, ``S`` (a whole step)."""
         letter = {SpanKind.FORWARD: "F", SpanKind.BACKWARD: "B", SpanKind.UPDATE: "U",
-                  SpanKind.COMMUNICATION: "C"}[self.kind]
+                  SpanKind.COMMUNICATION: "C", SpanKind.STEP: "S"}[self.kind]
         return letter if self.micro_batch is None else f"{letter}{self.micro_batch}"
 
 

@@ -40,6 +40,7 @@ import dataclasses
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -84,6 +85,7 @@ from alpajob.trainer_image.runtime.executor import (
     run_stage_program,
     split_micro_batches,
 )
+from alpajob.trainer_image.runtime.fused import FusedStep, fused_step, stack_micro_batches
 from alpajob.trainer_image.runtime.messages import layout_key, stage_messages
 from alpajob.trainer_image.runtime.split import SplitProgram
 from alpajob.trainer_image.step import training_optimizer
@@ -200,6 +202,7 @@ class MeshHost:
         self.peers: list[list[Any]] = []
         self.layouts: list[dict] = []
         self.writer: PartWriter | None = None
+        self._fused: dict[bool, FusedStep] = {}  # a one-stage plan's step, unscaled and scaled
 
     def coordinator(self) -> str:
         """An address for this mesh's JAX coordinator (called on host 0 only; with the
@@ -298,6 +301,8 @@ class MeshHost:
         (float16) if given; its times, losses (from host 0 only: every host of the mesh
         holds the same) and whether the update was applied."""
         batch = self.feed.batch_at(step)
+        if len(self.plan.stages) == 1:
+            return self._fused_step(batch, scale)
         micro = split_micro_batches(batch, self.plan.num_micro_batches)
         link: RayLink | CollectiveLink
         if self.mover is not None:
@@ -323,6 +328,26 @@ class MeshHost:
             "sent_bytes": sent,
             "applied": applied,
         }
+
+    def _fused_step(self, batch: Sequence[np.ndarray], scale: float | None) -> dict[str, Any]:
+        """A one-stage plan's step as one executable (:mod:`~.runtime.fused`), every
+        host of the mesh calling it together; :meth:`step`'s reply, the stage computing
+        for the whole step."""
+        stage, scaled = self.stage, scale is not None
+        if scaled not in self._fused:
+            self._fused[scaled] = fused_step(stage, self.plan.num_micro_batches, scaled)
+        begin = time.perf_counter()
+        leaves = stack_micro_batches(self.split, stage, batch, self.plan.num_micro_batches)
+        seed = self._loss_seed * scale if scale is not None else self._loss_seed
+        stage.params, stage.opt_state, losses, finite = self._fused[scaled](
+            stage.params, stage.opt_state, leaves, seed, np.float32(1.0 / scale if scale is not None else 1.0))
+        stage.next_accumulators = None
+        own = [float(x) for x in np.asarray(losses.addressable_data(0))]
+        applied = bool(np.asarray(finite.addressable_data(0)))
+        seconds = time.perf_counter() - begin
+        times = StageTimes(seconds, 0.0, 0.0, (), (), 0.0, (Span(0, SpanKind.STEP, None, 0.0, seconds),))
+        return {"times": dataclasses.asdict(times), "losses": own if self.host == 0 else [],
+                "sent_bytes": 0, "applied": applied}
 
     def evaluate(self, index: int) -> float | None:
         """This stage's part of the evaluation of eval batch ``index`` (every stage of

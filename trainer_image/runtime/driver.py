@@ -80,6 +80,7 @@ from alpajob.trainer_image.runtime.executor import (
     loss_seed,
     split_micro_batches,
 )
+from alpajob.trainer_image.runtime.fused import FusedStep, fused_step, stack_micro_batches
 from alpajob.trainer_image.runtime.meshes import place_all
 from alpajob.trainer_image.runtime.messages import (
     Key,
@@ -489,11 +490,16 @@ class PipelineExecutor:
         self.schedule = schedule
         self.num_micro_batches = num_micro_batches
         self._loss_seed = loss_seed(num_micro_batches, self.stages[-1].mesh)
+        self._fused: dict[bool, FusedStep] = {}  # a one-stage plan's step, unscaled and scaled
 
     def step(self, batch: Sequence[np.ndarray], timed: bool = True, scale: float | None = None) -> StepResult:
         """One training step on the host ``batch`` (flattened leaves, global batch);
         per-stage times only if ``timed`` (module docstring: timing costs a step);
-        ``scale``: the loss scale of a float16 run (:func:`drive_step`)."""
+        ``scale``: the loss scale of a float16 run (:func:`drive_step`). A plan of one
+        stage runs its step as one executable (:mod:`.fused`) unless the executor
+        waits for every instruction (``wait``: exact per-instruction times)."""
+        if len(self.stages) == 1 and not self.wait:
+            return self._fused_step(batch, timed, scale)
         micro = split_micro_batches(batch, self.num_micro_batches)
         begin = time.perf_counter()
         losses, stamps, applied = drive_step(self.split, self.stages, self.schedule, micro,
@@ -501,6 +507,28 @@ class PipelineExecutor:
         end = time.perf_counter()
         loss = float(np.mean([float(x) for x in losses]))
         return StepResult(loss, end - begin, stage_times(stamps, begin, end) if timed else (), applied)
+
+    def _fused_step(self, batch: Sequence[np.ndarray], timed: bool, scale: float | None) -> StepResult:
+        """A one-stage plan's step as one executable (:mod:`.fused`); timed, the stage
+        computes for the whole step (one span: the step has no instructions to tell
+        apart)."""
+        stage = self.stages[0]
+        scaled = scale is not None
+        if scaled not in self._fused:
+            self._fused[scaled] = fused_step(stage, self.num_micro_batches, scaled)
+        begin = time.perf_counter()
+        leaves = stack_micro_batches(self.split, stage, batch, self.num_micro_batches)
+        seed = self._loss_seed * scale if scale is not None else self._loss_seed
+        inv_scale = np.float32(1.0 / scale if scale is not None else 1.0)
+        stage.params, stage.opt_state, losses, finite = self._fused[scaled](
+            stage.params, stage.opt_state, leaves, seed, inv_scale)
+        stage.next_accumulators = None
+        loss = float(np.mean(np.asarray(losses)))
+        applied = bool(finite)
+        end = time.perf_counter()
+        seconds = end - begin
+        times = (StageTimes(seconds, 0.0, 0.0, (), (), 0.0, (Span(0, SpanKind.STEP, None, 0.0, seconds),)),)
+        return StepResult(loss, seconds, times if timed else (), applied)
 
     def evaluate(self, batch: Sequence[np.ndarray]) -> float:
         """The loss of the host ``batch`` (flattened leaves, global batch), forward only."""
