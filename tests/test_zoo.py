@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from alpajob.api.errors import ManifestError
@@ -199,3 +201,44 @@ def test_the_zoos_lean_derivatives_equal_the_formulas(name):
     grad_lean = jax.grad(lambda v: jnp.sum(lean(v) * weights))(x)
     grad_plain = jax.grad(lambda v: jnp.sum(plain(v) * weights))(x)
     np.testing.assert_allclose(grad_lean, grad_plain, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt", "moe"])
+def test_per_part_init_equals_one_compiled_init_and_compiles_each_kind_of_layer_once(family):
+    model = resolve_model(family, {"layers": 4})
+    key = jax.random.key(3)
+    per_part = model.init(key)
+    whole = jax.jit(model.init)(key)  # every part traced into one program
+    for a, b in zip(jax.tree.leaves(per_part), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    compiled = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if "Finished XLA compilation of jit(" in record.getMessage():
+                compiled.append(record.getMessage().split("jit(")[1].split(")")[0])
+
+    handler = Count()
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles():
+            resolve_model(family, {"layers": 4}).init(jax.random.key(4))
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    kinds = {"gpt": 1, "moe": 2}[family]
+    assert compiled.count("block_init" if family == "gpt" else "one") == kinds, compiled
+
+
+def test_fused_attention_equals_the_written_out_one_values_and_gradients():
+    from alpajob.trainer_image.zoo.gpt import attention_core
+
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8)) for i in range(3))
+
+    def total(fused):
+        return lambda q, k, v: (attention_core(q, k, v, fused=fused) ** 2).sum()
+
+    np.testing.assert_allclose(attention_core(q, k, v, fused=True), attention_core(q, k, v, fused=False),
+                               rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.grad(total(True), (0, 1, 2))(q, k, v), jax.grad(total(False), (0, 1, 2))(q, k, v),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -48,7 +48,9 @@ class SerialRunner:
                  scale: LossScale | None) -> None:
         self._batch_def = jax.tree.structure(model.batch_shapes(batch_size))
         self.params = jax.device_put(params, device)
-        self.opt_state = jax.jit(lambda p: init_optimizer_state(optimizer, p))(self.params)
+        # committed to the device like the parameters: a step's inputs then have the
+        # shardings of its outputs, and the second step does not compile again
+        self.opt_state = jax.device_put(jax.jit(lambda p: init_optimizer_state(optimizer, p))(self.params), device)
         train = make_train_step(model.loss, optimizer)
 
         def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:

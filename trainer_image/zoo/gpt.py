@@ -32,6 +32,7 @@ from alpajob.trainer_image.zoo.model import (
     layer_norm,
     norm_init,
     normal,
+    per_part_init,
     softmax_as,
     softmax_cross_entropy,
 )
@@ -86,21 +87,40 @@ def attention_init(key: jax.Array, hidden: int, dtype: str) -> Params:
     return {name: dense_init(k, hidden, hidden, dtype) for name, k in zip("qkvo", keys, strict=True)}
 
 
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, fused: bool | None = None) -> jax.Array:
+    """Causal scaled dot-product attention of ``[batch, seq, heads, head_dim]`` queries,
+    keys and values.
+
+    ``fused`` (default: on a GPU) calls ``jax.nn.dot_product_attention`` with the mask
+    as its own ``is_causal`` argument, which JAX runs as cuDNN's fused attention where
+    the GPU supports it (nothing of size ``seq^2`` kept for the backward) and as XLA's
+    attention otherwise. Elsewhere the scores are written out: softmax in float32,
+    kept for the backward in the compute type only (:func:`~.model.softmax_as`), the
+    causal mask an additive bias the backward does not read; on CPU this keeps a third
+    of what XLA's attention keeps, and the planner, which traces on CPU, prices it.
+    Both compute the same function (a test holds them to it).
+    """
+    if fused is None:
+        fused = jax.default_backend() == "gpu"
+    if fused:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    s, head_dim = q.shape[1], q.shape[-1]
+    scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * head_dim**-0.5
+    row = lax.broadcasted_iota(jnp.int32, (s, s), 0)
+    col = lax.broadcasted_iota(jnp.int32, (s, s), 1)
+    causal = jnp.where(col <= row, 0.0, jnp.finfo(jnp.float32).min)  # [s, s], added
+    probs = softmax_as(scores + causal, q.dtype)
+    return jnp.einsum("bnqk,bknd->bqnd", probs, v)
+
+
 def causal_attention(params: Params, x: jax.Array, heads: int) -> jax.Array:
-    """Multi-head self-attention with a causal mask; softmax in float32, kept for the
-    backward in the compute type (:func:`~.model.softmax_as`)."""
+    """Multi-head self-attention with a causal mask (:func:`attention_core`)."""
     b, s, h = x.shape
     head_dim = h // heads
     q = dense(params["q"], x).reshape(b, s, heads, head_dim)
     k = dense(params["k"], x).reshape(b, s, heads, head_dim)
     v = dense(params["v"], x).reshape(b, s, heads, head_dim)
-    scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * head_dim**-0.5
-    row = lax.broadcasted_iota(jnp.int32, (s, s), 0)
-    col = lax.broadcasted_iota(jnp.int32, (s, s), 1)
-    causal = jnp.where(col <= row, 0.0, jnp.finfo(jnp.float32).min)  # [s, s], added
-    probs = softmax_as(scores + causal, x.dtype)
-    out = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, h)
-    return dense(params["o"], out)
+    return dense(params["o"], attention_core(q, k, v).reshape(b, s, h))
 
 
 def mlp_init(key: jax.Array, hidden: int, ffn: int, dtype: str) -> Params:
@@ -136,24 +156,18 @@ def build(name: str, config: dict[str, Any], dtype: str) -> ModelDef:
     hidden, layers, heads = config["hidden"], config["layers"], config["heads"]
     seq_len, vocab = config["seqLen"], config["vocab"]
 
-    def init(key: jax.Array) -> Params:
-        k_embed, *k_layers = jax.random.split(key, layers + 1)
-        blocks = []
-        for k in k_layers:
-            k_attn, k_mlp = jax.random.split(k)
-            blocks.append(
-                {
-                    "ln1": norm_init(hidden, dtype),
-                    "attn": attention_init(k_attn, hidden, dtype),
-                    "ln2": norm_init(hidden, dtype),
-                    "mlp": mlp_init(k_mlp, hidden, MLP_FACTOR * hidden, dtype),
-                }
-            )
+    def block_init(k: jax.Array) -> Params:
+        k_attn, k_mlp = jax.random.split(k)
         return {
-            "embed": embed_init(k_embed, vocab, seq_len, hidden, dtype),
-            "layers": blocks,
-            "final_ln": norm_init(hidden, dtype),
+            "ln1": norm_init(hidden, dtype),
+            "attn": attention_init(k_attn, hidden, dtype),
+            "ln2": norm_init(hidden, dtype),
+            "mlp": mlp_init(k_mlp, hidden, MLP_FACTOR * hidden, dtype),
         }
+
+    init = per_part_init(
+        lambda k: embed_init(k, vocab, seq_len, hidden, dtype), [block_init] * layers,
+        lambda: norm_init(hidden, dtype))
 
     def loss(params: Params, batch: Batch) -> jax.Array:
         with jax.named_scope("embed"):
@@ -165,4 +179,4 @@ def build(name: str, config: dict[str, Any], dtype: str) -> ModelDef:
         with jax.named_scope("head"):
             return lm_head_loss(params, x, batch["labels"])
 
-    return ModelDef(name, "gpt", jax.jit(init), loss, token_batch_shapes(seq_len), dtype, dict(config))
+    return ModelDef(name, "gpt", init, loss, token_batch_shapes(seq_len), dtype, dict(config))

@@ -25,6 +25,7 @@ With half the layers MoE, the parameters are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,6 +41,7 @@ from alpajob.trainer_image.zoo.model import (
     layer_norm,
     norm_init,
     normal,
+    per_part_init,
 )
 
 _COMMON = {
@@ -170,26 +172,26 @@ def build(name: str, config: dict[str, Any], dtype: str) -> ModelDef:
     def is_moe(i: int) -> bool:
         return i % 2 == 1
 
-    def init(key: jax.Array) -> Params:
-        k_embed, *k_layers = jax.random.split(key, layers + 1)
-        blocks = []
-        for i, k in enumerate(k_layers):
+    def block_init(moe: bool) -> Callable[[jax.Array], Params]:
+        def one(k: jax.Array) -> Params:
             k_attn, k_mlp = jax.random.split(k)
             block = {
                 "ln1": norm_init(hidden, dtype),
                 "attn": gpt.attention_init(k_attn, hidden, dtype),
                 "ln2": norm_init(hidden, dtype),
             }
-            if is_moe(i):
+            if moe:
                 block["moe"] = moe_init(k_mlp, hidden, ffn, experts, dtype)
             else:
                 block["mlp"] = gpt.mlp_init(k_mlp, hidden, ffn, dtype)
-            blocks.append(block)
-        return {
-            "embed": gpt.embed_init(k_embed, vocab, seq_len, hidden, dtype),
-            "layers": blocks,
-            "final_ln": norm_init(hidden, dtype),
-        }
+            return block
+
+        return one
+
+    kinds = {moe: block_init(moe) for moe in (False, True)}
+    init = per_part_init(
+        lambda k: gpt.embed_init(k, vocab, seq_len, hidden, dtype), [kinds[is_moe(i)] for i in range(layers)],
+        lambda: norm_init(hidden, dtype))
 
     def loss(params: Params, batch: Batch) -> jax.Array:
         with jax.named_scope("embed"):
@@ -209,4 +211,4 @@ def build(name: str, config: dict[str, Any], dtype: str) -> ModelDef:
             lm_loss = gpt.lm_head_loss(params, x, batch["labels"])
             return lm_loss + AUX_LOSS_WEIGHT * aux_total
 
-    return ModelDef(name, "moe", jax.jit(init), loss, gpt.token_batch_shapes(seq_len), dtype, dict(config))
+    return ModelDef(name, "moe", init, loss, gpt.token_batch_shapes(seq_len), dtype, dict(config))
