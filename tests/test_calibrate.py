@@ -62,6 +62,7 @@ def test_file_round_trip_and_shared_host_split(tmp_path):
         measured.calibration["kernel_overhead_seconds"])
 
 
+@pytest.mark.slow
 def test_plan_uses_the_measured_constants(gpt_graph, tmp_path):
     """The stored constants written as a measurement give the very same plan; a
     machine twice as fast in every rate gives a step predicted faster."""
@@ -115,6 +116,7 @@ def test_calibrate_usage_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_calibrate_measures_this_machine_and_plans_with_it(tmp_path, capsys):
     """The micro-benchmarks run on the 8 forced CPU devices and the file they write
     is planned with: a real measurement, stored with the machine it came from."""

@@ -111,7 +111,7 @@ THREE_MESHES_ONE_WIDE = [{"layers": [0, 1], "submeshShape": [1, 2]},
 @pytest.mark.parametrize("transport", list(Transport))
 @pytest.mark.parametrize(
     ("stages", "layers", "nodes"),
-    [(TWO_MESHES, None, 1), (THREE_MESHES_ONE_WIDE, 4, 4)],
+    [(TWO_MESHES, None, 1), pytest.param(THREE_MESHES_ONE_WIDE, 4, 4, marks=pytest.mark.slow)],
     ids=["2-meshes", "3-meshes-one-on-2-hosts"],
 )
 def test_ray_pipeline_equals_single_device(cluster: LoopbackCluster, tmp_path: Path, stages, layers, nodes,
@@ -127,6 +127,22 @@ def test_ray_pipeline_equals_single_device(cluster: LoopbackCluster, tmp_path: P
     assert all(b > 0 for b in result.sent_bytes)  # activations really crossed meshes
 
 
+def test_a_one_stage_plan_runs_its_step_as_one_executable(cluster: LoopbackCluster, tmp_path: Path) -> None:
+    """One stage on mesh 0's two devices, four micro-batches: the mesh host runs each
+    step as one executable (the stage computes for the whole step, nothing is sent)
+    and trains exactly as one device does."""
+    doc = _manifest([{"layers": [0, 2], "submeshShape": [1, 2]}], layers=2)
+    plan, serial = _plan_and_serial(doc, tmp_path)
+    assert len(plan.stages) == 1
+    result = drive(yaml.safe_dump(doc), plan,
+                   DriverOptions(address=cluster.address, steps=STEPS, join_timeout=60, step_timeout=180))
+    _assert_equal(result, serial)
+    assert result.sent_bytes == [0] * STEPS
+    for [times] in result.stage_times:
+        assert not times["forward"] and not times["backward"] and times["compute"] > 0
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_one_plan_resumes_under_another(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Three meshes, the middle one on two hosts (its own JAX process group), save 2
     steps: each mesh writes its own part (mesh 1's two hosts together, through orbax's
@@ -151,7 +167,8 @@ def test_a_checkpoint_of_one_plan_resumes_under_another(cluster: LoopbackCluster
     assert complete_steps(ckpt) == [2, 4]
 
 
-@pytest.mark.parametrize("transport", list(Transport))
+@pytest.mark.parametrize("transport", [Transport.OBJECT_STORE,
+                                       pytest.param(Transport.COLLECTIVE, marks=pytest.mark.slow)])
 def test_the_ray_runtime_trains_and_evaluates_on_real_text(cluster: LoopbackCluster, tmp_path: Path,
                                                            transport: Transport) -> None:
     """Real text (the interpreter's standard library, files a-s; t-z held out: the
@@ -174,6 +191,7 @@ def test_the_ray_runtime_trains_and_evaluates_on_real_text(cluster: LoopbackClus
     assert json.loads((tmp_path / "status.json").read_text())["evalLoss"] == pytest.approx(result.evals[-1][1])
 
 
+@pytest.mark.slow
 def test_float16_with_dynamic_loss_scaling_trains_like_alpajob_run(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """float16 compute over two meshes: the stages exchange their overflow verdicts
     each step and apply (or skip) the update together; losses, skipped steps and
@@ -228,6 +246,7 @@ def _sample(text: str, series: str) -> float:
     return float(line.split()[-1])
 
 
+@pytest.mark.slow
 def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Mesh 1's worker (its node) is killed after step 3, checkpoints every 2 steps: the
     driver restarts every mesh once the worker is back (as its pod would be), resumes
@@ -273,6 +292,7 @@ def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster:
     assert status["samplesPerSecond"] > 0
 
 
+@pytest.mark.slow
 def test_collective_transport_restarts_after_a_killed_mesh_worker(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """The object store's recovery test with ``transport="collective"``, which cannot
     checkpoint yet (``check_checkpoints``), so the restart starts from step 0: mesh 1's
@@ -315,6 +335,7 @@ def _actor_pids(cluster: LoopbackCluster, mesh: int, host: int) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_a_hung_mesh_host_is_restarted_from_the_last_checkpoint(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Mesh 1's actor is frozen (SIGSTOP) after step 2: step 3 gets no answer within the
     step timeout, the driver stops every mesh (killing the frozen actor) and resumes

@@ -97,6 +97,7 @@ def _manifest() -> Any:
     })
 
 
+@pytest.mark.slow
 def test_exact_stage_times_train_the_same_numbers_and_account_for_the_step():
     manifest = _manifest()
     options = {"steps": 3, "planning": PlanOptions(ilp_time_limit=5.0)}

@@ -101,6 +101,7 @@ def test_data_parallel_does_not_gather_the_logits(gpt_graph):
     assert checked > 50
 
 
+@pytest.mark.slow
 def test_baseline_in_the_plan_document(moe_graph, gpt_graph):
     cluster = cluster_from_preset("cpu", 2, 4)
     moe = make_plan(moe_graph, cluster, SearchOptions(baselines=True)).plan

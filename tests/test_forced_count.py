@@ -56,6 +56,7 @@ def test_the_candidates_are_the_offered_count_and_one_per_core() -> None:
     assert candidates(8, 1) == [1, 8]
 
 
+@pytest.mark.slow
 def test_the_count_whose_plan_is_fastest_is_made() -> None:
     job = load(README_JOB)
     on_two_cores = choose_forced_count(job, TrainOptions(), cores=2)
@@ -74,6 +75,7 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, cwd=cwd, env={**env, "PYTHONPATH": str(cwd)}, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(host_cores() >= 8, reason="one device per core is the 8 offered: no choice")
 def test_alpajob_run_makes_the_chosen_count(tmp_path: Path) -> None:
     job = str(ROOT / "manifests" / "examples" / "local-gpt.yaml")

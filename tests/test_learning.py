@@ -41,7 +41,7 @@ def serial() -> Any:
     return run(text_job("auto"), TrainOptions(serial=True))
 
 
-@pytest.mark.parametrize("method", ["serial", "auto", "pipeshard"])
+@pytest.mark.parametrize("method", ["serial", "auto", pytest.param("pipeshard", marks=pytest.mark.slow)])
 def test_the_eval_loss_falls_well_below_chance_on_real_text(method: str, serial: Any) -> None:
     result = serial if method == "serial" else run(text_job(method), TrainOptions(
         planning=PlanOptions(ilp_time_limit=5.0)))
@@ -92,6 +92,7 @@ def test_weight_decay_spares_vectors_and_clipping_bounds_the_update() -> None:
     assert float(jnp.sqrt(sum(jnp.sum(u**2) for u in updates.values()))) == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reads_the_batches_the_interrupted_one_would_have(tmp_path: Path) -> None:
     job = text_job("data")
     fast = PlanOptions(ilp_time_limit=5.0)

@@ -315,6 +315,7 @@ def test_suspend_and_resume(cluster: Cluster, operator: Operator, tmp_path: Path
     assert cluster.job("gpt-c")["status"]["restarts"] == 0  # a resume is not a failure
 
 
+@pytest.mark.slow
 def test_deleting_the_job_stops_the_operator_acting_on_it(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
     uid = cluster.create_job("gpt-d")["metadata"]["uid"]
     cluster.run_planner("gpt-d", tmp_path)
@@ -472,6 +473,7 @@ def _serving(url: str, body: dict[str, Any]) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_fit_the_pool_fails_with_the_planners_message(
         cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
     cluster.create_job("gpt-f", model={"zoo": "gpt", "config": "1.3b"},

@@ -173,7 +173,7 @@ def test_svg_flag_refuses_a_missing_folder(tmp_path, capsys):
     assert "--svg" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("exact", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_run_trace_has_the_measured_step_beside_the_prediction(tmp_path, exact):
     """``alpajob run --trace`` of manual-gpt.yaml (2 stages, 4 micro-batches), 2 steps:
     the last step is timed even though --stage-times-every is 10; the trace has the

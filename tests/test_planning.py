@@ -74,7 +74,7 @@ def test_plan_is_at_least_as_fast_as_every_baseline(auto_result):
             assert plan.predicted_step_seconds <= seconds * (1 + 1e-9), name
 
 
-@pytest.mark.parametrize("batch", [8, 32])
+@pytest.mark.parametrize("batch", [8, pytest.param(32, marks=pytest.mark.slow)])
 def test_comparing_with_baselines_never_changes_the_plan(gpt_graph, cpu8, batch):
     """The plan is the search's own: costing the baselines only reports them (at
     batch 8 the search once found 2 micro-batches at 45.4 ms while the equal-layer
@@ -383,7 +383,7 @@ def test_a_pipeline_at_the_largest_count_is_found_past_a_local_optimum():
     assert searched == [1, 4, 16, 64, 1024, 512]
 
 
-@pytest.mark.parametrize("memory_fraction", [0.9, 3e-4])
+@pytest.mark.parametrize("memory_fraction", [0.9, pytest.param(3e-4, marks=pytest.mark.slow)])
 def test_search_split_among_processes_equals_one_process(
     gpt_graph, cpu8, monkeypatch, memory_fraction
 ):

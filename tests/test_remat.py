@@ -67,7 +67,7 @@ CASES = {
     "wresnet-shard": ("wresnet", "tiny", {"method": "shard", "numLayers": 4}, 2),
 }
 #: The cases, Wide-ResNet's (about 20 s each here) with the slow ones (`.ci/run` runs them).
-PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c.startswith("wresnet") else c
+PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c.startswith("wresnet") or c == "moe-shard" else c
           for c in sorted(CASES)]
 
 

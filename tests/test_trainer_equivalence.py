@@ -102,7 +102,12 @@ def _serial(model: str, optimizer: str) -> Any:
     return _serial_cache[key]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+#: Cases the default suite leaves to ``-m slow`` (the longest; their kinds are covered).
+SLOW_CASES = {"wresnet-2stage-1f1b"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
+                                  for c in sorted(CASES)])
 def test_parallel_equals_serial(case: str) -> None:
     model, parallelism = CASES[case]
     parallel = _train(_manifest(model, parallelism))

@@ -335,6 +335,7 @@ def test_custom_entrypoint_example_trains_as_a_pipeline(tmp_path: Path) -> None:
     assert len(doc["losses"]) == 3 and len(doc["stages"]) > 1 and doc["stage_time_steps"] == [3]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path: Path) -> None:
     """SIGTERM (how Kubernetes stops a pod) mid-run: the step in progress finishes, its
     checkpoint is saved and waited for, the run exits 143 saying so, and ``--resume``
