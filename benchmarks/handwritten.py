@@ -14,12 +14,14 @@ the trainer's serial path), data parallel over 8, and the ILP's choice on the 1x
 and 2x4 logical meshes (tensor, data or 2-D parallel: the table says how many
 parameters it sharded).
 
-    python benchmarks/handwritten.py [--models gpt,moe] [--steps 12] [--warmup 4] [--repeat 3]
+    python benchmarks/handwritten.py [--models gpt,moe] [--steps 10] [--warmup 4] [--repeat 3]
         [--batch 32] [--cases "1 device,data parallel"]
 
-Step times are medians of the steps after ``--warmup``, then the median over
-``--repeat`` interleaved rounds; ``ratio`` is hand-written time / AlpaJob time
-(above 1: AlpaJob is faster).
+The two steps of a case alternate, one hand-written step then one AlpaJob step, so
+the machine's drift (two cores shared by eight forced devices drift by 5-10% over
+seconds) hits both alike; cases take turns over ``--repeat`` rounds. Times are the
+medians over every pair after the warm-up; ``ratio`` is the median of the pairs'
+hand-written time / AlpaJob time (above 1: AlpaJob is faster), with its quartiles.
 """
 
 from __future__ import annotations
@@ -59,14 +61,14 @@ CASES = {
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="gpt,moe")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10, help="step pairs per case per round")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
     args = parser.parse_args()
-    if args.steps <= args.warmup:
-        parser.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup})")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2")
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
 
     import jax
@@ -83,14 +85,22 @@ def main() -> None:
     from alpajob.trainer_image.step import init_optimizer_state, make_train_step, named_optimizer
     from alpajob.trainer_image.zoo.model import synthetic_batch
 
-    def timed(step: object, batches: list) -> float:
-        """Median seconds of a step after the warm-up (each step reads its loss back)."""
-        times = []
+    def paired(hand: object, ours: object, batches: list, warm: bool) -> list[tuple[float, float]]:
+        """Seconds of ``args.steps`` steps of each, alternating step by step (a drift of
+        the machine's speed hits both alike); ``warm``: after ``args.warmup`` of each."""
+        if not warm:
+            for i in range(args.warmup):
+                hand(batches[i % len(batches)])  # type: ignore[operator]
+                ours(batches[i % len(batches)])  # type: ignore[operator]
+        out = []
         for i in range(args.steps):
-            start = time.perf_counter()
-            step(batches[i % len(batches)])  # type: ignore[operator]
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[args.warmup:])
+            times = []
+            for step in (hand, ours):
+                start = time.perf_counter()
+                step(batches[i % len(batches)])  # type: ignore[operator]
+                times.append(time.perf_counter() - start)
+            out.append((times[0], times[1]))
+        return out
 
     def handwritten(model: object, plan: object, executor: object) -> object:
         """The plain-JAX step with the plan's shardings on the plan's mesh."""
@@ -136,8 +146,10 @@ def main() -> None:
         return run
 
     print(f"8 forced CPU devices on {os.cpu_count()} cores; global batch {args.batch}; Adam, float32; "
-          f"{args.steps} steps, median after {args.warmup}; median of {args.repeat} interleaved rounds")
-    print("| model | case | plan: micro-batches, sharded params | hand-written ms | AlpaJob ms | ratio |")
+          f"{args.repeat} rounds of {args.steps} step pairs (hand-written, AlpaJob) after {args.warmup} "
+          f"warm-up steps each")
+    print("| model | case | plan: micro-batches, sharded params | hand-written ms | AlpaJob ms "
+          "| ratio (quartiles) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         config = CONFIGS[name]
@@ -163,14 +175,17 @@ def main() -> None:
         batches = [[np.asarray(x) for x in jax.tree.leaves(synthetic_batch(model, args.batch, seed=s))]
                    for s in range(4)]
         samples: dict[str, list[tuple[float, float]]] = {case: [] for case in runs}
-        for _ in range(args.repeat):
+        for round_ in range(args.repeat):
             for case, (hand, ours_step, _) in runs.items():
-                samples[case].append((timed(hand, batches), timed(ours_step, batches)))
+                samples[case] += paired(hand, ours_step, batches, warm=round_ > 0)
         for case, (_, _, described) in runs.items():
             hand_s = statistics.median(x[0] for x in samples[case])
             ours_s = statistics.median(x[1] for x in samples[case])
+            ratios = sorted(x[0] / x[1] for x in samples[case])
+            quartiles = statistics.quantiles(ratios, n=4)
             print(f"| {name} {json.dumps(config)} | {case} | {described} | {hand_s * 1e3:.1f} | "
-                  f"{ours_s * 1e3:.1f} | {hand_s / ours_s:.2f}x |", flush=True)
+                  f"{ours_s * 1e3:.1f} | {statistics.median(ratios):.2f}x "
+                  f"({quartiles[0]:.2f}-{quartiles[2]:.2f}) |", flush=True)
 
 
 if __name__ == "__main__":

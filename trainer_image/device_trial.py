@@ -5,10 +5,9 @@ cores shared out: a plan over 8 of them does the same work as one device, plus i
 collectives, moves and per-device overheads, and gains only where one device alone
 would leave cores idle. The planner weighs that (it costs the plan on all the devices
 and on one, by the host share one device reaches alone: ``lone_device_share``, which
-``alpajob calibrate`` measures), but the two are often within its error, and one
-device runs the step faster as one fused program (the serial step) than as a
-one-stage plan (measured on 2 cores: GPT-tiny 18.5 against 23.7 ms; the README's
-byte-level GPT runs 17% faster on its 8-device plan than serial). So ``alpajob run``
+``alpajob calibrate`` measures), but the two are often within its error (a one-stage plan
+and the serial step are each one program now, :mod:`.runtime.fused`; the README's
+byte-level GPT ran 17% faster on its 8-device plan than serial). So ``alpajob run``
 checks by measuring: for an ``auto`` job on a shared host of more than one device,
 without a plan file, it times a few steps of the plan and of the serial step on the
 same batch (after a warm-up: a pipeline's first steps run slower), from the same
