@@ -167,8 +167,8 @@ def test_a_checkpoint_of_one_plan_resumes_under_another(cluster: LoopbackCluster
     assert complete_steps(ckpt) == [2, 4]
 
 
-@pytest.mark.parametrize("transport", [Transport.OBJECT_STORE,
-                                       pytest.param(Transport.COLLECTIVE, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", list(Transport))
 def test_the_ray_runtime_trains_and_evaluates_on_real_text(cluster: LoopbackCluster, tmp_path: Path,
                                                            transport: Transport) -> None:
     """Real text (the interpreter's standard library, files a-s; t-z held out: the

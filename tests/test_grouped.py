@@ -116,6 +116,7 @@ def test_a_convolution_reading_a_parameter_is_not_grouped() -> None:
 
 
 
+@pytest.mark.slow
 def test_a_grouped_pipeline_trains_like_one_device_and_reduces_gradients_once_per_step() -> None:
     """A 2-stage GPT plan with 4 micro-batches: both stages are grouped (their
     parameters are replicated; the tied embedding is shared between them), training

@@ -41,7 +41,8 @@ def serial() -> Any:
     return run(text_job("auto"), TrainOptions(serial=True))
 
 
-@pytest.mark.parametrize("method", ["serial", "auto", pytest.param("pipeshard", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", [pytest.param("serial", marks=pytest.mark.slow), "auto",
+                                    pytest.param("pipeshard", marks=pytest.mark.slow)])
 def test_the_eval_loss_falls_well_below_chance_on_real_text(method: str, serial: Any) -> None:
     result = serial if method == "serial" else run(text_job(method), TrainOptions(
         planning=PlanOptions(ilp_time_limit=5.0)))

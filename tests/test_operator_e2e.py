@@ -346,6 +346,7 @@ def test_deleting_the_job_stops_the_operator_acting_on_it(cluster: Cluster, oper
     assert cluster.emu.requests("PATCH", "/alpajobs/gpt-d") == patches
 
 
+@pytest.mark.slow
 def test_an_operator_killed_mid_way_creates_no_duplicates(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
     emulator_only(cluster.emu, "every pod creation it was asked")
     cluster.create_job("gpt-e")

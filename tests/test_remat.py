@@ -244,6 +244,7 @@ def parts_plan() -> Any:
     return job, plan
 
 
+@pytest.mark.slow
 def test_a_stage_rematerialised_by_parts_trains_as_serial(parts_plan: Any, tmp_path: Path) -> None:
     job, plan = parts_plan
     stage = plan.stages[0]

@@ -103,7 +103,7 @@ def _serial(model: str, optimizer: str) -> Any:
 
 
 #: Cases the default suite leaves to ``-m slow`` (the longest; their kinds are covered).
-SLOW_CASES = {"wresnet-2stage-1f1b"}
+SLOW_CASES = {"wresnet-2stage-1f1b", "wresnet-data"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
