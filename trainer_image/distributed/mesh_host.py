@@ -85,7 +85,7 @@ from alpajob.trainer_image.runtime.executor import (
     run_stage_program,
     split_micro_batches,
 )
-from alpajob.trainer_image.runtime.fused import FusedStep, fused_step, stack_micro_batches
+from alpajob.trainer_image.runtime.fused import FusedRunner
 from alpajob.trainer_image.runtime.messages import layout_key, stage_messages
 from alpajob.trainer_image.runtime.split import SplitProgram
 from alpajob.trainer_image.step import training_optimizer
@@ -202,7 +202,7 @@ class MeshHost:
         self.peers: list[list[Any]] = []
         self.layouts: list[dict] = []
         self.writer: PartWriter | None = None
-        self._fused: dict[bool, FusedStep] = {}  # a one-stage plan's step, unscaled and scaled
+        self._fused: FusedRunner | None = None  # a one-stage plan's steps (setup)
 
     def coordinator(self) -> str:
         """An address for this mesh's JAX coordinator (called on host 0 only; with the
@@ -244,6 +244,8 @@ class MeshHost:
         self.stage = place_stage(self.plan, self.split, names, self.index, mesh_obj, jax.tree.leaves(params), optimizer)
         del params
         self._loss_seed = loss_seed(self.plan.num_micro_batches, mesh_obj)
+        if len(self.plan.stages) == 1:
+            self._fused = FusedRunner(self.split, self.stage, self.plan.num_micro_batches, self._loss_seed)
         return {"mesh": self.index, "host": self.host, "devices": len(jax.local_devices()),
                 "platform": jax.devices()[0].platform, "pid": os.getpid()}
 
@@ -301,7 +303,7 @@ class MeshHost:
         (float16) if given; its times, losses (from host 0 only: every host of the mesh
         holds the same) and whether the update was applied."""
         batch = self.feed.batch_at(step)
-        if len(self.plan.stages) == 1:
+        if self._fused is not None:
             return self._fused_step(batch, scale)
         micro = split_micro_batches(batch, self.plan.num_micro_batches)
         link: RayLink | CollectiveLink
@@ -333,15 +335,9 @@ class MeshHost:
         """A one-stage plan's step as one executable (:mod:`~.runtime.fused`), every
         host of the mesh calling it together; :meth:`step`'s reply, the stage computing
         for the whole step."""
-        stage, scaled = self.stage, scale is not None
-        if scaled not in self._fused:
-            self._fused[scaled] = fused_step(stage, self.plan.num_micro_batches, scaled)
+        assert self._fused is not None
         begin = time.perf_counter()
-        leaves = stack_micro_batches(self.split, stage, batch, self.plan.num_micro_batches)
-        seed = self._loss_seed * scale if scale is not None else self._loss_seed
-        stage.params, stage.opt_state, losses, finite = self._fused[scaled](
-            stage.params, stage.opt_state, leaves, seed, np.float32(1.0 / scale if scale is not None else 1.0))
-        stage.next_accumulators = None
+        losses, finite = self._fused.step(batch, scale)
         own = [float(x) for x in np.asarray(losses.addressable_data(0))]
         applied = bool(np.asarray(finite.addressable_data(0)))
         seconds = time.perf_counter() - begin

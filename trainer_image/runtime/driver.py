@@ -80,7 +80,7 @@ from alpajob.trainer_image.runtime.executor import (
     loss_seed,
     split_micro_batches,
 )
-from alpajob.trainer_image.runtime.fused import FusedStep, fused_step, stack_micro_batches
+from alpajob.trainer_image.runtime.fused import FusedRunner
 from alpajob.trainer_image.runtime.meshes import place_all
 from alpajob.trainer_image.runtime.messages import (
     Key,
@@ -490,7 +490,8 @@ class PipelineExecutor:
         self.schedule = schedule
         self.num_micro_batches = num_micro_batches
         self._loss_seed = loss_seed(num_micro_batches, self.stages[-1].mesh)
-        self._fused: dict[bool, FusedStep] = {}  # a one-stage plan's step, unscaled and scaled
+        self._fused = (FusedRunner(split, self.stages[0], num_micro_batches, self._loss_seed)
+                       if len(self.stages) == 1 else None)
 
     def step(self, batch: Sequence[np.ndarray], timed: bool = True, scale: float | None = None) -> StepResult:
         """One training step on the host ``batch`` (flattened leaves, global batch);
@@ -498,7 +499,7 @@ class PipelineExecutor:
         ``scale``: the loss scale of a float16 run (:func:`drive_step`). A plan of one
         stage runs its step as one executable (:mod:`.fused`) unless the executor
         waits for every instruction (``wait``: exact per-instruction times)."""
-        if len(self.stages) == 1 and not self.wait:
+        if self._fused is not None and not self.wait:
             return self._fused_step(batch, timed, scale)
         micro = split_micro_batches(batch, self.num_micro_batches)
         begin = time.perf_counter()
@@ -512,17 +513,9 @@ class PipelineExecutor:
         """A one-stage plan's step as one executable (:mod:`.fused`); timed, the stage
         computes for the whole step (one span: the step has no instructions to tell
         apart)."""
-        stage = self.stages[0]
-        scaled = scale is not None
-        if scaled not in self._fused:
-            self._fused[scaled] = fused_step(stage, self.num_micro_batches, scaled)
+        assert self._fused is not None
         begin = time.perf_counter()
-        leaves = stack_micro_batches(self.split, stage, batch, self.num_micro_batches)
-        seed = self._loss_seed * scale if scale is not None else self._loss_seed
-        inv_scale = np.float32(1.0 / scale if scale is not None else 1.0)
-        stage.params, stage.opt_state, losses, finite = self._fused[scaled](
-            stage.params, stage.opt_state, leaves, seed, inv_scale)
-        stage.next_accumulators = None
+        losses, finite = self._fused.step(batch, scale)
         loss = float(np.mean(np.asarray(losses)))
         applied = bool(finite)
         end = time.perf_counter()

@@ -116,3 +116,30 @@ def fused_step(stage: StageRuntime, num_micro_batches: int, scaled: bool) -> Fus
         out_shardings=(params_sh, state_sh, replicated, replicated),
         donate_argnums=(0, 1),
     )
+
+
+class FusedRunner:
+    """A one-stage plan's steps on its stage (the local driver's and a mesh host's):
+    the unscaled and the loss-scaled step, each compiled on first use, updating the
+    stage's parameters and optimizer state in place."""
+
+    def __init__(self, split: SplitProgram, stage: StageRuntime, num_micro_batches: int,
+                 loss_seed: jax.Array) -> None:
+        self.split, self.stage, self.num_micro_batches, self.loss_seed = split, stage, num_micro_batches, loss_seed
+        self._steps: dict[bool, FusedStep] = {}
+
+    def step(self, batch: Sequence[np.ndarray], scale: float | None) -> tuple[jax.Array, jax.Array]:
+        """One step on the host ``batch`` (flattened leaves, global batch) with loss
+        ``scale`` (float16) if given; the micro-batches' losses and whether the update
+        was applied, as arrays (not waited for)."""
+        stage, scaled = self.stage, scale is not None
+        if scaled not in self._steps:
+            self._steps[scaled] = fused_step(stage, self.num_micro_batches, scaled)
+        leaves = stack_micro_batches(self.split, stage, batch, self.num_micro_batches)
+        seed = self.loss_seed * scale if scale is not None else self.loss_seed
+        inv_scale = np.float32(1.0 / scale if scale is not None else 1.0)
+        stage.params, stage.opt_state, losses, finite = self._steps[scaled](
+            stage.params, stage.opt_state, leaves, seed, inv_scale)
+        stage.next_accumulators = None
+        return losses, finite
+
