@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from alpajob.api.names import LABEL_ROLE, Role
-from alpajob.api.spec import ExitCodeOperator, FailureAction, PodFailureRule
+from alpajob.api.run_policy import ExitCodeOperator, FailureAction, PodFailureRule
 
 
 def parse_time(text: str | None) -> datetime | None:

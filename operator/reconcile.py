@@ -63,11 +63,7 @@ from alpajob.api.names import LABEL_ROLE, PLAN_KEY, PROGRESS_KEY
 from alpajob.api.plan import plan_from_json
 from alpajob.api.pod_template import PodTemplates
 from alpajob.api.progress import progress_from_json
-from alpajob.api.spec import (
-    CleanPodPolicy,
-    FailureAction,
-    RunPolicy,
-)
+from alpajob.api.run_policy import CleanPodPolicy, FailureAction, RunPolicy
 from alpajob.api.status import (
     ConditionStatus,
     ConditionType,

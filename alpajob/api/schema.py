@@ -56,3 +56,8 @@ def k8s(*rules: dict[str, Any], **extensions: Any) -> dict[str, Any]:
     if rules:
         out[CEL_KEY] = list(rules)
     return out
+
+
+#: Kubernetes' integer formats, for a field's ``json_schema_extra``.
+INT64 = k8s(format="int64")
+INT32 = k8s(format="int32")
