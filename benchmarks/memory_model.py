@@ -15,7 +15,9 @@ step (Adam) planned as one stage of every layer on one CPU device:
    against the runtime's,
    ``params + optimizer state + gradient accumulators + residuals (not counting those
    that are parameters) + the largest of the forward's, backward's and update's
-   temporaries``.
+   temporaries``; and the same stage as a pipeline's last stage runs it, forward and
+   backward in one executable (no residuals held between them):
+   ``weights + the larger of that executable's and the update's temporaries``.
 
     python benchmarks/memory_model.py [--markdown benchmarks/RESULTS.md]
 """
@@ -120,7 +122,7 @@ def runtime_bytes(model, plan, batch: int) -> dict[str, float]:  # noqa: ANN001
     leaves = [jnp.asarray(v) for v in jax.tree.leaves(synthetic_batch(model, batch))]
     held = stage_memory(stage, leaves, [])
     return {"weights": held.weights, "residuals": held.residuals,
-            "backward_temp": held.backward_temp, "total": held.peak}
+            "backward_temp": held.backward_temp, "total": held.peak, "fused": held.fused_peak}
 
 
 def main() -> int:
@@ -131,8 +133,9 @@ def main() -> int:
              "weights / activations / peak (MiB) | plan / XLA |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     runtime = ["| family | stage | runtime: weights / residuals / backward temp / peak (MiB) "
+               "| forward and backward in one executable: peak (MiB) "
                "| plan: weights / activations + transient / peak (MiB) | plan / runtime |",
-               "| --- | --- | --- | --- | --- |"]
+               "| --- | --- | --- | --- | --- | --- |"]
     for family, config, batch in CASES:
         model = resolve_model(family, config, dtype="float32")
         graph = graph_of(model, batch, "adam")
@@ -150,7 +153,7 @@ def main() -> int:
                  for level, plan in stage_plans(model, graph, count).items()}
         for level, plan in plans.items():
             if plan is None:
-                runtime.append(f"| {family} | {level} | - | not chosen | - |")
+                runtime.append(f"| {family} | {level} | - | - | not chosen | - |")
                 continue
             got = runtime_bytes(model, plan, batch)
             stage = plan.stages[0]
@@ -158,7 +161,7 @@ def main() -> int:
             runtime.append(
                 f"| {family} | {level} ({stage.layers[1]} layers) | {got['weights'] / MIB:.1f} / "
                 f"{got['residuals'] / MIB:.1f} / {got['backward_temp'] / MIB:.1f} / {got['total'] / MIB:.1f} "
-                f"| {stage.weight_bytes / MIB:.1f} / {held / MIB:.1f} / {stage.peak_memory_bytes / MIB:.1f} "
+                f"| {got['fused'] / MIB:.1f} | {stage.weight_bytes / MIB:.1f} / {held / MIB:.1f} / {stage.peak_memory_bytes / MIB:.1f} "
                 f"| {stage.peak_memory_bytes / got['total']:.2f} |")
             print(runtime[-1], flush=True)
     table = "\n".join(lines) + "\n\n" + "\n".join(runtime)

@@ -10,6 +10,7 @@ import pytest
 from alpajob.api.options import PlanOptions, TrainOptions
 from alpajob.api.resource import parse_job
 from alpajob.api.spec import Schedule
+from alpajob.api.timeline import SpanKind
 from alpajob.planner.inter_op.schedules import Direction, instruction_list
 from alpajob.trainer_image.local_run import run
 from alpajob.trainer_image.runtime.driver import Stamp, issue_order, issue_rounds, stage_times
@@ -105,7 +106,11 @@ def test_exact_stage_times_train_the_same_numbers_and_account_for_the_step():
     exact = run(manifest, TrainOptions(**options, exact_stage_times=True, stage_times_every=1))
     np.testing.assert_array_equal(issued.losses, exact.losses)
     assert exact.stage_time_steps == [1, 2, 3] and issued.stage_time_steps == [2]
-    assert all(len(t.forward) == len(t.backward) == 4 for t in issued.stage_times[0])
+    first, last = issued.stage_times[0]
+    assert len(first.forward) == len(first.backward) == 4
+    # the last stage runs each micro-batch's forward and backward as one executable
+    assert len(last.forward) == 0 and len(last.backward) == 4
+    assert [s.kind for s in last.spans if s.kind is not SpanKind.COMMUNICATION][:4] == [SpanKind.FORWARD_BACKWARD] * 4
     for name, value in issued.params.items():
         np.testing.assert_array_equal(exact.params[name], value, err_msg=name)
     for step, stages in zip(exact.step_seconds, exact.stage_times, strict=True):

@@ -28,6 +28,7 @@ class SpanKind(StrEnum):
     BACKWARD = "backward"
     UPDATE = "update"
     COMMUNICATION = "communication"
+    FORWARD_BACKWARD = "forward-backward"  # one micro-batch's forward and backward in one executable
     STEP = "step"  # a whole step in one executable (a one-stage plan: forward, backward, update)
 
 
@@ -44,9 +45,11 @@ class Span:
 
     @property
     def label(self) -> str:
-        """``F3`` / ``B3`` (forward / backward of micro-batch 3), ``U``, ``C3``, ``S`` (a whole step)."""
+        """``F3`` / ``B3`` (forward / backward of micro-batch 3), ``X3`` (both in one
+        executable), ``U``, ``C3``, ``S`` (a whole step)."""
         letter = {SpanKind.FORWARD: "F", SpanKind.BACKWARD: "B", SpanKind.UPDATE: "U",
-                  SpanKind.COMMUNICATION: "C", SpanKind.STEP: "S"}[self.kind]
+                  SpanKind.COMMUNICATION: "C", SpanKind.STEP: "S",
+                  SpanKind.FORWARD_BACKWARD: "X"}[self.kind]
         return letter if self.micro_batch is None else f"{letter}{self.micro_batch}"
 
 

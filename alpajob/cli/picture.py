@@ -33,7 +33,7 @@ STAGE_COLOURS = ("#8dd3c7", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69
                  "#fccde5", "#bc80bd", "#ccebc5", "#ffed6f")
 KIND_COLOURS = {SpanKind.FORWARD: "#4e79a7", SpanKind.BACKWARD: "#f28e2b",
                 SpanKind.COMMUNICATION: "#e15759", SpanKind.UPDATE: "#59a14f",
-                SpanKind.STEP: "#76b7b2"}
+                SpanKind.STEP: "#76b7b2", SpanKind.FORWARD_BACKWARD: "#b07aa1"}
 BUBBLE = "#e6e6e6"
 
 

@@ -88,6 +88,7 @@ from alpajob.trainer_image.runtime.messages import (
     backward_sends,
     forward_receives,
     forward_sends,
+    fuses_forward_backward,
     param_receives,
     param_sends,
     shared_receives,
@@ -98,7 +99,8 @@ from alpajob.trainer_image.runtime.stage import StageRuntime
 from alpajob.trainer_image.runtime.transport import move_all
 
 #: An instruction of the step: ``(stage, kind, micro_batch)``; kind is ``"forward"``,
-#: ``"backward"`` or ``"update"`` (micro-batch -1).
+#: ``"backward"``, ``"forward_backward"`` (both in one executable,
+#: :func:`~.messages.fuses_forward_backward`) or ``"update"`` (micro-batch -1).
 InstructionId = tuple[int, str, int]
 
 _KIND = {Direction.FORWARD: "forward", Direction.BACKWARD: "backward"}
@@ -258,6 +260,9 @@ def stage_times(stamps: Sequence[Sequence[Stamp]], begin: float, end: float) -> 
             if x.kind == "forward":
                 forward.append(seconds)
                 kind = SpanKind.FORWARD
+            elif x.kind == "forward_backward":  # one executable: counted as the backward
+                backward.append(seconds)
+                kind = SpanKind.FORWARD_BACKWARD
             elif x.kind == "backward":
                 backward.append(seconds)
                 kind = SpanKind.BACKWARD
@@ -400,27 +405,40 @@ def drive_step(
         loss_seed = loss_seed * scale
     try:
         params = _stage_params(split, stages, post)
-        acc = [stage.fresh_accumulators() for stage in stages]
+        acc: list[Any] = [None] * p  # made by each stage's first backward
         batch = _place_batch(split, stages, micro)
         saved: dict[tuple[int, int], Any] = {}
         losses: list[jax.Array] = []
         last_backward = [instruction_list(schedule, s, p, m)[-1][1] for s in range(p)]
+        fuse = [fuses_forward_backward(split, s) and not wait for s in range(p)]
         for s, direction, j in _with_flushes(issue_rounds(schedule, p, m), post):
             stage, program = stages[s], split.stages[s]
-            me = (s, _KIND[direction], j)
+            if fuse[s] and direction is Direction.BACKWARD:
+                continue  # issued with its forward
+            kind = "forward_backward" if fuse[s] else _KIND[direction]
+            me = (s, kind, j)
             issued = time.perf_counter()
             if direction is Direction.FORWARD:
                 leaves = batch.pop((s, j))
                 keys = forward_receives(split, s, j)
                 inputs, sources = post.take(s, keys)
                 watchers[s].before((leaves, inputs), post.arrived(s, keys))
-                outs, loss, vjp = stage.forward(params[s], leaves, inputs)
-                saved[(s, j)] = vjp
+                if fuse[s]:
+                    outs, loss, acc[s], grads, done = stage.forward_backward(
+                        params[s], leaves, inputs, [loss_seed] if program.returns_loss else [], acc[s])
+                    produced: Any = (outs, loss, done)  # acc: donated next
+                else:
+                    outs, loss, vjp = stage.forward(params[s], leaves, inputs)
+                    saved[(s, j)] = vjp
+                    produced = (outs, loss, vjp)
                 if loss is not None:
                     losses.append(loss)
-                watchers[s].watch("forward", j, issued, (leaves, inputs), (outs, loss, vjp), sources)
+                watchers[s].watch(kind, j, issued, (leaves, inputs), produced, sources)
                 by_vid = dict(zip(program.outputs, outs, strict=True))
                 post.send(me, [(r, key, by_vid[key[2]]) for r, key in forward_sends(split, s, j)])
+                if fuse[s]:
+                    by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
+                    post.send(me, [(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
             else:
                 cotangents, sources, arrivals = [], [], []
                 for keys in backward_receives(split, s, j):
@@ -442,7 +460,7 @@ def drive_step(
         for s, stage in enumerate(stages):  # shared parameters' gradients home
             sends = shared_sends(split, s)
             summed = stage.outgoing([grads[s].pop(key[1]) for _, key in sends])
-            post.send((s, "backward", last_backward[s]),
+            post.send((s, "forward_backward" if fuse[s] else "backward", last_backward[s]),
                       [(r, key, value) for (r, key), value in zip(sends, summed, strict=True)])
         post.flush()
         for s, stage in enumerate(stages):
@@ -455,11 +473,9 @@ def drive_step(
             named = {stage.leaf_names[leaf]: g for leaf, g in grads[s].items()}
             watchers[s].before(values, post.arrived(s, keys))
             if not applied:
-                stage.skip_update()
                 continue
             stage.apply_update(named, shared, 1.0 / scale if scale is not None else 1.0)
-            watchers[s].watch("update", -1, issued, values,
-                              (stage.params, stage.opt_state, stage.next_accumulators), sources)
+            watchers[s].watch("update", -1, issued, values, (stage.params, stage.opt_state), sources)
     finally:
         stamps = []
         errors = []

@@ -11,8 +11,13 @@ process per mesh) runs its program from
 ``BACKWARD j``
     take the gradients later stages sent for this stage's outputs (summed over
     readers; the last stage seeds its loss with ``1 / m``), run the backward
-    executable (accumulating parameter gradients), send the input gradients back
-    to the stages that produced those inputs.
+    executable (accumulating parameter gradients; the first backward of a step makes
+    the accumulators), send the input gradients back to the stages that produced
+    those inputs.
+
+A stage whose backward needs nothing from later stages (the last one) runs both
+instructions of a micro-batch as one executable at its ``FORWARD j``
+(:func:`~.messages.fuses_forward_backward`), and times them as its backward.
 
 Around the program: at the start a stage sends its shared parameters (a tied
 embedding) to the stages that read them; at the end the readers send their
@@ -55,6 +60,7 @@ from alpajob.trainer_image.runtime.messages import (
     backward_sends,
     forward_receives,
     forward_sends,
+    fuses_forward_backward,
     param_receives,
     param_sends,
     shared_receives,
@@ -191,8 +197,10 @@ def run_stage_program(
     received = {key[1]: link.receive(key) for key in param_receives(split, s)}
     params = stage.prepare([received[leaf] if leaf in received else stage.params[stage.leaf_names[leaf]]
                             for leaf in program.params])
-    acc = stage.fresh_accumulators()
+    acc: list[Any] | None = None  # made by the first backward
     saved: dict[int, Any] = {}
+    fuse = fuses_forward_backward(split, s)
+    seed = loss_seed if scale is None or loss_seed is None else loss_seed * scale
 
     for direction, j in instruction_list(schedule, s, num_stages, num_micro_batches):
         if direction is Direction.FORWARD:
@@ -201,21 +209,30 @@ def run_stage_program(
             comm += time.perf_counter() - t0
             inputs = [link.receive(key) for key in forward_receives(split, s, j)]
             t0 = time.perf_counter()
-            outs, loss, vjp = stage.forward(params, leaves, inputs)
-            jax.block_until_ready((outs, loss, vjp))
-            fwd_times.append(time.perf_counter() - t0)
-            saved[j] = vjp
+            if fuse:  # the backward needs nothing from other stages: one executable
+                outs, loss, acc, grads, _ = stage.forward_backward(
+                    params, leaves, inputs, [seed] if program.returns_loss else [], acc)
+                jax.block_until_ready((outs, loss, acc, grads))
+                bwd_times.append(time.perf_counter() - t0)
+            else:
+                outs, loss, vjp = stage.forward(params, leaves, inputs)
+                jax.block_until_ready((outs, loss, vjp))
+                fwd_times.append(time.perf_counter() - t0)
+                saved[j] = vjp
             if loss is not None:
                 losses[j] = loss
             t0 = time.perf_counter()
             by_vid = dict(zip(program.outputs, outs, strict=True))
             link.send_all([(r, key, by_vid[key[2]]) for r, key in forward_sends(split, s, j)])
+            if fuse:
+                by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
+                link.send_all([(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
             comm += time.perf_counter() - t0
-        else:
+        elif not fuse:
             cotangents: list[Any] = [reduce(add, [link.receive(key) for key in keys])
                                      for keys in backward_receives(split, s, j)]
             if program.returns_loss:
-                cotangents.append(loss_seed if scale is None or loss_seed is None else loss_seed * scale)
+                cotangents.append(seed)
             t0 = time.perf_counter()
             acc, grads, _ = stage.backward(saved.pop(j), cotangents, acc)
             jax.block_until_ready((acc, grads))
@@ -224,6 +241,7 @@ def run_stage_program(
             by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
             link.send_all([(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
             comm += time.perf_counter() - t0
+    assert acc is not None  # every stage runs a backward per micro-batch
     compute += sum(fwd_times) + sum(bwd_times)
     applied = True
     if scale is not None and agree is not None:
@@ -245,9 +263,7 @@ def run_stage_program(
     named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
     if applied:
         stage.apply_update(named_grads, shared, 1.0 / scale if scale is not None else 1.0)
-        jax.block_until_ready((stage.params, stage.opt_state, stage.next_accumulators))
-    else:
-        stage.skip_update()
+        jax.block_until_ready((stage.params, stage.opt_state))
     update = time.perf_counter() - t0
     compute += update
     wall = time.perf_counter() - begin

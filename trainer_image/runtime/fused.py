@@ -93,13 +93,13 @@ def fused_step(stage: StageRuntime, num_micro_batches: int, scaled: bool) -> Fus
             return acc, loss
 
         if num_micro_batches == 1:
-            acc, loss = micro_batch(stage.zeros(), [x[0] for x in batch])
+            acc, loss = micro_batch(None, [x[0] for x in batch])  # the backward makes them
             losses = loss[None]
         else:
             acc, losses = jax.lax.scan(micro_batch, stage.zeros(), batch)
         finite = stage.finite(acc) if scaled else jnp.array(True)
         grads = dict(zip(names, acc, strict=True))
-        new_params, new_state, _ = stage.update(params, opt_state, grads, {}, inv_scale)
+        new_params, new_state = stage.update(params, opt_state, grads, {}, inv_scale)
         if scaled:
             new_params, new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                                  (new_params, new_state), (params, opt_state))
@@ -140,6 +140,5 @@ class FusedRunner:
         inv_scale = np.float32(1.0 / scale if scale is not None else 1.0)
         stage.params, stage.opt_state, losses, finite = self._steps[scaled](
             stage.params, stage.opt_state, leaves, seed, inv_scale)
-        stage.next_accumulators = None
         return losses, finite
 

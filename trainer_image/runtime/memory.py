@@ -9,11 +9,16 @@ from XLA's own accounting (``compiled.memory_analysis()``) and the arrays it hol
 - **weights**: the stage's parameters, optimizer state and gradient accumulators;
 - **residuals**: what the forward hands the backward for one micro-batch, counting
   each buffer once and not the parameters it passes along;
-- the **forward**, **backward** and **update** executables' temporaries.
+- the **forward**, **backward** and **update** executables' temporaries;
+- the **forward_backward** executable's temporaries (the last stage's: one micro-
+  batch's forward and backward in one executable, its residuals inside it).
 
 The peak is the weights plus the largest of: the forward's temporaries and the
 residuals it writes; the residuals and the backward's temporaries; the update's
-temporaries. One micro-batch in flight; with more, add their residuals.
+temporaries. One micro-batch in flight; with more, add their residuals. A stage that
+runs forward and backward as one executable holds no residuals between them: its
+peak (``fused_peak``) is the weights plus the larger of that executable's and the
+update's temporaries.
 """
 
 from __future__ import annotations
@@ -37,12 +42,17 @@ class StageMemory:
     forward_temp: int
     backward_temp: int
     update_temp: int
+    forward_backward_temp: int
 
     @property
     def peak(self) -> int:
         busiest = max(self.forward_temp + self.residuals, self.residuals + self.backward_temp,
                       self.update_temp)
         return self.weights + busiest
+
+    @property
+    def fused_peak(self) -> int:
+        return self.weights + max(self.forward_backward_temp, self.update_temp)
 
 
 def _analysis(jitted: Any, *args: Any) -> Any:
@@ -75,6 +85,7 @@ def stage_memory(stage: StageRuntime, batch: Sequence[Any], inputs: Sequence[Any
     differentiable = [outputs[i] for i in stage.diff_outputs] + ([loss] if loss is not None else [])
     cotangents = [jnp.ones_like(x) for x in differentiable]
     backward = _analysis(stage.backward, vjp, cotangents, accumulators)
+    fused = _analysis(stage.forward_backward, params, list(batch), list(inputs), cotangents, accumulators)
     grads = {stage.leaf_names[k]: a for k, a in zip(stage.param_leaves, accumulators, strict=True)
              if stage.leaf_names[k] in stage.home_names}
     update = _analysis(stage.update, stage.params, stage.opt_state, grads, {}, jnp.float32(1.0))
@@ -84,4 +95,5 @@ def stage_memory(stage: StageRuntime, batch: Sequence[Any], inputs: Sequence[Any
         forward_temp=int(forward.temp_size_in_bytes),
         backward_temp=int(backward.temp_size_in_bytes),
         update_temp=int(update.temp_size_in_bytes),
+        forward_backward_temp=int(fused.temp_size_in_bytes),
     )

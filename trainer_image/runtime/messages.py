@@ -103,6 +103,16 @@ def backward_receives(split: SplitProgram, s: int, j: int) -> list[list[Key]]:
             for pos in differentiable_outputs(split, s)]
 
 
+def fuses_forward_backward(split: SplitProgram, s: int) -> bool:
+    """Whether stage ``s`` runs each micro-batch's forward and backward as one
+    executable (:mod:`.stage`'s ``forward_backward``): when its backward reads no
+    gradient from another stage (the last stage, seeded by its loss), nothing has to
+    happen between the two, and running the backward at once only moves it earlier
+    (1F1B runs them back to back; GPipe's last stage then holds one micro-batch's
+    residuals instead of all of them)."""
+    return not backward_receives(split, s, 0)
+
+
 def backward_sends(split: SplitProgram, s: int, j: int) -> list[Outgoing]:
     """The gradient of every differentiable input, to the stage that produced it."""
     program = split.stages[s]
