@@ -124,8 +124,9 @@ def gpt_stages() -> None:
             mesh = jax.sharding.Mesh([[jax.devices()[0]]], ("x", "y"))
             stage = place_stage(remade, split, names, 0, mesh, leaves, optax.sgd(0.1))
             forward_params = [stage.params[stage.leaf_names[k]] for k in stage.param_leaves]
-            _, loss, vjp = stage.forward(forward_params, batch, [])
-            compiled = stage.backward.lower(vjp, [jnp.ones_like(loss)], stage.zeros()).compile()
+            _, loss, residuals = stage.forward(forward_params, batch, [])
+            compiled = stage.backward.lower(forward_params, residuals, [jnp.ones_like(loss)],
+                                            stage.zeros()).compile()
             temps.append(compiled.memory_analysis().temp_size_in_bytes / MB)
         before = _whole_stage_checkpoint_temp(split, leaves, batch)
         residuals, working = _layer_residuals(plan, job)

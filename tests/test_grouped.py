@@ -148,6 +148,6 @@ def test_a_grouped_pipeline_trains_like_one_device_and_reduces_gradients_once_pe
     copies = first.prepare([first.params[first.leaf_names[k]] for k in program.params])
     outs, _, vjp = first.forward(copies, leaves, [])
     cotangents = [jnp.ones(o.shape, o.dtype) for o in outs]
-    hlo = first.backward.lower(vjp, cotangents, None).compile().as_text()
+    hlo = first.backward.lower(copies, vjp, cotangents, None).compile().as_text()
     param_elements = sum(int(np.prod(c.shape[1:])) for c in copies)
     assert _all_reduced_elements(hlo) < param_elements / 10

@@ -169,8 +169,9 @@ def _backward_temp(plan: Plan, model: Any, params: Any, batch: list[Any], remat:
     split, names = split_for_plan(remade, model.loss, params, model.batch_shapes)
     mesh = Mesh(np.array([[jax.devices()[0]]]), ("x", "y"))
     stage = place_stage(remade, split, names, 0, mesh, jax.tree.leaves(params), optax.sgd(0.1))
-    _, loss, vjp = stage.forward([stage.params[stage.leaf_names[k]] for k in stage.param_leaves], batch, [])
-    compiled = stage.backward.lower(vjp, [jnp.ones_like(loss)], stage.zeros()).compile()
+    forward_params = [stage.params[stage.leaf_names[k]] for k in stage.param_leaves]
+    _, loss, residuals = stage.forward(forward_params, batch, [])
+    compiled = stage.backward.lower(forward_params, residuals, [jnp.ones_like(loss)], stage.zeros()).compile()
     return float(compiled.memory_analysis().temp_size_in_bytes)
 
 

@@ -428,9 +428,9 @@ def drive_step(
                         params[s], leaves, inputs, [loss_seed] if program.returns_loss else [], acc[s])
                     produced: Any = (outs, loss, done)  # acc: donated next
                 else:
-                    outs, loss, vjp = stage.forward(params[s], leaves, inputs)
-                    saved[(s, j)] = vjp
-                    produced = (outs, loss, vjp)
+                    outs, loss, residuals = stage.forward(params[s], leaves, inputs)
+                    saved[(s, j)] = residuals
+                    produced = (outs, loss, residuals)
                 if loss is not None:
                     losses.append(loss)
                 watchers[s].watch(kind, j, issued, (leaves, inputs), produced, sources)
@@ -449,7 +449,7 @@ def drive_step(
                 if program.returns_loss:
                     cotangents.append(loss_seed)
                 watchers[s].before(cotangents, max([a for a in arrivals if a is not None], default=None))
-                acc[s], grads, done = stage.backward(saved.pop((s, j)), cotangents, acc[s])
+                acc[s], grads, done = stage.backward(params[s], saved.pop((s, j)), cotangents, acc[s])
                 watchers[s].watch("backward", j, issued, cotangents, done, sources)  # acc: donated next
                 by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
                 post.send(me, [(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])

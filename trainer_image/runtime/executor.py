@@ -215,10 +215,10 @@ def run_stage_program(
                 jax.block_until_ready((outs, loss, acc, grads))
                 bwd_times.append(time.perf_counter() - t0)
             else:
-                outs, loss, vjp = stage.forward(params, leaves, inputs)
-                jax.block_until_ready((outs, loss, vjp))
+                outs, loss, residuals = stage.forward(params, leaves, inputs)
+                jax.block_until_ready((outs, loss, residuals))
                 fwd_times.append(time.perf_counter() - t0)
-                saved[j] = vjp
+                saved[j] = residuals
             if loss is not None:
                 losses[j] = loss
             t0 = time.perf_counter()
@@ -234,7 +234,7 @@ def run_stage_program(
             if program.returns_loss:
                 cotangents.append(seed)
             t0 = time.perf_counter()
-            acc, grads, _ = stage.backward(saved.pop(j), cotangents, acc)
+            acc, grads, _ = stage.backward(params, saved.pop(j), cotangents, acc)
             jax.block_until_ready((acc, grads))
             bwd_times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()

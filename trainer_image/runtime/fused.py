@@ -88,8 +88,8 @@ def fused_step(stage: StageRuntime, num_micro_batches: int, scaled: bool) -> Fus
         prepared = stage.prepare([params[n] for n in names])
 
         def micro_batch(acc: list[Any], leaves: list[Any]) -> tuple[list[Any], Any]:
-            _, loss, vjp = stage.forward(prepared, list(leaves), [])
-            acc, _, _ = stage.backward(vjp, [seed], acc)
+            _, loss, residuals = stage.forward(prepared, list(leaves), [])
+            acc, _, _ = stage.backward(prepared, residuals, [seed], acc)
             return acc, loss
 
         if num_micro_batches == 1:

@@ -7,8 +7,8 @@ layer's backward working set, plus its residuals when rematerialised).
 from XLA's own accounting (``compiled.memory_analysis()``) and the arrays it holds:
 
 - **weights**: the stage's parameters, optimizer state and gradient accumulators;
-- **residuals**: what the forward hands the backward for one micro-batch, counting
-  each buffer once and not the parameters it passes along;
+- **residuals**: what the forward hands the backward for one micro-batch (the
+  parameters among them are not returned: the backward takes them again);
 - the **forward**, **backward** and **update** executables' temporaries;
 - the **forward_backward** executable's temporaries (the last stage's: one micro-
   batch's forward and backward in one executable, its residuals inside it).
@@ -74,17 +74,11 @@ def stage_memory(stage: StageRuntime, batch: Sequence[Any], inputs: Sequence[Any
     params = stage.prepare([stage.params[stage.leaf_names[k]] for k in stage.param_leaves])
     accumulators = stage.zeros()
     forward = _analysis(stage.forward, params, list(batch), list(inputs))
-    outputs, loss, vjp = stage.forward(params, list(batch), list(inputs))
-    seen = {p.unsafe_buffer_pointer() for p in params}  # parameters passed along: not residuals
-    residuals = 0
-    for leaf in jax.tree.leaves(vjp):
-        pointer = leaf.unsafe_buffer_pointer()
-        if pointer not in seen:
-            seen.add(pointer)
-            residuals += int(leaf.nbytes)
+    outputs, loss, saved = stage.forward(params, list(batch), list(inputs))
+    residuals = _nbytes(saved)  # what it computed: the parameters among them are not copied
     differentiable = [outputs[i] for i in stage.diff_outputs] + ([loss] if loss is not None else [])
     cotangents = [jnp.ones_like(x) for x in differentiable]
-    backward = _analysis(stage.backward, vjp, cotangents, accumulators)
+    backward = _analysis(stage.backward, params, saved, cotangents, accumulators)
     fused = _analysis(stage.forward_backward, params, list(batch), list(inputs), cotangents, accumulators)
     grads = {stage.leaf_names[k]: a for k, a in zip(stage.param_leaves, accumulators, strict=True)
              if stage.leaf_names[k] in stage.home_names}

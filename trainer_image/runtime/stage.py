@@ -2,16 +2,24 @@
 
 For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss)``:
 
-- **forward** ``(params, batch, inputs) -> (outputs, loss, vjp)`` runs ``jax.vjp`` of
-  ``f`` with respect to the parameters and the floating-point inputs. ``vjp`` is a
-  pytree of the forward's residuals, returned from the jitted forward and kept until
-  the micro-batch's backward, so the backward does not recompute the forward. When
+- **forward** ``(params, batch, inputs) -> (outputs, loss, residuals)`` runs ``jax.vjp``
+  of ``f`` with respect to the parameters and the floating-point inputs. The vjp is
+  a pytree of the forward's residuals, returned from the jitted forward and kept
+  until the micro-batch's backward, so the backward does not recompute the forward.
+  Many residuals are parameters (a matmul's backward reads its weight), and a jitted
+  function returns a copy of every input it returns: so the forward returns only
+  the residuals it computed (:class:`Residuals`, which remembers where the
+  parameters go) and the backward takes the parameters again. No micro-batch in
+  flight holds a copy of the weights. When
   the plan says ``rematerialize``, ``f`` runs as a chain of its layers
   (:mod:`.remat`): the residuals are then each layer's inputs, and the backward
   recomputes one layer at a time.
-- **backward** ``(vjp, cotangents, accumulators) -> (accumulators, input_grads, done)``
-  applies ``vjp`` and adds the parameter gradients to float32 accumulators (donated,
-  so the sum is in place). The step's first backward gets ``None`` and makes the
+- **backward** ``(params, residuals, cotangents, accumulators) -> (accumulators,
+  input_grads, done)`` applies the vjp and adds the parameter gradients to float32
+  accumulators (donated, so the sum is in place). The residuals are not donated: XLA
+  lets a donated buffer become an output of the same shape, never a temporary, and
+  the driver drops its reference as it calls the backward, so they are freed when it
+  finishes either way. The step's first backward gets ``None`` and makes the
   accumulators from its own gradients (a compiled variant of its own): nothing is
   held from one step to the next that plain JAX would not hold, and no executable
   of zeros runs. ``done`` is a scalar that is ready when the backward is:
@@ -76,6 +84,50 @@ from alpajob.trainer_image.runtime.split import (
     stage_function,
 )
 from alpajob.trainer_image.step import init_optimizer_state
+
+
+@jax.tree_util.register_pytree_node_class
+class Residuals:
+    """A micro-batch's vjp without the parameters among its residuals.
+
+    ``fresh`` are the residuals the forward computed; ``layout`` says, per leaf of the
+    vjp's pytree ``tree``, whether it is parameter ``i`` (``("param", i)``) or
+    ``fresh[i]`` (``("fresh", i)``). The layout and tree are static (the pytree's aux
+    data), so a backward compiled for them is reused step after step."""
+
+    def __init__(self, fresh: list[Any], layout: tuple[tuple[str, int], ...], tree: Any) -> None:
+        self.fresh, self.layout, self.tree = fresh, layout, tree
+
+    @classmethod
+    def of(cls, vjp: Any, params: Sequence[Any]) -> Residuals:
+        """Split ``vjp`` (inside the forward's trace, where a parameter among the
+        residuals is the parameter's own tracer)."""
+        leaves, tree = jax.tree.flatten(vjp)
+        position = {id(p): i for i, p in enumerate(params)}
+        seen: dict[int, int] = {}  # a residual the vjp holds twice is returned once
+        fresh: list[Any] = []
+        layout = []
+        for leaf in leaves:
+            if id(leaf) in position:
+                layout.append(("param", position[id(leaf)]))
+                continue
+            if id(leaf) not in seen:
+                seen[id(leaf)] = len(fresh)
+                fresh.append(leaf)
+            layout.append(("fresh", seen[id(leaf)]))
+        return cls(fresh, tuple(layout), tree)
+
+    def vjp(self, params: Sequence[Any]) -> Any:
+        """The vjp again, with ``params`` (the forward's) where the layout says."""
+        leaves = [params[i] if kind == "param" else self.fresh[i] for kind, i in self.layout]
+        return jax.tree.unflatten(self.tree, leaves)
+
+    def tree_flatten(self) -> tuple[list[Any], tuple[Any, Any]]:
+        return self.fresh, (self.layout, self.tree)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Any, Any], children: Any) -> Residuals:
+        return cls(list(children), *aux)
 
 
 def _by_shape(specs: dict[str, list[SpecEntry]], avals: Sequence[Any], plan_shapes: dict[str, tuple]) -> list[PartitionSpec | None]:
@@ -204,7 +256,8 @@ def build_stage(
             aux = [o for i, o in enumerate(outs) if i not in diff_out]
             return diff, aux
 
-        diff, vjp, aux = jax.vjp(f, list(params), [inputs[i] for i in diff_in], has_aux=True)
+        params = list(params)
+        diff, vjp, aux = jax.vjp(f, params, [inputs[i] for i in diff_in], has_aux=True)
         outs: list[Any] = [None] * len(program.outputs)
         for pos, value in zip(diff_out, diff, strict=False):
             outs[pos] = value
@@ -212,10 +265,11 @@ def build_stage(
         for pos in range(len(outs)):
             if pos not in diff_out:
                 outs[pos] = next(rest)
-        return outs, (diff[-1] if program.returns_loss else None), vjp
+        return outs, (diff[-1] if program.returns_loss else None), Residuals.of(vjp, params)
 
-    def backward(vjp: Any, cotangents: list[Any], acc: list[Any] | None) -> tuple[list[Any], list[Any], Any]:
-        param_grads, input_grads = vjp(cotangents)
+    def backward(params: list[Any], residuals: Residuals, cotangents: list[Any],
+                 acc: list[Any] | None) -> tuple[list[Any], list[Any], Any]:
+        param_grads, input_grads = residuals.vjp(params)(cotangents)
         grads32 = [g.astype(jnp.float32) for g in param_grads]
         new_acc = grads32 if acc is None else [a + g for a, g in zip(acc, grads32, strict=True)]
         return new_acc, input_grads, jnp.zeros((), jnp.int8)
@@ -260,13 +314,13 @@ def build_stage(
     jitted_backward = jax.jit(
         backward,
         out_shardings=(acc_list, [input_sharding[i] for i in diff_in], replicated),
-        donate_argnums=(2,),
+        donate_argnums=(3,),
     )
 
     def forward_backward(params: list[Any], batch: list[Any], inputs: list[Any], cotangents: list[Any],
                          acc: list[Any] | None) -> tuple[Any, Any, list[Any], list[Any], Any]:
-        outs, loss, vjp = jitted_forward(params, batch, inputs)  # inlined, shardings and all
-        acc, input_grads, done = jitted_backward(vjp, cotangents, acc)
+        outs, loss, residuals = jitted_forward(params, batch, inputs)  # inlined, shardings and all
+        acc, input_grads, done = jitted_backward(params, residuals, cotangents, acc)
         return outs, loss, acc, input_grads, done
 
     return StageRuntime(
