@@ -87,7 +87,7 @@ def fused_step(stage: StageRuntime, num_micro_batches: int, scaled: bool) -> Fus
              inv_scale: Any) -> tuple[Any, Any, Any, Any]:
         prepared = stage.prepare([params[n] for n in names])
 
-        def micro_batch(acc: list[Any], leaves: list[Any]) -> tuple[list[Any], Any]:
+        def micro_batch(acc: list[Any] | None, leaves: list[Any]) -> tuple[list[Any], Any]:
             _, loss, residuals = stage.forward(prepared, list(leaves), [])
             acc, _, _ = stage.backward(prepared, residuals, [seed], acc)
             return acc, loss
