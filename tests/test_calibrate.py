@@ -170,6 +170,7 @@ def test_golden_minimum_finds_the_bend_past_a_flat_stretch():
     assert len(calls) < 50
 
 
+@pytest.mark.slow  # times real steps: on a loaded machine the measured step leaves the fit's range
 def test_fusion_fit_reproduces_the_measured_step(monkeypatch, tmp_path):
     """The fusion step trains a small GPT on one forced device with the real runtime
     and fits the one fraction at which the planner predicts that step: with one model

@@ -4,6 +4,7 @@ in test_distributed.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from typing import Any
@@ -26,7 +27,7 @@ from alpajob.trainer_image.distributed.collective import (
 )
 from alpajob.trainer_image.distributed.crossing import permutation_rounds, plan_crossing
 from alpajob.trainer_image.distributed.transport import position_tiles
-from alpajob.trainer_image.runtime.messages import Receive, Send, stage_messages
+from alpajob.trainer_image.runtime.messages import Receive, Send, fuses_update, stage_messages
 from alpajob.trainer_image.runtime.split import SplitProgram, StageProgram
 
 # ----------------------------------------------------------------------------- order
@@ -122,6 +123,28 @@ def test_global_order_is_consistent_and_never_deadlocks(schedule: Schedule, num_
         shared_b = [m for m in performed[b] if {m.sender, m.receiver} == {a, b}]
         assert shared_a == shared_b, (a, b)
     assert _rendezvous(performed)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_a_stage_that_updates_with_its_last_backward_receives_the_shared_sums_before_it(schedule: Schedule) -> None:
+    """Stage 0 owns parameter 0, which the later stage 2 reads too: it receives
+    stage 2's gradient sum before its last backward (they run with the update as one
+    executable). Owned by stage 2 and read by the earlier stage 0, the sum can only
+    come after stage 0's last backward, which waits for stage 2's: stage 2 receives it
+    after its program. Either way the global order completes."""
+    split = _chain(3)
+    assert fuses_update(split, 0)
+    program = stage_messages(split, 0, schedule, 3, 4)
+    shared = [n for n, e in enumerate(program) if isinstance(e, Receive) and e.key[0] == "shared"]
+    last_grads = [n for n, e in enumerate(program) if isinstance(e, Receive) and e.key[:2] == ("grad", 3)]
+    assert len(shared) == 1 and max(last_grads) < shared[0]
+    later_home = dataclasses.replace(split, home=(2, 1, 2))  # parameter 0: owned by 2, read by 0
+    assert later_home.shared_params() == {0: (0,)} and not fuses_update(later_home, 2)
+    assert stage_messages(later_home, 2, schedule, 3, 4)[-1] == Receive(2, ("shared", 0, 0))
+    for each in (split, later_home):
+        programs = [stage_messages(each, s, schedule, 3, 4) for s in range(3)]
+        order = global_order(programs)
+        assert _rendezvous({s: _performed(each, programs, order, s) for s in range(3)})
 
 
 def test_program_order_deadlocks_as_rendezvous_but_the_global_order_does_not() -> None:

@@ -108,7 +108,9 @@ THREE_MESHES_ONE_WIDE = [{"layers": [0, 1], "submeshShape": [1, 2]},
                          {"layers": [3, 4], "submeshShape": [1, 2]}]
 
 
-@pytest.mark.parametrize("transport", list(Transport))
+# The collective transport's run (a minute) is in the slow set, with its restart.
+@pytest.mark.parametrize("transport", [Transport.OBJECT_STORE,
+                                       pytest.param(Transport.COLLECTIVE, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     ("stages", "layers", "nodes"),
     [(TWO_MESHES, None, 1), pytest.param(THREE_MESHES_ONE_WIDE, 4, 4, marks=pytest.mark.slow)],

@@ -111,6 +111,10 @@ def test_exact_stage_times_train_the_same_numbers_and_account_for_the_step():
     # the last stage runs each micro-batch's forward and backward as one executable
     assert len(last.forward) == 0 and len(last.backward) == 4
     assert [s.kind for s in last.spans if s.kind is not SpanKind.COMMUNICATION][:4] == [SpanKind.FORWARD_BACKWARD] * 4
+    # both stages update with their last backward (stage 0 owns the tied embedding,
+    # which only the later stage 1 reads): no update instruction of their own
+    for times in (first, last):
+        assert times.update == 0 and SpanKind.UPDATE not in {s.kind for s in times.spans}
     for name, value in issued.params.items():
         np.testing.assert_array_equal(exact.params[name], value, err_msg=name)
     for step, stages in zip(exact.step_seconds, exact.stage_times, strict=True):

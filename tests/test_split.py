@@ -12,7 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from alpajob.trainer_image.runtime.split import SplitProgram, split_loss, stage_function
+from alpajob.trainer_image.runtime.split import (
+    SplitProgram,
+    is_differentiable,
+    split_loss,
+    stage_function,
+)
 
 WIDTH = 8
 
@@ -87,3 +92,11 @@ def test_the_stages_compose_to_the_loss() -> None:
                              [values[v] for v in stage.inputs])
             values.update(zip(stage.outputs, outs, strict=True))
         np.testing.assert_allclose(loss, loss_fn(params, x), rtol=1e-6)
+
+
+def test_every_floating_type_carries_a_gradient_between_stages() -> None:
+    """bfloat16 and float8 activations send their gradients back like float32 ones
+    (NumPy alone does not count them as floating point)."""
+    for dtype in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn):
+        assert is_differentiable(jax.ShapeDtypeStruct((2,), dtype)), dtype
+    assert not is_differentiable(jax.ShapeDtypeStruct((2,), jnp.int32))

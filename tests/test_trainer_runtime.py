@@ -213,6 +213,7 @@ def _options(manifest: Any, steps: int, **extra: Any) -> TrainOptions:
     return TrainOptions(steps=steps, planning=PlanOptions(ilp_time_limit=5.0), **extra)
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_equals_uninterrupted(tmp_path: Path) -> None:
     manifest = _manifest()
     whole = run(manifest, _options(manifest, 4))

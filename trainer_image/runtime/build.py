@@ -88,9 +88,12 @@ def build_pipeline(
     optimizer: optax.GradientTransformation,
     devices: Sequence[Any],
     wait: bool = False,
+    fuse: bool = True,
 ) -> PipelineExecutor:
     """The executor for ``plan``, holding ``params`` (a pytree) and fresh optimizer state
-    (``wait``: exact per-stage times, see :class:`~.driver.Stopwatch`).
+    (``wait``: exact per-stage times, see :class:`~.driver.Stopwatch`; ``fuse=False``:
+    every forward, backward and update an executable of its own, see
+    :func:`~.driver.drive_step`).
 
     ``batch_shapes(b)`` gives the abstract batch at batch size ``b``; the loss is traced
     at the micro-batch size ``global_batch_size / num_micro_batches``.
@@ -101,4 +104,4 @@ def build_pipeline(
         place_stage(plan, split, names, index, stage_mesh(plan_stage, plan, devices), leaves, optimizer)
         for index, plan_stage in enumerate(plan.stages)
     ]
-    return PipelineExecutor(split, stages, Schedule(plan.schedule), plan.num_micro_batches, wait)
+    return PipelineExecutor(split, stages, Schedule(plan.schedule), plan.num_micro_batches, wait, fuse)

@@ -23,6 +23,12 @@ of the same layout on both sides go through ``jax.device_put`` whole
 (:mod:`.transport`). Together these made that step 12-16% faster
 (benchmarks/RESULTS.md, session 12).
 
+**The end of a stage's step.** A stage's gradients are complete after its last
+backward: the sums of the shared parameters it reads go home in that round. A stage
+whose update needs nothing sent later (:func:`~.messages.fuses_update`) runs that
+backward and its update as one executable in a step without a loss scale; the others
+update after the last round (a loss-scaled step first reads every stage's verdict).
+
 Devices run what they were given in the order their inputs allow. On GPUs, where a
 device runs its queue in order, that is the schedule's order; on CPU devices a
 forward may run early, so a 1F1B stage can hold more micro-batches at once than the
@@ -89,6 +95,7 @@ from alpajob.trainer_image.runtime.messages import (
     forward_receives,
     forward_sends,
     fuses_forward_backward,
+    fuses_update,
     param_receives,
     param_sends,
     shared_receives,
@@ -100,7 +107,9 @@ from alpajob.trainer_image.runtime.transport import move_all
 
 #: An instruction of the step: ``(stage, kind, micro_batch)``; kind is ``"forward"``,
 #: ``"backward"``, ``"forward_backward"`` (both in one executable,
-#: :func:`~.messages.fuses_forward_backward`) or ``"update"`` (micro-batch -1).
+#: :func:`~.messages.fuses_forward_backward`) or ``"update"`` (micro-batch -1; a stage
+#: that :func:`~.messages.fuses_update` runs it with its last backward, no instruction
+#: of its own).
 InstructionId = tuple[int, str, int]
 
 _KIND = {Direction.FORWARD: "forward", Direction.BACKWARD: "backward"}
@@ -219,7 +228,8 @@ class Stopwatch:
 
 class Untimed:
     """The :class:`Watcher` of an untimed step: stamps nothing, and on :meth:`close`
-    waits only for the stage's update (the end of its step)."""
+    waits only for the stage's last instruction (its update, or the last backward
+    that ran with it: the end of its step)."""
 
     def __init__(self) -> None:
         self._last: Any = None
@@ -229,8 +239,7 @@ class Untimed:
 
     def watch(self, kind: str, micro_batch: int, issued: float, inputs: Any, outputs: Any,
               sources: Sequence[InstructionId]) -> None:
-        if kind == "update":
-            self._last = outputs
+        self._last = outputs
 
     def close(self) -> list[Stamp]:
         jax.block_until_ready(self._last)
@@ -387,6 +396,7 @@ def drive_step(
     wait: bool = False,
     timed: bool = True,
     scale: float | None = None,
+    fuse: bool = True,
 ) -> tuple[list[jax.Array], list[list[Stamp]], bool]:
     """Issue one step (module docstring); returns the micro-batches' losses, every
     stage's stamps (none if not ``timed``), after the last update is done, and whether
@@ -394,9 +404,12 @@ def drive_step(
     move before issuing the next (:class:`Stopwatch`). With a loss ``scale`` (float16,
     :mod:`~alpajob.trainer_image.precision`) the backward starts from the scaled seed
     and the updates divide by it; if any stage's gradients are not all finite, no
-    stage updates (one host round trip reads the stages' verdicts)."""
+    stage updates (one host round trip reads the stages' verdicts). ``fuse=False`` runs
+    every forward, backward and update as an executable of its own, as a waiting step
+    does (to measure what fusing them gains)."""
     p, m = len(stages), len(micro)
     wait = wait and timed
+    fuse_any = fuse and not wait
     post = _Post(split, stages, wait)
     watcher = (Stopwatch if wait else Watcher) if timed else Untimed
     watchers: list[Watcher | Stopwatch | Untimed] = [watcher() for _ in stages]
@@ -410,23 +423,38 @@ def drive_step(
         saved: dict[tuple[int, int], Any] = {}
         losses: list[jax.Array] = []
         last_backward = [instruction_list(schedule, s, p, m)[-1][1] for s in range(p)]
-        fuse = [fuses_forward_backward(split, s) and not wait for s in range(p)]
+        fused = [fuses_forward_backward(split, s) and fuse_any for s in range(p)]
+        finish = [fuses_update(split, s) and scale is None and fuse_any for s in range(p)]
+        shared_in: list[dict[str, list[Any]]] = [{} for _ in range(p)]
+        shared_from: list[list[InstructionId]] = [[] for _ in range(p)]
         for s, direction, j in _with_flushes(issue_rounds(schedule, p, m), post):
             stage, program = stages[s], split.stages[s]
-            if fuse[s] and direction is Direction.BACKWARD:
+            if fused[s] and direction is Direction.BACKWARD:
                 continue  # issued with its forward
-            kind = "forward_backward" if fuse[s] else _KIND[direction]
+            kind = "forward_backward" if fused[s] else _KIND[direction]
             me = (s, kind, j)
+            last = j == last_backward[s] and (direction is Direction.BACKWARD or fused[s])  # its last backward
+            ends = finish[s] and last  # ... run with the update
+            if ends:  # the readers' sums of what it owns were sent rounds ago
+                keys = shared_receives(split, s)
+                values, shared_from[s] = post.take(s, keys)
+                for key, value in zip(keys, values, strict=True):
+                    shared_in[s].setdefault(stage.leaf_names[key[1]], []).append(value)
             issued = time.perf_counter()
             if direction is Direction.FORWARD:
                 leaves = batch.pop((s, j))
                 keys = forward_receives(split, s, j)
                 inputs, sources = post.take(s, keys)
                 watchers[s].before((leaves, inputs), post.arrived(s, keys))
-                if fuse[s]:
-                    outs, loss, acc[s], grads, done = stage.forward_backward(
-                        params[s], leaves, inputs, [loss_seed] if program.returns_loss else [], acc[s])
-                    produced: Any = (outs, loss, done)  # acc: donated next
+                seed = [loss_seed] if program.returns_loss else []
+                if fused[s] and ends:
+                    outs, loss, away, grads, done = stage.finish_forward_backward(
+                        params[s], leaves, inputs, seed, acc[s], shared_in[s])
+                    produced: Any = (outs, loss, stage.params, stage.opt_state, away, done)
+                    sources = sources + shared_from[s]
+                elif fused[s]:
+                    outs, loss, acc[s], grads, done = stage.forward_backward(params[s], leaves, inputs, seed, acc[s])
+                    produced = (outs, loss, done)  # acc: donated next
                 else:
                     outs, loss, residuals = stage.forward(params[s], leaves, inputs)
                     saved[(s, j)] = residuals
@@ -436,7 +464,7 @@ def drive_step(
                 watchers[s].watch(kind, j, issued, (leaves, inputs), produced, sources)
                 by_vid = dict(zip(program.outputs, outs, strict=True))
                 post.send(me, [(r, key, by_vid[key[2]]) for r, key in forward_sends(split, s, j)])
-                if fuse[s]:
+                if fused[s]:
                     by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
                     post.send(me, [(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
             else:
@@ -449,28 +477,39 @@ def drive_step(
                 if program.returns_loss:
                     cotangents.append(loss_seed)
                 watchers[s].before(cotangents, max([a for a in arrivals if a is not None], default=None))
-                acc[s], grads, done = stage.backward(params[s], saved.pop((s, j)), cotangents, acc[s])
-                watchers[s].watch("backward", j, issued, cotangents, done, sources)  # acc: donated next
+                if ends:
+                    away, grads, done = stage.finish_backward(params[s], saved.pop((s, j)), cotangents, acc[s],
+                                                              shared_in[s])
+                    watchers[s].watch("backward", j, issued, cotangents,
+                                      (stage.params, stage.opt_state, away, done), sources + shared_from[s])
+                else:
+                    acc[s], grads, done = stage.backward(params[s], saved.pop((s, j)), cotangents, acc[s])
+                    watchers[s].watch("backward", j, issued, cotangents, done, sources)  # acc: donated next
                 by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
                 post.send(me, [(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
+            if last:
+                # The stage's gradients are complete: the shared parameters' sums go home.
+                sends = shared_sends(split, s)
+                if not ends:
+                    acc_of = dict(zip(program.params, acc[s], strict=True))
+                    away = stage.outgoing([acc_of[key[1]] for _, key in sends])
+                post.send(me, [(r, key, value) for (r, key), value in zip(sends, away, strict=True)])
         if scale is not None:  # every gradient contribution is in some stage's accumulators
             verdicts = [stage.finite(acc[s]) for s, stage in enumerate(stages)]
             applied = all(bool(v) for v in verdicts)
-        grads = [dict(zip(split.stages[s].params, acc[s], strict=True)) for s in range(p)]
-        for s, stage in enumerate(stages):  # shared parameters' gradients home
-            sends = shared_sends(split, s)
-            summed = stage.outgoing([grads[s].pop(key[1]) for _, key in sends])
-            post.send((s, "forward_backward" if fuse[s] else "backward", last_backward[s]),
-                      [(r, key, value) for (r, key), value in zip(sends, summed, strict=True)])
         post.flush()
         for s, stage in enumerate(stages):
+            if finish[s]:
+                continue  # updated with its last backward
+            own = {leaf: g for leaf, g in zip(split.stages[s].params, acc[s], strict=True)
+                   if split.home[leaf] == s}
             issued = time.perf_counter()
             keys = shared_receives(split, s)
             values, sources = post.take(s, keys)
             shared: dict[str, list[Any]] = {}
             for key, value in zip(keys, values, strict=True):
                 shared.setdefault(stage.leaf_names[key[1]], []).append(value)
-            named = {stage.leaf_names[leaf]: g for leaf, g in grads[s].items()}
+            named = {stage.leaf_names[leaf]: g for leaf, g in own.items()}
             watchers[s].before(values, post.arrived(s, keys))
             if not applied:
                 continue
@@ -499,9 +538,11 @@ class PipelineExecutor:
         schedule: Schedule,
         num_micro_batches: int,
         wait: bool = False,
+        fuse: bool = True,
     ) -> None:
         self.split = split
         self.wait = wait  # exact per-stage times, no overlap (drive_step)
+        self.fuse = fuse  # False: separate executables, as a waiting step (drive_step)
         self.stages = list(stages)  # stage i is self.stages[i]
         self.schedule = schedule
         self.num_micro_batches = num_micro_batches
@@ -515,12 +556,12 @@ class PipelineExecutor:
         ``scale``: the loss scale of a float16 run (:func:`drive_step`). A plan of one
         stage runs its step as one executable (:mod:`.fused`) unless the executor
         waits for every instruction (``wait``: exact per-instruction times)."""
-        if self._fused is not None and not self.wait:
+        if self._fused is not None and not self.wait and self.fuse:
             return self._fused_step(batch, timed, scale)
         micro = split_micro_batches(batch, self.num_micro_batches)
         begin = time.perf_counter()
         losses, stamps, applied = drive_step(self.split, self.stages, self.schedule, micro,
-                                             self._loss_seed, self.wait, timed, scale)
+                                             self._loss_seed, self.wait, timed, scale, self.fuse)
         end = time.perf_counter()
         loss = float(np.mean([float(x) for x in losses]))
         return StepResult(loss, end - begin, stage_times(stamps, begin, end) if timed else (), applied)

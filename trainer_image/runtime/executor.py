@@ -21,7 +21,12 @@ instructions of a micro-batch as one executable at its ``FORWARD j``
 
 Around the program: at the start a stage sends its shared parameters (a tied
 embedding) to the stages that read them; at the end the readers send their
-gradient sums home, and every stage applies the optimizer to what it owns.
+gradient sums home, and every stage applies the optimizer to what it owns. A stage
+whose update needs nothing that arrives after its last backward
+(:func:`~.messages.fuses_update`: the readers of what it owns are later stages)
+receives those sums before its last backward, and without a loss scale to agree on
+runs that backward and its update as one executable (:mod:`.stage`'s
+``backward_update``), timed as the backward.
 An evaluation (:func:`run_stage_eval`) is the forward instructions alone, one
 micro-batch after another.
 
@@ -61,6 +66,7 @@ from alpajob.trainer_image.runtime.messages import (
     forward_receives,
     forward_sends,
     fuses_forward_backward,
+    fuses_update,
     param_receives,
     param_sends,
     shared_receives,
@@ -201,17 +207,34 @@ def run_stage_program(
     saved: dict[int, Any] = {}
     fuse = fuses_forward_backward(split, s)
     seed = loss_seed if scale is None or loss_seed is None else loss_seed * scale
+    instructions = instruction_list(schedule, s, num_stages, num_micro_batches)
+    last = instructions[-1][1]  # every schedule ends a stage's step with its last backward
+    fuse_update = fuses_update(split, s)  # shared sums are received before the last backward
+    finish = fuse_update and scale is None  # ... which then runs with the update
+    shared: dict[str, list[Any]] = {}
+    away: list[Any] | None = None  # finish: the shared sums to send home
 
-    for direction, j in instruction_list(schedule, s, num_stages, num_micro_batches):
+    def receive_shared() -> None:
+        for key in shared_receives(split, s):
+            shared.setdefault(stage.leaf_names[key[1]], []).append(link.receive(key))
+
+    for direction, j in instructions:
         if direction is Direction.FORWARD:
             t0 = time.perf_counter()
             leaves = [place(micro[j][k], sh) for k, sh in zip(program.batch, stage.batch_sharding, strict=True)]
             comm += time.perf_counter() - t0
             inputs = [link.receive(key) for key in forward_receives(split, s, j)]
+            if fuse and j == last and fuse_update:
+                receive_shared()
             t0 = time.perf_counter()
-            if fuse:  # the backward needs nothing from other stages: one executable
-                outs, loss, acc, grads, _ = stage.forward_backward(
-                    params, leaves, inputs, [seed] if program.returns_loss else [], acc)
+            cotangents0 = [seed] if program.returns_loss else []
+            if fuse and j == last and finish:
+                outs, loss, away, grads, _ = stage.finish_forward_backward(
+                    params, leaves, inputs, cotangents0, acc, shared)
+                jax.block_until_ready((outs, loss, stage.params, stage.opt_state, away, grads))
+                bwd_times.append(time.perf_counter() - t0)
+            elif fuse:  # the backward needs nothing from other stages: one executable
+                outs, loss, acc, grads, _ = stage.forward_backward(params, leaves, inputs, cotangents0, acc)
                 jax.block_until_ready((outs, loss, acc, grads))
                 bwd_times.append(time.perf_counter() - t0)
             else:
@@ -233,39 +256,51 @@ def run_stage_program(
                                      for keys in backward_receives(split, s, j)]
             if program.returns_loss:
                 cotangents.append(seed)
+            if j == last and fuse_update:
+                receive_shared()
             t0 = time.perf_counter()
-            acc, grads, _ = stage.backward(params, saved.pop(j), cotangents, acc)
-            jax.block_until_ready((acc, grads))
+            if j == last and finish:
+                away, grads, _ = stage.finish_backward(params, saved.pop(j), cotangents, acc, shared)
+                jax.block_until_ready((stage.params, stage.opt_state, away, grads))
+            else:
+                acc, grads, _ = stage.backward(params, saved.pop(j), cotangents, acc)
+                jax.block_until_ready((acc, grads))
             bwd_times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             by_vid = {program.inputs[pos]: g for pos, g in zip(stage.diff_inputs, grads, strict=True)}
             link.send_all([(r, key, by_vid[key[2]]) for r, key in backward_sends(split, s, j)])
             comm += time.perf_counter() - t0
-    assert acc is not None  # every stage runs a backward per micro-batch
     compute += sum(fwd_times) + sum(bwd_times)
-    applied = True
-    if scale is not None and agree is not None:
-        t0 = time.perf_counter()
-        applied = agree(stage.finite(acc))
-        comm += time.perf_counter() - t0
-
-    # Shared parameters' gradients home, then the update.
-    grads = dict(zip(program.params, acc, strict=True))
-    t0 = time.perf_counter()
     sends = shared_sends(split, s)
-    summed = stage.outgoing([grads.pop(key[1]) for _, key in sends])
-    link.send_all([(r, key, value) for (r, key), value in zip(sends, summed, strict=True)])
-    comm += time.perf_counter() - t0
-    shared: dict[str, list[Any]] = {}
-    for key in shared_receives(split, s):
-        shared.setdefault(stage.leaf_names[key[1]], []).append(link.receive(key))
-    t0 = time.perf_counter()
-    named_grads = {stage.leaf_names[leaf]: g for leaf, g in grads.items()}
-    if applied:
-        stage.apply_update(named_grads, shared, 1.0 / scale if scale is not None else 1.0)
-        jax.block_until_ready((stage.params, stage.opt_state))
-    update = time.perf_counter() - t0
-    compute += update
+    update = 0.0
+    applied = True
+    if finish:  # updated with the last backward; the shared sums home
+        assert away is not None
+        t0 = time.perf_counter()
+        link.send_all([(r, key, value) for (r, key), value in zip(sends, away, strict=True)])
+        comm += time.perf_counter() - t0
+    else:
+        assert acc is not None  # every stage runs a backward per micro-batch
+        # Shared parameters' gradients home (before agreeing: a stage that fuses_update
+        # waits for them in its last backward), then the update.
+        own = dict(zip(program.params, acc, strict=True))
+        t0 = time.perf_counter()
+        summed = stage.outgoing([own.pop(key[1]) for _, key in sends])
+        link.send_all([(r, key, value) for (r, key), value in zip(sends, summed, strict=True)])
+        comm += time.perf_counter() - t0
+        if scale is not None and agree is not None:
+            t0 = time.perf_counter()
+            applied = agree(stage.finite(acc))
+            comm += time.perf_counter() - t0
+        if not fuse_update:
+            receive_shared()
+        t0 = time.perf_counter()
+        named_grads = {stage.leaf_names[leaf]: g for leaf, g in own.items()}
+        if applied:
+            stage.apply_update(named_grads, shared, 1.0 / scale if scale is not None else 1.0)
+            jax.block_until_ready((stage.params, stage.opt_state))
+        update = time.perf_counter() - t0
+        compute += update
     wall = time.perf_counter() - begin
     times = StageTimes(
         compute=compute,

@@ -20,6 +20,10 @@ end                   send ``("shared", leaf, s)`` home for every shared leaf th
                       stage reads, then receive the readers' sums of its own
 ====================  ==========================================================
 
+A stage that :func:`fuses_update` receives the readers' sums in its last
+``BACKWARD`` phase instead, after the gradients it reads and before it computes: its
+last backward and its update are one executable.
+
 :func:`stage_messages` strings the phases along the schedule's instruction list.
 Example, 1F1B, 2 stages, 2 micro-batches, one activation ``v`` from stage 0 to 1::
 
@@ -113,6 +117,33 @@ def fuses_forward_backward(split: SplitProgram, s: int) -> bool:
     return not backward_receives(split, s, 0)
 
 
+def backward_waits_for(split: SplitProgram, s: int) -> set[int]:
+    """The stages whose backward of a micro-batch stage ``s``'s backward of it waits
+    for: those that read its differentiable outputs, and what theirs waits for."""
+    out: set[int] = set()
+    todo = [s]
+    while todo:
+        for keys in backward_receives(split, todo.pop(), 0):
+            for key in keys:
+                if key[3] not in out:
+                    out.add(key[3])
+                    todo.append(key[3])
+    return out
+
+
+def fuses_update(split: SplitProgram, s: int) -> bool:
+    """Whether stage ``s`` runs its last backward and its update as one executable
+    (:meth:`~.stage.StageRuntime.finish_backward`): when its last backward waits for
+    the last backward of every stage that reads a shared parameter it owns
+    (:func:`backward_waits_for`), so their gradient sums are home before it runs (a
+    language model's embedding, owned by the first stage, read by the last). A stage
+    owning a parameter that an earlier stage reads, or whose backward needs nothing
+    from its readers, keeps a separate update: the sums could come after it."""
+    waits = backward_waits_for(split, s)
+    return all(r in waits for leaf, readers in split.shared_params().items()
+               if split.home[leaf] == s for r in readers)
+
+
 def backward_sends(split: SplitProgram, s: int, j: int) -> list[Outgoing]:
     """The gradient of every differentiable input, to the stage that produced it."""
     program = split.stages[s]
@@ -136,16 +167,20 @@ def stage_messages(split: SplitProgram, s: int, schedule: Schedule, num_stages: 
     """Every message stage ``s`` sends or receives in one step, in program order."""
     events: list[Event] = [Send(s, r, key) for r, key in param_sends(split, s)]
     events += [Receive(s, key) for key in param_receives(split, s)]
-    for direction, j in instruction_list(schedule, s, num_stages, num_micro_batches):
+    instructions = instruction_list(schedule, s, num_stages, num_micro_batches)
+    home_sums: list[Event] = [Receive(s, key) for key in shared_receives(split, s)]
+    fused = fuses_update(split, s)
+    for n, (direction, j) in enumerate(instructions):
         if direction is Direction.FORWARD:
             events += [Receive(s, key) for key in forward_receives(split, s, j)]
             events += [Send(s, r, key) for r, key in forward_sends(split, s, j)]
         else:
             events += [Receive(s, key) for keys in backward_receives(split, s, j) for key in keys]
+            if fused and n == len(instructions) - 1:
+                events += home_sums
             events += [Send(s, r, key) for r, key in backward_sends(split, s, j)]
     events += [Send(s, r, key) for r, key in shared_sends(split, s)]
-    events += [Receive(s, key) for key in shared_receives(split, s)]
-    return events
+    return events if fused else events + home_sums
 
 
 def layout_key(key: Key) -> tuple[str, int]:

@@ -45,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jcore
+import jax.numpy as jnp
 import numpy as np
 from scipy import sparse
 from scipy.optimize import linprog
@@ -484,5 +485,6 @@ def stage_function(
 
 
 def is_differentiable(aval: Any) -> bool:
-    """Whether a value of this type carries a gradient (floating point)."""
-    return bool(np.issubdtype(aval.dtype, np.inexact))
+    """Whether a value of this type carries a gradient (floating point, bfloat16 and
+    the float8 types included: NumPy does not count those as inexact, JAX does)."""
+    return bool(jnp.issubdtype(aval.dtype, jnp.inexact))

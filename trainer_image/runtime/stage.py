@@ -44,6 +44,15 @@ For a :class:`~.split.StageProgram` ``f(params, batch, inputs) -> (outputs, loss
 - **update** ``(params, opt_state, grads, received) -> (params, opt_state)`` is
   the optax update of the parameters this stage owns, with ``received`` the other
   stages' gradient sums of the shared ones.
+- **backward_update** and **forward_backward_update**: the step's last backward (or
+  the last stage's last forward and backward) and the update as one executable
+  (:meth:`StageRuntime.finish_backward`, :meth:`StageRuntime.finish_forward_backward`),
+  for a stage whose update needs nothing that arrives after its last backward
+  (:func:`~.messages.fuses_update`) in a step without a loss scale to agree on. The
+  last micro-batch's gradients go from the vjp through the sum into the optimizer
+  without being written out as accumulators in between, and parameters, optimizer
+  state and accumulators are donated, so the update works in place. It returns the
+  sums of the shared parameters this stage reads but does not own, to send home.
 
 Every one is ``jax.jit`` ed with ``NamedSharding`` s on the stage mesh: parameters as
 the plan's ``param_shardings``, batch leaves as its ``batch_shardings``, activations
@@ -166,8 +175,43 @@ class StageRuntime:
     groups: int = 0  # > 0: a grouped data-parallel stage (grouped.py) over this many devices
     prepare: Callable[[list[Any]], list[Any]] = list  # its parameters, as the forward takes them
     outgoing: Callable[[list[Any]], list[Any]] = list  # shared leaves' accumulators, summed to send
+    backward_update: Callable[..., Any] | None = None  # the last backward and the update, one executable
+    forward_backward_update: Callable[..., Any] | None = None  # the same with the forward (last stage)
     params: dict[str, jax.Array] = field(default_factory=dict)
     opt_state: Any = None
+
+    def _others(self, params: Sequence[Any]) -> list[Any]:
+        """What a fused update takes besides this stage's own parameters: a grouped
+        stage's per-device copies (its forward's parameters), else the shared
+        parameters it reads from their home stages (its own are donated, so they
+        must not be passed twice)."""
+        if self.groups:
+            return list(params)
+        return [p for k, p in zip(self.param_leaves, params, strict=True)
+                if self.leaf_names[k] not in self.home_names]
+
+    def finish_backward(self, params: Sequence[Any], residuals: Residuals, cotangents: list[Any],
+                        acc: list[Any] | None, received: dict[str, list[jax.Array]]) -> tuple[list[Any], list[Any], Any]:
+        """The step's last backward and the update in one executable (``params`` as
+        the forward took them, ``received``: the shared parameters' gradient sums from
+        their readers, by name). Updates :attr:`params` and :attr:`opt_state`;
+        returns the sums of the shared parameters this stage reads to send home (in
+        :func:`~.messages.shared_sends` order), the input gradients and ``done``."""
+        assert self.backward_update is not None
+        self.params, self.opt_state, away, input_grads, done = self.backward_update(
+            self.params, self.opt_state, self._others(params), residuals, cotangents, acc, received)
+        return away, input_grads, done
+
+    def finish_forward_backward(self, params: Sequence[Any], batch: list[Any], inputs: list[Any],
+                                cotangents: list[Any], acc: list[Any] | None,
+                                received: dict[str, list[jax.Array]]) -> tuple[Any, Any, list[Any], list[Any], Any]:
+        """:meth:`finish_backward` with the micro-batch's forward in the same
+        executable (a stage that :func:`~.messages.fuses_forward_backward`); returns
+        the outputs and loss as well."""
+        assert self.forward_backward_update is not None
+        outs, loss, self.params, self.opt_state, away, input_grads, done = self.forward_backward_update(
+            self.params, self.opt_state, self._others(params), batch, inputs, cotangents, acc, received)
+        return outs, loss, away, input_grads, done
 
     def apply_update(self, grads: dict[str, jax.Array], received: dict[str, list[jax.Array]],
                      inv_scale: float = 1.0) -> None:
@@ -323,6 +367,47 @@ def build_stage(
         acc, input_grads, done = jitted_backward(params, residuals, cotangents, acc)
         return outs, loss, acc, input_grads, done
 
+    jitted_update = jax.jit(
+        update,
+        in_shardings=(home_param, opt_sharding, grads_in, received_in, replicated),
+        out_shardings=(home_param, opt_sharding),
+        donate_argnums=(0, 1),
+    )
+    jitted_outgoing = jax.jit(
+        lambda xs: [x.sum(0) for x in xs],
+        out_shardings=[acc_sharding[k] for k in away],
+    ) if groups and away else list
+
+    def forward_params_of(own: dict[str, Any], others: list[Any]) -> list[Any]:
+        """The forward's parameters from the stage's own and :meth:`StageRuntime._others`."""
+        if groups:
+            return others
+        rest = iter(others)
+        return [own[names[k]] if k in home else next(rest) for k in program.params]
+
+    def update_from(own: dict[str, Any], opt_state: Any, acc: list[Any],
+                    received: dict[str, list[Any]]) -> tuple[Any, Any, list[Any]]:
+        grads = {names[k]: a for k, a in zip(program.params, acc, strict=True) if k in home}
+        outgoing = jitted_outgoing([a for k, a in zip(program.params, acc, strict=True) if k not in home])
+        new_params, new_state = jitted_update(own, opt_state, grads, received, jnp.float32(1.0))
+        return new_params, new_state, outgoing
+
+    def backward_update(own: dict[str, Any], opt_state: Any, others: list[Any], residuals: Residuals,
+                        cotangents: list[Any], acc: list[Any] | None,
+                        received: dict[str, list[Any]]) -> tuple[Any, ...]:
+        acc, input_grads, done = jitted_backward(forward_params_of(own, others), residuals, cotangents, acc)
+        new_params, new_state, outgoing = update_from(own, opt_state, acc, received)
+        return new_params, new_state, outgoing, input_grads, done
+
+    def forward_backward_update(own: dict[str, Any], opt_state: Any, others: list[Any], batch: list[Any],
+                                inputs: list[Any], cotangents: list[Any], acc: list[Any] | None,
+                                received: dict[str, list[Any]]) -> tuple[Any, ...]:
+        params = forward_params_of(own, others)
+        outs, loss, residuals = jitted_forward(params, batch, inputs)
+        acc, input_grads, done = jitted_backward(params, residuals, cotangents, acc)
+        new_params, new_state, outgoing = update_from(own, opt_state, acc, received)
+        return outs, loss, new_params, new_state, outgoing, input_grads, done
+
     return StageRuntime(
         index=index,
         mesh=mesh,
@@ -337,12 +422,9 @@ def build_stage(
         forward=jitted_forward,
         backward=jitted_backward,
         forward_backward=jax.jit(forward_backward, donate_argnums=(4,)),
-        update=jax.jit(
-            update,
-            in_shardings=(home_param, opt_sharding, grads_in, received_in, replicated),
-            out_shardings=(home_param, opt_sharding),
-            donate_argnums=(0, 1),
-        ),
+        backward_update=jax.jit(backward_update, donate_argnums=(0, 1, 5)),
+        forward_backward_update=jax.jit(forward_backward_update, donate_argnums=(0, 1, 6)),
+        update=jitted_update,
         finite=jax.jit(all_finite, out_shardings=replicated),
         init_opt=jax.jit(
             lambda p: init_optimizer_state(optimizer, p),
@@ -358,10 +440,7 @@ def build_stage(
             in_shardings=([param_sharding[k] for k in program.params],),
             out_shardings=forward_params,
         ) if groups else list,
-        outgoing=jax.jit(
-            lambda xs: [x.sum(0) for x in xs],
-            out_shardings=[acc_sharding[k] for k in away],
-        ) if groups and away else list,
+        outgoing=jitted_outgoing,
     )
 
 
