@@ -58,6 +58,7 @@ from collections.abc import Mapping
 from datetime import UTC
 from typing import Any
 
+from alpajob.api import wording
 from alpajob.api.errors import AlpaJobError, PlanFormatError
 from alpajob.api.names import LABEL_ROLE, PLAN_KEY, PROGRESS_KEY
 from alpajob.api.plan import plan_from_json
@@ -292,7 +293,7 @@ class _Pass(PassState):
         limit = int(self.run_policy.get("backoffLimit", 3))
         if counted and self.status.restarts >= limit:
             self.phase(Phase.FAILED, "BackoffLimitExceeded",
-                       f"{what}; the job restarted {self.status.restarts} times (backoffLimit {limit})")
+                       f"{what}; the job restarted {wording.counted(self.status.restarts, 'time')} (backoffLimit {limit})")
             return None
         if counted:
             self.status.restarts += 1

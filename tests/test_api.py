@@ -57,3 +57,12 @@ def test_train_runs_the_job_serial_and_planned_alike() -> None:
     with pytest.raises(ManifestError) as info:
         alpajob.train(MLP, steps=0)
     assert info.value.field == "steps"
+
+
+def test_counts_in_messages_agree_with_their_number() -> None:
+    from alpajob.api.wording import counted
+
+    assert counted(1, "time") == "1 time" and counted(3, "time") == "3 times"
+    assert counted(0, "restart") == "0 restarts"
+    assert counted(1, "micro-batch", "micro-batches") == "1 micro-batch"
+    assert counted(4, "micro-batch", "micro-batches") == "4 micro-batches"

@@ -229,3 +229,13 @@ def test_prepared_token_files_hold_the_same_tokens(tmp_path: Path, capsys: pytes
         again = load_corpus(prepared, split, ByteTokenizer())
         np.testing.assert_array_equal(again.tokens, direct.tokens)
     assert main(["data", "prepare", str(manifest), "--output", str(manifest)]) == 2
+
+
+def test_eval_data_without_eval_every_is_evaluated_after_the_last_step() -> None:
+    """spec.data.eval alone is not ignored: the run evaluates once, after its last step."""
+    from alpajob.api.options import TrainOptions
+    from alpajob.trainer_image.local_run import run
+
+    result = run(job({"train": TEXT, "eval": str(ROOT / "operator" / "*.py")}, evalSteps=1),
+                 TrainOptions(steps=3, serial=True))
+    assert [step for step, _ in result.evals] == [3] and np.isfinite(result.evals[0][1])

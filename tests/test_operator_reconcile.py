@@ -217,6 +217,7 @@ def test_a_failed_pod_restarts_every_mesh_then_backoff_fails_the_job(plan_json: 
     assert world.status["phase"] == "Failed"
     failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "BackoffLimitExceeded" and failed["status"] == "True"
+    assert "the job restarted 1 time (backoffLimit 1)" in failed["message"], failed["message"]
     world.step()
     assert not world.running()
 

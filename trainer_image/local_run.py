@@ -283,7 +283,7 @@ def run(
                     "data": feed.state() if feed else None})
             saved = done
 
-        evaluations = feed.eval_batches(training.eval_steps) if training.eval_every else []
+        evaluations = feed.eval_batches(training.eval_steps)  # none without spec.data.eval
         eval_loss: float | None = None
         done = start
         with StopRequest() as stop:

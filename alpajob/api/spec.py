@@ -179,7 +179,8 @@ class TrainingSpec(Contract):
     seed: int = Field(0, json_schema_extra=INT64,
                       description="Seed of the parameters' and the data's random numbers.")
     eval_every: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
-        "Evaluate on spec.data.eval every this many steps (and after the last step)."))
+        "Evaluate on spec.data.eval every this many steps and after the last step; "
+        "unset, a job with spec.data.eval evaluates once, after the last step."))
     eval_steps: int = Field(8, ge=1, json_schema_extra=INT64, description=(
         "Batches of spec.data.eval each evaluation averages over."))
 
@@ -332,7 +333,8 @@ class DataSpec(Contract):
                                    description="Files to train on: a path, glob or URL, or a list.")
     eval: str | list[str] | None = Field(
         None, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
-        description="Files to evaluate on (spec.training.evalEvery): a path, glob or URL, or a list.")
+        description=("Files to evaluate on after the last step and every spec.training.evalEvery "
+                     "steps: a path, glob or URL, or a list."))
     format: DataFormat = Field(DataFormat.TEXT, description="text, jsonl, tokens or arrayrecord.")
     field: str = Field("text", max_length=253, description="jsonl: the key of each line's text.")
     tokenizer: str = Field(BYTES_TOKENIZER, min_length=1, max_length=1024, description=(

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from alpajob.api.plan import Plan
 from alpajob.api.timeline import Span, SpanKind, Timeline
+from alpajob.api.wording import counted
 
 SVG_NS = "http://www.w3.org/2000/svg"
 WIDTH = 1200
@@ -202,7 +203,7 @@ def plan_svg(plan: Plan, timeline: Timeline) -> str:
                              "font-size": "13"})
     cluster = plan.cluster
     _el(svg, "text", f"{plan.model.name} on {cluster['num_nodes']}x"
-        f"{cluster['devices_per_node']} {cluster['preset']}: {len(plan.stages)} stages, "
+        f"{cluster['devices_per_node']} {cluster['preset']}: {counted(len(plan.stages), 'stage')}, "
         f"predicted step {_seconds(plan.predicted_step_seconds)}, plan {plan.content_hash()}",
         x=10, y=20, font_size=15, font_weight="bold")
     y = _submesh_map(svg, plan, 34)

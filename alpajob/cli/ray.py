@@ -30,6 +30,7 @@ from alpajob.api.plan import Plan, read_plan
 from alpajob.api.progress import Progress
 from alpajob.api.resource import load_job
 from alpajob.api.runtime import RAY_PORT, TrainerRuntime, Transport
+from alpajob.api.wording import counted
 from alpajob.cli.tables import progress_line
 from alpajob.trainer_image.distributed import cluster as ray_cluster
 
@@ -232,11 +233,11 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
         if run.head_port:
             subprocess.run([ray_cluster.ray_binary(), "stop"], env=ray_cluster.ray_env(), check=False)
     if result.stopped:
-        out.print(f"stopped by {result.stopped} after {result.step} steps; last checkpoint step "
+        out.print(f"stopped by {result.stopped} after {counted(result.step, 'step')}; last checkpoint step "
                   f"{result.checkpoint_step} (a restart resumes from it)")
         return STOPPED_EXIT_CODE
-    out.print(f"done: {result.step} steps, final loss {result.losses[-1]:.4f}, "
-              f"{result.restarts} restart(s), last checkpoint step {result.checkpoint_step}")
+    out.print(f"done: {counted(result.step, 'step')}, final loss {result.losses[-1]:.4f}, "
+              f"{counted(result.restarts, 'restart')}, last checkpoint step {result.checkpoint_step}")
     return 0
 
 

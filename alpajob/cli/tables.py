@@ -11,6 +11,7 @@ from rich.table import Table
 from alpajob.api.plan import Plan, StagePlan
 from alpajob.api.progress import Progress
 from alpajob.api.spec import Schedule
+from alpajob.api.wording import counted
 from alpajob.planner.inter_op.schedules import Direction, instruction_list
 
 GIB = 1024**3
@@ -47,7 +48,7 @@ def plan_table(plan: Plan) -> Table:
         f"{plan.model.name}: {size} params on "
         f"{plan.cluster['num_nodes']}x{plan.cluster['devices_per_node']} "
         f"{plan.cluster['preset']}{f' (uses {used} of {offered} devices)' if used < offered else ''}"
-        f", {plan.num_micro_batches} micro-batches, {plan.schedule}"
+        f", {counted(plan.num_micro_batches, 'micro-batch', 'micro-batches')}, {plan.schedule}"
     )
     table = Table(title=title, caption="mesh: logical mesh; t/µbatch: forward+backward per "
                   "micro-batch; update: per step; remat: recomputed by whole layers or in "
@@ -134,7 +135,7 @@ def schedule_table(plan: Plan) -> Table:
     (:func:`summarise_program`), so 64 stages x 64 micro-batches stay 64 short rows."""
     p, m = len(plan.stages), plan.num_micro_batches
     full = m <= FULL_SCHEDULE_MICRO_BATCHES
-    table = Table(title=f"{plan.schedule} schedule, {m} micro-batches",
+    table = Table(title=f"{plan.schedule} schedule, {counted(m, 'micro-batch', 'micro-batches')}",
                   caption="Fj / Bj: forward / backward of micro-batch j; U: the optimizer update"
                           + ("" if full else "; Fi…Fj: forwards i to j; Fi/Bj: a forward then "
                              "a backward, repeated with both counting up"))

@@ -61,6 +61,7 @@ from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress, TrainerPhase
 from alpajob.api.resource import parse_job
 from alpajob.api.runtime import Transport
+from alpajob.api.wording import counted
 from alpajob.trainer_image.checkpoint.lock import FolderLock
 from alpajob.trainer_image.checkpoint.store import mesh_part
 from alpajob.trainer_image.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
@@ -384,7 +385,8 @@ def drive(
     status = Reporter(options, batch, scaled=scale is not None)
     if options.metrics_port is not None:
         metrics.serve(options.metrics_port)
-    evaluating = job.spec.training.eval_every if job.spec.data and job.spec.data.eval else None
+    # spec.data.eval without evalEvery: one evaluation, after the last step
+    evaluating = (job.spec.training.eval_every or options.steps) if job.spec.data and job.spec.data.eval else None
     root = options.checkpoint_dir
     saves = None
     if root:
@@ -468,7 +470,7 @@ def drive(
                     if result.restarts > options.max_restarts:
                         status(result, TrainerPhase.FAILED, reason)
                         raise JobFailedError(
-                            f"a mesh host failed {result.restarts} times (max_restarts "
+                            f"a mesh host failed {counted(result.restarts, 'time')} (max_restarts "
                             f"{options.max_restarts}); last failure: {reason}"
                         ) from None
                     say(f"restart {result.restarts}/{options.max_restarts} after {reason}")

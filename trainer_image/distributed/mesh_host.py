@@ -234,7 +234,7 @@ class MeshHost:
         # Every host reads the whole global batch of a step directly (batch_at), so a
         # restart from any checkpoint needs only the step number.
         self.feed = open_feed(manifest, self.model, seed=self.seed, prefetch=0)
-        self.evaluations = self.feed.eval_batches(training.eval_steps) if training.eval_every else []
+        self.evaluations = self.feed.eval_batches(training.eval_steps)  # none without spec.data.eval
         optimizer = training_optimizer(training)
         params = self.model.init(jax.random.key(self.seed))
         self.split, names = split_for_plan(self.plan, self.model.loss, params, self.model.batch_shapes)
