@@ -241,3 +241,29 @@ def test_svg_of_many_micro_batches_merges_narrow_boxes(manual_plan):
         full = float(background.get("height"))
         assert float(swatch.get("height")) == full
         assert all(float(r.get("height")) <= full + 1e-9 for r in spans)
+
+
+def test_trace_of_a_run_the_device_trial_moved_to_one_device_is_written(tmp_path, monkeypatch):
+    """``--trace`` is not dropped when the device trial trains on one device: the file
+    holds the last step on one device, one span, and says why there is no plan."""
+    from alpajob.api.options import PlanOptions, TrainOptions
+    from alpajob.api.resource import parse_job
+    from alpajob.trainer_image import local_run
+    from alpajob.trainer_image.device_trial import TrialResult
+
+    monkeypatch.setattr(local_run, "trial", lambda *_: TrialResult(plan_seconds=0.2, one_device_seconds=0.1))
+    job = parse_job({
+        "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "moved"},
+        "spec": {"model": {"zoo": "gpt", "config": "tiny"},
+                 "training": {"globalBatchSize": 8, "dtype": "float32"},
+                 "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8}, "parallelism": {"method": "auto"}}})
+    path = tmp_path / "trace.json"
+    said: list[str] = []
+    result = local_run.run(job, TrainOptions(steps=2, trace=str(path), planning=PlanOptions(ilp_time_limit=5.0)),
+                           on_phase=said.append)
+    assert result.plan is None and result.device_trial is not None
+    document = json.loads(path.read_text())
+    assert document["otherData"]["plan_hash"] is None and "one device" in document["otherData"]["one_device"]
+    spans = [e for e in document["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 1 and spans[0]["dur"] == pytest.approx(result.step_seconds[-1] * 1e6, rel=1e-3)
+    assert any(line.startswith("trace: the last step on one device") for line in said)

@@ -95,7 +95,7 @@ def may_choose(job: AlpaJob, options: TrainOptions) -> bool:
 
 def choose_forced_count(job: AlpaJob, options: TrainOptions, cores: int | None = None) -> ForcedCount:
     """Plan ``job`` on each candidate count and return the fastest (module docstring)."""
-    from alpajob.trainer_image.planning import job_graph, plan_job
+    from alpajob.trainer_image.planning import job_graph, plan_or_cached
 
     cores = cores or host_cores()
     preset = cluster_for(job.spec.cluster, options.planning).preset
@@ -103,7 +103,7 @@ def choose_forced_count(job: AlpaJob, options: TrainOptions, cores: int | None =
     predicted = {}
     for count in candidates(DEFAULT_DEVICES, cores):
         cluster = shared_host_cluster(preset, count, count, cores)
-        predicted[count] = plan_job(job, options.planning, cluster=cluster, graph=graph).plan \
+        predicted[count] = plan_or_cached(job, options.planning, cluster=cluster, graph=graph).plan \
             .predicted_step_seconds
     best = min(predicted, key=lambda n: (predicted[n], n))
     return ForcedCount(best, predicted)

@@ -54,7 +54,7 @@ from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.forced_count import host_cores, shared_host_cluster
 from alpajob.trainer_image.goodput import Badput, Goodput
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json
-from alpajob.trainer_image.planning import job_graph, plan_job
+from alpajob.trainer_image.planning import job_graph, plan_or_cached
 from alpajob.trainer_image.precision import LossScale
 from alpajob.trainer_image.runners import PipelineRunner, SerialRunner
 from alpajob.trainer_image.runtime.build import build_pipeline
@@ -63,7 +63,7 @@ from alpajob.trainer_image.runtime.meshes import DeviceError, local_devices
 from alpajob.trainer_image.step import training_optimizer
 from alpajob.trainer_image.stopping import StopRequest
 from alpajob.trainer_image.throughput import Throughput
-from alpajob.trainer_image.tracing import write_trace
+from alpajob.trainer_image.tracing import write_one_device_trace, write_trace
 from alpajob.trainer_image.zoo import ModelDef
 
 
@@ -181,7 +181,10 @@ def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable
             check_plan(plan, graph, devices, options.plan_file)
         else:
             say(f"planning for {len(devices)} local {devices[0].platform} devices")
-            plan = plan_job(job, options.planning, cluster=cluster, graph=graph).plan
+            planned = plan_or_cached(job, options.planning, cluster=cluster, graph=graph, warn=say)
+            plan = planned.plan
+            if planned.cached:
+                say(f"plan: cached ({plan.content_hash()}); --no-plan-cache plans again")
         if on_plan:
             on_plan(plan)
     seed = options.seed if options.seed is not None else training.seed
@@ -338,6 +341,11 @@ def run(
         if options.trace and plan is not None and result.stage_times:
             write_trace(options.trace, plan, result.stage_times[-1], result.stage_time_steps[-1],
                         result.step_seconds[result.stage_time_steps[-1] - start - 1])
+        elif options.trace and plan is None and result.step_seconds:
+            reason = (device_trial.line() if device_trial is not None
+                      else "the run trains on one device (--method serial)")
+            write_one_device_trace(options.trace, start + len(result.step_seconds), result.step_seconds[-1], reason)
+            say(f"trace: the last step on one device, no plan to set beside it ({reason})")
         if options.metrics_port is not None and options.metrics_linger and not result.stopped:
             say(f"serving the last metrics for {options.metrics_linger:g} s")
             time.sleep(options.metrics_linger)

@@ -8,6 +8,10 @@ pod of a job on Kubernetes), ``alpajob run`` and the Python API
     spec.cluster + PlanOptions ──cluster_for──► ClusterSpec ──┐                      │
     spec.parallelism + PlanOptions ──search_options──► SearchOptions ──► make_plan ◄─┘
 
+:func:`plan_or_cached` does the same through the plan cache (:mod:`.plan_cache`,
+``PlanOptions.cache_dir``): a plan made before for the same graph, cluster, search and
+planner is read back instead of searched for again.
+
 ``PlanOptions.calibration`` (``--calibration FILE``) replaces the preset's rates and
 constants with those ``alpajob calibrate`` measured (:func:`measured_constants`).
 """
@@ -16,9 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from alpajob.api.errors import ManifestError
 from alpajob.api.options import PlanOptions
+from alpajob.api.plan import Plan
 from alpajob.api.resource import AlpaJob
 from alpajob.planner.cost.cluster import ClusterSpec, cluster_for
 from alpajob.planner.cost.measured import check_preset, load_measured
@@ -27,6 +35,7 @@ from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.inter_op.search import Progress
 from alpajob.planner.plan.make import PlanningResult, SearchOptions, make_plan, search_options
 from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.plan_cache import PlanCache, plan_key, planner_version
 from alpajob.trainer_image.step import graph_of, training_optimizer
 
 
@@ -37,12 +46,21 @@ def job_graph(job: AlpaJob) -> OpGraph:
     return graph_of(model, training.global_batch_size, training_optimizer(training))
 
 
-def plan_job(job: AlpaJob, options: PlanOptions | None = None, *,
-             cluster: ClusterSpec | None = None, graph: OpGraph | None = None,
-             progress: Progress | None = None) -> PlanningResult:
-    """Plan ``job`` for ``cluster`` (default: ``spec.cluster`` with ``options``'
-    overrides); ``graph``: its op graph when the caller has traced it already."""
-    options = options or PlanOptions()
+@dataclass(frozen=True)
+class PlanningInputs:
+    """What a plan is a function of: the traced graph (and the seconds tracing took),
+    the cluster and the search."""
+
+    graph: OpGraph
+    cluster: ClusterSpec
+    search: SearchOptions
+    traced_seconds: float
+
+
+def planning_inputs(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | None,
+                    graph: OpGraph | None, progress: Progress | None) -> PlanningInputs:
+    """``job``'s cluster (default: ``spec.cluster`` with ``options``' overrides), search
+    and graph (traced unless the caller has it), with ``--calibration`` applied."""
     if cluster is None:
         cluster = cluster_for(job.spec.cluster, options)
     search = search_options(job.spec.parallelism, options)
@@ -53,8 +71,50 @@ def plan_job(job: AlpaJob, options: PlanOptions | None = None, *,
         if progress:
             progress(f"tracing {job.spec.model.zoo or job.spec.model.entrypoint}", 0, None)
         graph = job_graph(job)
-    traced = time.perf_counter() - start
-    return make_plan(graph, cluster, search, progress=progress, extract_seconds=traced)
+    return PlanningInputs(graph, cluster, search, time.perf_counter() - start)
+
+
+def plan_job(job: AlpaJob, options: PlanOptions | None = None, *,
+             cluster: ClusterSpec | None = None, graph: OpGraph | None = None,
+             progress: Progress | None = None) -> PlanningResult:
+    """Plan ``job`` for ``cluster`` (default: ``spec.cluster`` with ``options``'
+    overrides); ``graph``: its op graph when the caller has traced it already."""
+    given = planning_inputs(job, options or PlanOptions(), cluster, graph, progress)
+    return make_plan(given.graph, given.cluster, given.search, progress=progress,
+                     extract_seconds=given.traced_seconds)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A job's plan and where it came from: ``key`` is its plan-cache key (None
+    without a cache), ``cached`` whether it was read from the cache."""
+
+    plan: Plan
+    key: str | None = None
+    cached: bool = False
+
+
+def plan_or_cached(job: AlpaJob, options: PlanOptions | None = None, *,
+                   cluster: ClusterSpec | None = None, graph: OpGraph | None = None,
+                   progress: Progress | None = None,
+                   warn: Callable[[str], None] = lambda _line: None) -> JobPlan:
+    """:func:`plan_job`'s plan, read from the plan cache in ``options.cache_dir`` when
+    it holds one for this graph, cluster, search and planner, else planned and stored
+    there (``warn`` hears about an entry ignored or a cache not written)."""
+    options = options or PlanOptions()
+    given = planning_inputs(job, options, cluster, graph, progress)
+    if options.cache_dir is None:
+        return JobPlan(make_plan(given.graph, given.cluster, given.search, progress=progress,
+                                 extract_seconds=given.traced_seconds).plan)
+    cache = PlanCache(Path(options.cache_dir), warn)
+    key = plan_key(given.graph, given.cluster, given.search, planner_version())
+    plan = cache.get(key, given.graph)
+    if plan is not None:
+        return JobPlan(plan, key, cached=True)
+    plan = make_plan(given.graph, given.cluster, given.search, progress=progress,
+                     extract_seconds=given.traced_seconds).plan
+    cache.put(key, plan)
+    return JobPlan(plan, key)
 
 
 def measured_constants(path: str, cluster: ClusterSpec,

@@ -36,6 +36,9 @@ class PlanOptions(Contract):
     calibration: str | None = Field(None, description=(
         "cost-model constants measured on a machine (a file `alpajob calibrate` wrote) "
         "instead of the preset's stored ones"))
+    cache_dir: str | None = Field(None, description=(
+        "keep plans in this folder and reuse one made for the same graph, cluster, search and "
+        "planner (None: plan every time; the CLI's default is the user cache folder)"))
 
 
 class TrainOptions(Contract):

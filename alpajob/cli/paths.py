@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from alpajob.api.errors import ManifestError
@@ -36,3 +37,25 @@ def existing_file(path: str, flag: str) -> Path:
     if target.is_dir():
         raise ManifestError(flag, f"{path} is a directory; give a file")
     return target
+
+
+def add_plan_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dir`` and ``--no-plan-cache`` (:mod:`~alpajob.trainer_image.plan_cache`)."""
+    parser.add_argument("--cache-dir", metavar="DIR",
+                        help="keep plans in DIR and reuse one made before for the same model, cluster, "
+                             "options and planner (default $XDG_CACHE_HOME/alpajob/plans)")
+    parser.add_argument("--no-plan-cache", action="store_true",
+                        help="plan from scratch: neither read nor write the plan cache")
+
+
+def plan_cache_dir(args: argparse.Namespace) -> str | None:
+    """The plan cache folder the flags ask for; None with ``--no-plan-cache``."""
+    if args.no_plan_cache:
+        if args.cache_dir:
+            raise ManifestError("--cache-dir", "cannot be used with --no-plan-cache; drop one of them")
+        return None
+    if args.cache_dir:
+        return str(directory(args.cache_dir, "--cache-dir"))
+    from alpajob.trainer_image.plan_cache import default_cache_dir
+
+    return str(default_cache_dir())

@@ -25,7 +25,7 @@ from alpajob.api.options import PlanOptions, from_flags
 from alpajob.api.plan import write_plan
 from alpajob.api.resource import load_job
 from alpajob.api.runtime import TrainerRuntime
-from alpajob.cli.paths import existing_file, writable_file
+from alpajob.cli.paths import add_plan_cache_flags, existing_file, plan_cache_dir, writable_file
 from alpajob.cli.tables import baseline_table, plan_summary, plan_table, schedule_table
 
 
@@ -57,6 +57,7 @@ def add_parser(sub: Any) -> None:
                            "preset's stored ones)")
     plan.add_argument("--ilp-time-limit", type=float, default=10.0,
                       help="seconds allowed to each intra-op ILP solve (default 10)")
+    add_plan_cache_flags(plan)
 
 
 def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptions:
@@ -70,11 +71,12 @@ def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptio
         "all_devices": args.all_devices or None,
         "calibration": str(existing_file(args.calibration, "--calibration"))
         if args.calibration else None,
+        "cache_dir": plan_cache_dir(args),
     })
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from alpajob.trainer_image.planning import plan_job
+    from alpajob.trainer_image.planning import plan_or_cached
 
     runtime = TrainerRuntime.from_env(os.environ)
     manifest = args.manifest or runtime.manifest
@@ -94,7 +96,12 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         def progress(what: str, done: int, total: int | None) -> None:
             bar.update(task, description=f"{what} ({done} done)" if done else what)
 
-        plan = plan_job(job, options, progress=progress).plan
+        planned = plan_or_cached(job, options, progress=progress,
+                                 warn=lambda line: err.print(line, highlight=False))
+    plan = planned.plan
+    if planned.cached:
+        err.print(f"plan: cached ({plan.content_hash()}) in {options.cache_dir}; --no-plan-cache plans again",
+                  highlight=False)
     out.print(plan_table(plan))
     out.print(plan_summary(plan))
     if options.calibration:

@@ -29,7 +29,13 @@ from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress
 from alpajob.api.resource import load_job
 from alpajob.api.spec import Method
-from alpajob.cli.paths import directory, existing_file, writable_file
+from alpajob.cli.paths import (
+    add_plan_cache_flags,
+    directory,
+    existing_file,
+    plan_cache_dir,
+    writable_file,
+)
 from alpajob.cli.tables import plan_summary, plan_table, progress_line, run_summary
 from alpajob.trainer_image.devices import force_host_devices
 from alpajob.trainer_image.forced_count import choose_in_child, make_forced_devices, may_choose
@@ -86,6 +92,7 @@ def add_parser(sub: Any) -> None:
                            "preset's stored ones)")
     run.add_argument("--ilp-time-limit", type=float, default=10.0,
                      help="seconds allowed to each intra-op ILP solve (default 10)")
+    add_plan_cache_flags(run)
 
 
 def train_options(args: argparse.Namespace) -> TrainOptions:
@@ -95,7 +102,8 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         "method": None if serial else args.method, "ilp_time_limit": args.ilp_time_limit,
         "all_devices": args.all_devices or None,
         "calibration": str(existing_file(args.calibration, "--calibration"))
-        if args.calibration else None})
+        if args.calibration else None,
+        "cache_dir": plan_cache_dir(args)})
     options = from_flags(TrainOptions, {
         "steps": args.steps, "seed": args.seed, "devices": args.devices, "serial": serial or None,
         "plan_file": args.plan, "planning": planning, "metrics_out": args.metrics_out,

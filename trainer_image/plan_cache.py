@@ -1,0 +1,133 @@
+"""The plan cache: a rerun, a resume or a restarted planner never plans the same job twice.
+
+A plan is a pure function of four things, and its cache key hashes all four:
+
+- the **traced graph**: its fingerprint (ops, shapes, dtypes, FLOPs, batch size), its
+  name and its parameters' names (the plan names parameters; the fingerprint does not);
+- the **cluster** it is planned for (:class:`~alpajob.planner.cost.cluster.ClusterSpec`:
+  devices, links, the forced-device share of a host's cores);
+- the **search** (:class:`~alpajob.planner.plan.make.SearchOptions`: method, schedule,
+  manual stages, ILP time limit, baselines, calibration constants);
+- the **planner itself**: a hash of every source and data file of the planner package
+  and the AlpaJob version, so a changed cost model or search never serves a plan the
+  new code would not make.
+
+An entry is one JSON file, ``<directory>/<key>.json``: the key, the plan document and
+the SHA-256 of that document. It is written to a temporary file in the same folder
+and renamed into place, so a reader (another run, the next attempt) sees a whole
+entry or none. Reading checks everything before trusting anything: the key, the
+digest, the plan's own validation and content hash, and that the plan was made for
+this graph; an entry failing any of them is ignored with a warning (and replaced by
+the new plan), never used. A cache that cannot be written (a read-only folder, a
+full disk) costs a warning, never the run.
+
+The directory is ``$XDG_CACHE_HOME/alpajob/plans`` (``~/.cache/alpajob/plans``),
+``--cache-dir`` elsewhere (a job's volume), none with ``--no-plan-cache``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from alpajob.api.errors import PlanFormatError
+from alpajob.api.plan import Plan, plan_from_json
+from alpajob.planner.cost.cluster import ClusterSpec
+from alpajob.planner.graph.opgraph import OpGraph
+from alpajob.planner.plan.make import SearchOptions
+
+#: What the planner's version hashes: its code and its stored constants.
+_PLANNER_FILES = (".py", ".json")
+
+
+def default_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """Where plans are cached unless ``--cache-dir`` says otherwise (XDG's user cache)."""
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "alpajob" / "plans"
+
+
+def planner_version() -> str:
+    """A hash of the AlpaJob version and every planner source and data file (their
+    paths and bytes, in sorted order): it changes whenever the planner could."""
+    import alpajob.planner
+
+    root = Path(alpajob.planner.__file__).resolve().parent
+    digest = hashlib.sha256(alpajob.__version__.encode())
+    for path in sorted(p for p in root.rglob("*") if p.suffix in _PLANNER_FILES and p.is_file()):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def plan_key(graph: OpGraph, cluster: ClusterSpec, search: SearchOptions, version: str) -> str:
+    """The cache key of planning ``graph`` for ``cluster`` with ``search`` by planner
+    ``version`` (module docstring). The cluster and search options are frozen
+    dataclasses of numbers, strings and enums, whose ``repr`` is stable."""
+    material = json.dumps({
+        "graph": [graph.fingerprint(), graph.name, list(graph.param_names)],
+        "cluster": repr(cluster),
+        "search": repr(search),
+        "planner": version,
+    }, sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PlanCache:
+    """Plans stored under ``directory`` by key; ``warn`` hears why an entry was ignored
+    or could not be written."""
+
+    directory: Path
+    warn: Callable[[str], None]
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def get(self, key: str, graph: OpGraph) -> Plan | None:
+        """The plan stored under ``key``, if there is one that passes every check."""
+        path = self.path(key)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (FileNotFoundError, NotADirectoryError):  # no entry (or no folder) yet
+            return None
+        except OSError as error:
+            self.warn(f"plan cache: cannot read {path} ({error.strerror}); planning again")
+            return None
+        try:
+            entry = json.loads(text)
+            if not isinstance(entry, dict) or entry.get("key") != key:
+                raise PlanFormatError("not an entry of this key")
+            document = entry.get("plan")
+            if not isinstance(document, str) or hashlib.sha256(document.encode()).hexdigest() != entry.get("sha256"):
+                raise PlanFormatError("the plan does not match its digest")
+            plan = plan_from_json(document, str(path))
+            if plan.model.fingerprint != graph.fingerprint():
+                raise PlanFormatError(f"made for model fingerprint {plan.model.fingerprint}")
+        except (ValueError, PlanFormatError) as error:  # JSONDecodeError is a ValueError
+            self.warn(f"plan cache: ignoring {path}: {error}; planning again")
+            return None
+        return plan
+
+    def put(self, key: str, plan: Plan) -> None:
+        """Store ``plan`` under ``key``, atomically."""
+        document = plan.to_json()
+        entry = json.dumps({"key": key, "sha256": hashlib.sha256(document.encode()).hexdigest(),
+                            "plan": document})
+        temporary: str | None = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=self.directory, prefix=f".{key}.",
+                                             suffix=".tmp", delete=False) as f:
+                temporary = f.name
+                f.write(entry)
+            os.replace(temporary, self.path(key))
+        except OSError as error:
+            self.warn(f"plan cache: cannot write to {self.directory} ({error.strerror}); "
+                      "the next run plans again")
+            if temporary is not None:
+                Path(temporary).unlink(missing_ok=True)
