@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from importlib import metadata
@@ -122,6 +123,9 @@ def choose_in_child(job: AlpaJob, options: TrainOptions) -> ForcedCount:
     except EOFError as error:  # the child died without an answer
         raise RuntimeError(f"choosing the forced device count failed (exit code "
                            f"{child.exitcode})") from error
+    except BaseException:  # interrupted (SIGTERM, Ctrl-C: trainer_image.stopping): the child goes too
+        child.terminate()
+        raise
     finally:
         child.join()
     if isinstance(outcome, BaseException):
@@ -130,6 +134,7 @@ def choose_in_child(job: AlpaJob, options: TrainOptions) -> ForcedCount:
 
 
 def _child(job: AlpaJob, options: TrainOptions, cores: int, send: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it (choose_in_child)
     os.environ["JAX_PLATFORMS"] = "cpu"
     try:
         send.send(choose_forced_count(job, options, cores))

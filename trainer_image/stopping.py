@@ -9,6 +9,16 @@ resume me". A second Ctrl-C gives up at once (``KeyboardInterrupt``).
 
 Signal handlers belong to the main thread: elsewhere (a test's thread, a notebook's
 worker) the block installs nothing and ``requested`` stays None.
+
+Outside the training loop there is nothing to save, and a stop must not wait for a
+plan or a compile to finish: there, under :class:`SignalsRaise` (the CLI's whole
+command), SIGTERM raises :class:`Interrupted` in the main thread as Ctrl-C raises
+``KeyboardInterrupt``. Both unwind the stack, so every ``with`` on the way closes what
+it opened (the planner's worker pool is terminated and joined, a child process is
+stopped) and the command ends with one line, :meth:`Interrupted.line`, saying what was
+interrupted, and exit status 143 (130 for Ctrl-C). The default SIGTERM action would
+kill the process where it stands: its pool workers then die writing to a closed pipe
+(a traceback each) and its semaphores leak.
 """
 
 from __future__ import annotations
@@ -45,3 +55,53 @@ class StopRequest:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+class Interrupted(BaseException):
+    """A stop signal outside the training loop (module docstring): ``signal_name``
+    (``SIGTERM``, ``SIGINT``), and ``during``, what the command was doing."""
+
+    def __init__(self, signal_name: str, during: str = "") -> None:
+        super().__init__(signal_name, during)
+        self.signal_name, self.during = signal_name, during
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, as a shell reports a process it stopped."""
+        return 128 + signal.Signals[self.signal_name].value
+
+    def line(self) -> str:
+        """The one line the command ends with."""
+        where = f" while {self.during}" if self.during else ""
+        return f"stopped by {self.signal_name}{where}: nothing was saved"
+
+
+class SignalsRaise:
+    """A block in which SIGTERM raises :class:`Interrupted` in the main thread (Ctrl-C
+    raises ``KeyboardInterrupt`` anyway); elsewhere it installs nothing."""
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+
+    @staticmethod
+    def _raise(signum: int, _frame: FrameType | None) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    def __enter__(self) -> SignalsRaise:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def interrupted(error: BaseException, during: str) -> Interrupted:
+    """``error`` (an :class:`Interrupted` or a ``KeyboardInterrupt``) as an
+    :class:`Interrupted` that says what the command was ``during``."""
+    if isinstance(error, Interrupted):
+        return Interrupted(error.signal_name, error.during or during)
+    return Interrupted("SIGINT", during)

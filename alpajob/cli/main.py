@@ -122,15 +122,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Console()
     err = Console(stderr=True)
+    from alpajob.trainer_image.stopping import Interrupted, SignalsRaise, interrupted
+
     try:
-        return _dispatch(args, out, err)
+        with SignalsRaise():  # SIGTERM unwinds like Ctrl-C (trainer_image.stopping)
+            return _dispatch(args, out, err)
     except AlpaJobError as error:
         # The message is plain text: "[n, 4]" in it must not be read as rich markup.
         err.print(Text.assemble(("error:", "bold red"), f" {error}"), highlight=False, soft_wrap=True)
         return error.exit_code
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        return 130
+    except (Interrupted, KeyboardInterrupt) as error:
+        stop = interrupted(error, "")
+        err.print(stop.line(), highlight=False, soft_wrap=True)
+        return stop.exit_code
 
 
 if __name__ == "__main__":

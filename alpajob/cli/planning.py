@@ -77,6 +77,7 @@ def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptio
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from alpajob.trainer_image.planning import plan_or_cached
+    from alpajob.trainer_image.stopping import Interrupted, interrupted
 
     runtime = TrainerRuntime.from_env(os.environ)
     manifest = args.manifest or runtime.manifest
@@ -93,11 +94,17 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                   console=err, transient=True) as bar:
         task = bar.add_task("planning", total=None)
 
+        doing = ["planning"]
+
         def progress(what: str, done: int, total: int | None) -> None:
+            doing[0] = what if what.startswith("tracing") else f"planning ({what})"
             bar.update(task, description=f"{what} ({done} done)" if done else what)
 
-        planned = plan_or_cached(job, options, progress=progress,
-                                 warn=lambda line: err.print(line, highlight=False))
+        try:
+            planned = plan_or_cached(job, options, progress=progress,
+                                     warn=lambda line: err.print(line, highlight=False))
+        except (Interrupted, KeyboardInterrupt) as error:
+            raise interrupted(error, doing[0]) from None
     plan = planned.plan
     if planned.cached:
         err.print(f"plan: cached ({plan.content_hash()}) in {options.cache_dir}; --no-plan-cache plans again",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -132,13 +133,27 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     options = train_options(args)
     if args.log_every < 1:
         raise ManifestError("--log-every", f"must be at least 1, got {args.log_every}")
+    from alpajob.trainer_image.stopping import STOPPED_EXIT_CODE, Interrupted, interrupted
+
     if may_choose(job, options):  # forced CPU devices: as many as plan fastest
-        choice = choose_in_child(job, options)
+        try:
+            choice = choose_in_child(job, options)
+        except (Interrupted, KeyboardInterrupt) as error:
+            raise interrupted(error, "choosing the forced device count") from None
         make_forced_devices(choice.devices)
         out.print(choice.line(), highlight=False)
     force_host_devices(options.devices)  # before JAX is imported (else a no-op)
     from alpajob.trainer_image.local_run import run as train
-    from alpajob.trainer_image.stopping import STOPPED_EXIT_CODE
+
+    doing = ["starting"]  # what the run does (its phases), for a stop outside training
+
+    def track(on_phase: Callable[[str], None]) -> Callable[[str], None]:
+        def phase(what: str) -> None:
+            if not what.startswith(("data: ", "plan: ", "trace: ")):  # reports, not activities
+                doing[0] = what
+            on_phase(what)
+
+        return phase
 
     steps = options.steps or job.spec.training.steps
     batch = job.spec.training.global_batch_size
@@ -162,10 +177,16 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 bar.update(task, completed=report.step, description="training",
                            status=progress_line(report, steps=False))
 
-            result = train(job, options, on_step=on_step, on_phase=on_phase, on_plan=on_plan)
+            try:
+                result = train(job, options, on_step=on_step, on_phase=track(on_phase), on_plan=on_plan)
+            except (Interrupted, KeyboardInterrupt) as error:
+                raise interrupted(error, doing[0]) from None
     else:  # a pod's log, a pipe: plain lines, each flushed
         log = LogLines(err, args.log_every, steps)
-        result = train(job, options, on_step=log.step, on_phase=log.phase, on_plan=on_plan)
+        try:
+            result = train(job, options, on_step=log.step, on_phase=track(log.phase), on_plan=on_plan)
+        except (Interrupted, KeyboardInterrupt) as error:
+            raise interrupted(error, doing[0]) from None
     out.print(run_summary(result, batch, exact=options.exact_stage_times))
     if result.stopped:
         saved = (f"checkpoint of step {result.last_checkpoint_step} in {options.checkpoint_dir}; continue "

@@ -18,12 +18,15 @@ every task.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
 import queue
+import signal
+import threading
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.pool import Pool
 from types import TracebackType
 
@@ -145,9 +148,14 @@ class SearchPool:
         if self.workers >= 2:
             quiet = dataclasses.replace(self.context, progress=None, counter=SolveCounter())
             quiet.reset_costers()
-            self._pool = multiprocessing.get_context("forkserver").Pool(
-                self.workers, initializer=_start_worker, initargs=(quiet, self.method, self.manual)
-            )
+            try:
+                with _signals_held():
+                    self._pool = multiprocessing.get_context("forkserver").Pool(
+                        self.workers, initializer=_start_worker, initargs=(quiet, self.method, self.manual)
+                    )
+            except BaseException:  # stopped as it started: the with block is never entered
+                self.__exit__(None, None, None)
+                raise
         return self
 
     def __exit__(
@@ -236,10 +244,35 @@ class SearchPool:
 _WORKER: dict[str, tuple[CostContext, Method, Sequence[StageRequest]]] = {}
 
 
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM and Ctrl-C that arrive inside the block are handled as it ends (in the
+    main thread, where Python handles signals; elsewhere the block does nothing).
+    Starting a worker writes its arguments to the fork server; a stop signal raised in
+    the middle of that write would leave the forked worker reading half of them (a
+    traceback in the command's output)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, lambda signum, _frame: held.append(signum)) for s in stops}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for signum in held:
+            signal.raise_signal(signum)
+
+
 def _start_worker(
     context: CostContext, method: Method, manual: Sequence[StageRequest]
 ) -> None:
-    """Pool initializer: keep the search this worker process serves (its only state)."""
+    """Pool initializer: keep the search this worker process serves (its only state).
+    Ctrl-C reaches every process of the terminal's group: a worker ignores it and is
+    terminated by the parent, which stops cleanly (no traceback per worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER["search"] = (context, method, manual)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from alpajob.api.errors import ManifestError
 from alpajob.api.spec import DataFormat, DataSpec
+from alpajob.api.wording import counted
 from alpajob.trainer_image.data.sources import expand, read_documents, read_tokens
 from alpajob.trainer_image.data.tokenizer import Tokenizer
 
@@ -28,7 +29,7 @@ class Corpus:
     field: str  # spec.data.train or spec.data.eval
 
     def describe(self) -> str:
-        return f"{len(self.files)} file(s), {len(self.tokens):,} tokens"
+        return f"{counted(len(self.files), 'file')}, {len(self.tokens):,} tokens"
 
 
 def load_corpus(data: DataSpec, split: str, tokenizer: Tokenizer) -> Corpus:

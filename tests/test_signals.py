@@ -1,0 +1,97 @@
+"""SIGTERM (how Kubernetes stops a pod) and Ctrl-C outside the training loop: the
+command stops its worker pool and children, says in one line what it was doing and
+that nothing was saved, and exits 143 (130 for Ctrl-C); no traceback, no leaked
+semaphore. (A stop inside the training loop saves a checkpoint first:
+test_trainer_runtime.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
+README_JOB = str(EXAMPLES / "text-gpt.yaml")
+
+
+def _start(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # the command makes its own forced devices
+    return subprocess.Popen([sys.executable, "-m", "alpajob", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for_line(process: subprocess.Popen[str], marker: str, timeout: float = 120.0) -> list[str]:
+    """stderr's lines up to the first that contains ``marker``."""
+    assert process.stderr is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            return seen
+    raise AssertionError(f"no {marker!r} in {seen}")
+
+
+def _stop(process: subprocess.Popen[str], signum: int) -> tuple[int, str]:
+    """Send ``signum``; the exit status and the rest of stderr (no process may be left)."""
+    family = psutil.Process(process.pid).children(recursive=True)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=60)
+    gone, alive = psutil.wait_procs(family, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    return process.returncode, err
+
+
+def _assert_one_line(err: str, during: str, signal_name: str) -> None:
+    assert "Traceback" not in err and "leaked" not in err and "BrokenPipe" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by {signal_name} while {during}") and last.endswith("nothing was saved"), err
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_alpajob_plan_stopped_while_planning(tmp_path: Path, signum: int, code: int) -> None:
+    process = _start("plan", README_JOB, "--no-plan-cache", cwd=tmp_path)
+    while len(psutil.Process(process.pid).children(recursive=True)) < 2:  # the fork server and a worker
+        assert process.poll() is None
+        time.sleep(0.1)
+    returned, err = _stop(process, signum)
+    assert returned == code
+    _assert_one_line(err, "planning", signal.Signals(signum).name)
+
+
+@pytest.mark.slow
+def test_alpajob_run_stopped_while_choosing_its_forced_devices(tmp_path: Path) -> None:
+    """An auto job on CPU plans itself for each forced device count in a child process
+    (forced_count.py) before JAX starts: the child is stopped with the run."""
+    if (os.cpu_count() or 1) >= 8:
+        pytest.skip("the forced device count is chosen only on hosts with fewer than 8 cores")
+    process = _start("run", README_JOB, "--no-plan-cache", cwd=tmp_path)
+    while not psutil.Process(process.pid).children(recursive=True):
+        assert process.poll() is None
+        time.sleep(0.2)
+    time.sleep(2.0)
+    returned, err = _stop(process, signal.SIGTERM)
+    assert returned == 143
+    _assert_one_line(err, "choosing the forced device count", "SIGTERM")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["tracing gpt", "planning for 8 local cpu devices", "initialising parameters"])
+def test_alpajob_run_stopped_before_training(tmp_path: Path, phase: str) -> None:
+    """Each phase before the first step takes seconds for the README job (tracing 2 s,
+    planning 14 s, initialising 3 s on 2 cores): stopped as it starts, the run names it."""
+    process = _start("run", README_JOB, "--devices", "8", "--no-plan-cache", "--keep-plan", cwd=tmp_path)
+    _wait_for_line(process, phase)
+    returned, err = _stop(process, signal.SIGTERM)
+    assert returned == 143
+    _assert_one_line(err, phase, "SIGTERM")
