@@ -119,7 +119,10 @@ def test_no_plan_cache_and_a_cache_dir_are_refused_together(tmp_path, capsys):
     assert "--cache-dir" in err and "--no-plan-cache" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_a_second_run_of_the_same_job_trains_on_the_cached_plan(tmp_path):
+    """The second run reads the plan and its device trial's verdict back, and trains
+    the same numbers."""
     from alpajob.api.options import TrainOptions
     from alpajob.api.resource import parse_job
     from alpajob.trainer_image.local_run import run
@@ -128,11 +131,28 @@ def test_a_second_run_of_the_same_job_trains_on_the_cached_plan(tmp_path):
         "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "again"},
         "spec": {"model": {"zoo": "gpt", "config": "tiny"}, "training": {"globalBatchSize": 8, "dtype": "float32"},
                  "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8}, "parallelism": {"method": "auto"}}})
-    options = TrainOptions(steps=2, keep_plan=True,
-                           planning=PlanOptions(ilp_time_limit=5.0, cache_dir=str(tmp_path)))
+    options = TrainOptions(steps=2, planning=PlanOptions(ilp_time_limit=5.0, cache_dir=str(tmp_path)))
     said: list[list[str]] = [[], []]
     first = run(job, options, on_phase=said[0].append)
     second = run(job, options, on_phase=said[1].append)
-    assert not any(line.startswith("plan: cached") for line in said[0])
-    assert f"plan: cached ({first.plan.content_hash()}); --no-plan-cache plans again" in said[1]
-    assert second.plan == first.plan and second.losses == first.losses
+    assert not any(line.startswith(("plan: cached", "device trial: cached")) for line in said[0])
+    assert "timing the plan against one device" in said[0]
+    planned = next(line for line in said[1] if line.startswith("plan: cached ("))
+    assert "timing the plan against one device" not in said[1]
+    assert f"device trial: cached; {first.device_trial.line()}" in said[1]
+    assert second.device_trial == first.device_trial and second.losses == first.losses
+    if first.plan is not None:  # the trial kept the plan
+        assert second.plan == first.plan and first.plan.content_hash() in planned
+
+
+def test_a_trial_verdict_is_read_back_and_a_damaged_one_ignored(tmp_path):
+    warnings: list[str] = []
+    cache = PlanCache(tmp_path, warnings.append)
+    assert cache.get_trial("k") is None and warnings == []
+    cache.put_trial("k", 0.4, 0.5)
+    assert cache.get_trial("k") == (0.4, 0.5)
+    for text in ("{", json.dumps({"key": "other", "plan_seconds": 0.4, "one_device_seconds": 0.5}),
+                 json.dumps({"key": "k", "plan_seconds": -1, "one_device_seconds": 0.5})):
+        (tmp_path / "trial-k.json").write_text(text)
+        warnings.clear()
+        assert cache.get_trial("k") is None and len(warnings) == 1 and "ignoring" in warnings[0]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -54,6 +55,7 @@ from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.forced_count import host_cores, shared_host_cluster
 from alpajob.trainer_image.goodput import Badput, Goodput
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json
+from alpajob.trainer_image.plan_cache import PlanCache, machine_id, trial_key
 from alpajob.trainer_image.planning import job_graph, plan_or_cached
 from alpajob.trainer_image.precision import LossScale
 from alpajob.trainer_image.runners import PipelineRunner, SerialRunner
@@ -162,6 +164,27 @@ def check_plan(plan: Plan, graph: OpGraph, devices: list[Any], source: str) -> N
         )
 
 
+def _device_trial(runner: Any, one: Any, first_batch: Callable[[], list[np.ndarray]], cache_dir: str | None,
+                  plan_key: str | None, num_devices: int, say: Callable[[str], None]) -> TrialResult:
+    """The plan timed against one device (:mod:`.device_trial`), or that verdict read
+    from the plan cache, where this plan on this machine was timed before
+    (:func:`~.plan_cache.trial_key`)."""
+    cache = key = None
+    if cache_dir is not None and plan_key is not None:
+        cache, key = PlanCache(Path(cache_dir), say), trial_key(plan_key, machine_id(num_devices))
+        verdict = cache.get_trial(key)
+        if verdict is not None:
+            timed = TrialResult(*verdict)
+            say(f"device trial: cached; {timed.line()}")
+            return timed
+    say("timing the plan against one device")
+    timed = trial(runner, one, first_batch())
+    if cache is not None and key is not None:
+        cache.put_trial(key, timed.plan_seconds, timed.one_device_seconds)
+    say(timed.line())
+    return timed
+
+
 def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable[[str], None],
              on_plan: Callable[[Plan], None] | None,
              first_batch: Callable[[], list[np.ndarray]],
@@ -174,6 +197,7 @@ def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable
     graph = job_graph(job)
     cluster = local_cluster(job, devices)
     plan = None
+    plan_key: str | None = None  # its plan-cache key, when the plan cache is on
     timed: TrialResult | None = None
     if not options.serial:
         if options.plan_file:
@@ -182,7 +206,7 @@ def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable
         else:
             say(f"planning for {len(devices)} local {devices[0].platform} devices")
             planned = plan_or_cached(job, options.planning, cluster=cluster, graph=graph, warn=say)
-            plan = planned.plan
+            plan, plan_key = planned.plan, planned.key
             if planned.cached:
                 say(f"plan: cached ({plan.content_hash()}); --no-plan-cache plans again")
         if on_plan:
@@ -202,10 +226,9 @@ def _prepare(job: AlpaJob, model: ModelDef, options: TrainOptions, say: Callable
         method = options.planning.method or job.spec.parallelism.method
         if (cluster.shared_host and method is Method.AUTO and not options.plan_file
                 and not options.keep_plan and scale is None and plan.devices_offered() > 1):
-            say("timing the plan against one device")
             one = SerialRunner(model, optimizer, params, devices[0], training.global_batch_size, scale)
-            timed = trial(runner, one, first_batch())
-            say(timed.line())
+            timed = _device_trial(runner, one, first_batch, options.planning.cache_dir, plan_key,
+                                  len(devices), say)
             if timed.one_device_wins:
                 runner, plan = one, None
     tokens = model.batch_shapes(training.global_batch_size).get("input_ids")

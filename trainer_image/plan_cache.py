@@ -23,6 +23,11 @@ full disk) costs a warning, never the run.
 
 The directory is ``$XDG_CACHE_HOME/alpajob/plans`` (``~/.cache/alpajob/plans``),
 ``--cache-dir`` elsewhere (a job's volume), none with ``--no-plan-cache``.
+
+Beside a plan, the cache keeps the verdict of its **device trial** on forced CPU
+devices (:mod:`.device_trial`: the plan timed against the step on one device), under
+the plan's key and the machine (processor, cores, devices, JAX version): the same job
+on the same machine takes the same decision without timing it again.
 """
 
 from __future__ import annotations
@@ -77,6 +82,21 @@ def plan_key(graph: OpGraph, cluster: ClusterSpec, search: SearchOptions, versio
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
+def machine_id(num_devices: int) -> str:
+    """What a device trial's verdict depends on besides the plan: this machine's
+    processor and cores, the devices the run made, and the JAX that runs them."""
+    import platform
+    from importlib import metadata
+
+    return (f"{platform.machine()} {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
+            f"{num_devices} devices, jax {metadata.version('jax')}")
+
+
+def trial_key(key: str, machine: str) -> str:
+    """The key of a device trial's verdict: the plan's cache key on ``machine``."""
+    return hashlib.sha256(f"{key}\n{machine}".encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class PlanCache:
     """Plans stored under ``directory`` by key; ``warn`` hears why an entry was ignored
@@ -116,16 +136,40 @@ class PlanCache:
     def put(self, key: str, plan: Plan) -> None:
         """Store ``plan`` under ``key``, atomically."""
         document = plan.to_json()
-        entry = json.dumps({"key": key, "sha256": hashlib.sha256(document.encode()).hexdigest(),
-                            "plan": document})
+        self._write(self.path(key), json.dumps({
+            "key": key, "sha256": hashlib.sha256(document.encode()).hexdigest(), "plan": document}))
+
+    def get_trial(self, key: str) -> tuple[float, float] | None:
+        """A device trial's verdict stored under ``key`` (:func:`trial_key`): the plan's
+        and one device's seconds per step."""
+        path = self.directory / f"trial-{key}.json"
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            seconds = (float(entry["plan_seconds"]), float(entry["one_device_seconds"]))
+            if entry.get("key") != key or min(seconds) <= 0:
+                raise ValueError("not a verdict of this key")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            self.warn(f"plan cache: ignoring {path}: {error}; timing the plan again")
+            return None
+        return seconds
+
+    def put_trial(self, key: str, plan_seconds: float, one_device_seconds: float) -> None:
+        """Store a device trial's verdict under ``key``."""
+        self._write(self.directory / f"trial-{key}.json", json.dumps({
+            "key": key, "plan_seconds": plan_seconds, "one_device_seconds": one_device_seconds}))
+
+    def _write(self, path: Path, text: str) -> None:
+        """Write ``text`` to ``path`` atomically; a failure is a warning."""
         temporary: str | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=self.directory, prefix=f".{key}.",
+            with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=self.directory, prefix=f".{path.stem}.",
                                              suffix=".tmp", delete=False) as f:
                 temporary = f.name
-                f.write(entry)
-            os.replace(temporary, self.path(key))
+                f.write(text)
+            os.replace(temporary, path)
         except OSError as error:
             self.warn(f"plan cache: cannot write to {self.directory} ({error.strerror}); "
                       "the next run plans again")
