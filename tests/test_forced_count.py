@@ -97,3 +97,33 @@ def test_errors_cross_processes() -> None:
     assert str(error) == "spec.model.zoo: unknown"
     infeasible = pickle.loads(pickle.dumps(InfeasibleError("too big", 2.0, 1.0)))
     assert (infeasible.required_bytes, infeasible.available_bytes, str(infeasible)) == (2.0, 1.0, "too big")
+
+
+def test_the_choice_is_read_back_from_the_plan_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun does not start the child that plans every count: the choice is cached
+    per manifest, options, cores and planner; a damaged record is chosen again."""
+    from alpajob.api.options import PlanOptions
+    from alpajob.trainer_image import forced_count
+
+    chosen: list[int] = []
+
+    def child(job: object, options: TrainOptions) -> forced_count.ForcedCount:
+        chosen.append(1)
+        return forced_count.ForcedCount(2, {2: 0.15, 8: 0.2})
+
+    monkeypatch.setattr(forced_count, "choose_in_child", child)
+    job = load(README_JOB)
+    options = TrainOptions(planning=PlanOptions(cache_dir=str(tmp_path)))
+    warnings: list[str] = []
+    first = forced_count.choose_cached(job, options, warnings.append)
+    again = forced_count.choose_cached(job, options, warnings.append)
+    assert (first.devices, first.cached, again.devices, again.cached) == (2, False, 2, True)
+    assert again.predicted == first.predicted and again.line().endswith("; cached") and chosen == [1]
+    assert warnings == []
+    other = TrainOptions(planning=PlanOptions(cache_dir=str(tmp_path), ilp_time_limit=3.0))
+    assert not forced_count.choose_cached(job, other, warnings.append).cached and chosen == [1, 1]
+    assert forced_count.choice_key(job, options, 2) != forced_count.choice_key(job, options, 4)
+    record = tmp_path / f"{forced_count.choice_key(job, options, host_cores())}.json"
+    record.write_text('{"key": "x"}')
+    assert not forced_count.choose_cached(job, options, warnings.append).cached and len(warnings) == 1
+    assert not forced_count.choose_cached(job, TrainOptions(), warnings.append).cached  # no cache: always chosen

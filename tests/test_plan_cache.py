@@ -151,8 +151,8 @@ def test_a_trial_verdict_is_read_back_and_a_damaged_one_ignored(tmp_path):
     assert cache.get_trial("k") is None and warnings == []
     cache.put_trial("k", 0.4, 0.5)
     assert cache.get_trial("k") == (0.4, 0.5)
-    for text in ("{", json.dumps({"key": "other", "plan_seconds": 0.4, "one_device_seconds": 0.5}),
-                 json.dumps({"key": "k", "plan_seconds": -1, "one_device_seconds": 0.5})):
+    for text in ("{", json.dumps({"key": "trial-other", "record": {"plan_seconds": 0.4, "one_device_seconds": 0.5}}),
+                 json.dumps({"key": "trial-k", "record": {"plan_seconds": -1, "one_device_seconds": 0.5}})):
         (tmp_path / "trial-k.json").write_text(text)
         warnings.clear()
         assert cache.get_trial("k") is None and len(warnings) == 1 and "ignoring" in warnings[0]

@@ -32,9 +32,11 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from alpajob.api.options import TrainOptions
 from alpajob.api.resource import AlpaJob
@@ -49,10 +51,12 @@ ACCELERATOR_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm60-plu
 
 @dataclass(frozen=True)
 class ForcedCount:
-    """The count chosen, and each candidate's predicted step (seconds)."""
+    """The count chosen, and each candidate's predicted step (seconds); ``cached``:
+    read from the plan cache (:func:`choose_cached`)."""
 
     devices: int
     predicted: dict[int, float]
+    cached: bool = False
 
     def line(self) -> str:
         """What the run says about the choice, in one line."""
@@ -60,7 +64,49 @@ class ForcedCount:
                            if n != self.devices)
         return (f"making {self.devices} forced CPU devices: the plan on {self.devices} is predicted "
                 f"{self.predicted[self.devices] * 1e3:.1f} ms per step"
-                + (f" ({others})" if others else ""))
+                + (f" ({others})" if others else "") + ("; cached" if self.cached else ""))
+
+
+def choice_key(job: AlpaJob, options: TrainOptions, cores: int) -> str:
+    """The plan-cache key of the forced-count choice: the manifest's model, training,
+    cluster and parallelism, the planning options, the host's cores and the planner's
+    version. The choice is made before JAX starts, so it cannot hash the traced graph
+    as a plan's key does: a changed entrypoint can leave a stale count (a slower run,
+    never a wrong one: the plan itself is keyed by its graph)."""
+    import hashlib
+    import json
+
+    from alpajob.trainer_image.plan_cache import planner_version
+
+    spec = job.spec.model_dump(mode="json", include={"model", "training", "cluster", "parallelism"})
+    material = json.dumps({"spec": spec, "planning": options.planning.model_dump(mode="json"),
+                           "cores": cores, "planner": planner_version()}, sort_keys=True)
+    return "count-" + hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def choose_cached(job: AlpaJob, options: TrainOptions, warn: Callable[[str], None]) -> ForcedCount:
+    """:func:`choose_in_child`'s count, read from the plan cache (``cache_dir``) when this
+    job was counted on this host before (:func:`choice_key`), else chosen and stored."""
+    cache_dir = options.planning.cache_dir
+    if cache_dir is None:
+        return choose_in_child(job, options)
+    from alpajob.trainer_image.plan_cache import PlanCache
+
+    cache = PlanCache(Path(cache_dir), warn)
+    key = choice_key(job, options, host_cores())
+    stored = cache.get_record(key)
+    if stored is not None:
+        try:
+            predicted = {int(n): float(s) for n, s in stored["predicted"].items()}
+            devices = int(stored["devices"])
+            if devices in predicted:
+                return ForcedCount(devices, predicted, cached=True)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass
+        warn(f"plan cache: ignoring the forced device count {key}: not a count; choosing again")
+    choice = choose_in_child(job, options)
+    cache.put_record(key, {"devices": choice.devices, "predicted": {str(n): s for n, s in choice.predicted.items()}})
+    return choice
 
 
 def host_cores() -> int:

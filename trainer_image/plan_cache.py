@@ -39,6 +39,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from alpajob.api.errors import PlanFormatError
 from alpajob.api.plan import Plan, plan_from_json
@@ -139,26 +140,43 @@ class PlanCache:
         self._write(self.path(key), json.dumps({
             "key": key, "sha256": hashlib.sha256(document.encode()).hexdigest(), "plan": document}))
 
+    def get_record(self, key: str) -> dict[str, Any] | None:
+        """A small JSON record stored under ``key`` (:meth:`put_record`); a damaged one
+        is ignored with a warning."""
+        path = self.directory / f"{key}.json"
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("record"), dict):
+                raise ValueError("not a record of this key")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError) as error:
+            self.warn(f"plan cache: ignoring {path}: {error}")
+            return None
+        return dict(entry["record"])
+
+    def put_record(self, key: str, record: dict[str, Any]) -> None:
+        """Store a small JSON ``record`` under ``key``, atomically."""
+        self._write(self.directory / f"{key}.json", json.dumps({"key": key, "record": record}))
+
     def get_trial(self, key: str) -> tuple[float, float] | None:
         """A device trial's verdict stored under ``key`` (:func:`trial_key`): the plan's
         and one device's seconds per step."""
-        path = self.directory / f"trial-{key}.json"
-        try:
-            entry = json.loads(path.read_text(encoding="utf-8"))
-            seconds = (float(entry["plan_seconds"]), float(entry["one_device_seconds"]))
-            if entry.get("key") != key or min(seconds) <= 0:
-                raise ValueError("not a verdict of this key")
-        except (FileNotFoundError, NotADirectoryError):
+        record = self.get_record(f"trial-{key}")
+        if record is None:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            self.warn(f"plan cache: ignoring {path}: {error}; timing the plan again")
+        try:
+            seconds = (float(record["plan_seconds"]), float(record["one_device_seconds"]))
+        except (KeyError, TypeError, ValueError):
+            seconds = (0.0, 0.0)
+        if min(seconds) <= 0:
+            self.warn(f"plan cache: ignoring the device trial trial-{key}: not a verdict; timing the plan again")
             return None
         return seconds
 
     def put_trial(self, key: str, plan_seconds: float, one_device_seconds: float) -> None:
         """Store a device trial's verdict under ``key``."""
-        self._write(self.directory / f"trial-{key}.json", json.dumps({
-            "key": key, "plan_seconds": plan_seconds, "one_device_seconds": one_device_seconds}))
+        self.put_record(f"trial-{key}", {"plan_seconds": plan_seconds, "one_device_seconds": one_device_seconds})
 
     def _write(self, path: Path, text: str) -> None:
         """Write ``text`` to ``path`` atomically; a failure is a warning."""

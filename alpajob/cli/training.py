@@ -39,7 +39,7 @@ from alpajob.cli.paths import (
 )
 from alpajob.cli.tables import plan_summary, plan_table, progress_line, run_summary
 from alpajob.trainer_image.devices import force_host_devices
-from alpajob.trainer_image.forced_count import choose_in_child, make_forced_devices, may_choose
+from alpajob.trainer_image.forced_count import choose_cached, make_forced_devices, may_choose
 
 SERIAL = "serial"
 
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     if may_choose(job, options):  # forced CPU devices: as many as plan fastest
         try:
-            choice = choose_in_child(job, options)
+            choice = choose_cached(job, options, warn=lambda line: err.print(line, highlight=False))
         except (Interrupted, KeyboardInterrupt) as error:
             raise interrupted(error, "choosing the forced device count") from None
         make_forced_devices(choice.devices)
