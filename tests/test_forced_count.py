@@ -69,9 +69,9 @@ def test_the_count_whose_plan_is_fastest_is_made() -> None:
     assert on_eight_cores.line().endswith("ms per step")
 
 
-def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, cwd: Path, command: str = "run") -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", "alpajob", "run", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "alpajob", command, *args], capture_output=True,
                           text=True, cwd=cwd, env={**env, "PYTHONPATH": str(cwd)}, timeout=600)
 
 
@@ -84,6 +84,11 @@ def test_alpajob_run_makes_the_chosen_count(tmp_path: Path) -> None:
     made = re.search(r"making (\d+) forced CPU devices", done.stdout)
     assert made and int(made.group(1)) in candidates(8, host_cores()), done.stdout
     assert f"planning for {made.group(1)} local cpu devices" in done.stdout + done.stderr
+    # `alpajob plan` says which count the run makes (the run cached its choice)
+    planned = _run(job, cwd=tmp_path, command="plan")
+    assert planned.returncode == 0, planned.stderr
+    assert (f"`alpajob run` on this machine makes {made.group(1)} forced CPU devices (its cached choice)"
+            in " ".join(planned.stdout.split())), planned.stdout
     # the user's count is the user's: no choice
     done = _run(job, "--steps", "1", "--devices", "4", "--keep-plan", cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -15,9 +15,11 @@ XLA) plans the job for each candidate count N (the count offered, and one device
 core when that is fewer), on a cluster that knows its devices per core
 (:func:`~alpajob.planner.cost.model.oversubscription_factor`), and the run makes the
 count whose plan is predicted fastest before it imports JAX. The run then plans again
-on the devices it made (the same cluster: the same plan). The device trial that
+on the devices it made (the same cluster: the same plan), which with the plan cache
+(:mod:`.plan_cache`) is a read of the plan the child stored. The device trial that
 follows still times that plan against one device. The choice costs the child's start
-and plans (about 10 s for the README job on 2 cores).
+and plans (about 10 s for the README job on 2 cores); with the plan cache a rerun
+reads the choice back (:func:`choose_cached`) and starts no child.
 
 The choice is made only where it is the run's to make and there is one to make: an
 ``auto`` job of a shared-host preset (``cpu``), no ``--devices``, no plan file, no
@@ -79,7 +81,8 @@ def choice_key(job: AlpaJob, options: TrainOptions, cores: int) -> str:
     from alpajob.trainer_image.plan_cache import planner_version
 
     spec = job.spec.model_dump(mode="json", include={"model", "training", "cluster", "parallelism"})
-    material = json.dumps({"spec": spec, "planning": options.planning.model_dump(mode="json"),
+    planning = options.planning.model_dump(mode="json", exclude={"cache_dir"})
+    material = json.dumps({"spec": spec, "planning": planning,
                            "cores": cores, "planner": planner_version()}, sort_keys=True)
     return "count-" + hashlib.sha256(material.encode()).hexdigest()[:16]
 
@@ -138,6 +141,26 @@ def may_choose(job: AlpaJob, options: TrainOptions) -> bool:
             and len(candidates(DEFAULT_DEVICES, host_cores())) > 1
             and cluster_for(job.spec.cluster, options.planning).shared_host
             and "jax" not in sys.modules)
+
+
+def run_devices_line(job: AlpaJob, options: TrainOptions) -> str | None:
+    """What ``alpajob plan`` says about the forced devices ``alpajob run`` would make
+    for ``job`` on this machine (None where the run does not choose: call it before JAX
+    is imported, as :func:`may_choose`)."""
+    if not may_choose(job, options):
+        return None
+    counts = candidates(DEFAULT_DEVICES, host_cores())
+    if options.planning.cache_dir is not None:
+        from alpajob.trainer_image.plan_cache import PlanCache
+
+        record = PlanCache(Path(options.planning.cache_dir), lambda _line: None).get_record(
+            choice_key(job, options, host_cores()))
+        if record is not None and isinstance(record.get("devices"), int):
+            return (f"`alpajob run` on this machine makes {record['devices']} forced CPU devices "
+                    "(its cached choice) and plans again for them; --devices N fixes the count")
+    return (f"`alpajob run` on this machine ({host_cores()} cores) plans this job for "
+            f"{' and '.join(map(str, counts))} forced CPU devices and makes the faster (more devices "
+            "than cores slow every device); --devices N fixes the count")
 
 
 def choose_forced_count(job: AlpaJob, options: TrainOptions, cores: int | None = None) -> ForcedCount:

@@ -76,8 +76,8 @@ def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptio
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from alpajob.trainer_image.planning import plan_or_cached
-    from alpajob.trainer_image.stopping import Interrupted, interrupted
+    from alpajob.api.options import TrainOptions
+    from alpajob.trainer_image.forced_count import run_devices_line
 
     runtime = TrainerRuntime.from_env(os.environ)
     manifest = args.manifest or runtime.manifest
@@ -90,6 +90,10 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.svg:
         writable_file(args.svg, "--svg")
     target = args.output_configmap or runtime.plan_configmap
+    devices_line = run_devices_line(job, TrainOptions(planning=options))  # before JAX starts
+    from alpajob.trainer_image.planning import plan_or_cached
+    from alpajob.trainer_image.stopping import Interrupted, interrupted
+
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
         task = bar.add_task("planning", total=None)
@@ -111,6 +115,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                   highlight=False)
     out.print(plan_table(plan))
     out.print(plan_summary(plan))
+    if devices_line:
+        out.print(devices_line, highlight=False, soft_wrap=True)
     if options.calibration:
         from alpajob.planner.cost.measured import load_measured
 
