@@ -23,8 +23,11 @@ README_JOB = str(EXAMPLES / "text-gpt.yaml")
 def _start(*args: str, cwd: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)  # the command makes its own forced devices
+    # A shell starts a background job with Ctrl-C ignored, and a child inherits that:
+    # this one gets Ctrl-C as a terminal's foreground command does.
     return subprocess.Popen([sys.executable, "-m", "alpajob", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_line(process: subprocess.Popen[str], marker: str, timeout: float = 120.0) -> list[str]:
