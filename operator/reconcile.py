@@ -184,8 +184,8 @@ class _Pass(PassState):
                 self.status.plan = self.summary()
                 shapes = ", ".join("x".join(map(str, s.submesh_shape)) for s in self.plan.stages)
                 self.decision.events.append(("Normal", "Planned", (
-                    f"{len(self.plan.stages)} stage(s) on submeshes {shapes}, {self.plan.num_micro_batches} "
-                    f"micro-batches, predicted step {self.plan.predicted_step_seconds:.4g} s; the whole plan is "
+                    f"{wording.counted(len(self.plan.stages), 'stage')} on submeshes {shapes}, "
+                    f"{wording.counted(self.plan.num_micro_batches, 'micro-batch', 'micro-batches')}, predicted step {self.plan.predicted_step_seconds:.4g} s; the whole plan is "
                     f"in ConfigMap {names.plan}, the planner's output in `kubectl logs {names.planner}`")))
             return False
         planner = self.seen.pods.get(names.planner)
@@ -359,7 +359,7 @@ class _Pass(PassState):
         self.stop_pods(old)
         phase = self.status.phase if self.status.phase in (Phase.RESTARTING, Phase.STARTING) else Phase.RESTARTING
         self.phase(phase, "OldPodsTerminating",
-                   f"waiting for {len(old)} pod(s) of an earlier attempt to terminate: {', '.join(sorted(old))}")
+                   f"waiting for {wording.counted(len(old), 'pod')} of an earlier attempt to terminate: {', '.join(sorted(old))}")
         return True
 
     def ensure_children(self) -> bool:
@@ -493,7 +493,7 @@ class _Pass(PassState):
         message = (f"pod {name} cannot be scheduled for {age:.0f} s: {why} (its requests come from the plan "
                    f"and spec.podTemplate.{role}; lower them, or add nodes that fit)")
         if len(long) > 1:
-            message += f"; {len(long) - 1} more pod(s) unschedulable"
+            message += f"; {wording.counted(len(long) - 1, 'more pod')} unschedulable"
         limit = self.run_policy.get("schedulingTimeoutSeconds")
         if limit is not None and age >= limit:
             self.stop_pods(self.seen.pods)

@@ -861,7 +861,7 @@ def test_a_failed_jobs_pods_stay_for_their_logs_as_clean_pod_policy_says(
     failed pods', for `kubectl logs`; All deletes every pod; None keeps every pod."""
     world = World({"runPolicy": {"cleanPodPolicy": policy}} if policy != "Running" else {})
     _running(world, plan_json)
-    assert [m for k, r, m in world.events if r == "Planned"][0].startswith("2 stage(s) on submeshes 1x4, 1x4")
+    assert [m for k, r, m in world.events if r == "Planned"][0].startswith("2 stages on submeshes 1x4, 1x4")
     _fail(world, "manual-gpt-0-head", 2)
     world.objects["Pod", "manual-gpt-0-m1-h0"]["status"] = {"phase": "Failed"}
     world.step()

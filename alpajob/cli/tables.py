@@ -220,7 +220,7 @@ def run_summary(result: Any, batch: int, exact: bool = False) -> Table:
                         for k in ("compute", "idle", "communication")]
                 table.add_row(f"stage {index} compute / idle / comm",
                               " / ".join(f"{v * 1e3:.1f} ms" for v in mean))
-            table.caption = f"stage times: mean of {len(recent)} timed step(s) (--stage-times-every)"
+            table.caption = f"stage times: mean of {counted(len(recent), 'timed step')} (--stage-times-every)"
             if not exact:
                 table.caption += ("; from completion stamps, rough on CPU devices, exact with "
                                   "--exact-stage-times")

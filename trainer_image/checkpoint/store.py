@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from alpajob.api.wording import counted
 from alpajob.trainer_image.checkpoint.fingerprint import fingerprints, mismatches
 from alpajob.trainer_image.checkpoint.lock import CheckpointError
 
@@ -192,7 +193,7 @@ def _locate(root: Path, step: int, targets: Mapping[str, jax.ShapeDtypeStruct]) 
     first = next(iter(metas.values()))
     missing = [part for part in first["parts"] if part not in metas]
     if missing:
-        raise DamagedCheckpoint(f"{root}: step {step} lacks part(s) {', '.join(missing)}")
+        raise DamagedCheckpoint(f"{root}: step {step} lacks {'part' if len(missing) == 1 else 'parts'} {', '.join(missing)}")
     wanted: dict[str, list[str]] = {}
     for name, target in sorted(targets.items()):
         part = next((p for p in first["parts"] if name in metas[p]["arrays"]), None)
@@ -241,7 +242,7 @@ def restore(root: str | Path, step: int, targets: Mapping[str, jax.ShapeDtypeStr
             arrays[name] = node
     bad = mismatches(meta["fingerprints"], arrays)
     if bad:
-        raise DamagedCheckpoint(f"{root}: step {step} is corrupted: {len(bad)} array(s) differ from what "
+        raise DamagedCheckpoint(f"{root}: step {step} is corrupted: {counted(len(bad), 'array')} differ from what "
                                 f"was saved ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     return Restored(step=step, arrays=arrays, run=meta["run"])
 

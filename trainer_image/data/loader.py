@@ -29,6 +29,7 @@ import grain
 import numpy as np
 
 from alpajob.api.errors import ManifestError
+from alpajob.api.wording import counted
 from alpajob.trainer_image.data.corpus import Corpus
 
 #: Batches the background thread keeps ready (0: no thread, read on demand).
@@ -60,7 +61,7 @@ def _batched(corpus: Corpus, seq_len: int, batch_size: int, shard: Shard,
              seed: int | None) -> grain.MapDataset:
     count = windows(corpus, seq_len)
     if count < shard.count * max(batch_size // shard.count, 1):
-        raise ManifestError(corpus.field, f"holds {len(corpus.tokens):,} tokens, {count} sequence(s) of "
+        raise ManifestError(corpus.field, f"holds {len(corpus.tokens):,} tokens, {counted(count, 'sequence')} of "
                                           f"{seq_len}: fewer than one global batch of {batch_size}; give "
                                           "more data or a smaller globalBatchSize")
     if batch_size % shard.count:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from alpajob.api.errors import TransientError
 from alpajob.api.plan import Plan
+from alpajob.api.wording import counted
 from alpajob.trainer_image.devices import with_host_devices
 
 
@@ -147,7 +148,7 @@ def wait_for_hosts(
         if time.monotonic() >= deadline:
             names = ", ".join(f"mesh {h.mesh} host {h.host} ({h.resource})" for h in missing)
             raise JoinTimeoutError(
-                f"{len(missing)} mesh host(s) did not join the Ray cluster within "
+                f"{counted(len(missing), 'mesh host')} did not join the Ray cluster within "
                 f"{timeout:g} s: {names}; start them with `alpajob mesh-worker --mesh I "
                 f"--host J` (or check that their pods are running and can reach the head)"
             )

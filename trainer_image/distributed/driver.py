@@ -179,7 +179,7 @@ def gather(refs: Sequence[Any], timeout: float, what: str, grace: float = DEATH_
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise HostFailure(f"{what}: {len(pending)} of {len(refs)} mesh host(s) gave no answer "
+            raise HostFailure(f"{what}: {len(pending)} of {counted(len(refs), 'mesh host')} gave no answer "
                               f"within {timeout:g} s (hung?)")
         done, pending = ray.wait(pending, num_returns=1, timeout=left)
         for ref in done:

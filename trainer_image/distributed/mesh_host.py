@@ -54,6 +54,7 @@ from alpajob.api.resource import parse_job
 from alpajob.api.runtime import TrainerRuntime, Transport
 from alpajob.api.spec import Schedule
 from alpajob.api.timeline import Span, SpanKind
+from alpajob.api.wording import counted
 from alpajob.trainer_image.checkpoint.names import load_stage, stage_arrays, targets
 from alpajob.trainer_image.checkpoint.store import DamagedCheckpoint, PartWriter, mesh_part, restore
 from alpajob.trainer_image.data.feed import open_feed
@@ -318,7 +319,7 @@ class MeshHost:
         )
         if isinstance(link, CollectiveLink):
             if link.pending:
-                raise OrderError(f"stage {self.index} ended its step with {link.pending} message(s) of "
+                raise OrderError(f"stage {self.index} ended its step with {counted(link.pending, 'message')} of "
                                  f"the global order not performed")
             sent = self.mover.sent_bytes - before  # type: ignore[union-attr]
         else:
