@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -74,7 +73,7 @@ def main() -> None:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
-    from local_jobs import FAST_PLANNING, job_document
+    from local_jobs import FAST_PLANNING, job_document, paired_cells
 
     from alpajob.api.resource import parse_job
     from alpajob.trainer_image.entrypoint import load_model
@@ -179,13 +178,8 @@ def main() -> None:
             for case, (hand, ours_step, _) in runs.items():
                 samples[case] += paired(hand, ours_step, batches, warm=round_ > 0)
         for case, (_, _, described) in runs.items():
-            hand_s = statistics.median(x[0] for x in samples[case])
-            ours_s = statistics.median(x[1] for x in samples[case])
-            ratios = sorted(x[0] / x[1] for x in samples[case])
-            quartiles = statistics.quantiles(ratios, n=4)
-            print(f"| {name} {json.dumps(config)} | {case} | {described} | {hand_s * 1e3:.1f} | "
-                  f"{ours_s * 1e3:.1f} | {statistics.median(ratios):.2f}x "
-                  f"({quartiles[0]:.2f}-{quartiles[2]:.2f}) |", flush=True)
+            print(f"| {name} {json.dumps(config)} | {case} | {described} | {paired_cells(samples[case])} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

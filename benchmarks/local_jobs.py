@@ -24,3 +24,16 @@ def job_plan_options(job: Any) -> Any:
     from alpajob.planner.plan.make import search_options
 
     return search_options(job.spec.parallelism, FAST_PLANNING)
+
+
+def paired_cells(pairs: list[tuple[float, float]]) -> str:
+    """Table cells of alternating step pairs ``(baseline s, ours s)``: each side's median
+    in ms, and the median of the pairs' baseline / ours ratio with its quartiles."""
+    import statistics
+
+    first = statistics.median(x[0] for x in pairs)
+    second = statistics.median(x[1] for x in pairs)
+    ratios = sorted(x[0] / x[1] for x in pairs)
+    quartiles = statistics.quantiles(ratios, n=4)
+    return (f"{first * 1e3:.1f} | {second * 1e3:.1f} | {statistics.median(ratios):.2f}x "
+            f"({quartiles[0]:.2f}-{quartiles[2]:.2f})")

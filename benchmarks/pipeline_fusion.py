@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -69,7 +68,7 @@ def main() -> None:
 
     import jax
     import numpy as np
-    from local_jobs import FAST_PLANNING, job_document
+    from local_jobs import FAST_PLANNING, job_document, paired_cells
 
     from alpajob.api.resource import parse_job
     from alpajob.trainer_image.entrypoint import load_model
@@ -115,13 +114,8 @@ def main() -> None:
                 assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0]), (case, losses)
                 samples[case].append((times[0], times[1]))
     for case, (_, stages, micro) in runs.items():
-        apart = statistics.median(x[0] for x in samples[case])
-        fused = statistics.median(x[1] for x in samples[case])
-        ratios = sorted(x[0] / x[1] for x in samples[case])
-        quartiles = statistics.quantiles(ratios, n=4)
         print(f"| {case} | {executables(stages, micro, False)}, {executables(stages, micro, True)} | "
-              f"{apart * 1e3:.1f} | {fused * 1e3:.1f} | {statistics.median(ratios):.2f}x "
-              f"({quartiles[0]:.2f}-{quartiles[2]:.2f}) |", flush=True)
+              f"{paired_cells(samples[case])} |", flush=True)
 
 
 if __name__ == "__main__":
