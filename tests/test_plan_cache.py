@@ -122,7 +122,7 @@ def test_no_plan_cache_and_a_cache_dir_are_refused_together(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_second_run_of_the_same_job_trains_on_the_cached_plan(tmp_path):
     """The second run reads the plan and its device trial's verdict back, and trains
-    the same numbers."""
+    the same numbers; the first kept its compiled executables."""
     from alpajob.api.options import TrainOptions
     from alpajob.api.resource import parse_job
     from alpajob.trainer_image.local_run import run
@@ -131,9 +131,11 @@ def test_a_second_run_of_the_same_job_trains_on_the_cached_plan(tmp_path):
         "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "again"},
         "spec": {"model": {"zoo": "gpt", "config": "tiny"}, "training": {"globalBatchSize": 8, "dtype": "float32"},
                  "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8}, "parallelism": {"method": "auto"}}})
-    options = TrainOptions(steps=2, planning=PlanOptions(ilp_time_limit=5.0, cache_dir=str(tmp_path)))
+    options = TrainOptions(steps=2, planning=PlanOptions(ilp_time_limit=5.0, cache_dir=str(tmp_path)),
+                           compile_cache_dir=str(tmp_path / "xla"))
     said: list[list[str]] = [[], []]
     first = run(job, options, on_phase=said[0].append)
+    assert any((tmp_path / "xla").iterdir()), "the step's executables were not kept"
     second = run(job, options, on_phase=said[1].append)
     assert not any(line.startswith(("plan: cached", "device trial: cached")) for line in said[0])
     assert "timing the plan against one device" in said[0]

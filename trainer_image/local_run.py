@@ -49,6 +49,7 @@ from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.trainer_image.checkpoint.local import LocalCheckpoints
 from alpajob.trainer_image.checkpoint.lock import CheckpointError
 from alpajob.trainer_image.checkpoint.names import targets
+from alpajob.trainer_image.compile_cache import compile_cache
 from alpajob.trainer_image.data.feed import SYNTHETIC, open_feed
 from alpajob.trainer_image.device_trial import TrialResult, trial
 from alpajob.trainer_image.entrypoint import load_model
@@ -263,9 +264,22 @@ def run(
     on_phase: Callable[[str], None] | None = None,
     on_plan: Callable[[Plan], None] | None = None,
 ) -> RunResult:
-    """Plan (or read the plan) and train (module docstring). ``on_phase`` hears what the
-    run is doing, ``on_plan`` gets the plan before training starts, ``on_step`` every
-    step's :class:`~alpajob.api.progress.Progress`."""
+    """Plan (or read the plan) and train (module docstring), compiling through JAX's
+    persistent compilation cache in ``options.compile_cache_dir`` (:mod:`.compile_cache`).
+    ``on_phase`` hears what the run is doing, ``on_plan`` gets the plan before training
+    starts, ``on_step`` every step's :class:`~alpajob.api.progress.Progress`."""
+    with compile_cache(options.compile_cache_dir, on_phase or (lambda _line: None)):
+        return _run(job, options, on_step, on_phase, on_plan)
+
+
+def _run(
+    job: AlpaJob,
+    options: TrainOptions,
+    on_step: Callable[[Progress], None] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
+) -> RunResult:
+    """:func:`run` once the compilation cache is set."""
     say = on_phase or (lambda _what: None)
     books = Goodput()
     training = job.spec.training

@@ -71,6 +71,10 @@ class TrainOptions(Contract):
     metrics_linger: float = Field(0.0, ge=0, description=(
         "seconds /metrics stays up after the last step, for the final scrape"))
     prefetch: int = Field(2, ge=0, le=64, description="batches a loader thread keeps ready (0: none)")
+    compile_cache_dir: str | None = Field(None, description=(
+        "keep XLA's compiled executables in this folder and reuse them in a later run (JAX's "
+        "persistent compilation cache; None: compile every time; the CLI's default is the "
+        "user cache folder)"))
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainOptions:

@@ -59,3 +59,25 @@ def plan_cache_dir(args: argparse.Namespace) -> str | None:
     from alpajob.trainer_image.plan_cache import default_cache_dir
 
     return str(default_cache_dir())
+
+
+def add_compile_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """``--compile-cache`` and ``--no-compile-cache`` (:mod:`~alpajob.trainer_image.compile_cache`)."""
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="keep XLA's compiled step in DIR and reuse it in a later run (default "
+                             "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/alpajob/xla)")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="compile the step from scratch: neither read nor write compiled executables")
+
+
+def compile_cache_dir(args: argparse.Namespace) -> str | None:
+    """The compilation cache folder the flags ask for; None with ``--no-compile-cache``."""
+    if args.no_compile_cache:
+        if args.compile_cache:
+            raise ManifestError("--compile-cache", "cannot be used with --no-compile-cache; drop one of them")
+        return None
+    if args.compile_cache:
+        return str(directory(args.compile_cache, "--compile-cache"))
+    from alpajob.trainer_image.compile_cache import default_compile_cache_dir
+
+    return str(default_compile_cache_dir())

@@ -31,7 +31,9 @@ from alpajob.api.progress import Progress
 from alpajob.api.resource import load_job
 from alpajob.api.spec import Method
 from alpajob.cli.paths import (
+    add_compile_cache_flags,
     add_plan_cache_flags,
+    compile_cache_dir,
     directory,
     existing_file,
     plan_cache_dir,
@@ -94,6 +96,7 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--ilp-time-limit", type=float, default=10.0,
                      help="seconds allowed to each intra-op ILP solve (default 10)")
     add_plan_cache_flags(run)
+    add_compile_cache_flags(run)
 
 
 def train_options(args: argparse.Namespace) -> TrainOptions:
@@ -116,6 +119,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         "exact_stage_times": args.exact_stage_times or None,
         "stage_times_every": args.stage_times_every, "prefetch": args.prefetch,
         "trace": args.trace, "keep_plan": args.keep_plan or None,
+        "compile_cache_dir": compile_cache_dir(args),
     })
     if options.plan_file:
         existing_file(options.plan_file, "--plan")
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     def track(on_phase: Callable[[str], None]) -> Callable[[str], None]:
         def phase(what: str) -> None:
-            if not what.startswith(("data: ", "plan: ", "trace: ")):  # reports, not activities
+            if not what.startswith(("data: ", "plan: ", "trace: ", "compile cache: ")):  # reports, not activities
                 doing[0] = what
             on_phase(what)
 
