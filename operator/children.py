@@ -41,6 +41,7 @@ from alpajob.api.runtime import (
     COORDINATOR_PORT,
     MANIFEST_PATH,
     METRICS_PORT,
+    PLAN_CACHE_DIR,
     PLAN_DIR,
     PLAN_PATH,
     RAY_PORT,
@@ -181,8 +182,11 @@ def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster,
     """The pod that plans the job for the pool (``alpajob plan``), once."""
     namespace = job["metadata"]["namespace"]
     volumes, mounts = _volumes(names, False, job)
+    # With a checkpoint volume, plans are cached there: a later attempt or a job applied
+    # again on the same claim and an unchanged pool reads its plan back.
     runtime = _runtime(job, names, Role.PLANNER, plan_configmap=f"{namespace}/{names.plan}",
-                       gpu=cluster.preset, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node)
+                       gpu=cluster.preset, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
+                       plan_cache=PLAN_CACHE_DIR if checkpoint_claim(job) else None)
     pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, names.planner, Role.PLANNER),
         "spec": {

@@ -69,6 +69,31 @@ def test_the_planner_pod_plans_for_the_pool_and_writes_the_plan_configmap() -> N
     options = plan_options(args, runtime)
     assert (options.gpu, options.nodes, options.gpus_per_node) == ("h100-80gb", 4, 8)
     assert runtime.plan_configmap == "ml/gpt-plan"
+    # Plans are cached on the job's checkpoint volume, which the planner pod mounts.
+    assert options.cache_dir == "/checkpoints/.alpajob/plans"
+    [mount] = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "checkpoints"]
+    assert options.cache_dir.startswith(mount["mountPath"] + "/")
+    assert plan_options(_parser().parse_args(["plan", "--no-plan-cache"]), runtime).cache_dir is None
+
+
+def test_without_a_checkpoint_volume_the_planner_caches_in_its_own_home() -> None:
+    job = {**JOB, "spec": {"model": JOB["spec"]["model"]}}
+    runtime = TrainerRuntime.from_env(env_of(children.planner_pod(job, NAMES, PoolCluster("h100-80gb", 4, 8))))
+    assert runtime.plan_cache is None
+    assert plan_options(_parser().parse_args(["plan"]), runtime).cache_dir.endswith("alpajob/plans")
+
+
+def test_a_planner_pod_reads_back_the_plan_its_earlier_attempt_cached(tmp_path: Path, capsys) -> None:
+    """Two planner pods of the job on the same volume: the second reads the plan."""
+    env = {"ALPAJOB_ROLE": "planner", "ALPAJOB_MANIFEST": str(EXAMPLE), "ALPAJOB_PLAN_CACHE": str(tmp_path / "plans")}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        assert main(["plan"]) == 0
+        assert "plan: cached" not in capsys.readouterr().err
+        assert main(["plan"]) == 0
+        assert "plan: cached (" in capsys.readouterr().err
+    assert any((tmp_path / "plans").iterdir())
 
 
 def test_the_head_pod_starts_its_ray_head_and_drives_with_checkpoints_and_progress(tmp_path: Path) -> None:
@@ -121,6 +146,7 @@ def test_a_full_runtime_goes_through_the_environment_unchanged() -> None:
     runtime = TrainerRuntime(
         role=Role.MESH, job="j", namespace="n", attempt=3, manifest="/m", plan="/p",
         plan_configmap="n/p", progress_configmap="n/q", gpu="a100-80gb", nodes=2, gpus_per_node=4,
+        plan_cache="/c/.alpajob/plans",
         ray_address="h:1", ray_port=2, metrics_port=3, mesh=1, host=0, process_id=0,
         process_count=2, coordinator="c:4", devices=4, checkpoint_dir="/c", checkpoint_every=7,
         checkpoint_volume="PersistentVolumeClaim c at /c", object_store_bytes=2**28,

@@ -22,6 +22,7 @@ variable                   pods         meaning
 ``ALPAJOB_GPU``            planner      the device preset of the node pool
 ``ALPAJOB_NODES``          planner      nodes of the pool the plan may use
 ``ALPAJOB_GPUS_PER_NODE``  planner      devices of each of them
+``ALPAJOB_PLAN_CACHE``     planner      the plan cache's folder (on the checkpoint volume)
 ``ALPAJOB_RAY_ADDRESS``    mesh         the Ray head's ``host:port``
 ``ALPAJOB_RAY_PORT``       head         the Ray head's GCS port
 ``ALPAJOB_METRICS_PORT``   head         the driver's Prometheus port
@@ -65,6 +66,8 @@ COORDINATOR_PORT = 8476
 CONFIG_DIR = "/etc/alpajob"
 PLAN_DIR = "/etc/alpajob/plan"
 CHECKPOINT_DIR = "/checkpoints"
+#: The planner's plan cache, on the checkpoint volume (a dot folder: no checkpoint).
+PLAN_CACHE_DIR = f"{CHECKPOINT_DIR}/.alpajob/plans"
 MANIFEST_PATH = f"{CONFIG_DIR}/manifest.yaml"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
 
@@ -90,6 +93,7 @@ class TrainerRuntime(Contract):
     gpu: DevicePreset | None = None
     nodes: int | None = Field(None, ge=1)
     gpus_per_node: int | None = Field(None, ge=1)
+    plan_cache: str | None = None
     ray_address: str | None = None
     ray_port: int | None = Field(None, ge=1, le=65535)
     metrics_port: int | None = Field(None, ge=1, le=65535)

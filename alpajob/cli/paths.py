@@ -48,14 +48,17 @@ def add_plan_cache_flags(parser: argparse.ArgumentParser) -> None:
                         help="plan from scratch: neither read nor write the plan cache")
 
 
-def plan_cache_dir(args: argparse.Namespace) -> str | None:
-    """The plan cache folder the flags ask for; None with ``--no-plan-cache``."""
+def plan_cache_dir(args: argparse.Namespace, default: str | None = None) -> str | None:
+    """The plan cache folder the flags ask for (else ``default``, else the user cache);
+    None with ``--no-plan-cache``."""
     if args.no_plan_cache:
         if args.cache_dir:
             raise ManifestError("--cache-dir", "cannot be used with --no-plan-cache; drop one of them")
         return None
     if args.cache_dir:
         return str(directory(args.cache_dir, "--cache-dir"))
+    if default:
+        return default
     from alpajob.trainer_image.plan_cache import default_cache_dir
 
     return str(default_cache_dir())

@@ -71,7 +71,7 @@ def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptio
         "all_devices": args.all_devices or None,
         "calibration": str(existing_file(args.calibration, "--calibration"))
         if args.calibration else None,
-        "cache_dir": plan_cache_dir(args),
+        "cache_dir": plan_cache_dir(args, runtime.plan_cache),
     })
 
 

@@ -92,12 +92,13 @@ def even_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return [(int(a), int(b) - 1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def megatron_grid(context: CostContext, micro_batches: Sequence[int]) -> Candidate | None:
-    """The best dp x tp x pp grid (tp within a node, even layers per stage)."""
+def megatron_grids(context: CostContext) -> list[list[StageRequest]]:
+    """Every dp x tp x pp grid Megatron-LM would run on the cluster (tp within a node,
+    even layers per stage), as the stages it asks for."""
     n_devices = context.cluster.num_devices
     per_node = context.cluster.devices_per_node
     n_layers = len(context.layers)
-    candidates: list[Candidate | None] = []
+    grids: list[list[StageRequest]] = []
     tp = 1
     while tp <= per_node:
         pp = 1
@@ -111,20 +112,31 @@ def megatron_grid(context: CostContext, micro_batches: Sequence[int]) -> Candida
                     submesh = (stage_devices // per_node, per_node)
                 # tp = 1 is the flat data-parallel mesh (1, dp): the same ILPs as the DP's.
                 shape = (dp, tp) if tp > 1 else (1, dp)
-                requests = [
-                    StageRequest(a, b, submesh, shape) for a, b in even_ranges(n_layers, pp)
-                ]
-                for b in micro_batches:
-                    if pp > 1 and b < pp:
-                        continue  # a pipeline needs at least as many micro-batches as stages
-                    candidates.append(
-                        evaluate_stages(
-                            context, requests, b, ShardingMode.AUTO, Baseline.MEGATRON.value
-                        )
-                    )
+                grids.append([StageRequest(a, b, submesh, shape) for a, b in even_ranges(n_layers, pp)])
             pp *= 2
         tp *= 2
-    return best_of(candidates)
+    return grids
+
+
+def megatron_grid(context: CostContext, micro_batches: Sequence[int]) -> Candidate | None:
+    """The best of :func:`megatron_grids` (a pipeline needs at least as many
+    micro-batches as stages)."""
+    return best_of([
+        evaluate_stages(context, requests, b, ShardingMode.AUTO, Baseline.MEGATRON.value)
+        for requests in megatron_grids(context) for b in micro_batches
+        if len(requests) == 1 or b >= len(requests)
+    ])
+
+
+def megatron_own_grids(context: CostContext) -> list[list[StageRequest]]:
+    """The grids of :func:`megatron_grids` on logical meshes the inter-op DP does not
+    try (:meth:`~alpajob.planner.inter_op.search.CostContext.shapes`, e.g. dp 4 x tp 2
+    on one node of 8, whose transpose the DP tries instead): the ILPs only the
+    Megatron baseline needs."""
+    dp_submeshes = set(context.submeshes())
+    return [requests for requests in megatron_grids(context)
+            if requests[0].submesh not in dp_submeshes
+            or requests[0].shape not in context.shapes(requests[0].submesh)]
 
 
 def _stage_counts(context: CostContext) -> list[int]:

@@ -41,7 +41,13 @@ from alpajob.planner.inter_op.search import (
 )
 from alpajob.planner.inter_op.stage_costs import CosterCaches, SolveCounter, Submesh
 from alpajob.planner.intra_op.solve import ShardingMode
-from alpajob.planner.plan.baselines import data_parallel, megatron_grid, whole_cluster
+from alpajob.planner.plan.baselines import (
+    Baseline,
+    data_parallel,
+    megatron_grid,
+    megatron_own_grids,
+    whole_cluster,
+)
 
 #: One process's share of the search: a micro-batch count and the submeshes whose DP
 #: tables it solves, or no submeshes: all the count's candidates but the DP's.
@@ -93,8 +99,9 @@ def split_tasks(context: CostContext, counts: Sequence[int], method: Method) -> 
     ones even out the end of each count (even a single count keeps every core busy).
     The other candidates mostly reuse those solutions (the single-stage plan is the
     whole-cluster submesh's, Megatron's grids mostly the DP's meshes), so the parent
-    builds them; only the data-parallel and ZeRO-2 baselines have ILPs of their own
-    (other sharding modes), one more task per count ``(count, ())`` under ``auto``.
+    builds them; the data-parallel and ZeRO-2 baselines (other sharding modes) and
+    Megatron's grids on meshes the DP does not try have ILPs of their own: one more
+    task per count ``(count, ())`` under ``auto``, so the parent solves none.
     Without a DP a count is one task. Example: 8 x 8 GPUs, counts 8 and 4, auto ->
     (8, 8x8), (8, 4x8), ..., (8, 1x1), (8, ()), (4, 8x8), (4, 4x8), ...
     """
@@ -284,9 +291,12 @@ def _solve_task(task: Task) -> TaskResult:
     count, submeshes = task
     if submeshes:
         warm_submeshes(context, count, submeshes)
-    elif method is Method.AUTO:  # auto's data-parallel baselines (see split_tasks)
+    elif method is Method.AUTO:  # auto's own baselines' ILPs (see split_tasks)
         for baseline in (Method.DATA, Method.ZERO2):
             candidates_at(context, count, baseline, manual)
+        for requests in megatron_own_grids(context):
+            if len(requests) == 1 or count >= len(requests):
+                evaluate_stages(context, requests, count, ShardingMode.AUTO, Baseline.MEGATRON.value)
     else:
         candidates_at(context, count, method, manual, dp=False)
     caches = {key: coster.caches() for key, coster in context.costers().items()}

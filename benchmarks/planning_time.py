@@ -1,0 +1,154 @@
+"""Planning latency: `alpajob plan` from a cold start to the printed plan, per job.
+
+Each case is planned by a fresh ``alpajob plan MANIFEST --no-plan-cache --output FILE``
+process, as a user's first plan is, and timed from the command's start to its exit.
+The Plan document's statistics split the wall time: tracing the model into its op
+graph (``extract_seconds``), the search (``planning_seconds``: clustering, the ILPs in
+the worker pool, the inter-op DP), and the rest (interpreter start, imports, reading
+the manifest, the forced-device line, printing). ``ilp_seconds`` is the ILPs' CPU time
+summed over the workers, so it exceeds the search's wall time on several cores.
+
+The cases are the planning-latency targets: GPT-tiny and the README job on 8 forced
+CPU devices, GPT-39B and MoE-70B on 8 x 8 V100-16GB (batch 1024, float16, Adam).
+
+``--before DIR`` also times a checkout of another commit (``git worktree add DIR
+COMMIT``), the two alternating per case, so both see the same machine::
+
+    python benchmarks/planning_time.py --repeat 3 --markdown table.md
+    python benchmarks/planning_time.py --cases gpt-tiny --before /tmp/before
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "manifests" / "examples"
+
+V100_JOB = """apiVersion: alpajob.io/v1alpha1
+kind: AlpaJob
+metadata: {{name: {name}}}
+spec:
+  model: {{zoo: {zoo}, config: {size}}}
+  training: {{globalBatchSize: 1024, dtype: float16, optimizer: adam}}
+  cluster: {{gpu: v100-16gb, nodes: 8, gpusPerNode: 8}}
+"""
+
+#: case -> (manifest text or an example's file name, target wall seconds)
+CASES: dict[str, tuple[str, float]] = {
+    "gpt-tiny": ("local-gpt.yaml", 3.0),
+    "readme-job": ("text-gpt.yaml", 10.0),
+    "gpt-39b-64xv100": (V100_JOB.format(name="gpt-39b", zoo="gpt", size="39b"), 20.0),
+    "moe-70b-64xv100": (V100_JOB.format(name="moe-70b", zoo="moe", size="70b"), 60.0),
+}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One cold `alpajob plan`: wall seconds and the Plan's own split of them."""
+
+    wall: float
+    extract: float
+    search: float
+    ilp_cpu: float
+    ilps: int
+    dp: float
+    plan: str
+
+    @property
+    def rest(self) -> float:
+        return self.wall - self.extract - self.search
+
+
+def manifest_path(case: str, folder: Path) -> Path:
+    text, _ = CASES[case]
+    if text.endswith(".yaml"):
+        return EXAMPLES / text
+    path = folder / f"{case}.yaml"
+    path.write_text(text)
+    return path
+
+
+def plan_once(repo: Path, manifest: Path, folder: Path) -> Timing:
+    """Time one cold `alpajob plan` of ``manifest`` with the code in ``repo``."""
+    out = folder / "plan.json"
+    env = dict(os.environ, PYTHONPATH=str(repo), XDG_CACHE_HOME=str(folder / "cache"))
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "alpajob", "plan", str(manifest), "--no-plan-cache", "--output", str(out)],
+        cwd=repo, env=env, capture_output=True, text=True, check=False,
+    )
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"alpajob plan {manifest} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    plan = json.loads(out.read_text())
+    stats = plan["solver"]
+    stages = plan["stages"]
+    return Timing(wall, stats.get("extract_seconds", 0.0), stats["planning_seconds"], stats["ilp_seconds"],
+                  stats["ilp_solves"], stats["dp_seconds"],
+                  f"{len(stages)} stage{'s' if len(stages) != 1 else ''}, B={plan['num_micro_batches']}")
+
+
+def median_timing(runs: list[Timing]) -> Timing:
+    middle = sorted(runs, key=lambda t: t.wall)[len(runs) // 2]
+    return Timing(statistics.median(t.wall for t in runs), statistics.median(t.extract for t in runs),
+                  statistics.median(t.search for t in runs), statistics.median(t.ilp_cpu for t in runs),
+                  middle.ilps, statistics.median(t.dp for t in runs), middle.plan)
+
+
+def row(case: str, label: str, timing: Timing) -> str:
+    target = CASES[case][1]
+    verdict = "met" if timing.wall < target else f"{timing.wall / target:.2f}x over"
+    return (f"| {case} | {label} | {timing.wall:.2f} | {timing.rest:.2f} | {timing.extract:.2f} | "
+            f"{timing.search:.2f} | {timing.ilps} ({timing.ilp_cpu:.1f} CPU s) | {timing.dp:.2f} | "
+            f"{timing.plan} | < {target:g}: {verdict} |")
+
+
+HEADER = ("| case | code | wall (s) | start, imports, output (s) | tracing (s) | search (s) | "
+          "ILPs | DP (s) | plan | target |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--repeat", type=int, default=1, help="cold plans per case (median reported)")
+    parser.add_argument("--before", type=Path, help="also time this checkout of another commit")
+    parser.add_argument("--markdown", help="append the Markdown table to this file")
+    args = parser.parse_args()
+    repos = [("this checkout", ROOT)]
+    if args.before:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.before,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        repos.insert(0, (f"before ({head})", args.before.resolve()))
+    lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+             f"{time.strftime('%Y-%m-%d')}; median of {args.repeat} cold `alpajob plan` per case.", "", HEADER]
+    print("\n".join(lines), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for case in args.cases:
+            manifest = manifest_path(case, folder)
+            runs: dict[str, list[Timing]] = {label: [] for label, _ in repos}
+            for _ in range(args.repeat):  # alternating, so both see the same machine
+                for label, repo in repos:
+                    runs[label].append(plan_once(repo, manifest, folder))
+            for label, _ in repos:
+                lines.append(row(case, label, median_timing(runs[label])))
+                print(lines[-1], flush=True)
+    if args.markdown:
+        with open(args.markdown, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
