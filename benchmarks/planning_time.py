@@ -1,7 +1,9 @@
-"""Planning latency: `alpajob plan` from a cold start to the printed plan, per job.
+"""Planning latency: a cold plan, from the process's start to the written plan, per job.
 
-Each case is planned by a fresh ``alpajob plan MANIFEST --no-plan-cache --output FILE``
-process, as a user's first plan is, and timed from the command's start to its exit.
+Each case is planned by a fresh process, as a user's first plan is: ``alpajob plan
+MANIFEST --no-plan-cache --output FILE`` for the CPU jobs, and for the V100 cases the
+same trace-and-plan in a small script (Alpa's optimizer per family, as
+``benchmarks/alpa_plans.py`` traces them), timed from the process's start to its exit.
 The Plan document's statistics split the wall time: tracing the model into its op
 graph (``extract_seconds``), the search (``planning_seconds``: clustering, the ILPs in
 the worker pool, the inter-op DP), and the rest (interpreter start, imports, reading
@@ -9,7 +11,7 @@ the manifest, the forced-device line, printing). ``ilp_seconds`` is the ILPs' CP
 summed over the workers, so it exceeds the search's wall time on several cores.
 
 The cases are the planning-latency targets: GPT-tiny and the README job on 8 forced
-CPU devices, GPT-39B and MoE-70B on 8 x 8 V100-16GB (batch 1024, float16, Adam).
+CPU devices, GPT-39B and MoE-70B on 8 x 8 V100-16GB (batch 1024, float16).
 
 ``--before DIR`` also times a checkout of another commit (``git worktree add DIR
 COMMIT``), the two alternating per case, so both see the same machine::
@@ -35,22 +37,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "manifests" / "examples"
 
-V100_JOB = """apiVersion: alpajob.io/v1alpha1
-kind: AlpaJob
-metadata: {{name: {name}}}
-spec:
-  model: {{zoo: {zoo}, config: {size}}}
-  training: {{globalBatchSize: 1024, dtype: float16, optimizer: adam}}
-  cluster: {{gpu: v100-16gb, nodes: 8, gpusPerNode: 8}}
-"""
-
-#: case -> (manifest text or an example's file name, target wall seconds)
+#: case -> (an example manifest, or ``alpa:NAME``: that case of alpa_plans.py; target s)
 CASES: dict[str, tuple[str, float]] = {
     "gpt-tiny": ("local-gpt.yaml", 3.0),
     "readme-job": ("text-gpt.yaml", 10.0),
-    "gpt-39b-64xv100": (V100_JOB.format(name="gpt-39b", zoo="gpt", size="39b"), 20.0),
-    "moe-70b-64xv100": (V100_JOB.format(name="moe-70b", zoo="moe", size="70b"), 60.0),
+    "gpt-39b-64xv100": ("alpa:gpt-39b", 20.0),
+    "moe-70b-64xv100": ("alpa:moe-70b", 60.0),
 }
+
+#: Plans one case of ``benchmarks/alpa_plans.py`` (Alpa's optimizer per family: MoE's
+#: Adafactor is what lets MoE-70B fit 64 V100s) in a fresh process, and writes the
+#: Plan document to argv[2].
+ALPA_CASE = """
+import sys, time
+sys.path.insert(0, "benchmarks")
+from alpa_plans import CASES, alpa_optimizer, cluster_shape, cluster_from_preset, graph_of, resolve_model
+from alpajob.api.plan import write_plan
+from alpajob.planner.plan.make import SearchOptions, make_plan
+case = next(c for c in CASES if c.name == sys.argv[1])
+start = time.perf_counter()
+graph = graph_of(resolve_model(case.family, case.size, dtype=case.dtype), case.batch,
+                 optimizer=alpa_optimizer(case))
+cluster = cluster_from_preset("v100-16gb", *cluster_shape(case.gpus))
+plan = make_plan(graph, cluster, SearchOptions(), extract_seconds=time.perf_counter() - start).plan
+write_plan(plan, sys.argv[2])
+"""
 
 
 @dataclass(frozen=True)
@@ -70,27 +81,21 @@ class Timing:
         return self.wall - self.extract - self.search
 
 
-def manifest_path(case: str, folder: Path) -> Path:
-    text, _ = CASES[case]
-    if text.endswith(".yaml"):
-        return EXAMPLES / text
-    path = folder / f"{case}.yaml"
-    path.write_text(text)
-    return path
-
-
-def plan_once(repo: Path, manifest: Path, folder: Path) -> Timing:
-    """Time one cold `alpajob plan` of ``manifest`` with the code in ``repo``."""
+def plan_once(repo: Path, case: str, folder: Path) -> Timing:
+    """Time one cold plan of ``case`` with the code in ``repo``."""
+    what, _ = CASES[case]
     out = folder / "plan.json"
+    if what.startswith("alpa:"):
+        command = [sys.executable, "-c", ALPA_CASE, what.removeprefix("alpa:"), str(out)]
+    else:
+        command = [sys.executable, "-m", "alpajob", "plan", str(EXAMPLES / what), "--no-plan-cache",
+                   "--output", str(out)]
     env = dict(os.environ, PYTHONPATH=str(repo), XDG_CACHE_HOME=str(folder / "cache"))
     start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "alpajob", "plan", str(manifest), "--no-plan-cache", "--output", str(out)],
-        cwd=repo, env=env, capture_output=True, text=True, check=False,
-    )
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if done.returncode:
-        raise SystemExit(f"alpajob plan {manifest} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        raise SystemExit(f"{case} failed ({done.returncode}):\n{done.stderr[-2000:]}")
     plan = json.loads(out.read_text())
     stats = plan["solver"]
     stages = plan["stages"]
@@ -136,11 +141,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for case in args.cases:
-            manifest = manifest_path(case, folder)
             runs: dict[str, list[Timing]] = {label: [] for label, _ in repos}
             for _ in range(args.repeat):  # alternating, so both see the same machine
                 for label, repo in repos:
-                    runs[label].append(plan_once(repo, manifest, folder))
+                    runs[label].append(plan_once(repo, case, folder))
             for label, _ in repos:
                 lines.append(row(case, label, median_timing(runs[label])))
                 print(lines[-1], flush=True)
