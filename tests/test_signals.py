@@ -98,3 +98,45 @@ def test_alpajob_run_stopped_before_training(tmp_path: Path, phase: str) -> None
     returned, err = _stop(process, signal.SIGTERM)
     assert returned == 143
     _assert_one_line(err, phase, "SIGTERM")
+
+
+def _signal_at(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, signum: int) -> None:
+    """``owner.name`` sends this process ``signum`` as it starts: the phase it opens is
+    interrupted by a real signal, at a known point, however short the phase is."""
+    original = getattr(owner, name)
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        os.kill(os.getpid(), signum)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_alpajob_run_stopped_while_reading_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str], signum: int, code: int) -> None:
+    from alpajob.cli.main import main
+    from alpajob.trainer_image import local_run
+
+    _signal_at(monkeypatch, local_run, "open_feed", signum)
+    returned = main(["run", README_JOB, "--method", "serial", "--steps", "1"])
+    assert returned == code
+    _assert_one_line(capsys.readouterr().err, "reading data", signal.Signals(signum).name)
+
+
+def test_alpajob_run_stopped_while_restoring_keeps_the_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Stopped while it restores, the run says so, leaves the checkpoint as it was and
+    its folder unlocked: the next --resume continues from it."""
+    from alpajob.cli.main import main
+    from alpajob.trainer_image.checkpoint.local import LocalCheckpoints
+
+    run = ["run", str(EXAMPLES / "local-gpt.yaml"), "--method", "serial", "--checkpoint-dir", str(tmp_path)]
+    assert main([*run, "--steps", "1"]) == 0
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        _signal_at(patch, LocalCheckpoints, "newest", signal.SIGTERM)
+        assert main([*run, "--steps", "2", "--resume"]) == 143
+    _assert_one_line(capsys.readouterr().err, "restoring step 1", "SIGTERM")
+    assert main([*run, "--steps", "2", "--resume", "--log-every", "1"]) == 0
+    assert "step 2/2" in capsys.readouterr().err
