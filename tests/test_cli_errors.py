@@ -56,6 +56,16 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], *expected: str
     (["--prefetch", "-1"], ["--prefetch"]),
     (["--stage-times-every", "0"], ["--stage-times-every"]),
     (["--resume"], ["--resume", "checkpoint directory"]),
+    # Flags that would do nothing are refused, not ignored.
+    (["--checkpoint-every", "5"], ["--checkpoint-every", "--checkpoint-dir", "nothing is saved"]),
+    (["--keep-last", "2"], ["--keep-last", "--checkpoint-dir"]),
+    (["--sync-checkpoints"], ["--sync-checkpoints", "--checkpoint-dir"]),
+    (["--metrics-linger", "5"], ["--metrics-linger", "--metrics-port"]),
+    (["--method", "serial", "--keep-plan"], ["--keep-plan", "a serial run", "ignored"]),
+    (["--method", "serial", "--exact-stage-times"], ["--exact-stage-times", "no stages"]),
+    (["--method", "serial", "--all-devices"], ["--all-devices", "a serial run"]),
+    (["--method", "serial", "--calibration", str(JOB)], ["--calibration", "a serial run"]),
+    (["--plan", str(JOB), "--keep-plan"], ["--keep-plan", "a plan file"]),
     (["--plan", "/no/such/plan.json"], ["/no/such/plan.json"]),
 ])
 def test_bad_run_flags(capsys: pytest.CaptureFixture[str], flags: list[str], expected: list[str]) -> None:

@@ -85,6 +85,17 @@ class TrainOptions(Contract):
                              "--trace and --method serial")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume: needs a checkpoint directory to resume from (checkpoint_dir, --checkpoint-dir)")
+        for name in ("checkpoint_every", "keep_last", "sync_checkpoints"):
+            if getattr(self, name) and not self.checkpoint_dir:
+                raise ValueError(f"{name}: only checkpoints read it, and without a checkpoint directory "
+                                 "(checkpoint_dir, --checkpoint-dir) nothing is saved; give one or drop it")
+        planless = "a serial run" if self.serial else "a plan file" if self.plan_file else None
+        given = {"keep_plan": self.keep_plan, "exact_stage_times": self.exact_stage_times and self.serial,
+                 "calibration": self.planning.calibration, "all_devices": self.planning.all_devices}
+        for name, value in given.items():
+            if value and planless:
+                what = "has no stages to time" if name == "exact_stage_times" else "is not planned here"
+                raise ValueError(f"{name}: {planless} {what}, so it would be ignored; drop it")
         return self
 
 

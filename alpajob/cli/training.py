@@ -79,7 +79,7 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--resume", nargs="?", const="yes", choices=["yes", "auto"],
                      help="continue from the newest checkpoint in --checkpoint-dir (an error if there "
                           "is none); --resume=auto: if there is one, else start fresh")
-    run.add_argument("--metrics-linger", type=float, default=15.0, metavar="S",
+    run.add_argument("--metrics-linger", type=float, metavar="S",
                      help="with --metrics-port: keep /metrics up S seconds after the last step, for "
                           "the final scrape (default 15)")
     run.add_argument("--log-every", type=int, default=10, metavar="N",
@@ -99,6 +99,17 @@ def add_parser(sub: Any) -> None:
     add_compile_cache_flags(run)
 
 
+def metrics_linger(args: argparse.Namespace) -> float | None:
+    """``--metrics-linger`` (default 15 s with ``--metrics-port``); given without a port
+    it would do nothing, so it is an error."""
+    if args.metrics_port is None:
+        if args.metrics_linger is not None:
+            raise ManifestError("--metrics-linger", "only keeps /metrics up, and there is no "
+                                "--metrics-port; give one or drop --metrics-linger")
+        return None
+    return 15.0 if args.metrics_linger is None else args.metrics_linger
+
+
 def train_options(args: argparse.Namespace) -> TrainOptions:
     """The flags as :class:`TrainOptions`; an invalid one is an error naming it."""
     serial = args.method == SERIAL
@@ -115,7 +126,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
         "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last,
         "sync_checkpoints": args.sync_checkpoints or None,
         "resume": {"yes": True, "auto": "auto"}.get(args.resume or ""),
-        "metrics_linger": args.metrics_linger if args.metrics_port is not None else None,
+        "metrics_linger": metrics_linger(args),
         "exact_stage_times": args.exact_stage_times or None,
         "stage_times_every": args.stage_times_every, "prefetch": args.prefetch,
         "trace": args.trace, "keep_plan": args.keep_plan or None,
