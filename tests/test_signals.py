@@ -64,7 +64,10 @@ def _assert_one_line(err: str, during: str, signal_name: str) -> None:
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_alpajob_plan_stopped_while_planning(tmp_path: Path, signum: int, code: int) -> None:
     process = _start("plan", README_JOB, "--no-plan-cache", cwd=tmp_path)
-    while len(psutil.Process(process.pid).children(recursive=True)) < 2:  # the fork server and a worker
+    parent = psutil.Process(process.pid)
+    # The fork server starts while the model is traced; planning has begun once it has
+    # forked the pool's workers (grandchildren of the command).
+    while not any(p.ppid() != process.pid for p in parent.children(recursive=True)):
         assert process.poll() is None
         time.sleep(0.1)
     returned, err = _stop(process, signum)

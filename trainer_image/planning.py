@@ -34,6 +34,7 @@ from alpajob.planner.cost.model import load_calibration
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.inter_op.search import Progress
 from alpajob.planner.plan.make import PlanningResult, SearchOptions, make_plan, search_options
+from alpajob.planner.plan.workers import start_fork_server
 from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.plan_cache import PlanCache, plan_key, planner_version
 from alpajob.trainer_image.step import graph_of, training_optimizer
@@ -68,6 +69,7 @@ def planning_inputs(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | N
         cluster, search = measured_constants(options.calibration, cluster, search)
     start = time.perf_counter()
     if graph is None:
+        start_fork_server()  # the planner's workers get ready while the model is traced
         if progress:
             progress(f"tracing {job.spec.model.zoo or job.spec.model.entrypoint}", 0, None)
         graph = job_graph(job)

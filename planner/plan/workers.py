@@ -11,7 +11,9 @@ Counts go largest first, and a count where nothing fits memory ends the round: n
 smaller count can fit (:func:`fits_nowhere`), so their tasks are dropped.
 
 The workers are ``forkserver`` processes (clean processes, never forks of this
-multithreaded one, which has JAX loaded) that live for the whole search. Each gets
+multithreaded one, which has JAX loaded) that live for the whole search; the fork
+server itself can be started early, while the model is traced
+(:func:`start_fork_server`). Each gets
 the cost context once, when it starts: the graph is megabytes, too big to send with
 every task.
 """
@@ -245,6 +247,23 @@ class SearchPool:
 
     def _candidates(self, count: int) -> list[Candidate | None]:
         return candidates_at(self.context, count, self.method, self.manual)
+
+
+def start_fork_server() -> None:
+    """Start the fork server the pool's workers are forked from, with this module (and
+    so the planner) imported in it, without waiting for it: called before the model is
+    traced, the server's start and imports (0.7 s) overlap the tracing on another
+    core, and each worker then starts as a fork of an interpreter that has them. Does
+    nothing where the search would not start a pool (one core), or once the server
+    runs."""
+    if (os.cpu_count() or 1) < 2:
+        return
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with _signals_held():  # started whole, as a pool is
+        forkserver.ensure_running()
 
 
 #: A worker process's search, set once when it starts (see :func:`_start_worker`).
