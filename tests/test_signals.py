@@ -122,7 +122,13 @@ def test_alpajob_run_stopped_while_reading_data(tmp_path: Path, monkeypatch: pyt
     from alpajob.trainer_image import local_run
 
     _signal_at(monkeypatch, local_run, "open_feed", signum)
-    returned = main(["run", README_JOB, "--method", "serial", "--steps", "1"])
+    # Under a shell's background job (CI) Ctrl-C is ignored from the start: a terminal's
+    # foreground command gets Python's own handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        returned = main(["run", README_JOB, "--method", "serial", "--steps", "1"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert returned == code
     _assert_one_line(capsys.readouterr().err, "reading data", signal.Signals(signum).name)
 
