@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from alpajob.api.errors import ManifestError
@@ -48,20 +49,26 @@ def add_plan_cache_flags(parser: argparse.ArgumentParser) -> None:
                         help="plan from scratch: neither read nor write the plan cache")
 
 
+def _cache_folder(given: str | None, off: bool, flag: str, off_flag: str,
+                  default: Callable[[], object]) -> str | None:
+    """A cache's folder from its pair of flags: ``given`` (``flag``), None when ``off``
+    (``off_flag``; refused together with ``flag``), else ``default()``."""
+    if off:
+        if given:
+            raise ManifestError(flag, f"cannot be used with {off_flag}; drop one of them")
+        return None
+    if given:
+        return str(directory(given, flag))
+    return str(default())
+
+
 def plan_cache_dir(args: argparse.Namespace, default: str | None = None) -> str | None:
     """The plan cache folder the flags ask for (else ``default``, else the user cache);
     None with ``--no-plan-cache``."""
-    if args.no_plan_cache:
-        if args.cache_dir:
-            raise ManifestError("--cache-dir", "cannot be used with --no-plan-cache; drop one of them")
-        return None
-    if args.cache_dir:
-        return str(directory(args.cache_dir, "--cache-dir"))
-    if default:
-        return default
     from alpajob.trainer_image.plan_cache import default_cache_dir
 
-    return str(default_cache_dir())
+    return _cache_folder(args.cache_dir, args.no_plan_cache, "--cache-dir", "--no-plan-cache",
+                         lambda: default or default_cache_dir())
 
 
 def add_compile_cache_flags(parser: argparse.ArgumentParser) -> None:
@@ -75,12 +82,7 @@ def add_compile_cache_flags(parser: argparse.ArgumentParser) -> None:
 
 def compile_cache_dir(args: argparse.Namespace) -> str | None:
     """The compilation cache folder the flags ask for; None with ``--no-compile-cache``."""
-    if args.no_compile_cache:
-        if args.compile_cache:
-            raise ManifestError("--compile-cache", "cannot be used with --no-compile-cache; drop one of them")
-        return None
-    if args.compile_cache:
-        return str(directory(args.compile_cache, "--compile-cache"))
     from alpajob.trainer_image.compile_cache import default_compile_cache_dir
 
-    return str(default_compile_cache_dir())
+    return _cache_folder(args.compile_cache, args.no_compile_cache, "--compile-cache",
+                         "--no-compile-cache", default_compile_cache_dir)
