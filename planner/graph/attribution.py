@@ -106,6 +106,31 @@ def phases(
     return phases
 
 
+def _parameter_values(
+    ops: Sequence[RawOp], forward_ids: Sequence[int], params: set[int],
+    constants: frozenset[int],
+) -> dict[int, int]:
+    """Each parameter, and each forward value computed from one parameter alone (and
+    constants), mapped to that parameter: mixed precision's cast of a weight to the
+    compute type, a reshape of it. Such a value is the parameter as its readers see
+    it, so a reader of the value reads the parameter (:func:`anchors`)."""
+    stands_for = {p: p for p in params}
+    for i in forward_ids:
+        sources = {stands_for.get(t, -1) for t in ops[i].inputs if t not in constants}
+        if len(sources) == 1 and -1 not in sources:
+            (p,) = sources
+            stands_for.update((t, p) for t in ops[i].outputs)
+    return stands_for
+
+
+def _differentiated(uses: Sequence[int], bound: float) -> int:
+    """Of the forward ops that read a parameter (``uses``, in order), the one a
+    backward op whose cotangent comes from forward op ``bound`` differentiates: the
+    latest no later than ``bound`` (the LM head, not the lookup, for a tied
+    embedding's ``dlogits @ E``), else the first."""
+    return max((u for u in uses if u <= bound), default=uses[0])
+
+
 def anchors(
     ops: Sequence[RawOp],
     phases: Sequence[Phase],
@@ -125,11 +150,11 @@ def anchors(
     forward_ids = [i for i in range(n) if phases[i] is Phase.FORWARD]
     last_forward = forward_ids[-1] if forward_ids else 0
     param_set = set(params)
+    stands_for = _parameter_values(ops, forward_ids, param_set, constants)
     uses: dict[int, list[int]] = {}  # parameter -> the forward ops reading it, in order
     for i in forward_ids:
-        for t in ops[i].inputs:
-            if t in param_set:
-                uses.setdefault(t, []).append(i)
+        for p in dict.fromkeys(stands_for[t] for t in ops[i].inputs if t in stands_for):
+            uses.setdefault(p, []).append(i)
     first_use = {t: found[0] for t, found in uses.items()}
 
     # The one parameter whose gradient a backward op exclusively feeds (-1 none, -2 many).
@@ -168,18 +193,17 @@ def anchors(
             primal[i] = bool(producers) and all(primal[j] for j in producers)
             upstream = [anchor[j] for j in producers if not (primal[j] or free[j])]
             bound = min(upstream, default=last_forward)
-            # A parameter read directly (``dy @ W.T``) stands for the latest forward op
-            # that read it before the gradient arrived: the op this one differentiates.
+            # A parameter read directly (``dy @ W.T``, or its compute-type copy under
+            # mixed precision) stands for the latest forward op that read it before the
+            # gradient arrived: the op this one differentiates.
             mirrored = [
-                max((u for u in uses[t] if u <= bound), default=uses[t][0])
-                for t in op.inputs if t in uses
+                _differentiated(uses[p], bound)
+                for p in (stands_for.get(t) for t in op.inputs) if p in uses
             ]
             residual = [anchor[j] for j in producers if primal[j]] + mirrored
             anchor[i] = max(residual) if residual else bound
-            if target[i] >= 0:
-                use = first_use.get(params[target[i]])
-                if use is not None:
-                    anchor[i] = max(anchor[i], use)
+            if target[i] >= 0 and params[target[i]] in uses:
+                anchor[i] = max(anchor[i], _differentiated(uses[params[target[i]]], bound))
         else:
             direct = [
                 first_use[owner[t]] for t in op.inputs if t in owner and owner[t] in first_use

@@ -39,14 +39,17 @@ optimizer state (ops that feed no output: see :func:`alpajob.planner.graph.attri
   connection's skip path (anchored one layer later) to the gradient coming out of the
   layer belongs to the earlier layer, and taking the largest would drag every
   residual-free op of the backward pass (bias gradients, the stream itself) into the
-  last layer; a parameter the op reads directly (``dy @ W.T``) counts as a residual
+  last layer; a parameter the op reads directly (``dy @ W.T``), or a value made from
+  one parameter alone (its cast to the compute type under mixed precision), counts as a residual
   anchored at the latest forward op that read it no later than that smallest anchor
   (the op being differentiated: for a tied embedding, the LM head's matmul rather
   than the lookup), so the gradient of an MLP's hidden layer is computed in the MLP's
   layer instead of being shipped there across a pipeline cut;
   a backward op whose results only feed one parameter's gradient (``x^T @ dy`` for a
-  weight ``W``) is moved no earlier than ``W``'s first forward consumer, since the
-  residual ``x`` usually comes from the previous layer;
+  weight ``W``) is moved no earlier than the forward op of ``W`` it differentiates
+  (chosen as for a parameter read directly: for a tied embedding's LM head gradient,
+  the LM head, not the lookup), since the residual ``x`` usually comes from the
+  previous layer;
 - update op: the smallest first-forward-consumer of the parameters it reads, directly
   or through update producers (``p - lr * u`` lands with ``p``'s layer); an optimizer
   state leaf that mirrors a parameter (Adam's ``mu``/``nu`` for ``p``: same path suffix
