@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -97,17 +96,12 @@ def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_plan(manual_job,
 def test_alpajob_plan_twice_reads_the_cache_the_second_time(tmp_path, capsys):
     manifest = str(EXAMPLES / "manual-gpt.yaml")
     out = [tmp_path / "a.json", tmp_path / "b.json"]
-    begin = time.perf_counter()
     assert main(["plan", manifest, "--output", str(out[0])]) == 0
-    first_seconds = time.perf_counter() - begin
     assert "plan: cached" not in capsys.readouterr().err
-    begin = time.perf_counter()
     assert main(["plan", manifest, "--output", str(out[1])]) == 0
-    second_seconds = time.perf_counter() - begin
     err = capsys.readouterr().err
     assert "plan: cached (" in err and str(default_cache_dir()) in err
     assert out[0].read_text() == out[1].read_text()
-    assert second_seconds < first_seconds
     assert main(["plan", manifest, "--no-plan-cache"]) == 0
     assert "plan: cached" not in capsys.readouterr().err
 
