@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from alpajob.api.resource import AlpaJob, parse_job
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from alpa_plans import CASES, run_case  # noqa: E402
 
@@ -31,9 +33,7 @@ def test_our_plan_is_never_slower_than_alpa_s_published_one(name: str) -> None:
     assert row["ours_s"] <= row["alpa_s"] * (1 + 1e-9), row
 
 
-def _gpt_15b_job(parallelism: dict) -> object:
-    from alpajob.api.resource import parse_job
-
+def _gpt_15b_job(parallelism: dict) -> AlpaJob:
     return parse_job({
         "apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob",
         "metadata": {"name": "gpt-15b"},

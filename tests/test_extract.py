@@ -191,9 +191,10 @@ def test_backward_constants_are_anchored_with_their_consumers():
 def test_gpt_pipeline_cuts_carry_one_activation_each_way(dtype):
     """Between two transformer layers only the residual stream crosses (forward) and
     its gradient (backward), per micro-batch: nothing proportional to the attention
-    scores or the logits (the tied embedding's partial gradient crosses once per step). Under mixed precision the LM head reads
-    the embedding's bfloat16 copy, not the parameter: its backward (``dlogits @ E``)
-    still belongs to the last layer, so the logits' gradient never crosses a cut."""
+    scores or the logits (the tied embedding's partial gradient crosses once per
+    step). Under mixed precision the LM head reads the embedding's bfloat16 copy, not
+    the parameter: its backward (``dlogits @ E``) still belongs to the last layer, so
+    the logits' gradient never crosses a cut."""
     from alpajob.api.spec import Schedule
     from alpajob.planner.cost.cluster import cluster_from_preset
     from alpajob.planner.cost.model import load_calibration
