@@ -25,7 +25,7 @@ from alpajob.planner.graph.opgraph import DTYPE_BYTES, Op, OpGraph, Phase, Tenso
 from alpajob.planner.graph.subset import GraphIndex, analyse_subset
 from alpajob.planner.intra_op import ilp
 from alpajob.planner.intra_op.follow import follow_strategy
-from alpajob.planner.intra_op.op_tables import TableCache, data_spec
+from alpajob.planner.intra_op.op_tables import OpStructures, TableCache, data_spec
 from alpajob.planner.intra_op.sharding import resharding_seconds, tiling_specs
 from alpajob.planner.intra_op.solve import (
     ShardingMode,
@@ -733,6 +733,36 @@ def test_table_cache_matches_the_functions_it_memoises():
             assert [values[i] for i in labels.local] == [
                 s.input_specs[position] for s in table.strategies
             ]
+
+
+def test_table_caches_of_every_mesh_share_one_graph_s_op_structures():
+    """Op structures are mesh-independent: caches on two meshes given the same
+    :class:`OpStructures` describe each op once and agree on its id; another graph's
+    structures are refused."""
+    graph = mlp_training_graph(batch=16, d=8, h=16, with_state=True)
+    structures = OpStructures(graph)
+    a = TableCache(graph, toy_mesh((2, 2)), DEVICE, CAL, structures)
+    b = TableCache(graph, toy_mesh((1, 4)), DEVICE, CAL, structures)
+    assert a.structures is b.structures
+    alone = TableCache(graph, toy_mesh((2, 2)), DEVICE, CAL)
+    assert [alone.structures.of(op.id) for op in graph.ops] == [
+        structures.of(op.id) for op in graph.ops]
+    other = mlp_training_graph(batch=8, d=8, h=16, with_state=True)
+    with pytest.raises(ValueError, match="another graph"):
+        TableCache(other, toy_mesh((2, 2)), DEVICE, CAL, structures)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merged_classes_are_numpy_s_unique_rows(seed: int):
+    """:func:`ilp.merge_classes` partitions strategies as ``np.unique(axis=0)`` of
+    their label rows does, in the same (lexicographic) order of merged classes."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    columns = [rng.integers(0, int(rng.integers(1, 9)), size=n) for _ in range(int(rng.integers(2, 4)))]
+    rep, inverse = ilp.merge_classes(columns)
+    expected_rep, expected_inverse = np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)
+    np.testing.assert_array_equal(rep, expected_rep)
+    np.testing.assert_array_equal(inverse, expected_inverse.reshape(-1))
 
 
 def _reference_arrays(work: ilp._Work, budget: float | None) -> tuple:

@@ -374,6 +374,8 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path: Path) -> None:
     assert resumed["start_step"] == done and len(resumed["losses"]) == 2
 
 
+# Half a minute (three runs of the job): in the slow set `.ci/run` runs.
+@pytest.mark.slow
 def test_auto_plan_is_timed_against_one_device_and_leaves_no_trace() -> None:
     """An auto job on forced CPU devices: a few steps of the plan and of the one-device
     step are timed and the faster kept (device_trial). The trial's steps leave no

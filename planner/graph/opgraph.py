@@ -25,12 +25,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
-
-import numpy as np
 
 #: Bytes per element of the dtypes a training step uses.
 DTYPE_BYTES: dict[str, int] = {
@@ -82,7 +81,7 @@ class Tensor:
     @property
     def size(self) -> int:
         """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # 1 for a scalar
 
     @property
     def nbytes(self) -> int:

@@ -16,10 +16,11 @@ per micro-batch (``comm``) and per step (``update``), as for nodes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from alpajob.planner.intra_op.ilp import merge_classes
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,24 +34,6 @@ class EdgeTables:
     comm: np.ndarray
     update: np.ndarray
     allowed: np.ndarray
-
-
-def _merge_classes(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Product partition of several class labelings of the same strategies.
-
-    Returns (representative class ids per merged class: shape (n, len(columns)),
-    merged class per strategy).
-    """
-    if len(columns) == 1:
-        col = columns[0]
-        n = int(col.max()) + 1 if col.size else 0
-        return np.arange(n)[:, None], col
-    key = np.zeros_like(columns[0])
-    for col in columns:
-        key = key * (int(col.max()) + 1) + col
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    rep = np.stack([col[first] for col in columns], axis=1)
-    return rep, inverse.reshape(-1)
 
 
 class EdgeBuilder:
@@ -95,8 +78,8 @@ class EdgeBuilder:
             if len(parts) == 1:
                 merged.append(parts[0])
                 continue
-            u_rep, u_class = _merge_classes([p.u_class for p in parts])
-            v_rep, v_class = _merge_classes([p.v_class for p in parts])
+            u_rep, u_class = merge_classes([p.u_class for p in parts])
+            v_rep, v_class = merge_classes([p.v_class for p in parts])
             shape = (len(u_rep), len(v_rep))
             comm, update = np.zeros(shape), np.zeros(shape)
             allowed = np.ones(shape, dtype=bool)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +71,26 @@ class Problem:
     memory: tuple[np.ndarray, ...]
     edges: tuple[Edge, ...]
     budget: float | None = None
+
+
+def merge_classes(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The product partition of several class labelings of the same strategies.
+
+    Returns (per merged class, its class in each labeling: shape ``(n, len(columns))``;
+    per strategy, its merged class). Merged classes are ordered lexicographically by
+    their labels (as ``np.unique(..., axis=0)`` orders rows): the labels are mixed into
+    one integer per strategy, in the radix of each column's largest label, so a 1-D
+    ``np.unique`` does the work. One labeling: its classes as they are."""
+    if len(columns) == 1:
+        col = columns[0]
+        n = int(col.max()) + 1 if col.size else 0
+        return np.arange(n)[:, None], col
+    key = np.zeros(columns[0].shape, dtype=np.int64)
+    for col in columns:
+        key = key * (int(col.max()) + 1) + col
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    rep = np.stack([col[first] for col in columns], axis=1)
+    return rep, inverse.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -116,10 +137,8 @@ class _Work:
         key = (edge.u, edge.v)
         old = self.edges.get(key)
         if old is not None:
-            u_pairs = np.stack([old.u_class, edge.u_class], axis=1)
-            v_pairs = np.stack([old.v_class, edge.v_class], axis=1)
-            u_rep, u_new = np.unique(u_pairs, axis=0, return_inverse=True)
-            v_rep, v_new = np.unique(v_pairs, axis=0, return_inverse=True)
+            u_rep, u_new = merge_classes([old.u_class, edge.u_class])
+            v_rep, v_new = merge_classes([old.v_class, edge.v_class])
             matrix = old.matrix[np.ix_(u_rep[:, 0], v_rep[:, 0])] + edge.matrix[
                 np.ix_(u_rep[:, 1], v_rep[:, 1])
             ]

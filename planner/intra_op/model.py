@@ -61,6 +61,7 @@ from alpajob.planner.graph.subset import GraphIndex, Subset, analyse_subset
 from alpajob.planner.intra_op.edge_costs import EdgeBuilder, EdgeTables
 from alpajob.planner.intra_op.ilp import INF, Edge, Problem
 from alpajob.planner.intra_op.op_tables import (
+    OpStructures,
     OpTable,
     PerStrategy,
     TableCache,
@@ -181,8 +182,9 @@ class IntraOpModel:
 
 
 class SolveContext:
-    """What every build on one graph can share: its :class:`GraphIndex`, a
-    :class:`TableCache` per (mesh, device, calibration), and the last ``max_models``
+    """What every build on one graph can share: its :class:`GraphIndex`, its ops'
+    structure ids (:class:`OpStructures`), a :class:`TableCache` per (mesh, device,
+    calibration) reading them, and the last ``max_models``
     models built (keyed by ops, mesh, device, calibration and mode; input hints are
     applied to a copy, so one model serves every memory weight and every set of
     hints). Results are identical with and without a context; a context only saves
@@ -201,6 +203,7 @@ class SolveContext:
         self.index = GraphIndex.build(graph)
         self.max_models = max_models
         self._tables: dict[tuple[LogicalMesh, DeviceSpec, Calibration], TableCache] = {}
+        self._structures = OpStructures(graph)
         self._models: OrderedDict[tuple, IntraOpModel] = OrderedDict()
 
     def tables(
@@ -210,7 +213,8 @@ class SolveContext:
         key = (mesh, device, calibration)
         cache = self._tables.get(key)
         if cache is None:
-            cache = self._tables[key] = TableCache(self.graph, mesh, device, calibration)
+            cache = self._tables[key] = TableCache(self.graph, mesh, device, calibration,
+                                                          self._structures)
         return cache
 
     def model(

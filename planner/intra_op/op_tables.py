@@ -168,14 +168,51 @@ class OpTable:
     any_comm: bool
 
 
+class OpStructures:
+    """An id per op for everything its strategies read (module docstring): ops of equal
+    structure, equal ids. Mesh-independent, so one per graph serves the table cache of
+    every mesh (a layer is built on a dozen logical meshes; its ops are described
+    once)."""
+
+    def __init__(self, graph: OpGraph) -> None:
+        self.graph = graph
+        self._ids: dict[tuple, int] = {}
+        self._of_op: dict[int, int] = {}
+
+    def of(self, op_id: int) -> int:
+        """The structure id of op ``op_id``."""
+        structure = self._of_op.get(op_id)
+        if structure is None:
+            op = self.graph.ops[op_id]
+            tensors = self.graph.tensors
+
+            def describe(ids: tuple[int, ...]) -> tuple:
+                return tuple(
+                    (tensors[t].shape, tensors[t].dtype, tensors[t].batch_dim) for t in ids
+                )
+
+            key: tuple = (op.primitive, op.params, describe(op.inputs), describe(op.outputs),
+                          op.flops, op.bytes_accessed)
+            try:
+                hash(key)
+            except TypeError:  # params that are not plain data: no sharing
+                key = ("op", op_id)
+            structure = self._ids.setdefault(key, len(self._ids))
+            self._of_op[op_id] = structure
+        return structure
+
+
 class TableCache:
     """Memoised op tables, spec sets and resharding matrices of one graph on one mesh
     (see module docstring). Not thread-safe; one per graph, mesh, device and
     calibration."""
 
     def __init__(
-        self, graph: OpGraph, mesh: LogicalMesh, device: DeviceSpec, calibration: Calibration
+        self, graph: OpGraph, mesh: LogicalMesh, device: DeviceSpec, calibration: Calibration,
+        structures: OpStructures | None = None,
     ) -> None:
+        if structures is not None and structures.graph is not graph:
+            raise ValueError("the OpStructures were made for another graph")
         self.graph = graph
         self.mesh = mesh
         self.device = device
@@ -183,8 +220,8 @@ class TableCache:
         self._set_ids: dict[tuple[ShardSpec, ...], int] = {}
         self._sets: list[tuple[ShardSpec, ...]] = []
         self._set_names: dict[int, tuple[str, ...]] = {}
-        self._structure_ids: dict[tuple, int] = {}
-        self._op_structure: dict[int, int] = {}
+        #: Op structure ids: shared by the caches of every mesh when passed in.
+        self.structures = structures if structures is not None else OpStructures(graph)
         self._tilings: dict[tuple[int, ...], int] = {}
         self._roots: dict[tuple[int, Wanted | None], OpTable] = {}
         self._expert_dims: dict[int, int] | None = None
@@ -312,25 +349,7 @@ class TableCache:
 
     def _structure(self, op_id: int) -> int:
         """An id for everything strategies read of op ``op_id`` (module docstring)."""
-        structure = self._op_structure.get(op_id)
-        if structure is None:
-            op = self.graph.ops[op_id]
-            tensors = self.graph.tensors
-
-            def describe(ids: tuple[int, ...]) -> tuple:
-                return tuple(
-                    (tensors[t].shape, tensors[t].dtype, tensors[t].batch_dim) for t in ids
-                )
-
-            key: tuple = (op.primitive, op.params, describe(op.inputs), describe(op.outputs),
-                          op.flops, op.bytes_accessed)
-            try:
-                hash(key)
-            except TypeError:  # params that are not plain data: no sharing
-                key = ("op", op_id)
-            structure = self._structure_ids.setdefault(key, len(self._structure_ids))
-            self._op_structure[op_id] = structure
-        return structure
+        return self.structures.of(op_id)
 
     def _table(self, op: Op, strategies: tuple[Strategy, ...]) -> OpTable:
         # Every strategy pays the op's fixed cost (once per scan trip) on each device.
