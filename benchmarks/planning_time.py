@@ -101,7 +101,8 @@ def plan_once(repo: Path, case: str, folder: Path) -> Timing:
     stages = plan["stages"]
     return Timing(wall, stats.get("extract_seconds", 0.0), stats["planning_seconds"], stats["ilp_seconds"],
                   stats["ilp_solves"], stats["dp_seconds"],
-                  f"{len(stages)} stage{'s' if len(stages) != 1 else ''}, B={plan['num_micro_batches']}")
+                  f"{len(stages)} stage{'s' if len(stages) != 1 else ''}, B={plan['num_micro_batches']}, "
+                  f"hash {plan['hash']}")
 
 
 def median_timing(runs: list[Timing]) -> Timing:
