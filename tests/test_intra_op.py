@@ -25,7 +25,7 @@ from alpajob.planner.graph.opgraph import DTYPE_BYTES, Op, OpGraph, Phase, Tenso
 from alpajob.planner.graph.subset import GraphIndex, analyse_subset
 from alpajob.planner.intra_op import ilp
 from alpajob.planner.intra_op.follow import follow_strategy
-from alpajob.planner.intra_op.op_tables import OpStructures, TableCache, data_spec
+from alpajob.planner.intra_op.op_tables import TableCache, data_spec
 from alpajob.planner.intra_op.sharding import resharding_seconds, tiling_specs
 from alpajob.planner.intra_op.solve import (
     ShardingMode,
@@ -736,14 +736,15 @@ def test_table_cache_matches_the_functions_it_memoises():
 
 
 def test_table_caches_of_every_mesh_share_one_graph_s_op_structures():
-    """Op structures are mesh-independent: caches on two meshes given the same
-    :class:`OpStructures` describe each op once and agree on its id; another graph's
-    structures are refused."""
+    """Op structures are mesh-independent: a :class:`SolveContext` gives the table
+    caches of all its meshes one :class:`OpStructures`, so each op is described once;
+    a cache made alone agrees on every id; another graph's structures are refused."""
     graph = mlp_training_graph(batch=16, d=8, h=16, with_state=True)
-    structures = OpStructures(graph)
-    a = TableCache(graph, toy_mesh((2, 2)), DEVICE, CAL, structures)
-    b = TableCache(graph, toy_mesh((1, 4)), DEVICE, CAL, structures)
-    assert a.structures is b.structures
+    context = SolveContext(graph)
+    a = context.tables(toy_mesh((2, 2)), DEVICE, CAL)
+    b = context.tables(toy_mesh((1, 4)), DEVICE, CAL)
+    assert a is not b and a.structures is b.structures
+    structures = a.structures
     alone = TableCache(graph, toy_mesh((2, 2)), DEVICE, CAL)
     assert [alone.structures.of(op.id) for op in graph.ops] == [
         structures.of(op.id) for op in graph.ops]

@@ -184,8 +184,7 @@ class IntraOpModel:
 class SolveContext:
     """What every build on one graph can share: its :class:`GraphIndex`, its ops'
     structure ids (:class:`OpStructures`), a :class:`TableCache` per (mesh, device,
-    calibration) reading them, and the last ``max_models``
-    models built (keyed by ops, mesh, device, calibration and mode; input hints are
+    calibration) reading them, and the last ``max_models`` models built (keyed by ops, mesh, device, calibration and mode; input hints are
     applied to a copy, so one model serves every memory weight and every set of
     hints). Results are identical with and without a context; a context only saves
     recomputation. Build one per graph and pass it to every solve on that graph.
@@ -213,8 +212,8 @@ class SolveContext:
         key = (mesh, device, calibration)
         cache = self._tables.get(key)
         if cache is None:
-            cache = self._tables[key] = TableCache(self.graph, mesh, device, calibration,
-                                                          self._structures)
+            cache = TableCache(self.graph, mesh, device, calibration, self._structures)
+            self._tables[key] = cache
         return cache
 
     def model(

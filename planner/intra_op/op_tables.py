@@ -347,10 +347,6 @@ class TableCache:
 
     # ----------------------------------------------------------------- op tables
 
-    def _structure(self, op_id: int) -> int:
-        """An id for everything strategies read of op ``op_id`` (module docstring)."""
-        return self.structures.of(op_id)
-
     def _table(self, op: Op, strategies: tuple[Strategy, ...]) -> OpTable:
         # Every strategy pays the op's fixed cost (once per scan trip) on each device.
         fixed = op_fixed_seconds(op.primitive, self.device, self.calibration) * op.multiplier
@@ -397,7 +393,7 @@ class TableCache:
     def root(self, op_id: int, wanted: Wanted | None = None) -> OpTable:
         """The table of root op ``op_id``; with ``wanted``, only the strategies
         :func:`restrict_to` keeps (the DATA, ZERO2 and EXPERT_ZERO2 modes)."""
-        key = (self._structure(op_id), wanted)
+        key = (self.structures.of(op_id), wanted)
         table = self._roots.get(key)
         if table is None:
             op = self.graph.ops[op_id]
@@ -410,7 +406,7 @@ class TableCache:
     def follower(self, op_id: int, operand: int, followed: int) -> OpTable:
         """The table of follower op ``op_id`` copying input ``operand``: one strategy
         per spec of spec set ``followed``, in its order."""
-        structure = self._structure(op_id)
+        structure = self.structures.of(op_id)
         key = (structure, operand, followed)
         table = self._followers.get(key)
         if table is None:
