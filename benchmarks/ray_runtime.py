@@ -18,7 +18,10 @@ and the table compares the bytes per second with ``numpy.copyto`` of the same by
 
 With ``--collective`` every plan also runs with ``alpajob driver --transport
 collective`` (XLA collectives over one JAX process group, gloo on CPU) and the table
-adds its step time and its ratio to the object store's.
+adds its step time and its ratio to the object store's; the transfers are also made
+as that transport makes them (:class:`CollectiveProbe`: two processes, one JAX group),
+with gloo's bare ``ppermute`` of the same bytes beside them (what bounds the
+transport on this machine).
 
     python benchmarks/ray_runtime.py [--steps 6] [--config JSON] [--batch 32] [--sizes-mb 4,16,64] [--collective]
 """
@@ -88,6 +91,83 @@ class Probe:
         moved = assemble(parcel, NamedSharding(self.mesh, PartitionSpec(*spec)))
         jax.block_until_ready(moved)
         return parcel.nbytes
+
+
+class CollectiveProbe:
+    """One 4-device host's end of a collective transfer (a Ray actor): the two probes
+    form one two-process JAX group (gloo on CPU) and move a message exactly as
+    ``--transport collective`` does (:class:`~alpajob.trainer_image.distributed.collective.CollectiveMover`:
+    the crossing's ``ppermute`` rounds, then the receiver's assembly)."""
+
+    def address(self) -> str:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"127.0.0.1:{s.getsockname()[1]}"
+
+    def join(self, coordinator: str, process: int) -> None:
+        import jax
+
+        jax.distributed.initialize(coordinator, num_processes=2, process_id=process, initialization_timeout=120)
+        self.process = process
+        self.grids = [[d for d in jax.devices() if d.process_index == p][:4] for p in (0, 1)]
+
+    def move(self, shape: tuple[int, ...], spec: tuple, dst_spec: tuple, repeats: int) -> list[float]:
+        """Send (process 0) or receive (process 1) one float32 message ``repeats``
+        times; the seconds of each, until this end's arrays are ready."""
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        from alpajob.trainer_image.distributed.collective import CollectiveMover, Source
+        from alpajob.trainer_image.distributed.transport import position_tiles
+        from alpajob.trainer_image.runtime.messages import Send
+
+        meshes = [Mesh(np.array(g), ("x",)) for g in self.grids]
+        src = NamedSharding(meshes[0], PartitionSpec(*spec))
+        dst = NamedSharding(meshes[1], PartitionSpec(*dst_spec))
+        key = ("act", 0, 1)
+        layouts = [{"sources": {("act", 1): Source(position_tiles(src, shape), shape, "float32")}},
+                   {"tiles": {("act", 1): position_tiles(dst, shape)}}]
+        mover = CollectiveMover(self.grids, layouts)
+        message = Send(0, 1, key)
+        if self.process == 0:
+            data = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+            array = jax.make_array_from_callback(shape, src, lambda index: data[index])
+        seconds = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            if self.process == 0:
+                mover.send(message, array)
+            else:
+                jax.block_until_ready(mover.receive(message, dst))
+            seconds.append(time.perf_counter() - began)
+        return seconds
+
+
+    def permute(self, elements: int, repeats: int) -> list[float]:
+        """gloo alone: one ``ppermute`` of ``elements`` float32 from each of process 0's 4
+        devices to process 1's (the x -> x message's one round, without the transport's
+        slicing, padding and assembly); the seconds of each, until its result is ready."""
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        union = self.grids[0] + self.grids[1]
+        mesh = Mesh(np.array(union), ("x",))
+        run = jax.jit(jax.shard_map(lambda b: jax.lax.ppermute(b, "x", [(i, 4 + i) for i in range(4)]),
+                                    mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x")))
+        sharding = NamedSharding(mesh, PartitionSpec("x"))
+        mine = [d for d in union if d.process_index == self.process]
+        blocks = jax.make_array_from_single_device_arrays(
+            (8 * elements,), sharding, [jax.device_put(np.ones(elements, np.float32), d) for d in mine])
+        seconds = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            jax.block_until_ready(run(blocks))
+            seconds.append(time.perf_counter() - began)
+        return seconds
 
 
 def main() -> None:
@@ -166,6 +246,26 @@ def main() -> None:
                 transfers.append((size, label, seconds, copy))
                 print(f"{size} MiB {label}: object store {size / 1024 / seconds:.2f} GiB/s, "
                       f"memcpy {size / 1024 / copy:.2f} GiB/s", flush=True)
+        for probe in (a, b):
+            ray.kill(probe)  # their hosts' resources go to the collective probes
+        if args.collective:
+            actor = ray.remote(CollectiveProbe)
+            ca = actor.options(resources={"alpajob-mesh-0-host-0": 1}, num_cpus=0).remote()
+            cb = actor.options(resources={"alpajob-mesh-1-host-0": 1}, num_cpus=0).remote()
+            coordinator = ray.get(ca.address.remote())
+            ray.get([ca.join.remote(coordinator, 0), cb.join.remote(coordinator, 1)])
+            for k, (size, label, _, _) in enumerate(transfers):
+                shape = (size * 2**20 // 4 // 1024, 1024)
+                src, dst = ("x",), ("x",) if label == "x -> x" else (None, "x")
+                _, seconds = ray.get([ca.move.remote(shape, src, dst, 6), cb.move.remote(shape, src, dst, 6)])
+                transfers[k] += (statistics.median(seconds[1:]),)
+                if label == "x -> x":
+                    elements = size * 2**20 // 4 // 4
+                    _, raw = ray.get([ca.permute.remote(elements, 6), cb.permute.remote(elements, 6)])
+                    transfers[k] += (statistics.median(raw[1:]),)
+                else:
+                    transfers[k] += (None,)
+                print(f"{size} MiB {label}: collective {size / 1024 / transfers[k][4]:.2f} GiB/s", flush=True)
         ray.shutdown()
     finally:
         left = cluster.stop()
@@ -181,6 +281,15 @@ def main() -> None:
         print("| --- | --- | --- | --- |")
         for name, _, ra, _, co in rows:
             print(f"| {name} | {ra * 1e3:.1f} | {co * 1e3:.1f} | {co / ra:.2f}x |")
+    if args.collective:
+        print("\n| bytes | sharding | memcpy (GiB/s) | object store (GiB/s) | collective (GiB/s) "
+              "| gloo ppermute alone (GiB/s) | object store / memcpy | collective / memcpy |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for size, label, seconds, copy, collective, raw in transfers:
+            alone = f"{size / 1024 / raw:.2f}" if raw else "-"
+            print(f"| {size} MiB | {label} | {size / 1024 / copy:.2f} | {size / 1024 / seconds:.2f} "
+                  f"| {size / 1024 / collective:.2f} | {alone} | {copy / seconds:.1%} | {copy / collective:.1%} |")
+        return
     print("\n| bytes | sharding | object store (GiB/s) | memcpy (GiB/s) | object store / memcpy |")
     print("| --- | --- | --- | --- | --- |")
     for size, label, seconds, copy in transfers:

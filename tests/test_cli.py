@@ -96,8 +96,6 @@ def test_models_and_schema(capsys):
           "--max-restarts", "-1"], "--max-restarts"),
         (["driver", "{manifest}", "--plan", "{plan}", "--address", "127.0.0.1:1",
           "--keep-last", "0"], "--keep-last"),
-        (["driver", "{manifest}", "--plan", "{plan}", "--address", "127.0.0.1:1",
-          "--transport", "collective", "--checkpoint-dir", "{plan}.ckpt"], "--checkpoint-dir"),
     ],
 )
 def test_ray_commands_refuse_bad_flags_naming_them(tmp_path, capsys, monkeypatch, args, field):

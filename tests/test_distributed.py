@@ -145,28 +145,35 @@ def test_a_one_stage_plan_runs_its_step_as_one_executable(cluster: LoopbackClust
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_one_plan_resumes_under_another(cluster: LoopbackCluster, tmp_path: Path) -> None:
-    """Three meshes, the middle one on two hosts (its own JAX process group), save 2
-    steps: each mesh writes its own part (mesh 1's two hosts together, through orbax's
-    multi-process save), in the background. A two-mesh plan
-    of other mesh shapes then resumes from that checkpoint, every array read from
-    whichever mesh saved it, and ends where a single-device run of 4 steps ends."""
+def test_a_checkpoint_crosses_plans_and_transports(cluster: LoopbackCluster, tmp_path: Path) -> None:
+    """Three meshes, the middle one on two hosts, save 2 steps under the collective
+    transport: each mesh writes its own part through its hosts' helpers (mesh 1's two
+    helpers as one JAX group, orbax's multi-process save), in the background. A
+    two-mesh plan of other mesh shapes then resumes from that checkpoint on the object
+    store (every array read from whichever mesh saved it) for 2 steps, and again under
+    the collective transport for 2 more, reading what the object store wrote. The
+    losses and parameters are those of a single-device run of 6 steps."""
     wide = _manifest(THREE_MESHES_ONE_WIDE, layers=4, nodes=4)
     wide_plan = plan_job(parse_job(wide), PlanOptions(ilp_time_limit=5.0)).plan
     ckpt = tmp_path / "ckpt"
     first = drive(yaml.safe_dump(wide), wide_plan, DriverOptions(
-        address=cluster.address, steps=2, join_timeout=60, step_timeout=180, checkpoint_dir=str(ckpt)))
+        address=cluster.address, steps=2, join_timeout=60, step_timeout=180, checkpoint_dir=str(ckpt),
+        transport=Transport.COLLECTIVE))
     assert first.checkpoint_step == 2 and complete_steps(ckpt) == [2]
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == ["mesh0", "mesh1", "mesh2"]
     narrow = _manifest(TWO_MESHES)
-    plan, serial = _plan_and_serial(narrow, tmp_path, steps=4)
-    resumed = drive(yaml.safe_dump(narrow), plan, DriverOptions(
+    plan, serial = _plan_and_serial(narrow, tmp_path, steps=6)
+    middle = drive(yaml.safe_dump(narrow), plan, DriverOptions(
         address=cluster.address, steps=4, join_timeout=60, step_timeout=180, checkpoint_dir=str(ckpt)))
-    assert resumed.resumed_from == [2]
-    np.testing.assert_allclose(first.losses + resumed.losses, serial.losses, rtol=1e-5)
+    assert middle.resumed_from == [2]
+    last = drive(yaml.safe_dump(narrow), plan, DriverOptions(
+        address=cluster.address, steps=6, join_timeout=60, step_timeout=180, checkpoint_dir=str(ckpt),
+        transport=Transport.COLLECTIVE))
+    assert last.resumed_from == [4]
+    np.testing.assert_allclose(first.losses + middle.losses + last.losses, serial.losses, rtol=1e-5)
     for name, value in serial.params.items():
-        np.testing.assert_allclose(resumed.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
-    assert complete_steps(ckpt) == [2, 4]
+        np.testing.assert_allclose(last.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert complete_steps(ckpt) == [2, 4, 6]
 
 
 @pytest.mark.slow
@@ -295,33 +302,98 @@ def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster:
 
 
 @pytest.mark.slow
-def test_collective_transport_restarts_after_a_killed_mesh_worker(cluster: LoopbackCluster, tmp_path: Path) -> None:
-    """The object store's recovery test with ``transport="collective"``, which cannot
-    checkpoint yet (``check_checkpoints``), so the restart starts from step 0: mesh 1's
-    worker (its node) is killed after step 3. Mesh 0's actor fails in its collective
-    (its gloo peer is gone) before Ray declares mesh 1's actor dead: still a lost host,
-    so the driver restarts. Every actor of the failed attempt, and of a setup that meets
-    the not-yet-dead node, is stopped (none is left waiting in a collective or in
-    ``jax.distributed.initialize``, holding its host), and the next attempt's group
-    (fresh actor processes, a fresh coordinator port) ends where an uninterrupted run
-    ends."""
+def test_collective_transport_resumes_bit_exact_after_a_killed_mesh_worker(cluster: LoopbackCluster,
+                                                                            tmp_path: Path) -> None:
+    """The collective transport checkpoints through each mesh host's helper
+    (:mod:`~alpajob.trainer_image.distributed.saver`). Mesh 1's worker (its node) is
+    killed after step 3, checkpoints every 2 steps: mesh 0's actor fails in its
+    collective (its gloo peer is gone) before Ray declares mesh 1's actor dead, still a
+    lost host, so the driver restarts. Every actor of the failed attempt, and of a setup
+    that meets the not-yet-dead node, is stopped (none is left waiting in a collective
+    or in ``jax.distributed.initialize``, holding its host), and so is its helper. The
+    next attempt (fresh actor processes and helpers, a fresh coordinator port) resumes
+    from step 2 and ends bit for bit where an uninterrupted run of the same transport
+    ends, and within float tolerance of a single-device run."""
     steps = 5
     doc = _manifest(TWO_MESHES)
     plan, serial = _plan_and_serial(doc, tmp_path, steps=steps)
+    clean = drive(yaml.safe_dump(doc), plan, DriverOptions(
+        address=cluster.address, steps=steps, join_timeout=60, step_timeout=120, transport=Transport.COLLECTIVE))
     events: list[str] = []
     options = DriverOptions(address=cluster.address, steps=steps, join_timeout=120, step_timeout=120,
-                            transport=Transport.COLLECTIVE)
+                            transport=Transport.COLLECTIVE, checkpoint_dir=str(tmp_path / "ckpt"),
+                            checkpoint_every=2, checkpoint_async=False)
     began = time.monotonic()
     with _KillMesh1AtStep3(cluster) as on_step:
         result = drive(yaml.safe_dump(doc), plan, options, on_step=on_step, on_event=events.append)
     assert on_step.restarted, "mesh 1's worker should have been killed"
     assert result.restarts == 1, events
-    assert result.resumed_from == [0, 0]  # no checkpoint: the second attempt ran every step
+    assert result.resumed_from == [0, 2], events
+    assert complete_steps(tmp_path / "ckpt") == [2, 4, 5]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith(".")) == ["mesh0", "mesh1"]
+    assert result.losses == clean.losses
+    assert set(result.params) == set(clean.params)
+    for name, value in clean.params.items():
+        np.testing.assert_array_equal(result.params[name], value, err_msg=name)
     _assert_equal(result, serial)
     assert all(b > 0 for b in result.sent_bytes)
-    # About 40 s here; a setup actor left in jax.distributed.initialize would hold mesh
+    # About 60 s here; a setup actor left in jax.distributed.initialize would hold mesh
     # 0's resource for its 120 s initialization timeout.
-    assert time.monotonic() - began < 120, events
+    assert time.monotonic() - began < 150, events
+    helpers = [pid for pid in descendants([w.pid for w in cluster.workers.values()])
+               if b"distributed.saver" in _cmdline(pid)]
+    assert not helpers, "the checkpoint helpers must end with their mesh hosts' actors"
+
+
+@pytest.mark.slow
+def test_sigterm_under_the_collective_transport_saves_and_the_job_resumes(cluster: LoopbackCluster,
+                                                                          tmp_path: Path) -> None:
+    """``alpajob driver --transport collective`` is sent SIGTERM mid-run: it stops after
+    the step in progress with a checkpoint of that step, written by the hosts' helpers,
+    and exits 143; a driver started again resumes from that step and ends where a
+    single-device run ends."""
+    import subprocess
+    import sys
+
+    steps = 30
+    doc = _manifest(TWO_MESHES)
+    plan, _ = _plan_and_serial(doc, tmp_path, steps=1)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    status = tmp_path / "status.json"
+    ckpt = tmp_path / "ckpt"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "alpajob", "driver", str(tmp_path / "job.yaml"), "--plan", str(tmp_path / "plan.json"),
+         "--address", cluster.address, "--steps", str(steps), "--transport", "collective",
+         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "100", "--status-file", str(status)],
+        env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and driver.poll() is None:
+        if status.exists() and json.loads(status.read_text()).get("step", 0) >= 2:
+            break
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGTERM)
+    out, _ = driver.communicate(timeout=180)
+    assert driver.returncode == 143, out
+    stopped = json.loads(status.read_text())
+    assert stopped["phase"] == "Stopped", stopped
+    assert 2 <= stopped["step"] < steps
+    assert complete_steps(ckpt) == [stopped["step"]]
+    end = stopped["step"] + 2
+    _, serial = _plan_and_serial(doc, tmp_path, steps=end)
+    resumed = drive(yaml.safe_dump(doc), plan, DriverOptions(
+        address=cluster.address, steps=end, join_timeout=60, step_timeout=180, checkpoint_dir=str(ckpt),
+        transport=Transport.COLLECTIVE))
+    assert resumed.resumed_from == [stopped["step"]]
+    np.testing.assert_allclose(resumed.losses, serial.losses[stopped["step"]:], rtol=1e-5)
+    for name, value in serial.params.items():
+        np.testing.assert_allclose(resumed.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _actor_pids(cluster: LoopbackCluster, mesh: int, host: int) -> list[int]:
@@ -367,13 +439,17 @@ def test_a_hung_mesh_host_is_restarted_from_the_last_checkpoint(cluster: Loopbac
     assert time.monotonic() - began < 180
 
 
-def test_a_mesh_host_that_never_joins_is_named(cluster: LoopbackCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", list(Transport))
+def test_a_mesh_host_that_never_joins_is_named(cluster: LoopbackCluster, tmp_path: Path, transport: Transport) -> None:
+    """Within the join timeout, whichever transport: no actor starts (none waits in a
+    rendezvous for a host that is not there)."""
     stages = [{"layers": [k, k + 1], "submeshShape": [1, 2]} for k in range(4)]
     doc = _manifest(stages, layers=4)
     plan, _ = _plan_and_serial(doc, tmp_path, steps=1)
     began = time.monotonic()
     with pytest.raises(JoinTimeoutError, match=r"mesh 3 host 0 \(alpajob-mesh-3-host-0\)"):
-        drive(yaml.safe_dump(doc), plan, DriverOptions(address=cluster.address, steps=1, join_timeout=3))
+        drive(yaml.safe_dump(doc), plan, DriverOptions(address=cluster.address, steps=1, join_timeout=3,
+                                                       transport=transport, checkpoint_dir=str(tmp_path / "c")))
     assert time.monotonic() - began < 30
 
 

@@ -162,3 +162,27 @@ def test_a_malformed_variable_is_an_error_naming_it(name: str, value: str) -> No
     with pytest.raises(ManifestError) as info:
         TrainerRuntime.from_env({name: value})
     assert info.value.field == name and repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize(("gpu", "flag", "expected"), [
+    ("cpu", None, Transport.OBJECT_STORE),
+    ("h100-80gb", None, Transport.COLLECTIVE),
+    ("h100-80gb", "object-store", Transport.OBJECT_STORE),
+    ("cpu", "collective", Transport.COLLECTIVE),
+])
+def test_the_driver_s_transport_defaults_by_device(tmp_path: Path, gpu: str, flag: str | None,
+                                                   expected: Transport) -> None:
+    """With no ``--transport`` and no ``ALPAJOB_TRANSPORT``, a GPU pool's plan moves its
+    messages with collectives (NCCL) and a CPU job through the object store (faster
+    there: benchmarks/ray_runtime.py); a flag names either."""
+    import yaml
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["cluster"]["gpu"] = gpu
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    plan = tmp_path / "plan.json"
+    assert main(["plan", str(manifest), "--output", str(plan)]) == 0  # the plan names the device too
+    args = ["driver", str(manifest), "--plan", str(plan), "--address", "127.0.0.1:1"]
+    run = driver_run(_parser().parse_args(args + (["--transport", flag] if flag else [])), TrainerRuntime())
+    assert run.options.transport is expected

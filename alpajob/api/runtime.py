@@ -37,8 +37,16 @@ variable                   pods         meaning
 ``ALPAJOB_CHECKPOINT_VOLUME`` head      what holds it, for messages (``PersistentVolumeClaim x``)
 ``ALPAJOB_JOIN_TIMEOUT``   head         seconds the driver waits for every mesh host
 ``ALPAJOB_OBJECT_STORE_BYTES`` head, mesh  Ray's object store: what the pod's /dev/shm holds
-``ALPAJOB_TRANSPORT``      head         ``object-store`` or ``collective``
+``ALPAJOB_TRANSPORT``      head         ``object-store`` or ``collective`` (default by device)
 =========================  ===========  ===========================================
+
+Which transport (:class:`Transport`): ``ALPAJOB_TRANSPORT`` when the operator sets it,
+else :meth:`Transport.default_for` the pool's device: collectives on GPUs (NCCL, device
+to device), the object store on CPU devices (faster there, measured). Only the object
+store's per-mesh groups use ``ALPAJOB_COORDINATOR``; the collective transport's
+job-wide group (on mesh 0 host 0) and its checkpoint helpers' per-mesh groups (on each
+mesh's host 0) listen on ports chosen at run time, so the pods of a job must reach each
+other on any port (no NetworkPolicy narrower than the job).
 """
 
 from __future__ import annotations
@@ -77,6 +85,14 @@ class Transport(StrEnum):
 
     OBJECT_STORE = "object-store"
     COLLECTIVE = "collective"
+
+    @classmethod
+    def default_for(cls, gpu: DevicePreset | str) -> Transport:
+        """The transport of a job that names none, on devices ``gpu`` (a preset): collectives on a GPU pool (NCCL moves
+        a message device to device, where the object store copies it through host
+        memory on both ends), the object store on CPU devices, where it measured faster
+        (every collective is a rendezvous, and gloo's threads share the host's cores)."""
+        return cls.OBJECT_STORE if str(gpu) == DevicePreset.CPU.value else cls.COLLECTIVE
 
 
 class TrainerRuntime(Contract):

@@ -86,8 +86,8 @@ def add_parsers(sub: Any) -> None:
     driver.add_argument("--transport", choices=[t.value for t in Transport],
                         help="how activations and gradients cross between meshes: the Ray object store, or "
                              "XLA collectives over one JAX process group of every mesh host (gloo on CPU, "
-                             f"NCCL on GPU; not yet run on a GPU) (default ${_ENV('transport')} "
-                             "or object-store)")
+                             f"NCCL on GPU) (default ${_ENV('transport')}, else collective on a GPU pool and "
+                             "object-store on cpu, where it is faster)")
     driver.add_argument("--metrics-port", type=int,
                         help=f"serve Prometheus /metrics here (default ${_ENV('metrics_port')}; none if unset)")
     driver.add_argument("--status-configmap", metavar="NAMESPACE/NAME",
@@ -194,15 +194,13 @@ def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
         metrics_port=args.metrics_port if args.metrics_port is not None else runtime.metrics_port,
         status_file=args.status_file,
         status_configmap=args.status_configmap or runtime.progress_configmap,
-        transport=Transport(args.transport or runtime.transport or Transport.OBJECT_STORE),
+        transport=Transport(args.transport or runtime.transport
+                            or Transport.default_for(plan.cluster.get("preset") or job.spec.cluster.gpu or "cpu")),
         attempt=runtime.attempt if runtime.role is Role.HEAD else None,
         checkpoint_volume=runtime.checkpoint_volume,
     )
     if options.checkpoint_every is not None and options.checkpoint_every < 1:
         raise ManifestError("--checkpoint-every", f"must be at least 1, got {options.checkpoint_every}")
-    from alpajob.trainer_image.distributed.driver import check_checkpoints
-
-    check_checkpoints(options)
     if options.checkpoint_keep_last < 1:
         raise ManifestError("--keep-last", f"must be at least 1, got {options.checkpoint_keep_last}")
     if options.max_restarts < 0:

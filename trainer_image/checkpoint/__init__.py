@@ -13,7 +13,9 @@ Layout of a checkpoint folder::
 
 A *part* is what one group of processes writes together: ``local`` for ``alpajob
 run`` (one process, every stage), ``mesh<i>`` for mesh ``i`` of the Ray runtime (all of
-the mesh's hosts, through orbax's multi-process save).
+the mesh's hosts, through orbax's multi-process save; under the collective transport
+through each host's checkpoint helper, :mod:`alpajob.trainer_image.distributed.saver`,
+which writes the same part).
 
 Atomic
     orbax writes a step into a temporary folder and renames it when finished; a crash

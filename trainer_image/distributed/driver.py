@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from alpajob.api.errors import AlpaJobError, ManifestError, TransientError
+from alpajob.api.errors import AlpaJobError, TransientError
 from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress, TrainerPhase
 from alpajob.api.resource import parse_job
@@ -214,10 +214,10 @@ class MeshGroup:
     """The actors of one attempt: ``actors[stage][host]``, built and connected."""
 
     def __init__(self, manifest_yaml: str, plan: Plan, hosts: Sequence[MeshHostSpec], seed: int, timeout: float,
-                 transport: Transport = Transport.OBJECT_STORE) -> None:
+                 transport: Transport = Transport.OBJECT_STORE, checkpoints: bool = False) -> None:
         import ray
 
-        self.timeout = timeout
+        self.timeout, self.checkpoints = timeout, checkpoints
         remote = ray.remote(MeshHost)
         text = plan.to_json()
         self.actors: list[list[Any]] = [[] for _ in plan.stages]
@@ -239,14 +239,20 @@ class MeshGroup:
         """Join the process groups, build the stages, hand out the layouts."""
         timeout = self.timeout
         firsts = [group[0] for group in self.actors]
+        savers: list[str | None] = [None] * len(self.actors)
         if Transport(transport) is Transport.COLLECTIVE:  # one group: every host of every mesh
             (job,) = gather([firsts[0].coordinator.remote()], timeout, "coordinator")
             addresses = [job] * len(self.actors)
+            if self.checkpoints:  # the checkpoint helpers: one group per mesh of several hosts
+                wide = [mesh for mesh, group in enumerate(self.actors) if len(group) > 1]
+                for mesh, address in zip(wide, gather([firsts[m].free_address.remote() for m in wide], timeout,
+                                                      "coordinator"), strict=True):
+                    savers[mesh] = address
         else:  # one group per mesh of several hosts
             addresses = gather([a.coordinator.remote() for a in firsts], timeout, "coordinator")
             addresses = [a if len(group) > 1 else None for a, group in zip(addresses, self.actors, strict=True)]
-        gather([a.setup.remote(addresses[mesh]) for mesh, group in enumerate(self.actors) for a in group],
-               timeout, "setup")
+        gather([a.setup.remote(addresses[mesh], checkpoints=self.checkpoints, saver_coordinator=savers[mesh])
+                for mesh, group in enumerate(self.actors) for a in group], timeout, "setup")
         layouts = gather([a.layout.remote() for a in firsts], timeout, "layout")
         gather([a.connect.remote(self.actors, layouts) for a in self.all], timeout, "connect")
 
@@ -306,19 +312,6 @@ class MeshGroup:
             ray.kill(actor)
 
 
-def check_checkpoints(options: DriverOptions) -> None:
-    """Refuse checkpoints with the collective transport: there every mesh host is one
-    process of a job-wide JAX group, and orbax cannot save a one-host mesh's part in
-    such a group: it refuses a ``jax.Array`` that one process holds whole while the
-    group has others, and writes numpy arrays from process 0 alone (tried with orbax
-    0.12.8: the barriers and metadata follow ``active_processes``, the arrays do not).
-    A mesh's own group (the object store transport) is what orbax expects."""
-    if options.checkpoint_dir and options.transport is Transport.COLLECTIVE:
-        raise ManifestError("--checkpoint-dir", "the collective transport cannot checkpoint yet (orbax "
-                            "saves only arrays that span the whole JAX process group); use --transport "
-                            "object-store, or drop --checkpoint-dir")
-
-
 class Reporter:
     """Publishes the job's :class:`~alpajob.api.progress.Progress`: the status file at
     every call, the ConfigMap at every phase change and at most every ``interval``
@@ -375,7 +368,6 @@ def drive(
 
     say = on_event or (lambda _what: None)
     job = parse_job(yaml.safe_load(manifest_yaml))
-    check_checkpoints(options)
     name = job.name
     hosts = mesh_hosts(plan)
     batch = plan.global_batch_size
@@ -409,7 +401,7 @@ def drive(
                     wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
                     with books.timing(Badput.PLANNING):
                         group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
-                                          options.transport)
+                                          options.transport, checkpoints=saves is not None)
                     with books.timing(Badput.RESTORE):
                         start = saves.resume(group, say) if saves else 0
                     result.checkpoint_step = start or None

@@ -32,6 +32,8 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
 5. saves the stage's state as its mesh's part of a checkpoint, all hosts of the mesh
    together through orbax (:meth:`save`, in the background until :meth:`wait_saved`),
    and restores it from one, whichever meshes saved each array (:meth:`restore`).
+   With the ``collective`` transport each host does so through its checkpoint helper
+   (:mod:`.saver`: orbax cannot save one mesh's part in the job-wide group).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from alpajob.trainer_image.distributed.collective import (
     source_layout,
 )
 from alpajob.trainer_image.distributed.pieces import local_pieces
+from alpajob.trainer_image.distributed.saver import SaverProcess, mesh_positions
 from alpajob.trainer_image.distributed.transport import (
     assemble,
     cut_for_hosts,
@@ -203,6 +206,7 @@ class MeshHost:
         self.peers: list[list[Any]] = []
         self.layouts: list[dict] = []
         self.writer: PartWriter | None = None
+        self.saver: SaverProcess | None = None  # the collective transport's checkpoint helper
         self._fused: FusedRunner | None = None  # a one-stage plan's steps (setup)
 
     def coordinator(self) -> str:
@@ -213,14 +217,23 @@ class MeshHost:
         given = contract_coordinator(os.environ, self.transport, self.index, self.host)
         if given is not None:
             return given
+        return self.free_address()
+
+    def free_address(self) -> str:
+        """A free port of this node, chosen now, as ``ip:port``."""
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def setup(self, coordinator: str | None, init_timeout: int = 120) -> dict[str, Any]:
+    def setup(self, coordinator: str | None, init_timeout: int = 120, checkpoints: bool = False,
+              saver_coordinator: str | None = None) -> dict[str, Any]:
         """Join the mesh's process group (several hosts) or the job's (collective
-        transport), build the stage; who we are."""
+        transport), build the stage; who we are. With the collective transport and
+        ``checkpoints``, also start the host's checkpoint helper (:mod:`.saver`; its
+        mesh's helpers group at ``saver_coordinator`` when the mesh has several hosts)."""
+        if self.transport is Transport.COLLECTIVE and checkpoints:
+            self.saver = SaverProcess(self.plan.stages[self.index], self.host, saver_coordinator)
         if self.transport is Transport.COLLECTIVE:
             jax.distributed.initialize(coordinator, num_processes=sum(map(len, self.processes)),
                                        process_id=self.processes[self.index][self.host],
@@ -372,7 +385,12 @@ class MeshHost:
 
     def save(self, root: str, step: int, parts: list[str], run: dict[str, Any], asynchronous: bool) -> None:
         """Save this mesh's part of checkpoint ``step`` (every host of the mesh at once;
-        with ``asynchronous`` the write goes on in the background: :meth:`wait_saved`)."""
+        with ``asynchronous`` the write goes on in the background: :meth:`wait_saved`).
+        With the collective transport the host's helper writes it (:mod:`.saver`)."""
+        if self.saver is not None:
+            arrays = jax.block_until_ready(self.arrays())
+            self.saver.save(arrays, mesh_positions(self.stage.mesh), root, step, parts, run, asynchronous)
+            return
         if self.writer is None:
             self.writer = PartWriter(root, mesh_part(self.index), asynchronous)
         # The last step's update may still run (JAX dispatches asynchronously) on another
@@ -384,12 +402,21 @@ class MeshHost:
 
     def wait_saved(self) -> None:
         """Block until this host's last save is finalized."""
+        if self.saver is not None:
+            self.saver.wait()
         if self.writer is not None:
             self.writer.wait()
 
     def restore(self, root: str, step: int) -> str | None:
         """Replace the stage's parameters and optimizer state with checkpoint ``step``'s
         (read from whichever meshes saved them); why not, if it is damaged."""
+        if self.saver is not None:
+            arrays = self.arrays()
+            got = self.saver.restore(root, step, arrays, mesh_positions(self.stage.mesh), self.stage.mesh)
+            if isinstance(got, str):
+                return got
+            load_stage(self.stage, got)
+            return None
         try:
             restored = restore(root, step, targets(self.arrays()))
         except DamagedCheckpoint as error:
