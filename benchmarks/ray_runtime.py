@@ -178,6 +178,8 @@ def main() -> None:
     parser.add_argument("--sizes-mb", default="4,16,64")
     parser.add_argument("--collective", action="store_true",
                         help="also run every plan with the collective transport")
+    parser.add_argument("--checkpoints", action="store_true",
+                        help="also time checkpoints of the first plan with each transport")
     args = parser.parse_args()
     config = json.loads(args.config) if args.config.startswith("{") else args.config
 
@@ -199,7 +201,9 @@ def main() -> None:
     cluster = LoopbackCluster(root, HOSTS)
     print(f"starting a loopback Ray cluster in {root} ...", flush=True)
     cluster.start()
-    rows = []
+    rows: list[tuple] = []
+    jobs: list[tuple] = []
+    saves: list[tuple] = []
     try:
         for name, (nodes, stages) in PLANS.items():
             doc = job_document("ray-bench", "gpt", config,
@@ -221,9 +225,25 @@ def main() -> None:
                 np.testing.assert_allclose(collective.losses, local.losses, rtol=1e-4)
                 co = statistics.median(collective.step_seconds[1:])
             rows.append((name, lo, ra, mb, co))
+            jobs.append((doc, plan))
             extra = f", collective {co * 1e3:.1f} ms" if co is not None else ""
             print(f"{name}: local {lo * 1e3:.1f} ms, ray {ra * 1e3:.1f} ms{extra}, "
                   f"{mb:.1f} MiB between meshes per step", flush=True)
+
+        if args.checkpoints:
+            doc, plan = jobs[0]
+            for transport in Transport:
+                folder = root / f"ckpt-{transport.value}"
+                saved = drive(yaml.safe_dump(doc), plan, DriverOptions(
+                    address=cluster.address, steps=args.steps, transport=transport, checkpoint_dir=str(folder),
+                    checkpoint_every=2))
+                resumed = drive(yaml.safe_dump(doc), plan, DriverOptions(
+                    address=cluster.address, steps=args.steps + 1, transport=transport, checkpoint_dir=str(folder)))
+                count = args.steps // 2
+                size = sum(f.stat().st_size for f in folder.rglob(f"{args.steps}/**/*") if f.is_file())
+                saves.append((transport.value, count, saved.badput["checkpoint"] / count,
+                              statistics.median(saved.step_seconds[1:]), resumed.badput["restore"], size))
+                print(f"{transport.value}: {saves[-1]}", flush=True)
 
         ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
         actor = ray.remote(Probe)
@@ -281,6 +301,11 @@ def main() -> None:
         print("| --- | --- | --- | --- |")
         for name, _, ra, _, co in rows:
             print(f"| {name} | {ra * 1e3:.1f} | {co * 1e3:.1f} | {co / ra:.2f}x |")
+    if saves:
+        print("\n| transport | saves | loop blocked per save (s) | step (ms) | restore (s) | checkpoint (MiB) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for transport, count, blocked, step, restored, size in saves:
+            print(f"| {transport} | {count} | {blocked:.3f} | {step * 1e3:.1f} | {restored:.2f} | {size / 2**20:.1f} |")
     if args.collective:
         print("\n| bytes | sharding | memcpy (GiB/s) | object store (GiB/s) | collective (GiB/s) "
               "| gloo ppermute alone (GiB/s) | object store / memcpy | collective / memcpy |")

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -63,7 +63,7 @@ from alpajob.trainer_image.runtime.messages import (
     layout_key,
 )
 from alpajob.trainer_image.runtime.split import SplitProgram
-from alpajob.trainer_image.runtime.transfer import box_of
+from alpajob.trainer_image.runtime.transfer import Box, box_of
 
 
 class OrderError(RuntimeError):
@@ -157,7 +157,11 @@ def source_layout(split: SplitProgram, stage: Any) -> dict[tuple[str, int], Sour
 
 @dataclass
 class _Compiled:
-    """One message layout's crossing and its executable (cached per layout)."""
+    """One message layout's crossing and its executables (cached per layout): the
+    rounds' ``ppermute``, and per mesh position one that cuts a sender's blocks out of
+    its shard and one that builds a receiver's tile from its blocks (one dispatch per
+    device and message, where slicing, padding and placing piece by piece would take
+    several, each a copy)."""
 
     crossing: Crossing
     dtype: str
@@ -165,6 +169,47 @@ class _Compiled:
     offset: int  # union index of the receiving mesh's position 0
     local: list[Any]  # this process's devices in the union, in union order
     run: Any
+    sends: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)  # src position -> (round, route)
+    receives: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)  # dst position -> (round, route)
+    cutters: dict[int, Any] = field(default_factory=dict)
+    builders: dict[int, Any] = field(default_factory=dict)
+
+    def cutter(self, position: int, shard_box: Box) -> Any:
+        """Sending position ``position``'s blocks of every round it sends in, flat and
+        padded to the round's length, from its shard (box ``shard_box``)."""
+        if position not in self.cutters:
+            cuts = [(local_slices(route.box, shard_box), route.size, self.crossing.lengths[r])
+                    for r, route in self.sends[position]]
+
+            def cut(shard: jax.Array) -> tuple[jax.Array, ...]:
+                return tuple(jnp.pad(shard[sl].reshape(-1), (0, length - size)) for sl, size, length in cuts)
+
+            whole = len(cuts) == 1 and cuts[0][1] == cuts[0][2] == int(np.prod([hi - lo for lo, hi in shard_box]))
+            # The whole shard as one block: a reshape, which needs no executable of its own.
+            self.cutters[position] = (lambda shard: (shard.reshape(-1),)) if whole else jax.jit(cut)
+        return self.cutters[position]
+
+    def builder(self, position: int) -> Any:
+        """Receiving position ``position``'s tile from the blocks it received (one per
+        round it receives in, in round order)."""
+        if position not in self.builders:
+            tile = self.crossing.dst_tiles[position]
+            shape = [hi - lo for lo, hi in tile]
+            routes = [route for _, route in self.receives[position]]
+            dtype = self.dtype
+
+            def build(*blocks: jax.Array) -> jax.Array:
+                pieces = [b[: r.size].reshape([hi - lo for lo, hi in r.box]) for b, r in zip(blocks, routes, strict=True)]
+                if len(routes) == 1 and routes[0].box == tile:
+                    return pieces[0]
+                whole = jnp.zeros(shape, dtype)
+                for piece, route in zip(pieces, routes, strict=True):
+                    start = [lo - o for (lo, _), (o, _) in zip(route.box, tile, strict=True)]
+                    whole = jax.lax.dynamic_update_slice(whole, piece, start)
+                return whole
+
+            self.builders[position] = jax.jit(build)
+        return self.builders[position]
 
 
 class CollectiveMover:
@@ -202,6 +247,10 @@ class CollectiveMover:
                                     out_specs=PartitionSpec("x")))
         local = [d for d in union if d.process_index == self.me]
         compiled = _Compiled(crossing, source.dtype, mesh, offset, local, run)
+        for r, members in enumerate(crossing.rounds):
+            for route in members:
+                compiled.sends.setdefault(route.src, []).append((r, route))
+                compiled.receives.setdefault(route.dst, []).append((r, route))
         self._cache[(message.sender, message.receiver, lkey)] = compiled
         return compiled
 
@@ -226,16 +275,14 @@ class CollectiveMover:
             raise OrderError(f"{message}: a {value.dtype}{list(value.shape)} value, but the layout says "
                              f"{c.dtype}{list(c.crossing.shape)}")
         shards = {s.device: s for s in value.addressable_shards}
-        sending = self.grids[message.sender]
         out = {}
-        for r, (members, length) in enumerate(zip(c.crossing.rounds, c.crossing.lengths, strict=True)):
-            for route in members:
-                device = sending[route.src]
-                shard = shards.get(device)
-                if shard is None:  # another host of the sending mesh holds it
-                    continue
-                part = shard.data[local_slices(route.box, box_of(shard.index, value.shape))].reshape(-1)
-                out[r, device] = part if route.size == length else jnp.pad(part, (0, length - route.size))
+        for position, device in enumerate(self.grids[message.sender]):
+            shard = shards.get(device)
+            if shard is None or position not in c.sends:  # another host holds it, or it sends nothing
+                continue
+            blocks = c.cutter(position, box_of(shard.index, value.shape))(shard.data)
+            for (r, route), block in zip(c.sends[position], blocks, strict=True):
+                out[r, device] = block
                 self.sent_bytes += route.size * value.dtype.itemsize
         return out
 
@@ -245,25 +292,12 @@ class CollectiveMover:
         the plan's copies inside the process."""
         c = self.compiled(message)
         receiving = self.grids[message.receiver]
-        parts: dict[int, list[tuple[Any, Any]]] = {}
-        for members, out in zip(c.crossing.rounds, received, strict=True):
-            shards = {s.device: s.data for s in out.addressable_shards}
-            for route in members:
-                block = shards.get(receiving[route.dst])
-                if block is not None:
-                    shape = [hi - lo for lo, hi in route.box]
-                    parts.setdefault(route.dst, []).append((route.box, block[: route.size].reshape(shape)))
+        blocks = [{shard.device: shard.data for shard in out.addressable_shards} for out in received]
         placed = {}
-        for position, pieces in parts.items():
-            tile = c.crossing.dst_tiles[position]
-            if len(pieces) == 1 and pieces[0][0] == tile:
-                placed[position] = pieces[0][1]
-                continue
-            whole = jnp.zeros([hi - lo for lo, hi in tile], c.dtype, device=receiving[position])
-            for box, piece in pieces:
-                start = [lo - o for (lo, _), (o, _) in zip(box, tile, strict=True)]
-                whole = jax.lax.dynamic_update_slice(whole, piece, start)
-            placed[position] = whole
+        for position, routes in c.receives.items():
+            device = receiving[position]
+            if device.process_index == self.me:
+                placed[position] = c.builder(position)(*(blocks[r][device] for r, _ in routes))
         for src, dst in c.crossing.copies:
             if src in placed:
                 placed[dst] = jax.device_put(placed[src], receiving[dst])

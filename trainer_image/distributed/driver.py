@@ -122,6 +122,7 @@ class DriverResult:
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
     skipped_steps: int = 0  # float16: steps whose gradients overflowed (not applied)
     first_step: int = 0  # the step ``losses[0]`` follows: where this driver's first attempt began
+    badput: dict[str, float] = field(default_factory=dict)  # seconds per goodput bucket (Badput), at the end
 
     @property
     def step(self) -> int:
@@ -138,7 +139,7 @@ class DriverResult:
                 "skipped_steps": self.skipped_steps,
                 "sent_bytes": self.sent_bytes, "stage_times": self.stage_times,
                 "restarts": self.restarts, "checkpoint_step": self.checkpoint_step,
-                "resumed_from": self.resumed_from, "stopped": self.stopped}
+                "resumed_from": self.resumed_from, "stopped": self.stopped, "badput": self.badput}
 
     def truncate(self, steps: int) -> None:
         """Forget the steps after ``steps`` (they are run again after a restart)."""
@@ -448,6 +449,7 @@ def drive(
                         with books.timing(Badput.CHECKPOINT):
                             result.checkpoint_step = saves.finish(group)
                     result.params = group.params()
+                    result.badput = {bucket.value: seconds for bucket, seconds in books.badput.items()}
                     break
                 except _recoverable() as failure:
                     reason = f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
