@@ -1,4 +1,4 @@
-"""Ray runtime benchmark (issue 4): the same plan on the Ray runtime and on the local one,
+"""Ray runtime benchmark: the same plan on the Ray runtime and on the local one,
 and cross-mesh transfers through the Ray object store against a memory copy.
 
 A loopback Ray cluster (:mod:`alpajob.trainer_image.distributed.loopback`) runs on this
@@ -21,9 +21,18 @@ collective`` (XLA collectives over one JAX process group, gloo on CPU) and the t
 adds its step time and its ratio to the object store's; the transfers are also made
 as that transport makes them (:class:`CollectiveProbe`: two processes, one JAX group),
 with gloo's bare ``ppermute`` of the same bytes beside them (what bounds the
-transport on this machine).
+transport on this machine). ``--repeat N`` runs each plan N times per transport,
+alternating, and takes the median (this machine's speed drifts by tens of percent).
+
+With ``--checkpoints`` the first plan also runs with a checkpoint every 2 steps under
+each transport (the collective one saves through its hosts' helpers,
+:mod:`alpajob.trainer_image.distributed.saver`), then once more to resume: the table
+gives the seconds the training loop was blocked per save (the goodput books'
+``checkpoint`` bucket, the end-of-run wait for the last save included), the step time
+and the restore.
 
     python benchmarks/ray_runtime.py [--steps 6] [--config JSON] [--batch 32] [--sizes-mb 4,16,64] [--collective]
+                                     [--repeat 1] [--checkpoints]
 """
 
 from __future__ import annotations
@@ -178,6 +187,8 @@ def main() -> None:
     parser.add_argument("--sizes-mb", default="4,16,64")
     parser.add_argument("--collective", action="store_true",
                         help="also run every plan with the collective transport")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each plan per transport, alternating; the table takes the median")
     parser.add_argument("--checkpoints", action="store_true",
                         help="also time checkpoints of the first plan with each transport")
     args = parser.parse_args()
@@ -213,17 +224,18 @@ def main() -> None:
             plan = plan_job(manifest, FAST_PLANNING).plan  # for the manifest's cluster, as written
             write_plan(plan, root / "plan.json")
             local = run(manifest, TrainOptions(steps=args.steps, plan_file=str(root / "plan.json")))
-            remote = drive(yaml.safe_dump(doc), plan, DriverOptions(address=cluster.address, steps=args.steps))
-            np.testing.assert_allclose(remote.losses, local.losses, rtol=1e-4)
             lo = statistics.median(local.step_seconds[1:])
-            ra = statistics.median(remote.step_seconds[1:])
-            mb = statistics.median(remote.sent_bytes) / 2**20
-            co = None
-            if args.collective:
-                collective = drive(yaml.safe_dump(doc), plan, DriverOptions(address=cluster.address, steps=args.steps,
-                                                                            transport=Transport.COLLECTIVE))
-                np.testing.assert_allclose(collective.losses, local.losses, rtol=1e-4)
-                co = statistics.median(collective.step_seconds[1:])
+            transports = list(Transport) if args.collective else [Transport.OBJECT_STORE]
+            medians: dict[Transport, list[float]] = {t: [] for t in transports}
+            for _ in range(args.repeat):  # the transports alternate: this machine's speed drifts
+                for transport in transports:
+                    remote = drive(yaml.safe_dump(doc), plan, DriverOptions(
+                        address=cluster.address, steps=args.steps, transport=transport))
+                    np.testing.assert_allclose(remote.losses, local.losses, rtol=1e-4)
+                    medians[transport].append(statistics.median(remote.step_seconds[1:]))
+                    mb = statistics.median(remote.sent_bytes) / 2**20
+            ra = statistics.median(medians[Transport.OBJECT_STORE])
+            co = statistics.median(medians[Transport.COLLECTIVE]) if args.collective else None
             rows.append((name, lo, ra, mb, co))
             jobs.append((doc, plan))
             extra = f", collective {co * 1e3:.1f} ms" if co is not None else ""

@@ -340,9 +340,7 @@ def test_collective_transport_resumes_bit_exact_after_a_killed_mesh_worker(clust
     # About 60 s here; a setup actor left in jax.distributed.initialize would hold mesh
     # 0's resource for its 120 s initialization timeout.
     assert time.monotonic() - began < 150, events
-    helpers = [pid for pid in descendants([w.pid for w in cluster.workers.values()])
-               if b"distributed.saver" in _cmdline(pid)]
-    assert not helpers, "the checkpoint helpers must end with their mesh hosts' actors"
+    assert _helpers_end(cluster), "the checkpoint helpers must end with their mesh hosts' actors"
 
 
 @pytest.mark.slow
@@ -387,6 +385,18 @@ def test_sigterm_under_the_collective_transport_saves_and_the_job_resumes(cluste
     np.testing.assert_allclose(resumed.losses, serial.losses[stopped["step"]:], rtol=1e-5)
     for name, value in serial.params.items():
         np.testing.assert_allclose(resumed.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _helpers_end(cluster: LoopbackCluster, within: float = 15.0) -> bool:
+    """Whether every checkpoint helper below the workers is gone within ``within``
+    seconds (each watches its actor's process, twice a second)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        pids = descendants([w.pid for w in cluster.workers.values()])
+        if not any(b"distributed.saver" in _cmdline(pid) for pid in pids):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def _cmdline(pid: int) -> bytes:
