@@ -173,8 +173,8 @@ def test_a_malformed_variable_is_an_error_naming_it(name: str, value: str) -> No
 def test_the_driver_s_transport_defaults_by_device(tmp_path: Path, gpu: str, flag: str | None,
                                                    expected: Transport) -> None:
     """With no ``--transport`` and no ``ALPAJOB_TRANSPORT``, a GPU pool's plan moves its
-    messages with collectives (NCCL) and a CPU job through the object store (faster
-    there: benchmarks/ray_runtime.py); a flag names either."""
+    messages with collectives (NCCL) and a CPU job through the object store (no
+    slower there: benchmarks/ray_runtime.py); a flag names either."""
     import yaml
 
     doc = yaml.safe_load(EXAMPLE.read_text())

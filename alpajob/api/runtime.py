@@ -42,7 +42,7 @@ variable                   pods         meaning
 
 Which transport (:class:`Transport`): ``ALPAJOB_TRANSPORT`` when the operator sets it,
 else :meth:`Transport.default_for` the pool's device: collectives on GPUs (NCCL, device
-to device), the object store on CPU devices (faster there, measured). Only the object
+to device), the object store on CPU devices (no slower there, measured). Only the object
 store's per-mesh groups use ``ALPAJOB_COORDINATOR``; the collective transport's
 job-wide group (on mesh 0 host 0) and its checkpoint helpers' per-mesh groups (on each
 mesh's host 0) listen on ports chosen at run time, so the pods of a job must reach each
@@ -90,8 +90,9 @@ class Transport(StrEnum):
     def default_for(cls, gpu: DevicePreset | str) -> Transport:
         """The transport of a job that names none, on devices ``gpu`` (a preset): collectives on a GPU pool (NCCL moves
         a message device to device, where the object store copies it through host
-        memory on both ends), the object store on CPU devices, where it measured faster
-        (every collective is a rendezvous, and gloo's threads share the host's cores)."""
+        memory on both ends), the object store on CPU devices: there collectives (gloo)
+        move a message faster but made no step faster (benchmarks/RESULTS.md,
+        *Transports*), and the object store needs no job-wide JAX group."""
         return cls.OBJECT_STORE if str(gpu) == DevicePreset.CPU.value else cls.COLLECTIVE
 
 

@@ -87,7 +87,7 @@ def add_parsers(sub: Any) -> None:
                         help="how activations and gradients cross between meshes: the Ray object store, or "
                              "XLA collectives over one JAX process group of every mesh host (gloo on CPU, "
                              f"NCCL on GPU) (default ${_ENV('transport')}, else collective on a GPU pool and "
-                             "object-store on cpu, where it is faster)")
+                             "object-store on cpu, where collectives make no step faster)")
     driver.add_argument("--metrics-port", type=int,
                         help=f"serve Prometheus /metrics here (default ${_ENV('metrics_port')}; none if unset)")
     driver.add_argument("--status-configmap", metavar="NAMESPACE/NAME",

@@ -91,8 +91,7 @@ def read_shards(layout: Layout, folder: Path, mesh: Any) -> dict[str, Any]:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    flat = list(mesh.devices.flat)
-    position = {d.id: p for p, d in enumerate(flat)}
+    position = mesh_positions(mesh)
     out = {}
     for name, (shape, dtype, spec, where) in layout.items():
         sharding = NamedSharding(mesh, PartitionSpec(*spec))
