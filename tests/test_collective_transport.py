@@ -273,7 +273,7 @@ def test_shards_are_handed_over_once_per_box_and_come_back_bit_exact(tmp_path) -
     """:func:`write_shards` writes one file per distinct box (a replicated array once,
     not once per device); :func:`read_shards` rebuilds every array on another mesh of
     the same shape, position for position, with the same spec, dtype and bits."""
-    from alpajob.trainer_image.distributed.saver import mesh_positions, read_shards, write_shards
+    from alpajob.trainer_image.distributed.saver import read_shards, write_shards
 
     devices = jax.devices()
     first = Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b"))
@@ -282,20 +282,16 @@ def test_shards_are_handed_over_once_per_box_and_come_back_bit_exact(tmp_path) -
     arrays = {
         "rows": jax.device_put(rng.standard_normal((32, 6), dtype=np.float32), NamedSharding(first, P("a", None))),
         "both": jax.device_put(rng.standard_normal((8, 4), dtype=np.float32), NamedSharding(first, P("b", "a"))),
-        "half": jax.device_put(jnp_ones_bf16((4, 4)), NamedSharding(first, P())),
+        "half": jax.device_put(jax.numpy.full((4, 4), 3.0, jax.numpy.bfloat16), NamedSharding(first, P())),
         "count": jax.device_put(np.int32(7), NamedSharding(first, P())),
     }
-    layout = write_shards(arrays, mesh_positions(first), tmp_path)
+    layout = write_shards(arrays, tmp_path)
     assert len(list(tmp_path.iterdir())) == 2 + 4 + 1 + 1
     back = read_shards(layout, tmp_path, second)
     for name, value in arrays.items():
         assert back[name].sharding == NamedSharding(second, value.sharding.spec), name
         assert back[name].dtype == value.dtype, name
         np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(value), err_msg=name)
-
-
-def jnp_ones_bf16(shape: tuple[int, ...]) -> jax.Array:
-    return jax.numpy.full(shape, 3.0, jax.numpy.bfloat16)
 
 
 def test_a_checkpoint_helper_saves_a_part_any_reader_restores(tmp_path) -> None:
@@ -306,7 +302,7 @@ def test_a_checkpoint_helper_saves_a_part_any_reader_restores(tmp_path) -> None:
     import types
 
     from alpajob.trainer_image.checkpoint.store import complete_steps, restore
-    from alpajob.trainer_image.distributed.saver import HelperError, SaverProcess, mesh_positions
+    from alpajob.trainer_image.distributed.saver import HelperError, SaverProcess
 
     stage = types.SimpleNamespace(index=0, submesh_shape=(1, 4), logical_mesh_shape=(2, 2), axis_names=("x", "y"))
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
@@ -315,19 +311,19 @@ def test_a_checkpoint_helper_saves_a_part_any_reader_restores(tmp_path) -> None:
               "opt/0/count": jax.device_put(np.int32(3), NamedSharding(mesh, P()))}
     helper = SaverProcess(stage, 0, None)
     try:
-        helper.save(arrays, mesh_positions(mesh), str(tmp_path), 2, ["mesh0"], {"model": "test"}, True)
+        helper.save(arrays, str(tmp_path), 2, ["mesh0"], {"model": "test"}, True)
         helper.wait()
         assert complete_steps(tmp_path) == [2]
         targets = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in arrays.items()}
         read = restore(tmp_path, 2, targets)
-        back = helper.restore(str(tmp_path), 2, arrays, mesh_positions(mesh), mesh)
+        back = helper.restore(str(tmp_path), 2, arrays)
         assert not isinstance(back, str)
         for name, value in arrays.items():
             np.testing.assert_array_equal(np.asarray(read.arrays[name]), np.asarray(value), err_msg=name)
             np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(value), err_msg=name)
             assert back[name].sharding == value.sharding
         with pytest.raises(HelperError, match="no checkpoint of step 5"):
-            helper.restore(str(tmp_path), 5, arrays, mesh_positions(mesh), mesh)
+            helper.restore(str(tmp_path), 5, arrays)
     finally:
         helper.close()
     assert helper.process.returncode == 0 and not helper.staging.exists()

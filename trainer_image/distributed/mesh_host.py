@@ -70,7 +70,7 @@ from alpajob.trainer_image.distributed.collective import (
     source_layout,
 )
 from alpajob.trainer_image.distributed.pieces import local_pieces
-from alpajob.trainer_image.distributed.saver import SaverProcess, mesh_positions
+from alpajob.trainer_image.distributed.saver import SaverProcess
 from alpajob.trainer_image.distributed.transport import (
     assemble,
     cut_for_hosts,
@@ -389,7 +389,7 @@ class MeshHost:
         With the collective transport the host's helper writes it (:mod:`.saver`)."""
         if self.saver is not None:
             arrays = jax.block_until_ready(self.arrays())
-            self.saver.save(arrays, mesh_positions(self.stage.mesh), root, step, parts, run, asynchronous)
+            self.saver.save(arrays, root, step, parts, run, asynchronous)
             return
         if self.writer is None:
             self.writer = PartWriter(root, mesh_part(self.index), asynchronous)
@@ -411,8 +411,7 @@ class MeshHost:
         """Replace the stage's parameters and optimizer state with checkpoint ``step``'s
         (read from whichever meshes saved them); why not, if it is damaged."""
         if self.saver is not None:
-            arrays = self.arrays()
-            got = self.saver.restore(root, step, arrays, mesh_positions(self.stage.mesh), self.stage.mesh)
+            got = self.saver.restore(root, step, self.arrays())
             if isinstance(got, str):
                 return got
             load_stage(self.stage, got)

@@ -39,21 +39,19 @@ import time
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-#: A shard's box in its array: ``((lo, hi), ...)`` per dimension.
-Box = tuple[tuple[int, int], ...]
+from alpajob.trainer_image.distributed.transport import mesh_positions
+from alpajob.trainer_image.runtime.transfer import Box, box_of
+
 #: Per array name: shape, dtype, partition spec, and per mesh position the file of its shard.
 Layout = dict[str, tuple[tuple[int, ...], str, tuple[Any, ...], dict[int, str]]]
 
 #: Seconds a helper may take to start (imports, its mesh's group).
 START_TIMEOUT = 180.0
-
-
-def _box(index: Sequence[slice], shape: Sequence[int]) -> Box:
-    return tuple(tuple(sl.indices(n)[:2]) for sl, n in zip(index, shape, strict=True))  # type: ignore[misc]
 
 
 def _spec(array: Any) -> tuple[Any, ...]:
@@ -65,17 +63,18 @@ def _spec(array: Any) -> tuple[Any, ...]:
     return tuple(sharding.spec)
 
 
-def write_shards(arrays: Mapping[str, Any], positions: Mapping[int, int], folder: Path) -> Layout:
+def write_shards(arrays: Mapping[str, Any], folder: Path) -> Layout:
     """Write the distinct shards this process holds of ``arrays`` (one file per box)
-    into ``folder``; ``positions``: device id -> mesh position. The layout that
-    :func:`read_shards` needs."""
+    into ``folder``; the layout that :func:`read_shards` needs (each shard's file by
+    its device's position in the array's mesh)."""
     folder.mkdir(parents=True, exist_ok=True)
     layout: Layout = {}
     for i, (name, array) in enumerate(sorted(arrays.items())):
         files: dict[Box, str] = {}
         where: dict[int, str] = {}
+        positions = mesh_positions(array.sharding)
         for shard in array.addressable_shards:
-            box = _box(shard.index, array.shape)
+            box = box_of(shard.index, array.shape)
             if box not in files:
                 files[box] = f"a{i}-{len(files)}.bin"
                 np.ascontiguousarray(np.asarray(shard.data)).tofile(folder / files[box])
@@ -91,26 +90,21 @@ def read_shards(layout: Layout, folder: Path, mesh: Any) -> dict[str, Any]:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    position = mesh_positions(mesh)
     out = {}
     for name, (shape, dtype, spec, where) in layout.items():
         sharding = NamedSharding(mesh, PartitionSpec(*spec))
+        position = mesh_positions(sharding)
         loaded: dict[str, Any] = {}
         pieces = []
         for device, index in sharding.addressable_devices_indices_map(shape).items():
             file = where[position[device.id]]  # type: ignore[attr-defined]
             if file not in loaded:
-                box = _box(index or (), shape)
+                box = box_of(index or (), shape)
                 loaded[file] = np.fromfile(folder / file, dtype=jnp.dtype(dtype)).reshape(
                     [hi - lo for lo, hi in box])
             pieces.append(jax.device_put(loaded[file], device))
         out[name] = jax.make_array_from_single_device_arrays(shape, sharding, pieces)
     return out
-
-
-def mesh_positions(mesh: Any) -> dict[int, int]:
-    """Device id -> position in ``mesh`` (row-major)."""
-    return {d.id: p for p, d in enumerate(mesh.devices.flat)}
 
 
 class HelperError(RuntimeError):
@@ -169,12 +163,12 @@ class SaverProcess:
             raise HelperError(f"the checkpoint helper's {what} failed: {value}")
         return value
 
-    def save(self, arrays: Mapping[str, Any], positions: Mapping[int, int], root: str, step: int,
-             parts: list[str], run: dict[str, Any], asynchronous: bool) -> None:
+    def save(self, arrays: Mapping[str, Any], root: str, step: int, parts: list[str], run: dict[str, Any],
+             asynchronous: bool) -> None:
         """Hand ``arrays`` over and start the save; returns once the helper holds them."""
         folder = self.staging / f"save-{step}"
         shutil.rmtree(folder, ignore_errors=True)
-        layout = write_shards(arrays, positions, folder)
+        layout = write_shards(arrays, folder)
         try:
             self._ask(("save", root, step, parts, run, asynchronous, str(folder), layout))
         finally:
@@ -184,10 +178,9 @@ class SaverProcess:
         """Block until the helper's last save is finalized."""
         self._ask(("wait",))
 
-    def restore(self, root: str, step: int, arrays: Mapping[str, Any], positions: Mapping[int, int],
-                mesh: Any) -> dict[str, Any] | str:
-        """Checkpoint ``step``'s arrays named and placed as ``arrays`` (on ``mesh``), or
-        why not, if it is damaged."""
+    def restore(self, root: str, step: int, arrays: Mapping[str, Any]) -> dict[str, Any] | str:
+        """Checkpoint ``step``'s arrays named and placed as ``arrays`` (all on one mesh),
+        or why not, if it is damaged."""
         layout: Layout = {name: (tuple(a.shape), str(a.dtype), _spec(a), {}) for name, a in arrays.items()}
         folder = self.staging / f"restore-{step}"
         shutil.rmtree(folder, ignore_errors=True)
@@ -195,7 +188,7 @@ class SaverProcess:
             reply = self._ask(("restore", root, step, str(folder), layout))
             if isinstance(reply, str):
                 return reply
-            return read_shards(reply, folder, mesh)
+            return read_shards(reply, folder, next(iter(arrays.values())).sharding.mesh)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -235,12 +228,9 @@ class _Helper:
             jax.distributed.initialize(setup["coordinator"], num_processes=setup["hosts"],
                                        process_id=setup["host"], initialization_timeout=int(START_TIMEOUT))
 
-        class _Stage:  # what mesh_devices reads of a plan's stage
-            index = setup["index"]
-            submesh_shape = (setup["hosts"], setup["per_host"])
-            logical_mesh_shape = setup["logical"]
-
-        self.mesh = Mesh(mesh_devices(_Stage, jax.devices()), setup["axes"])
+        stage = SimpleNamespace(index=setup["index"], submesh_shape=(setup["hosts"], setup["per_host"]),
+                                logical_mesh_shape=setup["logical"])  # what mesh_devices reads of a stage
+        self.mesh = Mesh(mesh_devices(stage, jax.devices()), setup["axes"])
         self.index = setup["index"]
         self.writer: Any = None
 
@@ -270,7 +260,7 @@ class _Helper:
             restored = restore(root, step, targets)
         except DamagedCheckpoint as error:
             return str(error)
-        return write_shards(restored.arrays, mesh_positions(self.mesh), Path(folder))
+        return write_shards(restored.arrays, Path(folder))
 
     def close(self) -> None:
         if self.writer is not None:
