@@ -13,7 +13,7 @@ import pytest
 from alpajob.api.errors import ManifestError
 from alpajob.api.names import Role
 from alpajob.api.runtime import TrainerRuntime, Transport
-from alpajob.cli.main import _parser, main
+from alpajob.cli.main import main, parser
 from alpajob.cli.planning import plan_options
 from alpajob.cli.ray import driver_run, worker_settings
 from alpajob.operator import children
@@ -40,7 +40,7 @@ def command_of(pod: dict[str, Any]) -> argparse.Namespace:
     [container] = pod["spec"]["containers"]
     command = container["command"]
     assert command[0] == "alpajob"
-    return _parser().parse_args(command[1:])
+    return parser().parse_args(command[1:])
 
 
 PODS = {
@@ -73,14 +73,14 @@ def test_the_planner_pod_plans_for_the_pool_and_writes_the_plan_configmap() -> N
     assert options.cache_dir == "/checkpoints/.alpajob/plans"
     [mount] = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "checkpoints"]
     assert options.cache_dir.startswith(mount["mountPath"] + "/")
-    assert plan_options(_parser().parse_args(["plan", "--no-plan-cache"]), runtime).cache_dir is None
+    assert plan_options(parser().parse_args(["plan", "--no-plan-cache"]), runtime).cache_dir is None
 
 
 def test_without_a_checkpoint_volume_the_planner_caches_in_its_own_home() -> None:
     job = {**JOB, "spec": {"model": JOB["spec"]["model"]}}
     runtime = TrainerRuntime.from_env(env_of(children.planner_pod(job, NAMES, PoolCluster("h100-80gb", 4, 8))))
     assert runtime.plan_cache is None
-    assert plan_options(_parser().parse_args(["plan"]), runtime).cache_dir.endswith("alpajob/plans")
+    assert plan_options(parser().parse_args(["plan"]), runtime).cache_dir.endswith("alpajob/plans")
 
 
 def test_a_planner_pod_reads_back_the_plan_its_earlier_attempt_cached(tmp_path: Path, capsys) -> None:
@@ -184,5 +184,5 @@ def test_the_driver_s_transport_defaults_by_device(tmp_path: Path, gpu: str, fla
     plan = tmp_path / "plan.json"
     assert main(["plan", str(manifest), "--output", str(plan)]) == 0  # the plan names the device too
     args = ["driver", str(manifest), "--plan", str(plan), "--address", "127.0.0.1:1"]
-    run = driver_run(_parser().parse_args(args + (["--transport", flag] if flag else [])), TrainerRuntime())
+    run = driver_run(parser().parse_args(args + (["--transport", flag] if flag else [])), TrainerRuntime())
     assert run.options.transport is expected

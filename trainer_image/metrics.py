@@ -82,7 +82,7 @@ class TrainingMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.step = Gauge("alpajob_step", "last completed training step", ["job"], registry=r)
-        self.loss = Gauge("alpajob_loss", "loss of the last step", ["job"], registry=r)
+        self.loss = Gauge("alpajob_loss", "training loss of the last step", ["job"], registry=r)
         self.eval_loss = Gauge("alpajob_eval_loss", "loss on spec.data.eval, last evaluation", ["job"], registry=r)
         self.step_seconds = Gauge("alpajob_step_seconds", "wall seconds of the last step", ["job"], registry=r)
         self.stepped_at = Gauge("alpajob_last_step_timestamp_seconds", "Unix time the last step ended "
@@ -91,13 +91,13 @@ class TrainingMetrics:
         self.samples = Gauge("alpajob_samples_per_second", "samples per second, last step", ["job"], registry=r)
         self.tokens = Gauge("alpajob_tokens_per_second", "tokens per second, last step", ["job"], registry=r)
         self.mfu = Gauge("alpajob_mfu", "model FLOPs utilization of the last step (0..1)", ["job"], registry=r)
-        self.predicted = Gauge("alpajob_predicted_step_seconds", "the plan's predicted step time", ["job"], registry=r)
+        self.predicted = Gauge("alpajob_predicted_step_seconds", "the plan's predicted step seconds (set beside alpajob_step_seconds)", ["job"], registry=r)
         self.compute = Gauge("alpajob_stage_step_compute_seconds", "stage compute seconds, last step", _LABELS, registry=r)
         self.idle = Gauge("alpajob_stage_step_idle_seconds", "stage idle (bubble) seconds, last step", _LABELS, registry=r)
         self.comm = Gauge("alpajob_stage_step_communication_seconds", "stage communication seconds, last step", _LABELS, registry=r)
-        self.compute_total = Counter("alpajob_stage_compute_seconds", "stage compute seconds", _LABELS, registry=r)
-        self.idle_total = Counter("alpajob_stage_idle_seconds", "stage idle seconds", _LABELS, registry=r)
-        self.comm_total = Counter("alpajob_stage_communication_seconds", "stage communication seconds", _LABELS, registry=r)
+        self.compute_total = Counter("alpajob_stage_compute_seconds", "stage compute seconds, summed over the timed steps", _LABELS, registry=r)
+        self.idle_total = Counter("alpajob_stage_idle_seconds", "stage idle (bubble) seconds, summed over the timed steps", _LABELS, registry=r)
+        self.comm_total = Counter("alpajob_stage_communication_seconds", "stage communication seconds, summed over the timed steps", _LABELS, registry=r)
         self.checkpoint = Gauge("alpajob_checkpoint_step", "step of the last complete checkpoint", ["job"], registry=r)
         self.checkpointed_at = Gauge("alpajob_last_checkpoint_timestamp_seconds", "Unix time the trainer "
                                      "first reported the last complete checkpoint", ["job"], registry=r)

@@ -63,8 +63,10 @@ RESTRICTED_VOLUME_SOURCES = ("configMap", "csi", "downwardAPI", "emptyDir", "eph
 class PodMetadata(Contract):
     """Labels and annotations added to the pods (the operator's own win)."""
 
-    labels: dict[str, LabelValue] = Field(default_factory=dict, max_length=64)
-    annotations: dict[str, AnnotationValue] = Field(default_factory=dict, max_length=64)
+    labels: dict[str, LabelValue] = Field(default_factory=dict, max_length=64,
+                                          description="Labels added to the pods (not under alpajob.io/).")
+    annotations: dict[str, AnnotationValue] = Field(default_factory=dict, max_length=64, description=(
+        "Annotations added to the pods (not under alpajob.io/)."))
 
     @field_validator("labels", "annotations")
     @classmethod
@@ -80,25 +82,30 @@ class Resources(Contract):
     """The container's requests and limits (``cpu``, ``memory``, ``nvidia.com/gpu``,
     any extended resource); a key set here replaces the operator's value for that key."""
 
-    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
-    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16, description=(
+        "What the scheduler reserves, by resource name (e.g. cpu: 4, memory: 32Gi)."))
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16, description=(
+        "The most the container may use, by resource name."))
 
 
 class Toleration(Contract):
     """A toleration, as in a pod spec."""
 
-    key: str | None = Field(None, max_length=316)
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = Field(None, max_length=63)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(None, json_schema_extra=k8s(format="int64"))
+    key: str | None = Field(None, max_length=316, description="The taint's key (empty with Exists: every taint).")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Equal (the default) or Exists.")
+    value: str | None = Field(None, max_length=63, description="The taint's value, with Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="The taint effect to tolerate; empty: every effect.")
+    toleration_seconds: int | None = Field(None, json_schema_extra=k8s(format="int64"), description=(
+        "With NoExecute: how long the pod stays on a node after the taint appears."))
 
 
 class EnvVar(Contract):
     """An environment variable: a ``value``, or ``valueFrom`` as in a pod spec."""
 
-    name: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-    value: str | None = Field(None, max_length=32768)
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+                      description="The variable's name (not ALPAJOB_*: those are the runtime contract).")
+    value: str | None = Field(None, max_length=32768, description="Its value.")
     value_from: dict[str, Any] | None = Field(
         None, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
         description="As in a pod spec: secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef.")
@@ -115,10 +122,11 @@ class EnvVar(Contract):
 class VolumeMount(Contract):
     """Where a volume of ``volumes`` appears in the container."""
 
-    name: str = Field(min_length=1, max_length=63)
-    mount_path: str = Field(min_length=1, max_length=1024, pattern=r"^/")
-    read_only: bool = False
-    sub_path: str | None = Field(None, max_length=1024)
+    name: str = Field(min_length=1, max_length=63, description="The name of a volume in volumes.")
+    mount_path: str = Field(min_length=1, max_length=1024, pattern=r"^/",
+                            description="Where it appears in the container (an absolute path).")
+    read_only: bool = Field(False, description="Mount it read-only.")
+    sub_path: str | None = Field(None, max_length=1024, description="A path inside the volume to mount instead of its root.")
 
 
 class PodSecurity(Contract):
@@ -127,34 +135,45 @@ class PodSecurity(Contract):
     fs_group: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"), description=(
         "Group that owns the pods' volumes (default 1000, the image's user's group), so "
         "uid 1000 can write a volume made by root."))
-    fs_group_change_policy: Literal["OnRootMismatch", "Always"] | None = None
+    fs_group_change_policy: Literal["OnRootMismatch", "Always"] | None = Field(None, description=(
+        "When the kubelet changes the volumes' ownership to fsGroup: always, or only when the root differs."))
     run_as_user: int | None = Field(None, ge=1, json_schema_extra=k8s(format="int64"),
                                     description="Any uid but 0 (Pod Security restricted).")
-    run_as_group: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"))
-    supplemental_groups: list[int] = Field(default_factory=list, max_length=32)
+    run_as_group: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"),
+                                     description="The containers' primary group id (default the image's).")
+    supplemental_groups: list[int] = Field(default_factory=list, max_length=32,
+                                           description="More group ids of the containers' processes.")
 
 
 class PodOverrides(Contract):
     """What one role's pods may change (module docstring)."""
 
-    metadata: PodMetadata | None = None
-    resources: Resources | None = None
-    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    metadata: PodMetadata | None = Field(None, description="Labels and annotations added to the pods.")
+    resources: Resources | None = Field(None, description=(
+        "The container's requests and limits; a key set here replaces the operator's, sized from the plan."))
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32, description=(
+        "Node labels the pods must match, added to the operator's."))
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32,
+                                          description="Taints the pods tolerate, as in a pod spec.")
     affinity: dict[str, Any] | None = Field(
         None, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True), description=(
             "As in a pod spec. A mesh pod's node (from the plan) is added to every "
             "nodeSelectorTerm of requiredDuringSchedulingIgnoredDuringExecution."))
-    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    env: list[EnvVar] = Field(default_factory=list, max_length=128,
+                              description="Environment variables of the container.")
     volumes: list[dict[str, Any]] = Field(
         default_factory=list, max_length=32,
         json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
         description=("Volumes as in a pod spec, each with a name and one source that Pod Security "
                      "restricted admits: " + ", ".join(RESTRICTED_VOLUME_SOURCES) + "."))
-    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=32)
-    security_context: PodSecurity | None = None
-    priority_class_name: str | None = Field(None, max_length=253)
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=32,
+                                             description="Where the volumes appear in the container.")
+    security_context: PodSecurity | None = Field(None, description=(
+        "Pod-level security settings a user may choose; the rest stays Pod Security restricted."))
+    priority_class_name: str | None = Field(None, max_length=253, description=(
+        "The pods' PriorityClass (default spec.scheduling.priorityClassName)."))
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        None, description="When the kubelet pulls the image (default: the Kubernetes default for its tag).")
     image_pull_secrets: list[Annotated[str, StringConstraints(min_length=1, max_length=253)]] = Field(
         default_factory=list, max_length=16, description="Names of Secrets to pull the image with.")
     shm_size: Quantity | None = Field(None, description=(

@@ -104,48 +104,50 @@ class _Status(Contract):
 class Condition(_Status):
     """One condition, as ``metav1.Condition`` has it."""
 
-    type: ConditionType
-    status: ConditionStatus
-    reason: str = Field("", max_length=1024)
-    message: str = Field("", max_length=32768)
-    last_transition_time: str | None = Field(None, json_schema_extra=DATE_TIME)
-    observed_generation: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"))
+    type: ConditionType = Field(description="Which condition (one entry per type).")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field("", max_length=1024, description="Why, in one CamelCase word.")
+    message: str = Field("", max_length=32768, description="Why, for a person: what happened and the fix.")
+    last_transition_time: str | None = Field(None, json_schema_extra=DATE_TIME,
+                                             description="When status last changed.")
+    observed_generation: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"),
+                                            description="The metadata.generation it was set for.")
 
 
 class PlanSummary(_Status):
     """``status.plan``: the plan in a few numbers; the whole plan is in ``configMap``."""
 
-    config_map: str
-    hash: str | None = None
-    stages: int = Field(0, ge=0)
-    meshes: int = Field(0, ge=0)
-    predicted_step_seconds: float | None = Field(None, ge=0)
-    num_micro_batches: int | None = Field(None, ge=1)
+    config_map: str = Field(description="The ConfigMap holding the whole plan (plan.json).")
+    hash: str | None = Field(None, description="The plan document's content hash.")
+    stages: int = Field(0, ge=0, description="Pipeline stages.")
+    meshes: int = Field(0, ge=0, description="Submeshes (one per stage), each a pod group.")
+    predicted_step_seconds: float | None = Field(None, ge=0, description="The cost model's step time.")
+    num_micro_batches: int | None = Field(None, ge=1, description="Micro-batches per step.")
 
 
 class MeshStatus(_Status):
     """One mesh (a pipeline stage's submesh): its pods."""
 
-    name: str
-    nodes: int = Field(0, ge=0)
-    ready_pods: int = Field(0, ge=0)
-    total_pods: int = Field(0, ge=0)
+    name: str = Field(description="The mesh's name (mesh-0, mesh-1, ...).")
+    nodes: int = Field(0, ge=0, description="Nodes the mesh spans.")
+    ready_pods: int = Field(0, ge=0, description="Its pods that are Ready.")
+    total_pods: int = Field(0, ge=0, description="Its pods (one per mesh host).")
 
 
 class Children(_Status):
     """The names of the children of the current attempt, saved before they are created
     (a restarted operator finds them instead of creating them twice)."""
 
-    attempt: int = Field(0, ge=0)
-    config: str | None = None
-    plan: str | None = None
-    progress: str | None = None
-    planner: str | None = None
-    service: str | None = None
-    hosts_service: str | None = None
-    head: str | None = None
-    pod_group: str | None = None
-    mesh_pods: list[str] = Field(default_factory=list, max_length=4096)
+    attempt: int = Field(0, ge=0, description="The attempt these children belong to (0 first, +1 per whole-job restart).")
+    config: str | None = Field(None, description="The ConfigMap holding the manifest the pods read.")
+    plan: str | None = Field(None, description="The ConfigMap the planner pod writes the plan into.")
+    progress: str | None = Field(None, description="The ConfigMap the driver reports progress in.")
+    planner: str | None = Field(None, description="The planner pod.")
+    service: str | None = Field(None, description="The head's Service (Ray, metrics).")
+    hosts_service: str | None = Field(None, description="The headless Service that names every pod.")
+    head: str | None = Field(None, description="The head pod (Ray head and driver).")
+    pod_group: str | None = Field(None, description="The gang-scheduling PodGroup, when spec.scheduling asks for one.")
+    mesh_pods: list[str] = Field(default_factory=list, max_length=4096, description="The mesh pods, in mesh order.")
     created: int | None = Field(None, ge=0, description=(
         "The attempt whose pods have all been seen: from then on a vanished pod is a failure."))
     replaced: list[str] | None = Field(None, max_length=4096, description=(
@@ -178,16 +180,17 @@ class JobTime(_Status):
 class Status(_Status):
     """``status`` of an AlpaJob."""
 
-    phase: Phase = Phase.PENDING
+    phase: Phase = Field(Phase.PENDING, description=(
+        "Pending, Planning, Starting, Running, Restarting, Succeeded, Failed or Suspended."))
     conditions: list[Condition] = Field(
         default_factory=list, max_length=32,
         description=("Planned, MeshesReady, Running, Succeeded, Failed, Suspended, Ready, "
-                     "ChildrenCreated, and kstatus's Reconciling and Stalled."),
+                     "ChildrenCreated, PodsScheduled, and kstatus's Reconciling and Stalled."),
         json_schema_extra=k8s(x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["type"]))
     plan: PlanSummary | None = Field(
         None, description="Summary of the plan; the whole plan is in the ConfigMap configMap.")
     meshes: list[MeshStatus] = Field(
-        default_factory=list, max_length=1024,
+        default_factory=list, max_length=1024, description="Each mesh's pods.",
         json_schema_extra=k8s(x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"]))
     progress: Progress | None = Field(None, description="The trainer's last report.")
     restarts: int = Field(0, ge=0, json_schema_extra=k8s(format="int32"), description=(
@@ -195,9 +198,12 @@ class Status(_Status):
     disruptions: int = Field(0, ge=0, json_schema_extra=k8s(format="int32"), description=(
         "Restarts not counted against backoffLimit (podFailurePolicy Ignore: by default "
         "preemption, eviction, a lost node)."))
-    start_time: str | None = Field(None, json_schema_extra=DATE_TIME)
-    completion_time: str | None = Field(None, json_schema_extra=DATE_TIME)
-    observed_generation: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"))
+    start_time: str | None = Field(None, json_schema_extra=DATE_TIME,
+                                   description="When the operator began the job (its planning).")
+    completion_time: str | None = Field(None, json_schema_extra=DATE_TIME,
+                                        description="When it Succeeded or Failed.")
+    observed_generation: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"),
+                                            description="The metadata.generation this status reflects.")
     children: Children = Field(default_factory=Children, description=(
         "Names of the children the operator made, saved before it creates them."))
     time: JobTime = Field(default_factory=JobTime, description=(

@@ -34,12 +34,14 @@ from alpajob.cli import calibrate, data, planning, ray, training
 from alpajob.cli import operator as operator_cli
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """The ``alpajob`` command line: every subcommand's parser (the CLI reference page
+    is generated from it)."""
+    root = argparse.ArgumentParser(
         prog="alpajob",
         description="Alpa's automatic inter- and intra-operator parallelism on stock JAX.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = root.add_subparsers(dest="command", required=True)
     planning.add_parser(sub)
     training.add_parser(sub)
     data.add_parser(sub)
@@ -54,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     board = sub.add_parser("dashboard", help="print the AlpaJob Grafana dashboard (JSON)")
     board.add_argument("--output", "-o", help="write it to this file instead "
                                               "(the chart's: charts/alpajob/files/grafana-dashboard.json)")
-    return parser
+    return root
 
 
 def _models(out: Console) -> int:
@@ -119,7 +121,7 @@ def _dispatch(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the console script; returns the exit status."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     out = Console()
     err = Console(stderr=True)
     from alpajob.trainer_image.stopping import Interrupted, SignalsRaise, interrupted
