@@ -21,7 +21,7 @@ Nesterov momentum 0.9. ``--optimizer adam`` traces every case with our Adam inst
 (float32 moments, no master copy), as this table did before.
 
     python benchmarks/alpa_plans.py                 # every case
-    python benchmarks/alpa_plans.py --cases gpt-39b --markdown benchmarks/RESULTS.md
+    python benchmarks/alpa_plans.py --cases gpt-39b --markdown table.md   # then put it in its RESULTS.md section
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fewer devices than offered (issue 23, item 7): on one host whose 8 forced CPU
+"""Fewer devices than offered: on one host whose 8 forced CPU
 devices share its cores, the planner may use any number of them. Is its pick right?
 
 For each job (the README's byte-level GPT, and GPT-tiny from ``local-gpt.yaml``):

@@ -1,4 +1,4 @@
-"""How many forced CPU devices to make (issue 23, item 7): the count itself costs speed.
+"""How many forced CPU devices to make: the count itself costs speed.
 
 XLA reads ``--xla_force_host_platform_device_count`` once per process, so each count N
 runs in a fresh process. For N = 1, 2, 4, 8 it measures:

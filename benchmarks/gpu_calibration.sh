@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23, item 6, on a GPU machine: `alpajob calibrate` (the device's rates and the
+# On a GPU machine: `alpajob calibrate` (the device's rates and the
 # fusion fit), then the held-out models' predicted steps against measured ones
 # (benchmarks/gpu_prediction.py), each in its own process. Writes into $OUT (default
 # ./gpu-calibration): calibration.json, calibrate.log, prediction.jsonl.

@@ -1,4 +1,4 @@
-"""Issue 23, item 6: the planner's predicted step against the measured one on the GPU
+"""The planner's predicted step against the measured one on the GPU
 at hand, with the stored constants and with the ones ``alpajob calibrate`` fitted here.
 
 Each model is trained by the real local runtime on one device (one stage, one

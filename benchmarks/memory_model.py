@@ -19,7 +19,7 @@ step (Adam) planned as one stage of every layer on one CPU device:
    backward in one executable (no residuals held between them):
    ``weights + the larger of that executable's and the update's temporaries``.
 
-    python benchmarks/memory_model.py [--markdown benchmarks/RESULTS.md]
+    python benchmarks/memory_model.py [--markdown table.md]   # then put it in its RESULTS.md section
 """
 
 from __future__ import annotations

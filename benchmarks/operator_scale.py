@@ -1,4 +1,4 @@
-"""Operator benchmark (issue 5): time to children, and 100 AlpaJobs at once.
+"""Operator benchmark: time to children, and 100 AlpaJobs at once.
 
 The real operator process (``alpajob operator``) runs against KMock's Kubernetes
 emulator (no API server can be installed here); this script plays the API's clients

@@ -1,4 +1,4 @@
-"""The ILP's per-op shardings reach the compiled stages (issue 3, item 2).
+"""The ILP's per-op shardings reach the compiled stages.
 
 The plan records the output sharding of every forward matmul, convolution and lookup
 (``StagePlan.pinned_ops``); the trainer finds the same equations in its own trace of

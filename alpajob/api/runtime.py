@@ -92,8 +92,8 @@ class Transport(StrEnum):
         collectives on a GPU pool (NCCL moves a message device to device, where the
         object store copies it through host memory on both ends), the object store on
         CPU devices: there collectives (gloo) move a message faster but made no step
-        faster (benchmarks/RESULTS.md, *Transports*), and the object store needs no
-        job-wide JAX group."""
+        faster (benchmarks/RESULTS.md, *Transports and the Ray runtime*), and the object
+        store needs no job-wide JAX group."""
         return cls.OBJECT_STORE if str(gpu) == DevicePreset.CPU.value else cls.COLLECTIVE
 
 

@@ -1,4 +1,4 @@
-"""A custom model for ``spec.model.entrypoint`` (see the README's worked example).
+"""A custom model for ``spec.model.entrypoint`` (the worked example of the documentation's "Your own model" guide, docs/guides/own-model.md).
 
 ``make_model()`` returns three plain functions; the planner and the runtime derive
 everything else (layers, stages, shardings) from tracing ``loss``.

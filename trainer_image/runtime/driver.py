@@ -13,7 +13,7 @@ its inputs and returns, and a move of whole shards is a device copy queued behin
 the computation that makes them. No Python thread stands between one stage's
 output and the next stage's input, where a thread per stage that waits for every
 instruction pays a thread hand-off per message (on 2 shared cores that cost
-GPT-tiny's 4-stage pipeline 15-17% of its step: benchmarks/RESULTS.md, session 10).
+GPT-tiny's 4-stage pipeline 15-17% of its step, measured on 2 cores).
 
 **Host work per step.** A small model's instructions take 0.3-3 ms, and on a host
 whose cores also run the devices every ``jax.device_put`` costs 0.1-0.3 ms of
@@ -21,7 +21,7 @@ Python. So the step batches its puts: one for the batch, one per round for the
 messages (GPT-tiny, 4 stages, 8 micro-batches: 24 moves in place of 68), and moves
 of the same layout on both sides go through ``jax.device_put`` whole
 (:mod:`.transport`). Together these made that step 12-16% faster
-(benchmarks/RESULTS.md, session 12).
+(measured on 2 cores).
 
 **The end of a stage's step.** A stage's gradients are complete after its last
 backward: the sums of the shared parameters it reads go home in that round. A stage
@@ -56,8 +56,7 @@ makes the driver wait for every instruction and every move itself
 
 **Timing costs a step.** Every stamp wakes a thread, and on a host whose cores are
 busy running the devices those wake-ups add up: watching every instruction made
-GPT-tiny's 4-stage step 15-20% slower on 2 cores (benchmarks/RESULTS.md, session
-11). So a step is timed only when the caller asks (``timed``; ``alpajob run`` times
+GPT-tiny's 4-stage step 15-20% slower on 2 cores. So a step is timed only when the caller asks (``timed``; ``alpajob run`` times
 one step in ``--stage-times-every``); an untimed step has no watchers
 (:class:`Untimed`) and only waits, at its end, for the updates.
 """

@@ -30,7 +30,7 @@ per-micro-batch all-reduce):
   parameter's gradient would then be complete on every device already);
 - a convolution that reads a parameter: GSPMD partitions a vmapped convolution
   wrongly when both operands are split along the vmapped axis (error 14 against
-  1e-6 in a 10-line reproduction; benchmarks/RESULTS.md, session 9);
+  1e-6 in a 10-line reproduction);
 - a loss that traces to another program at another batch size, or a batch
   dimension that does not divide into G.
 """

@@ -12,8 +12,7 @@ the plan is one whole shard from the i-th source device to the i-th destination
 device, and nothing else. Those arrays move in one ``jax.device_put`` onto their
 destination shardings (JAX copies shard for shard, device to device) rather than
 tile by tile: it does the same copies with about 40% less host work per array, which
-matters when a small model's step makes dozens of moves (benchmarks/RESULTS.md,
-session 12). Between pipeline stages this is the common case: a batch-sharded
+matters when a small model's step makes dozens of moves (measured on 2 cores). Between pipeline stages this is the common case: a batch-sharded
 activation going to a submesh of the same shape.
 
 A piece that is a whole source shard goes device to device as it is: the copy is
