@@ -58,7 +58,8 @@ HEADER = """\
 # that divide the global batch, a usable job name, and the immutable fields.
 # spec.model.config and spec.parallelism.stages are free-form here; the validating
 # webhook judges them. Mutable after creation: spec.runPolicy.suspend,
-# activeDeadlineSeconds, ttlSecondsAfterFinished and spec.scheduling.queue.
+# activeDeadlineSeconds, ttlSecondsAfterFinished, schedulingTimeoutSeconds and
+# cleanPodPolicy, spec.scheduling.queue and spec.podTemplate.
 """
 
 DESCRIPTION = (

@@ -109,8 +109,8 @@ class RunPolicy(Contract):
 
     model_config = Contract.model_config | {"json_schema_extra": k8s(*(unchanged(
         key, f"spec.runPolicy.{key} is immutable once the AlpaJob exists; only suspend, "
-        "activeDeadlineSeconds, progressDeadlineSeconds, schedulingTimeoutSeconds and "
-        "ttlSecondsAfterFinished may change")
+        "activeDeadlineSeconds, ttlSecondsAfterFinished, schedulingTimeoutSeconds and "
+        "cleanPodPolicy may change")
         for key in ("backoffLimit", "podFailurePolicy")))}
 
     backoff_limit: int = Field(3, ge=0, json_schema_extra=INT32, description=(

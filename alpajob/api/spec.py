@@ -18,7 +18,7 @@ its own module (:mod:`.run_policy`), as ``spec.podTemplate`` has (:mod:`.pod_tem
 
 Mutable once a job exists: ``runPolicy.suspend``, ``runPolicy.activeDeadlineSeconds``,
 ``runPolicy.ttlSecondsAfterFinished``, ``runPolicy.schedulingTimeoutSeconds``,
-``scheduling.queue`` and ``podTemplate`` (:data:`MUTABLE`);
+``runPolicy.cleanPodPolicy``, ``scheduling.queue`` and ``podTemplate`` (:data:`MUTABLE`);
 everything else is fixed (transition rules in the CRD, and
 :func:`~alpajob.api.validation.immutable_problems` in the webhook).
 """

@@ -53,7 +53,8 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--steps", type=int, help="steps to train (default spec.training.steps)")
     run.add_argument("--seed", type=int, help="parameter and data seed (default spec.training.seed)")
     run.add_argument("--devices", type=int,
-                     help="how many local devices to use (on CPU: sets the forced device count; default 8)")
+                     help="how many local devices to use (on CPU: the forced device count; default 8, "
+                          "or for an auto job on a CPU host the count of up to 8 predicted fastest)")
     run.add_argument("--method", choices=[*[m.value for m in Method], SERIAL],
                      help="override spec.parallelism.method; serial: the whole step on one device")
     run.add_argument("--metrics-out", help="write per-step losses and step seconds (JSON) here")

@@ -173,7 +173,7 @@ def _solve_highs(arrays: Milp, time_limit_s: float) -> tuple[np.ndarray | None, 
     if highs.getInfo().primal_solution_status != 2:
         raise SolverError(
             f"ILP solver HiGHS found no solution within {time_limit_s} s "
-            f"({highs.modelStatusToString(status)}); raise time_limit_s"
+            f"({highs.modelStatusToString(status)}); allow it more time (alpajob plan/run --ilp-time-limit)"
         )
     values = np.asarray(highs.getSolution().col_value)
     optimal = status == highspy.HighsModelStatus.kOptimal
@@ -216,7 +216,7 @@ def _solve_cbc(arrays: Milp, time_limit_s: float) -> tuple[np.ndarray | None, So
     if prob.status != pulp.LpStatusOptimal:
         raise SolverError(
             f"ILP solver CBC found no solution within {time_limit_s} s "
-            f"(status {pulp.LpStatus[prob.status]}); raise time_limit_s"
+            f"(status {pulp.LpStatus[prob.status]}); allow it more time (alpajob plan/run --ilp-time-limit)"
         )
     values = np.array([c.varValue or 0.0 for c in columns])
     optimal = prob.sol_status == pulp.LpSolutionOptimal

@@ -24,7 +24,7 @@ Atomic
     saved and before another did leaves ``N`` incomplete and the one before it in use.
 Async
     orbax copies the arrays to host memory and writes them on a background thread
-    while training goes on (``spec.checkpoint.async``); the next save, the end of the
+    while training goes on (``spec.checkpoint.asyncSave``); the next save, the end of the
     run and SIGTERM wait for it.
 Verified
     orbax checks its index (CRC-32C) but not the array data: a flipped bit restores as
