@@ -37,8 +37,8 @@ def rules(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("promtool") is None:
         pytest.skip("promtool not installed (Debian package prometheus)")
     helm = pytest.importorskip("helm_python")
-    rule = find(render(helm, {"prometheusRule": {"enabled": True}}), "PrometheusRule", "alpajob-alerts",
-                NAMESPACE)
+    rule = find(render(helm, {"prometheusRule": {"enabled": True}, "serviceMonitor": {"enabled": True}}),
+                "PrometheusRule", "alpajob-alerts", NAMESPACE)
     path = tmp_path_factory.mktemp("rules") / "alpajob-rules.yaml"
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     done = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
@@ -150,6 +150,15 @@ def test_the_operator_down_for_5_minutes_fires(rules: Path) -> None:
         {"eval_time": "9m", "alertname": "AlpaJobOperatorDown", "exp_alerts": []},
         {"eval_time": "12m", "alertname": "AlpaJobOperatorDown", "exp_alerts": expected},
     ])
+
+
+def test_without_the_service_monitor_there_is_no_operator_down_alert() -> None:
+    """Without the chart's ServiceMonitor nothing scrapes the operator, so an alert on
+    its target would fire for ever: the rule is left out."""
+    helm = pytest.importorskip("helm_python")
+    rule = find(render(helm, {"prometheusRule": {"enabled": True}}), "PrometheusRule", "alpajob-alerts", NAMESPACE)
+    names = [r["alert"] for r in rule["spec"]["groups"][0]["rules"]]
+    assert "AlpaJobOperatorDown" not in names and "AlpaJobStepStalled" in names
 
 
 def test_the_values_reach_the_rules_and_every_metric_exists() -> None:

@@ -2,7 +2,7 @@
 
 The chart's ``templates/prometheusrule.yaml`` is rendered with helm-python-sdk (Helm's
 own template engine, no ``helm`` binary) at the chart's default values with the rule
-enabled, so each alert's expression shows the thresholds a default install uses. The
+and the ServiceMonitor enabled (the operator's alert needs the latter), so each alert's expression shows the thresholds a default install uses. The
 comment written under each ``- alert:`` line of the template (what the expression
 means) is read from the template itself, since rendering drops comments.
 """
@@ -30,7 +30,8 @@ def _rendered_rules(chart: Path) -> list[dict[str, Any]]:
         raise AlpaJobError("the alerts reference renders the chart with helm-python-sdk: "
                            "pip install -e '.[docs]'") from None
     with helm_python.Chart.load(chart) as loaded:
-        rendered = loaded.render({"prometheusRule": {"enabled": True}}, name="alpajob",
+        rendered = loaded.render({"prometheusRule": {"enabled": True}, "serviceMonitor": {"enabled": True}},
+                                 name="alpajob",
                                  namespace="alpajob-system", is_install=True)
     rule = next(doc for path, text in rendered.items() if path.endswith("prometheusrule.yaml")
                 for doc in yaml.safe_load_all(text) if doc)
@@ -75,7 +76,8 @@ def render(chart: Path = CHART) -> str:
                  f"**Summary:** {cell(_plain(annotations.get('summary', '')))}", "",
                  f"**What to do:** {cell(_plain(annotations.get('description', '')))}", ""]
     intro = ("The alerts of the chart's PrometheusRule (`prometheusRule.enabled: true`), rendered "
-             "at the default values; `prometheusRule.stalledMinutes`, `restartsPerHour` and "
+             "at the default values with the ServiceMonitor on (`AlpaJobOperatorDown` is rendered "
+             "only with `serviceMonitor.enabled: true`); `prometheusRule.stalledMinutes`, `restartsPerHour` and "
              "`stageIdleShare` move the thresholds ([Helm values](helm-values.md)). Each fires "
              "per AlpaJob (`namespace`, `job` labels) except the operator's own. The series they "
              "read are in the [metrics reference](metrics.md).")
