@@ -227,6 +227,21 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path: Path) -> None:
         np.testing.assert_array_equal(resumed.params[name], value, err_msg=name)
 
 
+def test_a_local_run_checkpoints_every_spec_interval_unless_the_flag_says_otherwise(tmp_path: Path) -> None:
+    """``spec.checkpoint.intervalSteps`` sets ``alpajob run``'s interval as it sets the
+    pods'; ``--checkpoint-every`` wins; every run also saves its last step."""
+    from alpajob.trainer_image.checkpoint.store import complete_steps
+
+    document = _manifest(method="data").model_dump(by_alias=True, exclude_none=True)
+    document["spec"]["checkpoint"] = {"volume": "ckpt", "intervalSteps": 2, "keepLast": 10}
+    manifest = parse_job(document)
+    run(manifest, _options(manifest, 5, checkpoint_dir=str(tmp_path / "spec"), sync_checkpoints=True))
+    assert complete_steps(tmp_path / "spec") == [2, 4, 5]
+    run(manifest, _options(manifest, 5, checkpoint_dir=str(tmp_path / "flag"), checkpoint_every=3,
+                           sync_checkpoints=True))
+    assert complete_steps(tmp_path / "flag") == [3, 5]
+
+
 def test_metrics_json_and_prometheus(tmp_path: Path) -> None:
     manifest = _manifest(method="data")
     out = tmp_path / "metrics.json"

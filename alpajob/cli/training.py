@@ -72,7 +72,9 @@ def add_parser(sub: Any) -> None:
                      help="time the last step and write its measured timeline beside the plan's "
                           "predicted one (Chrome trace JSON: open it in ui.perfetto.dev)")
     run.add_argument("--checkpoint-dir", help="save sharded checkpoints here")
-    run.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (and at the end)")
+    run.add_argument("--checkpoint-every", type=int,
+                     help="checkpoint every N steps and at the end (default spec.checkpoint.intervalSteps; "
+                          "without spec.checkpoint, at the end only)")
     run.add_argument("--keep-last", type=int, metavar="N",
                      help="complete checkpoints kept (default spec.checkpoint.keepLast, else 3)")
     run.add_argument("--sync-checkpoints", action="store_true",
