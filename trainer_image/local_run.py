@@ -327,6 +327,8 @@ def _run(
         eval_loss: float | None = None
         done = start
         with StopRequest() as stop:
+            every = options.checkpoint_every or (
+                job.spec.checkpoint.interval_steps if job.spec.checkpoint else None)
             for step in range(start, steps):
                 batch = feed.batch(step)
                 done = step + 1
@@ -343,8 +345,6 @@ def _run(
                     with books.timing(Badput.EVAL):
                         eval_loss = float(np.mean([runner.evaluate(b) for b in evaluations]))
                     result.evals.append((done, eval_loss))
-                every = options.checkpoint_every or (
-                    job.spec.checkpoint.interval_steps if job.spec.checkpoint else None)
                 if (every and done % every == 0) or done == steps:
                     save(done)
                 summary = books.summary(result.step_seconds, feed.wait_seconds)

@@ -19,17 +19,9 @@ from typing import Any
 
 from alpajob.api.crd import crd
 from alpajob.api.names import CATEGORIES, GROUP, KIND, SHORT_NAMES, VERSION
-from alpajob.reference.markdown import cell, code, page, table
+from alpajob.reference.markdown import cell, code, constraints, page, table
 
 Node = Mapping[str, Any]
-
-# Keyword -> how its bound reads in the Validation column.
-_BOUNDS = (
-    ("minimum", "≥ {}"), ("maximum", "≤ {}"), ("minLength", "length ≥ {}"), ("maxLength", "length ≤ {}"),
-    ("minItems", "items ≥ {}"), ("maxItems", "items ≤ {}"), ("maxProperties", "keys ≤ {}"),
-    ("pattern", "pattern {}"), ("format", "format {}"),
-)
-
 
 def anchor(path: str) -> str:
     """The section id of the object at ``path``: ``spec.data`` -> ``spec-data``."""
@@ -61,15 +53,7 @@ def _type(node: Node, path: str) -> str:
 
 def _validation(node: Node) -> str:
     """The Validation cell: enum, bounds, pattern, format, list semantics."""
-    parts = []
-    if "enum" in node:
-        parts.append("one of " + ", ".join(code(v) for v in node["enum"]))
-    for key, form in _BOUNDS:
-        if key in node:
-            bound = node[key]
-            if key == "minimum" and node.get("exclusiveMinimum"):
-                form = "> {}"
-            parts.append(form.format(code(bound) if key == "pattern" else bound))
+    parts = constraints(node)
     if node.get("x-kubernetes-list-type"):
         keys = node.get("x-kubernetes-list-map-keys")
         parts.append(f"list type {node['x-kubernetes-list-type']}" + (f" (keys: {', '.join(keys)})" if keys else ""))

@@ -52,8 +52,8 @@ def _row(action: argparse.Action, prog: str) -> list[str]:
     default = action.default
     shown = "" if default in (None, False, argparse.SUPPRESS) or action.nargs == 0 else code(default)
     choices = ", ".join(code(c) for c in action.choices) if action.choices else ""
-    return [name, code(_takes(action)) if _takes(action) != "flag" else "flag", shown, choices,
-            cell(_help(action, prog))]
+    takes = _takes(action)
+    return [name, takes if takes == "flag" else code(takes), shown, choices, cell(_help(action, prog))]
 
 
 def _anchor(name: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from alpajob.reference.markdown import cell, code, page, table
+from alpajob.reference.markdown import cell, code, constraints, page, table
 
 #: The chart, found from the repository root this package lives in.
 CHART = Path(__file__).resolve().parents[2] / "charts" / "alpajob"
@@ -70,16 +70,7 @@ def _type(node: Mapping[str, Any], schema: Mapping[str, Any]) -> str:
 
 
 def _validation(node: Mapping[str, Any]) -> str:
-    parts = []
-    if "enum" in node:
-        parts.append("one of " + ", ".join(code(v) for v in node["enum"]))
-    for key, form in (("minimum", "≥ {}"), ("exclusiveMinimum", "> {}"), ("maximum", "≤ {}"),
-                      ("exclusiveMaximum", "< {}"), ("minLength", "length ≥ {}"),
-                      ("maxLength", "length ≤ {}"), ("pattern", "pattern {}")):
-        if key in node:
-            parts.append(form.format(code(node[key]) if key == "pattern" else node[key]))
-    if node.get("uniqueItems"):
-        parts.append("unique items")
+    parts = constraints(node)
     if node.get("required"):
         parts.append("requires " + ", ".join(code(r) for r in node["required"]))
     if node.get("additionalProperties") is False:
