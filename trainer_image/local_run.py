@@ -83,6 +83,8 @@ class RunResult:
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss)
     data: str = SYNTHETIC  # what the run trained on
     data_wait_seconds: float = 0.0  # time spent waiting for the loader
+    data_read_bytes: int = 0  # bytes of token ids read (training and eval)
+    source_rows: dict[str, int] = field(default_factory=dict)  # rows of the steps run, per training source
     skipped_steps: int = 0  # float16: steps skipped for overflowing gradients (loss scaling)
     throughput: Throughput | None = None  # model FLOPs and tokens per step, the devices' peak
     goodput: dict[str, float] = field(default_factory=dict)  # Goodput.summary at the end
@@ -104,6 +106,8 @@ class RunResult:
             "step_seconds": self.step_seconds,
             "data": self.data,
             "data_wait_seconds": self.data_wait_seconds,
+            "data_read_bytes": self.data_read_bytes,
+            "source_rows": self.source_rows,
             "skipped_steps": self.skipped_steps,
             "model_flops_per_step": self.throughput.flops_per_step if self.throughput else None,
             "tokens_per_step": self.throughput.tokens_per_step if self.throughput else None,
@@ -357,6 +361,11 @@ def _run(
                     last_checkpoint_step=checkpoints.poll() if checkpoints else None, updated=time.time())
                 metrics.record(report, seconds, stages)
                 metrics.books(summary)
+                rows = feed.source_rows(step)
+                for source, count in rows.items():
+                    result.source_rows[source] = result.source_rows.get(source, 0) + count
+                metrics.data({("all", "0"): feed.read_bytes - result.data_read_bytes}, rows)
+                result.data_read_bytes = feed.read_bytes
                 if on_step:
                     on_step(report)
                 if stop.requested:

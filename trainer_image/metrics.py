@@ -21,6 +21,10 @@ timed steps' utilization::
     alpajob_checkpoint_step                       the last complete checkpoint's step
     alpajob_last_checkpoint_timestamp_seconds     when the trainer first reported it (Unix time)
     alpajob_restarts_total                        restarts from a checkpoint (Ray runtime)
+    alpajob_data_read_bytes_total{mesh="0",host="1"}  bytes of token ids each reader read
+                                                  (a pipeline's middle stages read none)
+    alpajob_data_source_rows_total{source="web"}  batch rows per training source (a mixture's
+                                                  shares: rate of one over the rate of all)
     alpajob_goodput                               productive step time / wall time so far
     alpajob_badput_seconds{bucket="compile"}      the rest of the wall time, by bucket
                                                   (trainer/goodput.py: planning, compile, data,
@@ -109,6 +113,11 @@ class TrainingMetrics:
                              ["job"], registry=r)
         self.badput = Gauge("alpajob_badput_seconds", "wall seconds not training, by bucket",
                             ["job", "bucket"], registry=r)
+        self.read_bytes = Counter("alpajob_data_read_bytes", "bytes of token ids read from spec.data, per "
+                                  "reader (a mesh host; the local run is mesh all)", ["job", "mesh", "host"],
+                                  registry=r)
+        self.source_rows = Counter("alpajob_data_source_rows", "rows of the global batches taken from each "
+                                   "training source (a mixture's realised shares)", ["job", "source"], registry=r)
         self.restarts.labels(job)
         if predicted_step_seconds is not None:
             self.predicted.labels(job).set(predicted_step_seconds)
@@ -158,6 +167,14 @@ class TrainingMetrics:
             self.compute_total.labels(*labels).inc(times.compute)
             self.idle_total.labels(*labels).inc(times.idle)
             self.comm_total.labels(*labels).inc(times.communication)
+
+    def data(self, read: dict[tuple[str, str], int], rows: dict[str, int]) -> None:
+        """Record one step's reading: bytes per reader ``(mesh, host)``, and rows of its
+        global batch per training source."""
+        for (mesh, host), count in read.items():
+            self.read_bytes.labels(self.job, mesh, host).inc(count)
+        for source, count in rows.items():
+            self.source_rows.labels(self.job, source).inc(count)
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         """Serve ``/metrics`` on ``port`` until :meth:`close`; a port that cannot be had

@@ -41,6 +41,15 @@ class PlanOptions(Contract):
         "planner (None: plan every time; the CLI's default is the user cache folder)"))
 
 
+class PrepareOptions(Contract):
+    """How ``alpajob data prepare`` writes token shards."""
+
+    output: str = Field(min_length=1, description="the folder to write the shards and their index to")
+    shard_size: int = Field(256 * 2**20, ge=1024, description="the most bytes of ids per shard")
+    workers: int | None = Field(None, ge=1, le=512, description="tokenizing processes (default: one per core)")
+    unit_bytes: int = Field(8 * 2**20, ge=1, description="bytes of input a process tokenizes at a time")
+
+
 class TrainOptions(Contract):
     """How to train on this machine (``alpajob run``)."""
 
@@ -99,7 +108,7 @@ class TrainOptions(Contract):
         return self
 
 
-Options = TypeVar("Options", PlanOptions, TrainOptions)
+Options = TypeVar("Options", PlanOptions, TrainOptions, PrepareOptions)
 
 
 def flag_name(field: str) -> str:

@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from alpajob.api.catalog import GPU_PRODUCT_PRESETS, DevicePreset
+from alpajob.api.data import DataSpec
 from alpajob.api.names import GPU_PRODUCT_LABEL
 from alpajob.api.pod_template import PodTemplates, Quantity
 from alpajob.api.run_policy import RunPolicy
@@ -293,68 +294,6 @@ class ParallelismSpec(Contract):
     def manual_stages(self) -> tuple[ManualStage, ...]:
         """The manual stages (empty unless ``stages`` is a list)."""
         return tuple(self.stages) if isinstance(self.stages, list) else ()
-
-
-class DataFormat(StrEnum):
-    """``spec.data.format``: what the files hold."""
-
-    TEXT = "text"  # plain text, one document per file
-    JSONL = "jsonl"  # one JSON object per line; its `field` is a document
-    TOKENS = "tokens"  # token ids: .npy, or raw .bin (spec.data.tokenDtype)
-    ARRAYRECORD = "arrayrecord"  # ArrayRecord files (local); each record one document's UTF-8 text
-
-
-class TokenDtype(StrEnum):
-    """``spec.data.tokenDtype``: the integer type of raw ``.bin`` token files."""
-
-    UINT16 = "uint16"
-    UINT32 = "uint32"
-
-
-#: The byte-level tokenizer: 256 ids, one per byte, no files needed.
-BYTES_TOKENIZER = "bytes"
-
-
-class DataSpec(Contract):
-    """``spec.data``: what to train and evaluate on.
-
-    ``train`` and ``eval`` are a path, a glob or a list of them, local or an fsspec URL
-    (``s3://``, ``gs://``, ``file://``, ``memory://``); ``{stdlib}`` stands for the
-    Python standard library's folder (text on every machine). Documents are tokenized
-    (``tokenizer``), joined with the tokenizer's end-of-text id and cut into sequences
-    of the model's length.
-    """
-
-    model_config = Contract.model_config | {"json_schema_extra": k8s(
-        cel("self == oldSelf", "spec.data is immutable once the AlpaJob exists (restarts resume "
-            "in its order); create a new AlpaJob to train on other data"))}
-
-    train: str | list[str] = Field(json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
-                                   description="Files to train on: a path, glob or URL, or a list.")
-    eval: str | list[str] | None = Field(
-        None, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
-        description=("Files to evaluate on after the last step and every spec.training.evalEvery "
-                     "steps: a path, glob or URL, or a list."))
-    format: DataFormat = Field(DataFormat.TEXT, description="text, jsonl, tokens or arrayrecord.")
-    field: str = Field("text", max_length=253, description="jsonl: the key of each line's text.")
-    tokenizer: str = Field(BYTES_TOKENIZER, min_length=1, max_length=1024, description=(
-        "bytes (256 ids, no files), or a Hugging Face tokenizer.json (a path or URL)."))
-    token_dtype: TokenDtype = Field(TokenDtype.UINT16, description=(
-        "tokens format: the integer type of raw .bin files (.npy files say their own)."))
-
-    @field_validator("train", "eval")
-    @classmethod
-    def _paths(cls, value: str | list[str] | None) -> str | list[str] | None:
-        paths = [value] if isinstance(value, str) else (value or [])
-        if value is not None and (not paths or any(not p.strip() for p in paths)):
-            raise ValueError("give a path, glob or URL, or a non-empty list of them")
-        return value
-
-    def train_paths(self) -> list[str]:
-        return [self.train] if isinstance(self.train, str) else list(self.train)
-
-    def eval_paths(self) -> list[str]:
-        return [] if self.eval is None else [self.eval] if isinstance(self.eval, str) else list(self.eval)
 
 
 class AccessMode(StrEnum):

@@ -2,37 +2,47 @@
 
 :func:`open_feed` checks that the model can read the data (a language model, whose
 batch is ``input_ids`` and ``labels`` of ``[batch, seqLen]`` integers, with a
-vocabulary that holds every id), tokenizes both splits, and opens the training
-batches. Without ``spec.data`` the feed draws synthetic batches (batch ``i`` from seed
-``seed + i``, so a resumed run sees what the interrupted one would have), and its
-:attr:`Feed.source` says ``synthetic``, which the run prints, records and reports.
+vocabulary that holds every id), opens every source and the eval split, and the
+training batches for the reader's :class:`~.loader.Need` (the local runtime reads
+everything; a Ray mesh host only its stage's leaves and its devices' rows). Without
+``spec.data`` the feed draws synthetic batches (batch ``i`` from seed ``seed + i``, so
+a resumed run sees what the interrupted one would have), and its :attr:`Feed.source`
+says ``synthetic``, which the run prints, records and reports.
+
+The feed keeps the books a host reports: bytes of ids read, and rows per source (a
+mixture's realised shares).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
 
+from alpajob.api.data import DEFAULT_CACHE_PATH, DEFAULT_CACHE_SIZE, DataSpec
 from alpajob.api.errors import ManifestError
 from alpajob.api.resource import AlpaJob
-from alpajob.trainer_image.data.corpus import Corpus, check_ids, load_corpus
+from alpajob.trainer_image.data.corpus import TokenCorpus, check_known_ids, open_eval, open_train
 from alpajob.trainer_image.data.loader import (
-    ONE_SHARD,
+    EVERYTHING,
     PREFETCH,
+    TOKEN_KEYS,
     Batches,
-    Shard,
-    eval_batches,
-    train_batches,
+    BatchReader,
+    Need,
+    eval_reader,
+    train_reader,
 )
+from alpajob.trainer_image.data.order import proportions, source_counts
+from alpajob.trainer_image.data.remote import BlockCache
+from alpajob.trainer_image.data.shards import Opener
 from alpajob.trainer_image.data.tokenizer import check_vocabulary, load_tokenizer
 from alpajob.trainer_image.zoo.model import ModelDef, synthetic_batch
 
 #: What :attr:`Feed.source` says when the job has no ``spec.data``.
 SYNTHETIC = "synthetic"
-TOKEN_KEYS = ("input_ids", "labels")
 
 
 @dataclass
@@ -44,8 +54,10 @@ class Feed:
     seed: int
     source: str  # SYNTHETIC, or what spec.data holds
     train: Batches | None = None
-    eval: Corpus | None = None
+    eval: BatchReader | None = None
     seq_len: int = 0
+    sources: list[str] = field(default_factory=list)  # the training sources' names
+    weights: list[float] = field(default_factory=list)
 
     def batch(self, step: int) -> list[np.ndarray]:
         """The flattened leaves of step ``step``'s global batch (0-based), read in order
@@ -54,27 +66,36 @@ class Feed:
             return jax.tree.leaves(synthetic_batch(self.model, self.batch_size, seed=self.seed + step))
         return jax.tree.leaves(next(self.train))
 
-    def batch_at(self, step: int) -> list[np.ndarray]:
-        """Step ``step``'s batch read directly (the same as :meth:`batch` gives in order):
-        for a process that must find any step's batch without the ones before (a Ray
-        mesh host, after a restart)."""
+    def batch_at(self, step: int, need: Need | None = None) -> list[np.ndarray]:
+        """Step ``step``'s batch read directly (the same as :meth:`batch` gives in order),
+        for ``need`` (default the feed's): for a process that must find any step's batch
+        without the ones before (a Ray mesh host, after a restart)."""
         if self.train is None:
             return self.batch(step)
-        return jax.tree.leaves(self.train.at(step))
+        return jax.tree.leaves(self.train.at(step, need))
 
-    def eval_batches(self, count: int) -> list[list[np.ndarray]]:
+    def eval_batches(self, count: int, need: Need = EVERYTHING) -> list[list[np.ndarray]]:
         """The first ``count`` eval batches (the same every time), flattened."""
         if self.eval is None:
             return []
-        reader = eval_batches(self.eval, self.seq_len, self.batch_size)
-        try:
-            return [jax.tree.leaves(next(reader)) for _ in range(count)]
-        finally:
-            reader.close()
+        return [jax.tree.leaves(self.eval.read(k, need)) for k in range(count)]
 
     @property
     def wait_seconds(self) -> float:
         return self.train.wait_seconds if self.train is not None else 0.0
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes of token ids this feed has read (training and eval)."""
+        train = self.train.reader.books.bytes if self.train is not None else 0
+        return train + (self.eval.books.bytes if self.eval is not None else 0)
+
+    def source_rows(self, step: int) -> dict[str, int]:
+        """Rows each training source gives step ``step``'s global batch."""
+        if self.train is None:
+            return {}
+        counts = self.train.reader.order.counts(step, self.batch_size)
+        return dict(zip(self.sources, counts, strict=True))
 
     def state(self) -> dict[str, Any] | None:
         """The loader's position (None for synthetic data: the step number is enough)."""
@@ -87,6 +108,8 @@ class Feed:
     def close(self) -> None:
         if self.train is not None:
             self.train.close()
+        if self.eval is not None:
+            self.eval.close()
 
 
 def token_shape(model: ModelDef, batch_size: int) -> int:
@@ -102,11 +125,21 @@ def token_shape(model: ModelDef, batch_size: int) -> int:
     return int(shapes["input_ids"].shape[1])
 
 
-def open_feed(job: AlpaJob, model: ModelDef, seed: int | None = None, shard: Shard = ONE_SHARD,
+def describe(corpora: list[TokenCorpus], weights: list[float], tokenizer: str) -> str:
+    """What the run prints of its data: ``124 files, 3,281,802 tokens (bytes)``, or
+    per mixture source its share."""
+    if len(corpora) == 1:
+        return f"{corpora[0].describe()} ({tokenizer})"
+    total = sum(weights)
+    parts = [f"{c.name} {w / total:.0%}: {c.describe()}" for c, w in zip(corpora, weights, strict=True)]
+    return f"mixture of {len(corpora)} sources ({tokenizer}): " + "; ".join(parts)
+
+
+def open_feed(job: AlpaJob, model: ModelDef, seed: int | None = None, need: Need = EVERYTHING,
               prefetch: int = PREFETCH) -> Feed:
     """The feed of ``job`` for ``model`` (module docstring); ``seed``: the run's
-    (default ``spec.training.seed``); ``prefetch``: batches a background thread keeps
-    ready (0: none)."""
+    (default ``spec.training.seed``); ``need``: what this reader reads of every batch;
+    ``prefetch``: batches a background thread keeps ready (0: none)."""
     training, data = job.spec.training, job.spec.data
     seed = training.seed if seed is None else seed
     feed = Feed(model, training.global_batch_size, seed, SYNTHETIC)
@@ -116,13 +149,30 @@ def open_feed(job: AlpaJob, model: ModelDef, seed: int | None = None, shard: Sha
     tokenizer = load_tokenizer(data.tokenizer)
     vocab = model.config.get("vocab")
     check_vocabulary(tokenizer, vocab)
-    train = load_corpus(data, "train", tokenizer)
-    check_ids(train, vocab)
-    evaluation = None
-    if data.eval is not None:
-        evaluation = load_corpus(data, "eval", tokenizer)
-        check_ids(evaluation, vocab)
-    feed.train = train_batches(train, seq_len, training.global_batch_size, seed, shard, prefetch)
-    feed.eval, feed.seq_len = evaluation, seq_len
-    feed.source = f"{train.describe()} ({data.tokenizer})"
+    cache = data.cache
+    opener = Opener("spec.data.train", data.token_dtype,
+                    BlockCache(cache.path if cache else DEFAULT_CACHE_PATH,
+                               cache.size if cache else DEFAULT_CACHE_SIZE))
+    corpora = open_train(data, tokenizer, opener)
+    weights = [s.weight for s in data.sources()]
+    evaluation = open_eval(data, tokenizer, opener)
+    for corpus in [*corpora, *([evaluation] if evaluation else [])]:
+        check_known_ids(corpus, vocab)
+    reader = train_reader(corpora, weights, seq_len, training.global_batch_size, seed, vocab)
+    feed.train = Batches.open(reader, need, prefetch)
+    if evaluation is not None:
+        feed.eval = eval_reader(evaluation, seq_len, training.global_batch_size, vocab)
+    feed.seq_len = seq_len
+    feed.sources, feed.weights = [c.name for c in corpora], weights
+    feed.source = describe(corpora, weights, data.tokenizer)
     return feed
+
+
+def batch_sources(data: DataSpec | None, step: int, batch_size: int) -> dict[str, int]:
+    """Rows each training source of ``data`` gives step ``step``'s global batch, from
+    the weights alone (a driver that reads no data reports a mixture's shares)."""
+    if data is None:
+        return {}
+    names = [name for name, _ in data.named_sources()]
+    counts = source_counts(proportions([s.weight for s in data.sources()]), step, batch_size)
+    return dict(zip(names, counts, strict=True))

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import fsspec
 import numpy as np
 
+from alpajob.api.data import BYTES_TOKENIZER
 from alpajob.api.errors import ManifestError
-from alpajob.api.spec import BYTES_TOKENIZER
 
 #: End-of-text tokens, in the order a tokenizer.json is searched for one.
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")

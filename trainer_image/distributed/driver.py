@@ -64,6 +64,7 @@ from alpajob.api.runtime import Transport
 from alpajob.api.wording import counted
 from alpajob.trainer_image.checkpoint.lock import FolderLock
 from alpajob.trainer_image.checkpoint.store import mesh_part
+from alpajob.trainer_image.data.feed import batch_sources
 from alpajob.trainer_image.distributed.cluster import MeshHostSpec, mesh_hosts, wait_for_hosts
 from alpajob.trainer_image.distributed.mesh_host import MeshHost, stage_times
 from alpajob.trainer_image.distributed.pieces import assemble_pieces
@@ -113,6 +114,8 @@ class DriverResult:
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     sent_bytes: list[int] = field(default_factory=list)
+    read_bytes: list[list[int]] = field(default_factory=list)  # per step, per mesh host (mesh_hosts order)
+    source_rows: dict[str, int] = field(default_factory=dict)  # rows per training source, summed
     stage_times: list[list[dict[str, Any]]] = field(default_factory=list)
     params: dict[str, np.ndarray] = field(default_factory=dict)
     restarts: int = 0
@@ -137,13 +140,14 @@ class DriverResult:
         return {"first_step": self.first_step, "losses": self.losses, "step_seconds": self.step_seconds,
                 "eval": [{"step": step, "loss": loss} for step, loss in self.evals],
                 "skipped_steps": self.skipped_steps,
-                "sent_bytes": self.sent_bytes, "stage_times": self.stage_times,
+                "sent_bytes": self.sent_bytes, "read_bytes": self.read_bytes, "source_rows": self.source_rows,
+                "stage_times": self.stage_times,
                 "restarts": self.restarts, "checkpoint_step": self.checkpoint_step,
                 "resumed_from": self.resumed_from, "stopped": self.stopped, "badput": self.badput}
 
     def truncate(self, steps: int) -> None:
         """Forget the steps after ``steps`` (they are run again after a restart)."""
-        for series in (self.losses, self.step_seconds, self.sent_bytes, self.stage_times):
+        for series in (self.losses, self.step_seconds, self.sent_bytes, self.read_bytes, self.stage_times):
             del series[max(steps - self.first_step, 0):]
         self.evals = [(step, loss) for step, loss in self.evals if step <= steps]
 
@@ -423,6 +427,13 @@ def drive(
                         result.losses.append(loss)
                         result.step_seconds.append(seconds)
                         result.sent_bytes.append(sum(int(r["sent_bytes"]) for g in replies for r in g))
+                        read = {(str(m), str(h)): int(r.get("read_bytes", 0))
+                                for m, g in enumerate(replies) for h, r in enumerate(g)}
+                        result.read_bytes.append(list(read.values()))
+                        rows = batch_sources(job.spec.data, step, batch)
+                        for source, count in rows.items():
+                            result.source_rows[source] = result.source_rows.get(source, 0) + count
+                        metrics.data(read, rows)
                         result.stage_times.append([{k: v for k, v in g[0]["times"].items() if k != "spans"}
                                                    for g in replies])
                         done = step + 1

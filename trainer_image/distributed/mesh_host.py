@@ -16,7 +16,9 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
 2. loads the manifest's model and traces its loss at the plan's micro-batch size,
    cutting it into the plan's stages exactly as the local runtime does (every actor
    makes the same cut, so value ids agree without any exchange), builds its stage on
-   the mesh and places its own parameters, initialised from the run's seed;
+   the mesh and places its own parameters, initialised from the run's seed, then
+   opens the data for what the host reads of every batch (:mod:`.rows`: its stage's
+   leaves, its devices' rows; a middle stage reads nothing);
 3. publishes its :meth:`layout`: the tiles of everything it receives, per message
    address, and which host owns each mesh position, so senders can plan transfers
    onto it;
@@ -60,6 +62,7 @@ from alpajob.api.wording import counted
 from alpajob.trainer_image.checkpoint.names import load_stage, stage_arrays, targets
 from alpajob.trainer_image.checkpoint.store import DamagedCheckpoint, PartWriter, mesh_part, restore
 from alpajob.trainer_image.data.feed import open_feed
+from alpajob.trainer_image.data.loader import EVERYTHING
 from alpajob.trainer_image.distributed.collective import (
     CollectiveLink,
     CollectiveMover,
@@ -70,6 +73,7 @@ from alpajob.trainer_image.distributed.collective import (
     source_layout,
 )
 from alpajob.trainer_image.distributed.pieces import local_pieces
+from alpajob.trainer_image.distributed.rows import host_need
 from alpajob.trainer_image.distributed.saver import SaverProcess
 from alpajob.trainer_image.distributed.transport import (
     assemble,
@@ -245,10 +249,6 @@ class MeshHost:
         training = manifest.spec.training
         self.model = load_model(manifest.spec.model, training.dtype)
         self.batch_size = training.global_batch_size
-        # Every host reads the whole global batch of a step directly (batch_at), so a
-        # restart from any checkpoint needs only the step number.
-        self.feed = open_feed(manifest, self.model, seed=self.seed, prefetch=0)
-        self.evaluations = self.feed.eval_batches(training.eval_steps)  # none without spec.data.eval
         optimizer = training_optimizer(training)
         params = self.model.init(jax.random.key(self.seed))
         self.split, names = split_for_plan(self.plan, self.model.loss, params, self.model.batch_shapes)
@@ -258,10 +258,17 @@ class MeshHost:
         self.stage = place_stage(self.plan, self.split, names, self.index, mesh_obj, jax.tree.leaves(params), optimizer)
         del params
         self._loss_seed = loss_seed(self.plan.num_micro_batches, mesh_obj)
+        # Every host reads a step's batch directly (batch_at), so a restart from any
+        # checkpoint needs only the step number; and only what its devices take.
+        self.need = (host_need(self.split, self.stage, self.plan.num_micro_batches)
+                     if manifest.spec.data is not None else EVERYTHING)
+        self.feed = open_feed(manifest, self.model, seed=self.seed, need=self.need, prefetch=0)
+        self.evaluations = self.feed.eval_batches(training.eval_steps, self.need)  # none without spec.data.eval
         if len(self.plan.stages) == 1:
             self._fused = FusedRunner(self.split, self.stage, self.plan.num_micro_batches, self._loss_seed)
         return {"mesh": self.index, "host": self.host, "devices": len(jax.local_devices()),
-                "platform": jax.devices()[0].platform, "pid": os.getpid()}
+                "platform": jax.devices()[0].platform, "pid": os.getpid(),
+                "reads": sorted(self.need.leaves), "rows": None if self.need.rows is None else list(self.need.rows)}
 
     def layout(self) -> dict[str, Any]:
         """Per message address, the tiles (by mesh position) this stage receives into,
@@ -316,9 +323,11 @@ class MeshHost:
         """Run training step ``step`` (0-based) of this stage, with loss ``scale``
         (float16) if given; its times, losses (from host 0 only: every host of the mesh
         holds the same) and whether the update was applied."""
+        read_before = self.feed.read_bytes
         batch = self.feed.batch_at(step)
+        read = self.feed.read_bytes - read_before
         if self._fused is not None:
-            return self._fused_step(batch, scale)
+            return {**self._fused_step(batch, scale), "read_bytes": read}
         micro = split_micro_batches(batch, self.plan.num_micro_batches)
         link: RayLink | CollectiveLink
         if self.mover is not None:
@@ -342,6 +351,7 @@ class MeshHost:
             "times": dataclasses.asdict(times),
             "losses": own if self.host == 0 else [],
             "sent_bytes": sent,
+            "read_bytes": read,
             "applied": applied,
         }
 
