@@ -32,9 +32,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from alpajob.api.errors import TransientError
+
+T = TypeVar("T")
 
 #: Bytes per cached block (module docstring).
 BLOCK_BYTES = 64 * 1024
@@ -60,17 +62,17 @@ class Retry:
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
-def with_retries(fetch: Callable[[], bytes], expected: int, what: str, retry: Retry,
-                 sleep: Callable[[float], None] = time.sleep) -> bytes:
-    """``fetch()``'s bytes, tried again on a failure or a short answer (module
-    docstring); ``expected``: how many bytes a whole answer has."""
+def retried(call: Callable[[], T], what: str, retry: Retry, check: Callable[[T], str | None] = lambda _: None,
+            sleep: Callable[[float], None] = time.sleep) -> T:
+    """``call()``'s answer, tried again on a failure, or on an answer ``check`` finds
+    fault with (it says what), until ``retry``'s tries are spent (module docstring)."""
     delays = retry.delays()
     for attempt in range(retry.attempts):
         try:
-            data = fetch()
-            if len(data) == expected:
-                return data
-            problem = f"{len(data)} of {expected} bytes arrived"
+            answer = call()
+            problem = check(answer)
+            if problem is None:
+                return answer
         except PERMANENT:
             raise
         except Exception as error:  # noqa: BLE001 - every backend raises its own transient errors
@@ -79,6 +81,14 @@ def with_retries(fetch: Callable[[], bytes], expected: int, what: str, retry: Re
             sleep(delays[attempt])
     raise DataReadError(f"cannot read {what} after {retry.attempts} tries (last: {problem}); the "
                         "store is unreachable or keeps dropping the connection")
+
+
+def with_retries(fetch: Callable[[], bytes], expected: int, what: str, retry: Retry,
+                 sleep: Callable[[float], None] = time.sleep) -> bytes:
+    """``fetch()``'s bytes, tried again on a failure or a short answer (module
+    docstring); ``expected``: how many bytes a whole answer has."""
+    return retried(fetch, what, retry, lambda data: None if len(data) == expected
+                   else f"{len(data)} of {expected} bytes arrived", sleep)
 
 
 class BlockCache:

@@ -30,18 +30,20 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pydantic
 
 from alpajob.api.data import INDEX_FILE, TokenDtype, TokenIndex
 from alpajob.api.errors import ManifestError
-from alpajob.trainer_image.data.remote import BlockCache, RemoteFile, Retry
+from alpajob.trainer_image.data.remote import BlockCache, DataReadError, RemoteFile, Retry, retried
 from alpajob.trainer_image.data.sources import Listing, describe_remote_error, listing
+
+T = TypeVar("T")
 
 #: File suffixes a folder's shards may have.
 SHARD_SUFFIXES = (".bin", ".npy")
@@ -125,6 +127,14 @@ def in_memory(tokens: np.ndarray, name: str) -> Shard:
     return Shard(name, array.dtype, 0, len(array), None, ArrayFile(array.tobytes()))
 
 
+def _ask(found: Listing, opener: Opener, what: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call(*args, **kwargs)`` (a listing or a small read of ``found``'s store, of
+    ``what``), retried when the store is remote."""
+    if found.protocol in ("file", "memory"):
+        return call(*args, **kwargs)
+    return retried(lambda: call(*args, **kwargs), what, opener.retry)
+
+
 def _reader(found: Listing, path: str, size: int, opener: Opener) -> Any:
     if found.protocol == "file":
         return LocalFile(path)
@@ -158,7 +168,7 @@ def _shard(found: Listing, path: str, size: int, opener: Opener) -> Shard:
     if path.endswith(".npy"):
         try:
             dtype, offset, tokens = _npy_header(reader, size, url, opener.field)
-        except ManifestError:
+        except (ManifestError, DataReadError):
             raise
         except Exception as error:  # noqa: BLE001 - a remote store's own errors
             raise ManifestError(opener.field, describe_remote_error(error, url)) from None
@@ -176,18 +186,20 @@ def _from_index(found: Listing, folder: str, opener: Opener) -> list[Shard]:
     index_path = f"{folder.rstrip('/')}/{INDEX_FILE}"
     url = found.url(index_path)
     try:
-        text = found.fs.cat_file(index_path).decode()
+        text = _ask(found, opener, url, found.fs.cat_file, index_path).decode()
         index = TokenIndex.model_validate_json(text)
     except pydantic.ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ManifestError(opener.field, f"{url} is not an index AlpaJob reads ({where}: {first['msg']}); "
                                           "write it with alpajob data prepare") from None
+    except DataReadError:
+        raise
     except Exception as error:  # noqa: BLE001 - a remote store's own errors
         raise ManifestError(opener.field, describe_remote_error(error, url)) from None
     dtype = np.dtype(index.dtype.value)
-    sizes = {PurePosixPath(p).name: int(info.get("size") or 0)
-             for p, info in found.fs.find(folder, maxdepth=1, detail=True).items()}
+    listed = _ask(found, opener, found.url(folder), found.fs.find, folder, maxdepth=1, detail=True)
+    sizes = {PurePosixPath(p).name: int(info.get("size") or 0) for p, info in listed.items()}
     shards = []
     for entry in index.shards:
         name = PurePosixPath(entry.path).name
@@ -216,10 +228,11 @@ def open_token_files(patterns: Sequence[str], opener: Opener) -> list[Shard]:
         for path in sorted(found.entries):
             info = found.entries[path]
             if info.get("type") == "directory":
-                if found.fs.exists(f"{path.rstrip('/')}/{INDEX_FILE}"):
+                index = f"{path.rstrip('/')}/{INDEX_FILE}"
+                if _ask(found, opener, found.url(index), found.fs.exists, index):
                     opened += _from_index(found, path, opener)
                     continue
-                inside = found.fs.find(path, maxdepth=1, detail=True)
+                inside = _ask(found, opener, found.url(path), found.fs.find, path, maxdepth=1, detail=True)
                 opened += [_shard(found, p, int(i.get("size") or 0), opener)
                            for p, i in sorted(inside.items()) if p.endswith(SHARD_SUFFIXES)]
             elif PurePosixPath(path).name == INDEX_FILE:

@@ -25,6 +25,7 @@ from fsspec.core import url_to_fs
 
 from alpajob.api.data import DataFormat
 from alpajob.api.errors import ManifestError
+from alpajob.trainer_image.data.remote import DataReadError, Retry, retried
 
 #: What a pattern may say for the Python standard library's folder.
 STDLIB = "{stdlib}"
@@ -90,13 +91,18 @@ def listing(pattern: str, field: str) -> Listing:
     except ValueError as error:
         raise ManifestError(field, f"cannot read {pattern!r}: {error}") from None
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    try:
+
+    def matches() -> dict[str, Any]:
         if any(c in path for c in GLOB_CHARACTERS):
-            entries = fs.glob(path, detail=True)
-        else:
-            entries = {path: fs.info(path)} if fs.exists(path) else {}
+            return dict(fs.glob(path, detail=True))
+        return {path: fs.info(path)} if fs.exists(path) else {}
+
+    try:
+        entries = matches() if protocol in ("file", "memory") else retried(matches, repr(pattern), Retry())
     except FileNotFoundError:
         entries = {}
+    except DataReadError:
+        raise
     except Exception as error:  # noqa: BLE001 - every backend raises its own; each gets one line
         raise ManifestError(field, describe_remote_error(error, repr(pattern))) from None
     if not entries and protocol not in ("file", "memory"):
