@@ -40,10 +40,10 @@ from alpajob.trainer_image.distributed.loopback import (  # noqa: E402
 from alpajob.trainer_image.planning import plan_job  # noqa: E402
 
 STEPS = 3
-#: The mesh hosts the cluster offers: (mesh, host, devices). Mesh 1 has two hosts: a
-#: plan whose stage 1 is 1 x 4 uses host 0 alone; one whose stage 1 is 2 x 2 spans
-#: both (host 0 then uses its first 2 devices).
-MESHES = [(0, 0, 2), (1, 0, 4), (1, 1, 2), (2, 0, 2)]
+#: The mesh hosts the cluster offers: (mesh, host, devices). Meshes 1 and 2 have two
+#: hosts: a plan whose stage 1 is 1 x 4 uses host 0 alone; one whose stage 1 is 2 x 2
+#: spans both (host 0 then uses its first 2 devices).
+MESHES = [(0, 0, 2), (1, 0, 4), (1, 1, 2), (2, 0, 2), (2, 1, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -176,15 +176,24 @@ def test_a_checkpoint_crosses_plans_and_transports(cluster: LoopbackCluster, tmp
     assert complete_steps(ckpt) == [2, 4, 6]
 
 
+#: Three stages; the last on two hosts of mesh 2, its four devices one data-parallel
+#: axis, so each host holds half the rows of every micro-batch.
+THREE_MESHES_LAST_WIDE = [{"layers": [0, 1], "submeshShape": [1, 2]},
+                          {"layers": [1, 2], "submeshShape": [1, 2]},
+                          {"layers": [2, 4], "submeshShape": [2, 2], "logicalMeshShape": [4, 1]}]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", list(Transport))
 def test_the_ray_runtime_trains_and_evaluates_on_real_text(cluster: LoopbackCluster, tmp_path: Path,
                                                            transport: Transport) -> None:
     """Real text (the interpreter's standard library, files a-s; t-z held out: the
-    same bytes on every commit) through two meshes: train and eval losses equal the
-    single-device run's, and the eval losses reach the metrics JSON and the status
-    file. The evaluation goes through the object store with either transport."""
-    doc = _manifest(TWO_MESHES)
+    same bytes on every commit) through three meshes, the last on two hosts: train and
+    eval losses equal the single-device run's, and the eval losses reach the metrics
+    JSON and the status file. The evaluation goes through the object store with either
+    transport. Each host reads only what it uses: the first stage input_ids, the
+    middle stage nothing, the last stage's two hosts half of the labels each."""
+    doc = _manifest(THREE_MESHES_LAST_WIDE, layers=4, nodes=4)
     doc["spec"]["data"] = {"train": "{stdlib}/[a-s]*.py", "eval": "{stdlib}/[t-z]*.py"}
     doc["spec"]["training"].update({"evalEvery": 2, "evalSteps": 2})
     plan, serial = _plan_and_serial(doc, tmp_path, steps=4)
@@ -193,6 +202,9 @@ def test_the_ray_runtime_trains_and_evaluates_on_real_text(cluster: LoopbackClus
     result = drive(yaml.safe_dump(doc), plan, options)
     assert result.restarts == 0
     np.testing.assert_allclose(result.losses, serial.losses, rtol=1e-5)
+    ids = 16 * 32 * 2  # one leaf of the global batch: 16 rows of 32 uint8-valued ids stored as uint16
+    # [mesh 0 host 0, mesh 1 host 0, mesh 2 host 0, mesh 2 host 1], every step
+    assert result.read_bytes == [[ids, 0, ids // 2, ids // 2]] * 4, result.read_bytes
     assert [step for step, _ in result.evals] == [step for step, _ in serial.evals] == [2, 4]
     np.testing.assert_allclose([loss for _, loss in result.evals], [loss for _, loss in serial.evals], rtol=1e-5)
     written = json.loads((tmp_path / "metrics.json").read_text())

@@ -102,3 +102,24 @@ def test_a_resumed_run_reads_the_batches_the_interrupted_one_would_have(tmp_path
     resumed = run(job, TrainOptions(steps=6, planning=fast, checkpoint_dir=str(tmp_path), resume=True))
     assert resumed.start_step == 3
     np.testing.assert_array_equal(first.losses + resumed.losses, whole.losses)
+
+
+@pytest.mark.slow
+def test_a_job_resumed_under_another_plan_trains_on_the_batches_of_a_serial_run(tmp_path: Path) -> None:
+    """6 steps on two pipeline stages of two data-parallel devices each, checkpointed,
+    then resumed on one stage of four data-parallel devices for 6 more: the sample
+    order depends on the step alone, so the 12 losses are a one-device run's."""
+    def job(stages: list[dict]) -> Any:
+        document = text_job("data").model_dump(by_alias=True, exclude_none=True)
+        document["spec"]["training"].update({"dtype": "float32", "optimizer": "sgd", "learningRate": 0.05})
+        document["spec"]["parallelism"] = {"method": "manual", "numMicroBatches": 2, "stages": stages}
+        return parse_job(document)
+
+    pipeline = job([{"layers": [0, 1], "submeshShape": [1, 2]}, {"layers": [1, 2], "submeshShape": [1, 2]}])
+    data_parallel = job([{"layers": [0, 2], "submeshShape": [1, 4]}])
+    serial = run(pipeline, TrainOptions(steps=12, serial=True))
+    first = run(pipeline, TrainOptions(steps=6, checkpoint_dir=str(tmp_path)))
+    assert len(first.plan.stages) == 2
+    resumed = run(data_parallel, TrainOptions(steps=12, checkpoint_dir=str(tmp_path), resume=True))
+    assert resumed.start_step == 6 and len(resumed.plan.stages) == 1
+    np.testing.assert_allclose(first.losses + resumed.losses, serial.losses, rtol=1e-5)
