@@ -31,10 +31,10 @@ from kube_schema import (
 )
 
 from alpajob.api.crd import crd_yaml
+from alpajob.api.data import DataFormat
 from alpajob.api.progress import Progress, TrainerPhase
 from alpajob.api.resource import parse_job
 from alpajob.api.spec import (
-    DataFormat,
     DType,
     Method,
     NodePoolSpec,

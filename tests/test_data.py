@@ -5,6 +5,7 @@ filesystem (a remote store: ranged reads, the block cache, retries)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import fsspec
@@ -25,7 +26,7 @@ from alpajob.trainer_image.data.remote import (
     Retry,
     with_retries,
 )
-from alpajob.trainer_image.data.shards import Opener, in_memory, open_token_files
+from alpajob.trainer_image.data.shards import FileHandles, Opener, in_memory, open_token_files
 from alpajob.trainer_image.data.sources import expand
 from alpajob.trainer_image.data.tokenizer import ByteTokenizer, check_vocabulary, load_tokenizer
 from alpajob.trainer_image.zoo import resolve_model
@@ -135,10 +136,10 @@ def write_shards(folder: Path, pieces: list[np.ndarray], npy: tuple[int, ...] = 
     paths = []
     for k, piece in enumerate(pieces):
         if k in npy:
-            path = folder / f"part-{k:02d}.npy"
+            path = folder / f"part-{k:03d}.npy"
             np.save(path, piece)
         else:
-            path = folder / f"part-{k:02d}.bin"
+            path = folder / f"part-{k:03d}.bin"
             path.write_bytes(piece.tobytes())
         paths.append(path)
     return paths
@@ -155,21 +156,37 @@ def test_many_shards_are_one_stream_read_in_place_across_their_boundaries(tmp_pa
         got, nbytes = corpus.read(start, stop)
         assert got.dtype == np.uint16 and nbytes == 2 * (stop - start)  # read as stored, nothing more
         np.testing.assert_array_equal(got, whole[start:stop])
-    assert open_token_files([str(tmp_path / "corpus" / "part-0[0-1].bin")], opener())[1].tokens == 1
+    assert open_token_files([str(tmp_path / "corpus" / "part-00[0-1].bin")], opener())[1].tokens == 1
+
+
+def test_a_corpus_of_many_shards_keeps_few_files_open(tmp_path: Path) -> None:
+    import os
+
+    whole = np.arange(3000, dtype=np.uint16)
+    write_shards(tmp_path / "many", list(np.split(whole, 300)))  # 300 shards of 10 ids
+    handles = FileHandles(limit=16)
+    shards = open_token_files([str(tmp_path / "many")], replace(opener(), handles=handles))
+    corpus = TokenCorpus.of("train", "spec.data.train", shards)
+    before = len(os.listdir("/proc/self/fd"))
+    for start in np.random.default_rng(2).integers(0, 2990, 500):
+        np.testing.assert_array_equal(corpus.read(int(start), int(start) + 10)[0], whole[start:start + 10])
+    assert len(os.listdir("/proc/self/fd")) - before <= 16
+    handles.close()
+    assert len(os.listdir("/proc/self/fd")) <= before
 
 
 def test_an_index_orders_its_shards_and_must_agree_with_them(tmp_path: Path) -> None:
     folder = tmp_path / "prepared"
     a, b = np.arange(100, dtype=np.uint32), np.arange(100, 130, dtype=np.uint32)
     write_shards(folder, [a, b])
-    index = TokenIndex(dtype=TokenDtype.UINT32, shards=[IndexShard(path="part-01.bin", tokens=30, max_id=129),
-                                                        IndexShard(path="part-00.bin", tokens=100, max_id=99)])
+    index = TokenIndex(dtype=TokenDtype.UINT32, shards=[IndexShard(path="part-001.bin", tokens=30, max_id=129),
+                                                        IndexShard(path="part-000.bin", tokens=100, max_id=99)])
     (folder / "index.json").write_text(index.model_dump_json(by_alias=True))
     corpus = TokenCorpus.of("train", "spec.data.train", open_token_files([str(folder)], opener()))
     np.testing.assert_array_equal(corpus.read(0, 130)[0], np.concatenate([b, a]))  # the index's order
     assert corpus.max_id == 129 and corpus.dtype == np.uint32  # the index's dtype, not tokenDtype's
-    for shards, needle in [([IndexShard(path="part-00.bin", tokens=99)], "disagree"),
-                           ([IndexShard(path="part-07.bin", tokens=1)], "incomplete")]:
+    for shards, needle in [([IndexShard(path="part-000.bin", tokens=99)], "disagree"),
+                           ([IndexShard(path="part-007.bin", tokens=1)], "incomplete")]:
         (folder / "index.json").write_text(TokenIndex(dtype=TokenDtype.UINT32, shards=shards)
                                            .model_dump_json(by_alias=True))
         with pytest.raises(ManifestError, match=needle) as info:
@@ -364,10 +381,10 @@ def test_a_remote_corpus_is_read_by_ranges_through_a_bounded_cache(tmp_path: Pat
     assert shard.remote
     corpus = TokenCorpus.of("train", "spec.data.train", [shard])
     np.testing.assert_array_equal(corpus.read(100, 40000)[0], tokens[100:40000])  # spans two blocks
-    fetched = shard._reader.fetched
+    fetched = shard.reader.fetched
     assert fetched == 2 * BLOCK_BYTES and cache.misses == 2
     np.testing.assert_array_equal(corpus.read(200, 300)[0], tokens[200:300])
-    assert shard._reader.fetched == fetched and cache.hits == 1  # from the cache
+    assert shard.reader.fetched == fetched and cache.hits == 1  # from the cache
     corpus.read(0, len(tokens))  # all six blocks: the oldest are dropped
     assert cache.total <= 4 * BLOCK_BYTES and len(list((tmp_path / "cache").glob("*/*.blk"))) == 4
 

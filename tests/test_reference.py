@@ -187,6 +187,7 @@ def test_every_error_class_has_a_troubleshooting_section() -> None:
     """The troubleshooting guide names every user-facing error class with its fix."""
     import alpajob.operator.pool  # noqa: F401  (the classes below register on import)
     import alpajob.trainer_image.checkpoint.store  # noqa: F401
+    import alpajob.trainer_image.data.remote  # noqa: F401
     import alpajob.trainer_image.distributed.driver  # noqa: F401
     import alpajob.trainer_image.distributed.raylet  # noqa: F401
     import alpajob.trainer_image.runtime.meshes  # noqa: F401

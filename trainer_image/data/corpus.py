@@ -111,9 +111,7 @@ def open_source(data: DataSpec, name: str, field: str, patterns: Sequence[str], 
         return TokenCorpus.of(name, field, open_token_files(patterns, replace(opener, field=field)))
     files = [f.url for f in expand(patterns, field)]
     tokens = tokenize_files(files, data, tokenizer)
-    shard = in_memory(tokens, f"{field} (tokenized)")
-    shard.max_id = int(tokens.max()) if len(tokens) else -1
-    return TokenCorpus.of(name, field, [shard], files=len(files))
+    return TokenCorpus.of(name, field, [in_memory(tokens, f"{field} (tokenized)")], files=len(files))
 
 
 def open_train(data: DataSpec, tokenizer: Tokenizer, opener: Opener) -> list[TokenCorpus]:

@@ -58,6 +58,7 @@ class Feed:
     seq_len: int = 0
     sources: list[str] = field(default_factory=list)  # the training sources' names
     weights: list[float] = field(default_factory=list)
+    opener: Opener | None = None  # what the sources were opened with (its file handles)
 
     def batch(self, step: int) -> list[np.ndarray]:
         """The flattened leaves of step ``step``'s global batch (0-based), read in order
@@ -110,6 +111,8 @@ class Feed:
             self.train.close()
         if self.eval is not None:
             self.eval.close()
+        if self.opener is not None:
+            self.opener.handles.close()
 
 
 def token_shape(model: ModelDef, batch_size: int) -> int:
@@ -163,7 +166,7 @@ def open_feed(job: AlpaJob, model: ModelDef, seed: int | None = None, need: Need
     if evaluation is not None:
         feed.eval = eval_reader(evaluation, seq_len, training.global_batch_size, vocab)
     feed.seq_len = seq_len
-    feed.sources, feed.weights = [c.name for c in corpora], weights
+    feed.sources, feed.weights, feed.opener = [c.name for c in corpora], weights, opener
     feed.source = describe(corpora, weights, data.tokenizer)
     return feed
 

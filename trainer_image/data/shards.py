@@ -28,8 +28,10 @@ counts disagree with its files are each one line naming the field and the file.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -53,78 +55,99 @@ NPY_HEADER_PROBE = 4096
 
 @dataclass
 class Shard:
-    """One file of token ids: ``tokens`` ids of ``dtype`` from byte ``offset``."""
+    """One file of token ids: ``tokens`` ids of ``dtype`` from byte ``offset``, read
+    through ``reader`` (:class:`LocalFile`, :class:`~.remote.RemoteFile` or
+    :class:`ArrayFile`)."""
 
     url: str
     dtype: np.dtype
     offset: int  # bytes before the first id (an .npy header)
     tokens: int
-    max_id: int | None = None  # known from an index
-    _reader: Any = field(default=None, repr=False)
+    max_id: int | None  # known from an index, or from tokenizing
+    reader: Any = field(repr=False)
 
     @property
     def remote(self) -> bool:
         """Whether reads go over the network (a pool of threads then reads at once)."""
-        return isinstance(self._reader, RemoteFile)
+        return isinstance(self.reader, RemoteFile)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Ids ``[start, stop)`` in the stored dtype."""
         width = self.dtype.itemsize
-        data = self._reader.read(self.offset + start * width, self.offset + stop * width)
+        data = self.reader.read(self.offset + start * width, self.offset + stop * width)
         return np.frombuffer(data, dtype=self.dtype)
 
 
-class LocalFile:
-    """``pread`` of a local file (module docstring); the descriptor opens on first use."""
+class FileHandles:
+    """Open descriptors of local shards, at most ``limit`` at once, the least recently
+    used closed first: a corpus of many thousands of shards stays under the process'
+    open-file limit. A read holds the lock while it reads, so no descriptor is closed
+    under it (local reads come from the page cache or one disk: one at a time loses
+    little)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
+    def __init__(self, limit: int = 128) -> None:
+        self.limit = limit
+        self._open: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
 
+    def pread(self, path: str, size: int, offset: int) -> bytes:
+        with self._lock:
+            fd = self._open.get(path)
+            if fd is None:
+                fd = self._open[path] = os.open(path, os.O_RDONLY)
+                while len(self._open) > self.limit:
+                    os.close(self._open.popitem(last=False)[1])
+            else:
+                self._open.move_to_end(path)
+            return os.pread(fd, size, offset)
+
+    def close(self) -> None:
+        with self._lock:
+            while self._open:
+                os.close(self._open.popitem()[1])
+
+
+class LocalFile:
+    """``pread`` of a local file (module docstring), through the shared handles."""
+
+    def __init__(self, path: str, handles: FileHandles) -> None:
+        self.path, self.handles = path, handles
+
     def read(self, start: int, stop: int) -> bytes:
-        if self._fd is None:
-            with self._lock:
-                if self._fd is None:
-                    self._fd = os.open(self.path, os.O_RDONLY)
-        data = os.pread(self._fd, stop - start, start)
+        data = self.handles.pread(self.path, stop - start, start)
         if len(data) != stop - start:
             raise ManifestError("spec.data", f"{self.path} is shorter than when it was opened "
                                              f"(read {len(data)} of {stop - start} bytes at {start}); was "
                                              "it changed while the job ran?")
         return data
 
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
 
 class ArrayFile:
-    """An in-memory file (a tokenized text corpus)."""
+    """An in-memory file (a tokenized text corpus), read without copying it."""
 
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+    def __init__(self, array: np.ndarray) -> None:
+        self.view = np.ascontiguousarray(array).data.cast("B")
 
-    def read(self, start: int, stop: int) -> bytes:
-        return self.data[start:stop]
+    def read(self, start: int, stop: int) -> memoryview:
+        return self.view[start:stop]
 
 
 @dataclass(frozen=True)
 class Opener:
     """What opening a source's files needs: its field (for messages), the raw dtype,
-    the remote cache and retry policy."""
+    the remote cache and retry policy, and the local files' handles."""
 
     field: str
     dtype: TokenDtype
     cache: BlockCache
     retry: Retry = Retry()
+    handles: FileHandles = dataclasses.field(default_factory=FileHandles)
 
 
 def in_memory(tokens: np.ndarray, name: str) -> Shard:
-    """A shard holding ``tokens`` (1-D ids) in memory."""
+    """A shard holding ``tokens`` (1-D ids) in memory; its largest id is known."""
     array = np.ascontiguousarray(tokens)
-    return Shard(name, array.dtype, 0, len(array), None, ArrayFile(array.tobytes()))
+    return Shard(name, array.dtype, 0, len(array), int(array.max()) if len(array) else -1, ArrayFile(array))
 
 
 def _ask(found: Listing, opener: Opener, what: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -137,7 +160,7 @@ def _ask(found: Listing, opener: Opener, what: str, call: Callable[..., T], *arg
 
 def _reader(found: Listing, path: str, size: int, opener: Opener) -> Any:
     if found.protocol == "file":
-        return LocalFile(path)
+        return LocalFile(path, opener.handles)
     return RemoteFile(found.fs, path, found.url(path), size, opener.cache, opener.retry)
 
 
@@ -212,9 +235,8 @@ def _from_index(found: Listing, folder: str, opener: Opener) -> list[Shard]:
                                               f"{sizes[name]:,} bytes; the index and its shards disagree "
                                               "(prepare the folder again)")
         path = f"{folder.rstrip('/')}/{entry.path}"
-        shard = Shard(found.url(path), dtype, 0, entry.tokens, entry.max_id, None)
-        shard._reader = _reader(found, path, sizes[name], opener)
-        shards.append(shard)
+        shards.append(Shard(found.url(path), dtype, 0, entry.tokens, entry.max_id,
+                            _reader(found, path, sizes[name], opener)))
     return shards
 
 
