@@ -454,3 +454,16 @@ def test_eval_data_without_eval_every_is_evaluated_after_the_last_step() -> None
     batch = 8 * 33 * 2  # uint16 ids of 8 windows
     # 3 steps and 1 eval batch, and at most the 2 the loader's thread had read ahead
     assert 4 * batch <= result.data_read_bytes <= 6 * batch and result.source_rows == {"train": 24}
+
+
+def test_the_data_metrics_count_bytes_per_reader_and_rows_per_source() -> None:
+    from alpajob.trainer_image.metrics import TrainingMetrics
+
+    metrics = TrainingMetrics("job")
+    metrics.data({("0", "0"): 100, ("1", "0"): 0}, {"web": 6, "code": 2})
+    metrics.data({("0", "0"): 50, ("1", "0"): 0}, {"web": 5, "code": 3})
+    value = metrics.registry.get_sample_value
+    assert value("alpajob_data_read_bytes_total", {"job": "job", "mesh": "0", "host": "0"}) == 150
+    assert value("alpajob_data_read_bytes_total", {"job": "job", "mesh": "1", "host": "0"}) == 0  # a middle stage
+    assert value("alpajob_data_source_rows_total", {"job": "job", "source": "web"}) == 11
+    assert value("alpajob_data_source_rows_total", {"job": "job", "source": "code"}) == 5

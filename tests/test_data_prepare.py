@@ -99,6 +99,9 @@ def test_an_interrupted_prepare_resumes_keeping_its_finished_shards(tmp_path: Pa
     ticks: list[Tick] = []
     prepare(data, PrepareOptions(output=str(cut), **options), ticks.append)
     assert ticks[0].units_done > 1  # it did not start from the first unit again
+    last = ticks[-1]
+    assert (last.units_done, last.files_done, last.bytes_done) == (last.units, last.files, last.bytes) == (
+        last.units, 1, jsonl.stat().st_size)
     for name, mtime in finished.items():
         assert (cut / "train" / name).stat().st_mtime_ns == mtime, f"{name} was rewritten"
     for shard in (whole / "train").glob("*.bin"):
@@ -109,6 +112,28 @@ def test_an_interrupted_prepare_resumes_keeping_its_finished_shards(tmp_path: Pa
     with pytest.raises(ManifestError, match="other inputs .*shardSize") as info:
         prepare(data, PrepareOptions(output=str(cut), **{**options, "shard_size": 60_000}))
     assert info.value.field == "--output"
+
+
+def test_a_tokenizer_json_prepares_in_worker_processes(tmp_path: Path, jsonl: Path) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = ["def", "return", "self", "import", "the", "plan", "stage", "<|endoftext|>", "[UNK]"]
+    made = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    made.pre_tokenizer = Whitespace()
+    made.save(str(tmp_path / "tokenizer.json"))
+    data = DataSpec(train=str(jsonl), format=DataFormat.JSONL, tokenizer=str(tmp_path / "tokenizer.json"))
+    spec = prepare(data, PrepareOptions(output=str(tmp_path / "out"), workers=2, unit_bytes=50_000))
+    from alpajob.trainer_image.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(data.tokenizer)
+    direct = open_source(data, "train", "spec.data.train", data.train_paths(), tokenizer, opener())
+    prepared = DataSpec.model_validate(spec)
+    [again] = open_train(prepared, tokenizer, opener())
+    np.testing.assert_array_equal(again.read(0, again.tokens)[0], direct.read(0, direct.tokens)[0])
+    index = TokenIndex.model_validate_json((tmp_path / "out" / "train" / "index.json").read_text())
+    assert (index.vocab_size, index.end_of_text, index.tokenizer) == (9, 7, data.tokenizer)
 
 
 def test_the_cli_prints_the_spec_that_reads_the_shards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,6 +93,19 @@ def test_a_server_that_drops_connections_mid_read_neither_fails_nor_corrupts(
         proxy.close()
 
 
+def test_an_object_uploaded_again_is_never_read_from_the_old_ones_cached_blocks(
+        store: tuple[S3Server, Path], reach: object, tmp_path: Path) -> None:
+    server, _ = store
+    reach()  # type: ignore[operator]
+    client, cache = server.client(), BlockCache(tmp_path / "cache", "64Mi")
+    first, second = np.arange(5000, dtype=np.uint16), np.arange(5000, dtype=np.uint16)[::-1].copy()
+    client.put_object(Bucket="corpus", Key="again/ids.bin", Body=first.tobytes())
+    np.testing.assert_array_equal(corpus_at("s3://corpus/again/ids.bin", cache).read(0, 5000)[0], first)
+    client.put_object(Bucket="corpus", Key="again/ids.bin", Body=second.tobytes())  # same name, same size
+    s3fs.S3FileSystem.clear_instance_cache()  # a new run lists the bucket afresh
+    np.testing.assert_array_equal(corpus_at("s3://corpus/again/ids.bin", cache).read(0, 5000)[0], second)
+
+
 @pytest.mark.slow
 def test_a_job_trains_from_a_bucket_through_a_flaky_network_as_from_local_files(
         store: tuple[S3Server, Path], reach: object, tmp_path: Path) -> None:

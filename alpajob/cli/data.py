@@ -66,12 +66,13 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         def progress(tick: Tick) -> None:
             if tick.split not in tasks:
-                tasks[tick.split] = bar.add_task(f"tokenizing {tick.split}", total=tick.bytes, files=tick.files,
+                tasks[tick.split] = bar.add_task(f"tokenizing {tick.split}", total=tick.bytes, files="",
                                                  tokens=0, rate="")
             task = tasks[tick.split]
             elapsed = bar.tasks[task].elapsed or 0.0
             rate = f"{tick.tokens / elapsed:,.0f} ids/s" if elapsed > 0 else ""
-            bar.update(task, completed=tick.bytes_done, tokens=tick.tokens, rate=rate)
+            bar.update(task, completed=tick.bytes_done, tokens=tick.tokens, rate=rate,
+                       files=f"{tick.files_done}/{tick.files}")
 
         spec = prepare(job.spec.data, options, progress)
     out.print(f"token shards written to {args.output}; read them with:", highlight=False, soft_wrap=True)

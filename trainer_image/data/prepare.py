@@ -73,7 +73,8 @@ class PrepareState(Contract):
 
 @dataclass(frozen=True)
 class Tick:
-    """What the progress bar shows of a split after a unit: units, input bytes and ids so far."""
+    """What the progress bar shows of a split after a unit: units, input bytes, files
+    and ids so far."""
 
     split: str
     units_done: int
@@ -81,6 +82,7 @@ class Tick:
     bytes_done: int
     bytes: int
     tokens: int
+    files_done: int
     files: int
 
 
@@ -191,8 +193,9 @@ def _split(split: str, units: list[Unit], files: int, folder: Path, state: Prepa
 
     shard_tokens = max(options.shard_size // dtype.itemsize, 1)
     writer = ShardWriter(folder, dtype, shard_tokens, len(shards), eot, finished)
-    sizes = [u.size for u in units]
-    total_bytes, tokens = sum(sizes), sum(s.tokens for s in shards)
+    read = np.cumsum([u.size for u in units]).tolist()  # input bytes done after each unit
+    ended = np.cumsum([sum(p.last for p in u.pieces) for u in units]).tolist()  # files done after each unit
+    total_bytes, tokens = (read[-1] if read else 0), sum(s.tokens for s in shards)
     args = (data.format, data.field, data.tokenizer, dtype.name)
     workers = options.workers or os.cpu_count() or 1
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
@@ -212,7 +215,8 @@ def _split(split: str, units: list[Unit], files: int, folder: Path, state: Prepa
             writer.write(ids[skip:])
             tokens += len(ids) - skip
             if progress:
-                progress(Tick(split, index + 1, len(units), sum(sizes[:index + 1]), total_bytes, tokens, files))
+                progress(Tick(split, index + 1, len(units), int(read[index]), total_bytes, tokens,
+                              int(ended[index]), files))
         cursor["unit"], cursor["base"] = len(units), 0
         writer.finish(0)
     finally:

@@ -130,15 +130,15 @@ class BlockCache:
             self.total -= old_size
             old.unlink(missing_ok=True)
 
-    def path(self, url: str, block: int) -> Path:
-        key = hashlib.sha256(url.encode()).hexdigest()[:20]
-        return self.folder / key / f"{block}.blk"
+    def path(self, key: str, block: int) -> Path:
+        name = hashlib.sha256(key.encode()).hexdigest()[:20]
+        return self.folder / name / f"{block}.blk"
 
-    def get(self, url: str, block: int) -> bytes | None:
+    def get(self, key: str, block: int) -> bytes | None:
         """The block if cached (it becomes the most recently used)."""
         if self.limit <= 0:
             return None
-        path = self.path(url, block)
+        path = self.path(key, block)
         try:
             data = path.read_bytes()
         except OSError:
@@ -151,11 +151,11 @@ class BlockCache:
                 self._sizes.move_to_end(path)
         return data
 
-    def put(self, url: str, block: int, data: bytes) -> None:
-        """Keep a block (whole: callers put only complete blocks)."""
+    def put(self, key: str, block: int, data: bytes) -> None:
+        """Keep a block of the file ``key`` names (whole: callers put only complete blocks)."""
         if self.limit <= 0 or len(data) > self.limit:
             return
-        path = self.path(url, block)
+        path = self.path(key, block)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_bytes(data)
@@ -166,15 +166,18 @@ class BlockCache:
 
 
 class RemoteFile:
-    """Ranged, retried, cached reads of one remote file of known ``size``."""
+    """Ranged, retried, cached reads of one remote file of known ``size``; ``version``
+    (an ETag, a generation) tells its blocks from an earlier upload's in the cache."""
 
-    def __init__(self, fs: Any, path: str, url: str, size: int, cache: BlockCache, retry: Retry) -> None:
+    def __init__(self, fs: Any, path: str, url: str, size: int, cache: BlockCache, retry: Retry,
+                 version: str = "") -> None:
         self.fs, self.path, self.url, self.size = fs, path, url, size
         self.cache, self.retry = cache, retry
+        self.key = f"{url}\0{version}\0{size}"  # the cache's name for this version of the file
         self.fetched = 0  # bytes that came over the network
 
     def _block(self, block: int) -> bytes:
-        cached = self.cache.get(self.url, block)
+        cached = self.cache.get(self.key, block)
         if cached is not None:
             return cached
         start = block * BLOCK_BYTES
@@ -182,7 +185,7 @@ class RemoteFile:
         data = with_retries(lambda: self.fs.cat_file(self.path, start=start, end=stop), stop - start,
                             f"{self.url} bytes {start}-{stop}", self.retry)
         self.fetched += len(data)
-        self.cache.put(self.url, block, data)
+        self.cache.put(self.key, block, data)
         return data
 
     def read(self, start: int, stop: int) -> bytes:

@@ -158,10 +158,21 @@ def _ask(found: Listing, opener: Opener, what: str, call: Callable[..., T], *arg
     return retried(lambda: call(*args, **kwargs), what, opener.retry)
 
 
-def _reader(found: Listing, path: str, size: int, opener: Opener) -> Any:
+def version_of(info: dict[str, Any]) -> str:
+    """What tells one version of a remote object from the next (S3's ETag, GCS's
+    generation, else its modification time): part of its cache key, so a corpus
+    uploaded again under the same name is never read from the old one's blocks."""
+    for key in ("ETag", "etag", "generation", "LastModified", "mtime", "updated", "created"):
+        if info.get(key):
+            return str(info[key])
+    return ""
+
+
+def _reader(found: Listing, path: str, info: dict[str, Any], opener: Opener) -> Any:
     if found.protocol == "file":
         return LocalFile(path, opener.handles)
-    return RemoteFile(found.fs, path, found.url(path), size, opener.cache, opener.retry)
+    return RemoteFile(found.fs, path, found.url(path), int(info.get("size") or 0), opener.cache, opener.retry,
+                      version_of(info))
 
 
 def _npy_header(reader: Any, size: int, url: str, field: str) -> tuple[np.dtype, int, int]:
@@ -185,9 +196,10 @@ def _npy_header(reader: Any, size: int, url: str, field: str) -> tuple[np.dtype,
     return dtype, offset, int(shape[0])
 
 
-def _shard(found: Listing, path: str, size: int, opener: Opener) -> Shard:
+def _shard(found: Listing, path: str, info: dict[str, Any], opener: Opener) -> Shard:
     url = found.url(path)
-    reader = _reader(found, path, size, opener)
+    size = int(info.get("size") or 0)
+    reader = _reader(found, path, info, opener)
     if path.endswith(".npy"):
         try:
             dtype, offset, tokens = _npy_header(reader, size, url, opener.field)
@@ -222,21 +234,22 @@ def _from_index(found: Listing, folder: str, opener: Opener) -> list[Shard]:
         raise ManifestError(opener.field, describe_remote_error(error, url)) from None
     dtype = np.dtype(index.dtype.value)
     listed = _ask(found, opener, found.url(folder), found.fs.find, folder, maxdepth=1, detail=True)
-    sizes = {PurePosixPath(p).name: int(info.get("size") or 0) for p, info in listed.items()}
+    infos = {PurePosixPath(p).name: info for p, info in listed.items()}
     shards = []
     for entry in index.shards:
         name = PurePosixPath(entry.path).name
-        if name not in sizes:
+        if name not in infos:
             raise ManifestError(opener.field, f"{url} lists {entry.path}, which is not in {found.url(folder)}; "
                                               "the folder is incomplete (copy it again, or prepare it again)")
-        if sizes[name] != entry.tokens * dtype.itemsize:
+        size = int(infos[name].get("size") or 0)
+        if size != entry.tokens * dtype.itemsize:
             raise ManifestError(opener.field, f"{url} says {entry.path} holds {entry.tokens:,} {dtype.name} ids "
                                               f"({entry.tokens * dtype.itemsize:,} bytes), but the file has "
-                                              f"{sizes[name]:,} bytes; the index and its shards disagree "
+                                              f"{size:,} bytes; the index and its shards disagree "
                                               "(prepare the folder again)")
         path = f"{folder.rstrip('/')}/{entry.path}"
         shards.append(Shard(found.url(path), dtype, 0, entry.tokens, entry.max_id,
-                            _reader(found, path, sizes[name], opener)))
+                            _reader(found, path, infos[name], opener)))
     return shards
 
 
@@ -255,12 +268,12 @@ def open_token_files(patterns: Sequence[str], opener: Opener) -> list[Shard]:
                     opened += _from_index(found, path, opener)
                     continue
                 inside = _ask(found, opener, found.url(path), found.fs.find, path, maxdepth=1, detail=True)
-                opened += [_shard(found, p, int(i.get("size") or 0), opener)
+                opened += [_shard(found, p, i, opener)
                            for p, i in sorted(inside.items()) if p.endswith(SHARD_SUFFIXES)]
             elif PurePosixPath(path).name == INDEX_FILE:
                 opened += _from_index(found, str(PurePosixPath(path).parent), opener)
             else:
-                opened.append(_shard(found, path, int(info.get("size") or 0), opener))
+                opened.append(_shard(found, path, info, opener))
         if not opened:
             raise ManifestError(opener.field, f"{pattern!r} matches no token file; give .bin or .npy files, a "
                                               "glob of them, or a folder alpajob data prepare wrote")
