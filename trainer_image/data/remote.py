@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from alpajob.api.errors import TransientError
+from alpajob.api.errors import ManifestError, TransientError
 
 T = TypeVar("T")
 
@@ -58,8 +58,17 @@ class Retry:
         return [min(self.first_delay * 2**k, self.max_delay) for k in range(self.attempts - 1)]
 
 
-#: Failures no retry fixes: the object is gone, or the store refuses us.
-PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+#: Failures no retry fixes: the object is gone, the store refuses us, or ignores ranges.
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ManifestError)
+#: HTTP statuses worth another try: a timeout, too many requests, any 5xx.
+RETRIED_STATUSES = (408, 429)
+
+
+def permanent(error: BaseException) -> bool:
+    """Whether ``error`` is one no retry fixes (:data:`PERMANENT`, or a 4xx answer)."""
+    status = getattr(error, "status", None) or getattr(error, "code", None)
+    return isinstance(error, PERMANENT) or (
+        isinstance(status, int) and 400 <= status < 500 and status not in RETRIED_STATUSES)
 
 
 def retried(call: Callable[[], T], what: str, retry: Retry, check: Callable[[T], str | None] = lambda _: None,
@@ -73,9 +82,9 @@ def retried(call: Callable[[], T], what: str, retry: Retry, check: Callable[[T],
             problem = check(answer)
             if problem is None:
                 return answer
-        except PERMANENT:
-            raise
         except Exception as error:  # noqa: BLE001 - every backend raises its own transient errors
+            if permanent(error):
+                raise
             problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if attempt < len(delays):
             sleep(delays[attempt])
@@ -176,15 +185,26 @@ class RemoteFile:
         self.key = f"{url}\0{version}\0{size}"  # the cache's name for this version of the file
         self.fetched = 0  # bytes that came over the network
 
+    def _fetch(self, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` by one ranged request, retried (module docstring)."""
+        def ranged() -> bytes:
+            data = self.fs.cat_file(self.path, start=start, end=stop)
+            if len(data) == self.size != stop - start:
+                raise ManifestError("spec.data", f"{self.url}: the server answers a request for bytes {start}-{stop} with the "
+                                    f"whole file; AlpaJob reads windows by ranges: serve the files from a store "
+                                    "that honours Range requests (object stores and CDNs do), or copy them to a volume")
+            return data
+
+        data = with_retries(ranged, stop - start, f"{self.url} bytes {start}-{stop}", self.retry)
+        self.fetched += len(data)
+        return data
+
     def _block(self, block: int) -> bytes:
         cached = self.cache.get(self.key, block)
         if cached is not None:
             return cached
         start = block * BLOCK_BYTES
-        stop = min(start + BLOCK_BYTES, self.size)
-        data = with_retries(lambda: self.fs.cat_file(self.path, start=start, end=stop), stop - start,
-                            f"{self.url} bytes {start}-{stop}", self.retry)
-        self.fetched += len(data)
+        data = self._fetch(start, min(start + BLOCK_BYTES, self.size))
         self.cache.put(self.key, block, data)
         return data
 
@@ -195,10 +215,7 @@ class RemoteFile:
         if start == stop:
             return b""
         if self.cache.limit <= 0:  # no cache: exactly the bytes asked for
-            data = with_retries(lambda: self.fs.cat_file(self.path, start=start, end=stop), stop - start,
-                                f"{self.url} bytes {start}-{stop}", self.retry)
-            self.fetched += len(data)
-            return data
+            return self._fetch(start, stop)
         first, last = start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES
         data = b"".join(self._block(b) for b in range(first, last + 1))
         offset = start - first * BLOCK_BYTES

@@ -28,6 +28,7 @@ counts disagree with its files are each one line naming the field and the file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -42,7 +43,14 @@ import pydantic
 
 from alpajob.api.data import INDEX_FILE, TokenDtype, TokenIndex
 from alpajob.api.errors import ManifestError
-from alpajob.trainer_image.data.remote import BlockCache, DataReadError, RemoteFile, Retry, retried
+from alpajob.trainer_image.data.remote import (
+    BlockCache,
+    DataReadError,
+    RemoteFile,
+    Retry,
+    permanent,
+    retried,
+)
 from alpajob.trainer_image.data.sources import Listing, describe_remote_error, listing
 
 T = TypeVar("T")
@@ -216,6 +224,18 @@ def _shard(found: Listing, path: str, info: dict[str, Any], opener: Opener) -> S
     return Shard(url, dtype, 0, size // dtype.itemsize, None, reader)
 
 
+def _folder_infos(found: Listing, folder: str, opener: Opener) -> dict[str, dict[str, Any]]:
+    """Name -> fsspec info of the files in ``folder`` (one listing; an https server
+    without folder listings gives none)."""
+    try:
+        listed = _ask(found, opener, found.url(folder), found.fs.find, folder, maxdepth=1, detail=True)
+    except Exception as error:  # noqa: BLE001 - an https server that lists no folders (403, 404)
+        if permanent(error):
+            return {}
+        raise
+    return {PurePosixPath(p).name: info for p, info in listed.items()}
+
+
 def _from_index(found: Listing, folder: str, opener: Opener) -> list[Shard]:
     """The shards an ``index.json`` in ``folder`` lists, checked against their sizes."""
     index_path = f"{folder.rstrip('/')}/{INDEX_FILE}"
@@ -233,11 +253,13 @@ def _from_index(found: Listing, folder: str, opener: Opener) -> list[Shard]:
     except Exception as error:  # noqa: BLE001 - a remote store's own errors
         raise ManifestError(opener.field, describe_remote_error(error, url)) from None
     dtype = np.dtype(index.dtype.value)
-    listed = _ask(found, opener, found.url(folder), found.fs.find, folder, maxdepth=1, detail=True)
-    infos = {PurePosixPath(p).name: info for p, info in listed.items()}
+    infos = _folder_infos(found, folder, opener)
     shards = []
     for entry in index.shards:
         name = PurePosixPath(entry.path).name
+        if name not in infos:  # a store that lists no folders (https): ask for the one file
+            with contextlib.suppress(FileNotFoundError):
+                infos[name] = _ask(found, opener, name, found.fs.info, f"{folder.rstrip('/')}/{entry.path}")
         if name not in infos:
             raise ManifestError(opener.field, f"{url} lists {entry.path}, which is not in {found.url(folder)}; "
                                               "the folder is incomplete (copy it again, or prepare it again)")
@@ -271,7 +293,7 @@ def open_token_files(patterns: Sequence[str], opener: Opener) -> list[Shard]:
                 opened += [_shard(found, p, i, opener)
                            for p, i in sorted(inside.items()) if p.endswith(SHARD_SUFFIXES)]
             elif PurePosixPath(path).name == INDEX_FILE:
-                opened += _from_index(found, str(PurePosixPath(path).parent), opener)
+                opened += _from_index(found, path.rsplit("/", 1)[0], opener)
             else:
                 opened.append(_shard(found, path, info, opener))
         if not opened:

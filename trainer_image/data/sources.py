@@ -56,7 +56,8 @@ class Listing:
     entries: dict[str, dict[str, Any]]  # path (no protocol) -> info (size, type)
 
     def url(self, path: str) -> str:
-        return path if self.protocol == "file" else f"{self.protocol}://{path}"
+        """``path`` as a URL (https paths are URLs already; local ones stay paths)."""
+        return path if self.protocol == "file" or "://" in path else f"{self.protocol}://{path}"
 
 
 def resolve(pattern: str) -> str:

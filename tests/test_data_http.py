@@ -1,0 +1,88 @@
+"""Token shards over https-style URLs: a real HTTP server on 127.0.0.1 (aiohttp's static
+files, which honour Range requests and list no folders), and Python's own http.server,
+which ignores ranges and is refused in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import threading
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from alpajob.api.data import DataSpec, TokenDtype
+from alpajob.api.errors import ManifestError
+from alpajob.api.options import PrepareOptions
+from alpajob.trainer_image.data.corpus import TokenCorpus, open_train
+from alpajob.trainer_image.data.prepare import prepare
+from alpajob.trainer_image.data.remote import BlockCache
+from alpajob.trainer_image.data.shards import Opener
+from alpajob.trainer_image.data.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def corpus_at(url: str, cache: BlockCache) -> TokenCorpus:
+    [corpus] = open_train(DataSpec(train=url, format="tokens"), ByteTokenizer(),
+                          Opener("spec.data.train", TokenDtype.UINT16, cache))
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """The planner's sources prepared into shards, served by aiohttp on a free port."""
+    from aiohttp import web
+
+    root = tmp_path_factory.mktemp("site")
+    prepare(DataSpec(train=str(ROOT / "planner" / "**" / "*.py")),
+            PrepareOptions(output=str(root / "prepared"), shard_size=80_000, workers=1))
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_static("/", root)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}", root / "prepared"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_prepared_folder_reads_over_http_by_ranges(served: tuple[str, Path], tmp_path: Path) -> None:
+    url, local = served
+    remote = corpus_at(f"{url}/prepared/train/index.json", BlockCache(tmp_path / "cache", "0"))
+    here = corpus_at(str(local / "train"), BlockCache(tmp_path / "unused", "0"))
+    assert remote.tokens == here.tokens and len(remote.shards) == len(here.shards) > 1
+    for start in np.random.default_rng(0).integers(0, remote.tokens - 300, 20):
+        got, nbytes = remote.read(int(start), int(start) + 257)
+        np.testing.assert_array_equal(got, here.read(int(start), int(start) + 257)[0])
+        assert nbytes == 2 * 257
+    fetched = sum(s.reader.fetched for s in remote.shards)
+    assert fetched == 20 * 2 * 257  # no cache: exactly the windows' bytes came over the wire
+    [single] = corpus_at(f"{url}/prepared/train/shard-00000.bin", BlockCache(tmp_path / "c2", "0")).shards
+    assert single.remote and single.tokens == 40_000
+
+
+def test_a_server_that_ignores_ranges_is_refused_in_one_line(served: tuple[str, Path], tmp_path: Path) -> None:
+    _, local = served
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(local))
+    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        corpus = corpus_at(f"http://127.0.0.1:{server.server_port}/train/shard-00000.bin",
+                           BlockCache(tmp_path / "cache", "0"))
+        with pytest.raises(ManifestError, match="honours Range requests") as info:
+            corpus.read(100, 200)
+        assert info.value.field == "spec.data" and "\n" not in str(info.value)
+    finally:
+        server.shutdown()
