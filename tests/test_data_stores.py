@@ -1,6 +1,7 @@
-"""Token shards over https-style URLs: a real HTTP server on 127.0.0.1 (aiohttp's static
-files, which honour Range requests and list no folders), and Python's own http.server,
-which ignores ranges and is refused in one line."""
+"""Token shards in the other stores: over http(s) from a real HTTP server on 127.0.0.1
+(aiohttp's static files, which honour Range requests and list no folders; Python's own
+http.server, which ignores ranges and is refused in one line), and in a Google Cloud
+Storage bucket of gcp-storage-emulator's JSON API, through gcsfs."""
 
 from __future__ import annotations
 
@@ -86,3 +87,52 @@ def test_a_server_that_ignores_ranges_is_refused_in_one_line(served: tuple[str, 
         assert info.value.field == "spec.data" and "\n" not in str(info.value)
     finally:
         server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gcs(served: tuple[str, Path]) -> Iterator[str]:
+    """A GCS emulator on a free port holding bucket ``corpus``, with the prepared shards."""
+    import os
+    import socket
+    import sys
+
+    from gcp_storage_emulator.server import create_server
+
+    if "gcsfs" in sys.modules:
+        pytest.skip("gcsfs was imported before the emulator's settings could be made")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="corpus")
+    server.start()
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
+    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
+    # gcsfs asks real GCS over gRPC what kind of bucket it is; an emulator has no gRPC.
+    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(token="anon", project="test")
+    for path in (served[1] / "train").iterdir():
+        fs.pipe(f"corpus/prepared/{path.name}", path.read_bytes())
+    try:
+        yield "gs://corpus/prepared"
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_a_gcs_bucket_reads_as_the_folder_it_was_copied_from(gcs: str, served: tuple[str, Path],
+                                                             tmp_path: Path) -> None:
+    remote = corpus_at(gcs, BlockCache(tmp_path / "cache", "64Mi"))
+    here = corpus_at(str(served[1] / "train"), BlockCache(tmp_path / "unused", "0"))
+    assert remote.tokens == here.tokens and all(s.remote for s in remote.shards)
+    for start in np.random.default_rng(1).integers(0, remote.tokens - 300, 10):
+        np.testing.assert_array_equal(remote.read(int(start), int(start) + 129)[0],
+                                      here.read(int(start), int(start) + 129)[0])
+    with pytest.raises(ManifestError, match="the bucket 'no-such-bucket' does not exist") as info:
+        corpus_at("gs://no-such-bucket/x/*.bin", BlockCache(tmp_path / "c", "0"))
+    assert info.value.field == "spec.data.train"
