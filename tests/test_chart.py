@@ -440,6 +440,7 @@ def exposed_metric_names() -> set[str]:
     trainer.record(report, 0.4, [SimpleNamespace(compute=0.3, idle=0.08, communication=0.02)])
     trainer.predicted_idle.labels("demo", "0").set(0.1)
     trainer.books({"goodput": 0.8, "wall_seconds": 10.0, "productive_seconds": 8.0, "compile_seconds": 2.0})
+    trainer.data({("0", "0"): 4096}, {"train": 32})
     operator = OperatorMetrics()
     operator.phase("ml/demo", "Running")
     operator.job_time("ml", "demo", Phase.RUNNING, JobTime(phase_since="2026-11-26T10:00:00Z", planning_seconds=5.0))
