@@ -77,26 +77,16 @@ def make_corpus(folder: Path, tokens: int) -> Path:
 
 def tree_rss(pid: int) -> int:
     """Resident bytes of ``pid`` and every process below it."""
-    parents: dict[int, int] = {}
-    rss: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    from alpajob.trainer_image.distributed.loopback import descendants
+
+    total = 0
+    for member in {pid} | descendants([pid]):
         try:
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            parents[int(entry.name)] = int(fields[1])
-            rss[int(entry.name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
+            stat = Path(f"/proc/{member}/stat").read_text()
+        except OSError:
             continue
-    family, grew = {pid}, True
-    while grew:
-        grew = False
-        for child, parent in parents.items():
-            if parent in family and child not in family:
-                family.add(child)
-                grew = True
-    return sum(rss.get(p, 0) for p in family)
+        total += int(stat.rsplit(")", 1)[1].split()[21]) * os.sysconf("SC_PAGE_SIZE")
+    return total
 
 
 def peak_rss(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, float, int]:

@@ -24,11 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from alpajob.trainer_image.distributed.loopback import free_port
 
 
 def wait_for_port(port: int, timeout: float = 30.0) -> None:

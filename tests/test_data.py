@@ -355,6 +355,31 @@ def test_bad_mixtures_are_refused_naming_the_field() -> None:
         assert info.value.field.startswith("spec.data"), (train, info.value.field)
 
 
+def test_bad_cache_and_source_fields_are_refused_naming_the_field() -> None:
+    cases = [
+        ({"cache": {"size": "-4Gi"}}, "spec.data.cache.size", "negative"),
+        ({"cache": {"size": -1}}, "spec.data.cache.size", "negative"),
+        ({"cache": {"size": "lots"}}, "spec.data.cache.size", "not a Kubernetes quantity"),
+        ({"cache": {"path": ""}}, "spec.data.cache.path", "at least 1"),
+        ({"train": [{"path": "a/*.bin", "weight": 1, "name": "no spaces"}]}, "spec.data.train", "pattern"),
+        ({"train": [{"path": [], "weight": 1}]}, "spec.data.train", "non-empty list"),
+    ]
+    for extra, field, needle in cases:
+        with pytest.raises(ManifestError, match=needle) as info:
+            job({"train": "a/*.bin", "format": "tokens", **extra})
+        assert info.value.field.startswith(field), (extra, info.value.field)
+
+
+def test_prepare_options_refuse_bad_values_naming_the_flag() -> None:
+    from alpajob.api.options import PrepareOptions, from_flags
+
+    for flags, flag in [({"output": "x", "workers": 0}, "--workers"), ({"output": "x", "shard_size": 10}, "--shard-size"),
+                        ({"output": ""}, "--output")]:
+        with pytest.raises(ManifestError) as info:
+            from_flags(PrepareOptions, flags)
+        assert info.value.field == flag
+
+
 def test_a_mixture_feed_reports_its_sources(tmp_path: Path) -> None:
     for name, base in (("web", 1), ("code", 2)):
         (tmp_path / f"{name}.bin").write_bytes(np.full(3000, base, np.uint16).tobytes())

@@ -93,16 +93,15 @@ def test_a_server_that_ignores_ranges_is_refused_in_one_line(served: tuple[str, 
 def gcs(served: tuple[str, Path]) -> Iterator[str]:
     """A GCS emulator on a free port holding bucket ``corpus``, with the prepared shards."""
     import os
-    import socket
     import sys
 
     from gcp_storage_emulator.server import create_server
 
+    from alpajob.trainer_image.distributed.loopback import free_port
+
     if "gcsfs" in sys.modules:
         pytest.skip("gcsfs was imported before the emulator's settings could be made")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket="corpus")
     server.start()
     saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
