@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import attrs
 import kmock
 import yaml
@@ -65,6 +66,10 @@ class _Admitting(kmock.KubernetesEmulator):
       so a watcher sees a burst of changes that never happened each time it
       reconnects. A deletion gets a version too, and a continued watch is sent the
       deletions since its version, as the API server's watch cache sends them.
+    - **Updates are conditional**, as on kube-apiserver: a PUT must carry the
+      ``resourceVersion`` it replaces (422 without one, 409 when another write came
+      first) and replaces the object whole; a merge patch that names a version is
+      refused with 409 when it is not the current one. (kmock serves no PUT at all.)
     """
 
     admit: Any = None
@@ -76,6 +81,12 @@ class _Admitting(kmock.KubernetesEmulator):
         refusal = await self.admit(request) if self.admit is not None and request.resource is not None else None
         if refusal is not None:
             return await self._render_error(refusal)
+        if request.method == kmock.method.PUT and request.name is not None and isinstance(request.data, dict):
+            return await self._replace(request)
+        if request.action == kmock.action.UPDATE and isinstance(request.data, dict):
+            stale = self._stale(request, (request.data.get("metadata") or {}).get("resourceVersion"))
+            if stale is not None:  # a merge patch that names a version is conditional on it
+                return await self._render_error(stale)
         if self.graceful_pods and request.action == kmock.action.DELETE and request.name is not None \
                 and request.resource.plural == "pods" and request.resource.group == "":
             await self._graceful_delete(request)
@@ -111,6 +122,61 @@ class _Admitting(kmock.KubernetesEmulator):
             before["metadata"]["resourceVersion"] = str(self.version)
             self.deletions = [*self.deletions[-9999:], (self.version, request.resource, before)]
         return response
+
+    async def _replace(self, request: Any) -> Any:
+        """An update (PUT) as the API server answers it: the object must exist (404),
+        name the version it replaces (422 without one: "must be specified for an
+        update"), and that version must be the current one (409: someone wrote since).
+        The body replaces the stored object whole, but for what the server owns (uid,
+        creationTimestamp; generation, one more when ``spec`` changes), and watchers are
+        told MODIFIED."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            return await self._render_error(KubernetesError(
+                status=404, reason="NotFound", message=f'{request.resource.plural} "{request.name}" not found',
+                details={"name": request.name, "kind": request.resource.plural}))
+        body = request.data
+        meta = body.setdefault("metadata", {})
+        if not meta.get("resourceVersion"):
+            return await self._render_error(KubernetesError(
+                status=422, reason="Invalid",
+                message=(f'{request.resource.plural} "{request.name}" is invalid: metadata.resourceVersion: '
+                         "Invalid value: 0x0: must be specified for an update"),
+                details={"name": request.name, "kind": request.resource.plural, "causes": [{
+                    "reason": "FieldValueInvalid", "field": "metadata.resourceVersion",
+                    "message": "Invalid value: 0x0: must be specified for an update"}]}))
+        stale = self._stale(request, meta["resourceVersion"])
+        if stale is not None:
+            return await self._render_error(stale)
+        async with self._lock:
+            stored = self._objects[key].raw
+            kept = stored.get("metadata", {})
+            generation = int(kept.get("generation") or 1)
+            if request.subresource is None and body.get("spec") != stored.get("spec"):
+                generation += 1
+            self.version += 1
+            meta.update(uid=kept.get("uid"), creationTimestamp=kept.get("creationTimestamp"),
+                        generation=generation, resourceVersion=str(self.version))
+            self._objects[key].create(body)  # a new version of the whole object
+            raw = self._objects[key].raw
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        return aiohttp.web.json_response(raw)
+
+    def _stale(self, request: Any, version: Any) -> KubernetesError | None:
+        """409 Conflict when ``version`` is given and is not the stored object's."""
+        key = (request.resource, request.namespace, request.name)
+        if not version or key not in self._objects or self._objects[key].deleted:
+            return None
+        current = self._objects[key].raw.get("metadata", {}).get("resourceVersion")
+        if str(version) == str(current):
+            return None
+        kind = request.resource.plural if not request.resource.group else \
+            f"{request.resource.plural}.{request.resource.group}"
+        return KubernetesError(
+            status=409, reason="Conflict",
+            message=(f'Operation cannot be fulfilled on {kind} "{request.name}": the object has been modified; '
+                     "please apply your changes to the latest version and try again"),
+            details={"name": request.name, "kind": request.resource.plural})
 
     async def _graceful_delete(self, request: Any) -> None:
         """A pod's deletion as the API server does it once a kubelet runs the pod: a

@@ -200,7 +200,9 @@ class Kubelet:
             self._end(running, signal.SIGKILL)
 
     def _heartbeat(self) -> None:
-        """Renew every node's Lease and report it Ready, as a kubelet does."""
+        """Renew every node's Lease and report it Ready, as a kubelet does: the Lease is
+        read and updated at the version read (an update must name it; 409 means another
+        writer came first, and the next beat reads again), or created if missing."""
         from datetime import UTC, datetime
 
         now = datetime.now(UTC)
@@ -210,11 +212,18 @@ class Kubelet:
                      "spec": {"holderIdentity": node, "leaseDurationSeconds": 40,
                               "renewTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}}
             try:
-                self.leases.replace_namespaced_lease(node, "kube-node-lease", lease)
+                current = self.leases.read_namespaced_lease(node, "kube-node-lease")
             except client.ApiException as error:
                 if error.status != 404:
                     raise
                 self.leases.create_namespaced_lease("kube-node-lease", lease)
+            else:
+                lease["metadata"]["resourceVersion"] = current.metadata.resource_version
+                try:
+                    self.leases.replace_namespaced_lease(node, "kube-node-lease", lease)
+                except client.ApiException as error:
+                    if error.status != 409:
+                        raise
             stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
             self.core.patch_node_status(node, {"status": {"conditions": [
                 {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "test kubelet",
@@ -384,12 +393,11 @@ class Kubelet:
         if running is None:
             return
         self._end(running, signal.SIGTERM)
-        try:
-            running.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self._end(running, signal.SIGKILL)
-            running.process.wait(10)
+        deadline = time.monotonic() + 20  # its grace, cut short once the test is over
+        while running.process.poll() is None and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.1)
         self._end(running, signal.SIGKILL)
+        running.process.wait(10)
         if running.boxed is not None:
             self.runtime.remove(running.boxed, keep_logs=running.folder / "ray-logs")
         self.finished[name] = running.process.returncode

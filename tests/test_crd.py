@@ -261,14 +261,18 @@ def test_enums_agree_with_the_pydantic_model() -> None:
 
 def test_printer_columns_point_into_the_schema() -> None:
     columns = {c["name"]: c for c in crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
-    assert {"Phase", "Stages", "Meshes", "Step", "Age"} <= set(columns)
+    assert {"Phase", "Reason", "Stages", "Meshes", "Step", "Age"} <= set(columns)
     assert columns["Age"]["jsonPath"] == ".metadata.creationTimestamp"
+    assert columns["Message"]["priority"] == 1  # -o wide
     for name, column in columns.items():
         if name == "Age":
             continue
         node = schema()
-        for key in column["jsonPath"].lstrip(".").split("."):
+        path, _, field = column["jsonPath"].partition('[?(@.type=="Ready")].')
+        for key in path.lstrip(".").split("."):
             node = node["properties"][key]
+        if field:  # one condition's field: the conditions' items declare it
+            node = node["items"]["properties"][field]
         assert node["type"] == column["type"], name
 
 

@@ -4,6 +4,9 @@
 this machine (each worker with its own forced CPU devices and its mesh's custom
 resource); the driver trains through them, and the results must equal the
 single-device run.
+
+The whole module is in the slow set: its Ray cluster takes 40 s to start, and
+`.ci/run` starts it once for the cases it runs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pytest
 import yaml
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
 
 from alpajob.api.options import PlanOptions  # noqa: E402
 from alpajob.api.plan import write_plan  # noqa: E402
@@ -108,12 +112,10 @@ THREE_MESHES_ONE_WIDE = [{"layers": [0, 1], "submeshShape": [1, 2]},
                          {"layers": [3, 4], "submeshShape": [1, 2]}]
 
 
-# The collective transport's run (a minute) is in the slow set, with its restart.
-@pytest.mark.parametrize("transport", [Transport.OBJECT_STORE,
-                                       pytest.param(Transport.COLLECTIVE, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("transport", [Transport.OBJECT_STORE, Transport.COLLECTIVE])
 @pytest.mark.parametrize(
     ("stages", "layers", "nodes"),
-    [(TWO_MESHES, None, 1), pytest.param(THREE_MESHES_ONE_WIDE, 4, 4, marks=pytest.mark.slow)],
+    [(TWO_MESHES, None, 1), (THREE_MESHES_ONE_WIDE, 4, 4)],
     ids=["2-meshes", "3-meshes-one-on-2-hosts"],
 )
 def test_ray_pipeline_equals_single_device(cluster: LoopbackCluster, tmp_path: Path, stages, layers, nodes,
@@ -144,7 +146,6 @@ def test_a_one_stage_plan_runs_its_step_as_one_executable(cluster: LoopbackClust
         assert not times["forward"] and not times["backward"] and times["compute"] > 0
 
 
-@pytest.mark.slow
 def test_a_checkpoint_crosses_plans_and_transports(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Three meshes, the middle one on two hosts, save 2 steps under the collective
     transport: each mesh writes its own part through its hosts' helpers (mesh 1's two
@@ -183,7 +184,6 @@ THREE_MESHES_LAST_WIDE = [{"layers": [0, 1], "submeshShape": [1, 2]},
                           {"layers": [2, 4], "submeshShape": [2, 2], "logicalMeshShape": [4, 1]}]
 
 
-@pytest.mark.slow
 def test_the_ray_runtime_trains_and_evaluates_on_real_text(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Real text (the interpreter's standard library, files a-s; t-z held out: the
     same bytes on every commit) through three meshes, the last on two hosts, under the
@@ -212,7 +212,6 @@ def test_the_ray_runtime_trains_and_evaluates_on_real_text(cluster: LoopbackClus
     assert json.loads((tmp_path / "status.json").read_text())["evalLoss"] == pytest.approx(result.evals[-1][1])
 
 
-@pytest.mark.slow
 def test_float16_with_dynamic_loss_scaling_trains_like_alpajob_run(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """float16 compute over two meshes: the stages exchange their overflow verdicts
     each step and apply (or skip) the update together; losses, skipped steps and
@@ -267,7 +266,6 @@ def _sample(text: str, series: str) -> float:
     return float(line.split()[-1])
 
 
-@pytest.mark.slow
 def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Mesh 1's worker (its node) is killed after step 3, checkpoints every 2 steps: the
     driver restarts every mesh once the worker is back (as its pod would be), resumes
@@ -313,7 +311,6 @@ def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster:
     assert status["samplesPerSecond"] > 0
 
 
-@pytest.mark.slow
 def test_collective_transport_resumes_bit_exact_after_a_killed_mesh_worker(cluster: LoopbackCluster,
                                                                             tmp_path: Path) -> None:
     """The collective transport checkpoints through each mesh host's helper
@@ -355,7 +352,6 @@ def test_collective_transport_resumes_bit_exact_after_a_killed_mesh_worker(clust
     assert _helpers_end(cluster), "the checkpoint helpers must end with their mesh hosts' actors"
 
 
-@pytest.mark.slow
 def test_sigterm_under_the_collective_transport_saves_and_the_job_resumes(cluster: LoopbackCluster,
                                                                           tmp_path: Path) -> None:
     """``alpajob driver --transport collective`` is sent SIGTERM mid-run: it stops after
@@ -431,7 +427,6 @@ def _actor_pids(cluster: LoopbackCluster, mesh: int, host: int) -> list[int]:
     return pids
 
 
-@pytest.mark.slow
 def test_a_hung_mesh_host_is_restarted_from_the_last_checkpoint(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Mesh 1's actor is frozen (SIGSTOP) after step 2: step 3 gets no answer within the
     step timeout, the driver stops every mesh (killing the frozen actor) and resumes

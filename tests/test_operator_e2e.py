@@ -600,6 +600,56 @@ def test_the_test_api_server_prunes_undeclared_fields_as_a_real_one_does(cluster
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "gpt-prune")
 
 
+def test_the_test_api_server_refuses_updates_a_real_one_refuses(cluster: Cluster) -> None:
+    """Seen on kube-apiserver: a PUT without resourceVersion is 422 ("must be specified
+    for an update"), one with an old version 409, one with the current version
+    replaces the object whole (a key it leaves out is gone) under a new version; a
+    merge patch naming an old version is 409 too."""
+    made = cluster.core.create_namespaced_config_map(
+        cluster.ns, {"metadata": {"name": "cm"}, "data": {"a": "1", "b": "2"}})
+    first = made.metadata.resource_version
+    with pytest.raises(client.ApiException) as unversioned:
+        cluster.core.replace_namespaced_config_map("cm", cluster.ns, {"metadata": {"name": "cm"}, "data": {"a": "3"}})
+    assert unversioned.value.status == 422
+    assert "must be specified for an update" in json.loads(unversioned.value.body)["message"]
+    replaced = cluster.core.replace_namespaced_config_map(
+        "cm", cluster.ns, {"metadata": {"name": "cm", "resourceVersion": first}, "data": {"a": "3"}})
+    assert replaced.data == {"a": "3"} and replaced.metadata.resource_version != first
+    assert replaced.metadata.uid == made.metadata.uid
+    for stale in (lambda: cluster.core.replace_namespaced_config_map(
+            "cm", cluster.ns, {"metadata": {"name": "cm", "resourceVersion": first}, "data": {"a": "4"}}),
+                  lambda: cluster.core.patch_namespaced_config_map(
+            "cm", cluster.ns, {"metadata": {"resourceVersion": first}, "data": {"a": "5"}})):
+        with pytest.raises(client.ApiException) as conflict:
+            stale()
+        assert conflict.value.status == 409
+        assert "the object has been modified" in json.loads(conflict.value.body)["message"]
+    assert cluster.core.read_namespaced_config_map("cm", cluster.ns).data == {"a": "3"}
+    with pytest.raises(client.ApiException) as missing:
+        cluster.core.replace_namespaced_config_map(
+            "gone", cluster.ns, {"metadata": {"name": "gone", "resourceVersion": first}, "data": {}})
+    assert missing.value.status == 404
+
+
+
+
+def test_the_test_kubelet_renews_node_leases_as_a_real_kubelet_does(
+        emulator: Emulator, cluster: Cluster, tmp_path: Path) -> None:
+    """The tests' kubelet keeps its nodes' Leases as a real kubelet does (read, then
+    update at the version read), so a real API server, which refuses an update
+    without a version, keeps the fake nodes Ready: every beat moves renewTime on."""
+    from kubelet import Kubelet
+
+    nodes = frozenset(getattr(emulator, "nodes", None) or ["node-0", "node-1"])
+    kubelet = Kubelet(emulator.api(), cluster.ns, tmp_path / "kubelet", nodes=nodes)
+    leases = client.CoordinationV1Api(emulator.api())
+    renewed = []
+    for _ in range(3):
+        kubelet._heartbeat()
+        renewed.append({n: leases.read_namespaced_lease(n, "kube-node-lease").spec.renew_time for n in nodes})
+        time.sleep(0.01)
+    for node in nodes:
+        assert renewed[0][node] < renewed[1][node] < renewed[2][node], renewed
 
 
 def test_gitops_tools_read_every_status_the_operator_wrote(seen: dict[tuple[str, str], dict[str, Any]]) -> None:

@@ -257,7 +257,7 @@ def test_manual_stage_that_does_not_fit_is_named(gpt_graph, cpu8):
     assert "0.00" not in str(tiny) and "KiB" in str(tiny)  # tiny sizes in a unit that shows them
 
 
-@pytest.mark.parametrize("family", ["mlp", "moe", "wresnet"])
+@pytest.mark.parametrize("family", ["mlp", "moe", pytest.param("wresnet", marks=pytest.mark.slow)])
 def test_other_families_plan(family, cpu8):
     model = resolve_model(family, "tiny")
     batch = 32

@@ -51,7 +51,8 @@ def test_weights_are_float32_and_matrix_products_run_in_the_compute_type() -> No
     assert products and all("bf16[" in line for line in products)
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+# bfloat16's runs are slow-set cases (float16 exercises everything they do, and loss scaling).
+@pytest.fixture(scope="module", params=[pytest.param("bfloat16", marks=pytest.mark.slow), "float16"])
 def serial(request: pytest.FixtureRequest) -> Any:
     return request.param, run(job(request.param, "data"), TrainOptions(serial=True))
 

@@ -66,9 +66,12 @@ CASES = {
     "moe-shard": ("moe", "tiny", {"method": "shard", "numLayers": 2}, 4),
     "wresnet-shard": ("wresnet", "tiny", {"method": "shard", "numLayers": 4}, 2),
 }
-#: The cases, Wide-ResNet's (about 20 s each here) with the slow ones (`.ci/run` runs them).
+#: The cases, Wide-ResNet's (about 20 s each here) with the slow ones.
 PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c.startswith("wresnet") or c == "moe-shard" else c
           for c in sorted(CASES)]
+#: Training in block parts, every case with the slow ones (`.ci/run` trains a stage by
+#: parts in test_a_stage_rematerialised_by_parts_trains_as_serial).
+PARTS_PARAMS = [pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)]
 
 
 def _trains_as_serial(job: Any, plan: Plan, tmp_path: Path) -> Any:
@@ -115,7 +118,7 @@ def _in_parts(plan: Plan) -> Plan:
     return plan.model_copy(update={"stages": stages})
 
 
-@pytest.mark.parametrize("case", PARAMS)
+@pytest.mark.parametrize("case", PARTS_PARAMS)
 def test_training_in_block_parts_equals_serial(case: str, tmp_path: Path) -> None:
     """The runtime recomputes a stage in parts cut anywhere at parameters: the
     grouped and the plain interpreters, MoE's integer routing, convolutions."""
@@ -214,6 +217,7 @@ def test_the_planned_peak_is_the_compiled_stages(gpt_stage: Any, remat: bool) ->
     assert 0.75 < planned.peak_memory_bytes / held.peak < 1.35, (planned.peak_memory_bytes, held)
 
 
+@pytest.mark.slow
 def test_the_planned_peak_of_a_moe_stage_is_the_compiled_ones() -> None:
     """MoE's backward is mostly elementwise chains (routing, softmax, gating): the
     planner leaves out what XLA fuses away (an elementwise op's output read only by

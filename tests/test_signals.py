@@ -61,7 +61,8 @@ def _assert_one_line(err: str, during: str, signal_name: str) -> None:
     assert last.startswith(f"stopped by {signal_name} while {during}") and last.endswith("nothing was saved"), err
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143),
+                                              pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_alpajob_plan_stopped_while_planning(tmp_path: Path, signum: int, code: int) -> None:
     process = _start("plan", README_JOB, "--no-plan-cache", cwd=tmp_path)
     parent = psutil.Process(process.pid)

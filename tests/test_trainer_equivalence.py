@@ -102,8 +102,11 @@ def _serial(model: str, optimizer: str) -> Any:
     return _serial_cache[key]
 
 
-#: Cases the default suite leaves to ``-m slow`` (the longest; their kinds are covered).
-SLOW_CASES = {"wresnet-2stage-1f1b", "wresnet-data"}
+#: Cases the default suite leaves to ``-m slow``: the longest, and variants whose kind
+#: (one stage with micro-batches, an uneven 1F1B pipeline, GPipe, sharding) another
+#: default case covers.
+SLOW_CASES = {"wresnet-2stage-1f1b", "wresnet-data", "gpt-1stage-m4", "gpt-2stage-1f1b-uneven",
+              "moe-2stage-gpipe", "moe-shard"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c

@@ -44,7 +44,7 @@ def _plan_and_pipeline(model: str, method: str, **parallelism: Any) -> tuple[Any
     return plan, executor, zoo
 
 
-@pytest.mark.parametrize("model", ["gpt", "moe", "wresnet", "mlp"])
+@pytest.mark.parametrize("model", ["gpt", "moe", pytest.param("wresnet", marks=pytest.mark.slow), "mlp"])
 def test_every_pinned_equation_of_the_trace_is_found(model: str) -> None:
     plan, executor, _ = _plan_and_pipeline(model, "shard")
     split = executor.split

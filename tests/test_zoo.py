@@ -203,7 +203,7 @@ def test_the_zoos_lean_derivatives_equal_the_formulas(name):
     np.testing.assert_allclose(grad_lean, grad_plain, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["gpt", "moe"])
+@pytest.mark.parametrize("family", ["gpt", pytest.param("moe", marks=pytest.mark.slow)])
 def test_per_part_init_equals_one_compiled_init_and_compiles_each_kind_of_layer_once(family):
     model = resolve_model(family, {"layers": 4})
     key = jax.random.key(3)

@@ -69,10 +69,15 @@ DESCRIPTION = (
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    # Why the job is in its phase, as `kubectl get pods` shows STATUS reasons: the Ready
+    # condition's reason (set in every phase); `-o wide` adds its message.
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "Stages", "type": "integer", "jsonPath": ".status.plan.stages"},
     {"name": "Meshes", "type": "integer", "jsonPath": ".status.plan.meshes"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
+    {"name": "Message", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].message',
+     "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
