@@ -39,12 +39,14 @@ from alpajob.api.runtime import (
     CHECKPOINT_DIR,
     CONFIG_DIR,
     COORDINATOR_PORT,
+    INIT_COMMAND,
     MANIFEST_PATH,
     METRICS_PORT,
     PLAN_CACHE_DIR,
     PLAN_DIR,
     PLAN_PATH,
     RAY_PORT,
+    TERMINATION_LOG,
     TrainerRuntime,
 )
 from alpajob.api.spec import CHECKPOINT_CLAIM_SUFFIX
@@ -170,7 +172,8 @@ def _templates(job: Mapping[str, Any], templates: PodTemplates | None) -> PodTem
 def _runtime(job: Mapping[str, Any], names: ChildNames, role: Role, **fields: Any) -> TrainerRuntime:
     """The runtime contract every pod of the job shares, and its own ``fields``."""
     return TrainerRuntime(role=role, job=names.job, namespace=job["metadata"]["namespace"],
-                          attempt=names.attempt, manifest=MANIFEST_PATH, **fields)
+                          attempt=names.attempt, manifest=MANIFEST_PATH, termination_log=TERMINATION_LOG,
+                          **fields)
 
 
 def _env(runtime: TrainerRuntime) -> list[dict[str, str]]:
@@ -243,7 +246,7 @@ def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: Role, gang:
         meta["annotations"] = annotations
     volumes, mounts = _volumes(names, True, job)
     container = {**container, "volumeMounts": mounts, "securityContext": _security(),
-                 "terminationMessagePolicy": "FallbackToLogsOnError"}
+                 "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError"}
     spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], "volumes": volumes,
                             "serviceAccountName": job["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT,
                             "securityContext": _pod_security()}
@@ -284,7 +287,7 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None,
                        metrics_port=METRICS_PORT, object_store_bytes=object_store_bytes(overrides, size),
                        progress_configmap=f"{job['metadata']['namespace']}/{names.progress}", **saves)
     container = {"name": "driver", "image": _image(job),
-                 "command": ["alpajob", "driver", "--max-restarts", str(_driver_restarts(job))],
+                 "command": [*INIT_COMMAND, "alpajob", "driver", "--max-restarts", str(_driver_restarts(job))],
                  "ports": [{"name": "gcs", "containerPort": RAY_PORT},
                            {"name": "metrics", "containerPort": METRICS_PORT}],
                  "env": _env(runtime)}
@@ -307,7 +310,7 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
                        coordinator=f"{coordinator}:{COORDINATOR_PORT}",
                        devices=gpus if cpu else None)
     resources: dict[str, Any] = {} if cpu else {"limits": {GPU_RESOURCE: str(gpus)}}
-    container = {"name": "worker", "image": _image(job), "command": ["alpajob", "mesh-worker"],
+    container = {"name": "worker", "image": _image(job), "command": [*INIT_COMMAND, "alpajob", "mesh-worker"],
                  "env": _env(runtime), "resources": resources,
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}]}
     labels = {LABEL_MESH: str(mesh), LABEL_HOST: str(host)}

@@ -68,13 +68,38 @@ def ending(name: str, pod: Mapping[str, Any]) -> str:
     return f"{name} {how}: {pod_message(pod)}"
 
 
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def cause_line(text: str) -> str:
+    """The line of a container's termination message that says why it failed. The
+    message is the line our command wrote to the termination log, or (under
+    FallbackToLogsOnError, when it wrote none) the log's tail, where the cause is
+    buried in Ray's shutdown noise: there, the last ``error: ...`` line our CLI printed;
+    else the exception line that ends the last Python traceback (its last line, not
+    its middle); else the last line."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    errors = [line for line in lines if line.lstrip().startswith("error:")]
+    if errors:
+        return errors[-1].strip()
+    starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
+    if starts:
+        for line in lines[starts[-1] + 1:]:
+            if not line[:1].isspace():  # frames are indented; the exception's line is not
+                return line.strip()
+    return lines[-1].strip()
+
+
 def pod_message(pod: Mapping[str, Any]) -> str:
-    """The reason a pod failed: its container's termination message, else its status."""
+    """The reason a pod failed, in one line: its container's termination message
+    (:func:`cause_line`), else its status."""
     status = pod.get("status") or {}
     for container in status.get("containerStatuses") or []:
         terminated = (container.get("state") or {}).get("terminated") or {}
         if terminated.get("message"):
-            return str(terminated["message"]).strip()[-2000:]
+            return cause_line(str(terminated["message"]))[:1000]
         if terminated.get("reason"):
             return f"{terminated['reason']} (exit code {terminated.get('exitCode')})"
     return str(status.get("message") or status.get("reason") or "the pod failed")

@@ -7,7 +7,8 @@ every step is safe to repeat, so a restarted operator simply carries on. The ste
 in order (the first that has something to wait for ends the pass):
 
 1. **finished** (Succeeded/Failed): its pods go as ``runPolicy.cleanPodPolicy`` says
-   (by default the running ones: finished pods keep their logs); after
+   (by default the running ones, after :data:`MESH_EXIT_GRACE` for a Succeeded job's
+   mesh pods, which end on their own: finished pods keep their logs); after
    ``ttlSecondsAfterFinished`` the job itself;
 2. **deadline**: past ``activeDeadlineSeconds`` since the start, fail;
 3. **suspend**: stop the pods of the attempt, phase Suspended; on resume a new
@@ -93,6 +94,10 @@ from alpajob.operator.status import set_condition
 #: Seconds a pod may be unschedulable before the job says so (the scheduler retries
 #: at once when the cluster changes; a pod still unplaced after this waits for a change).
 SCHEDULING_GRACE = 5.0
+#: Seconds a Succeeded job's mesh pods have to end on their own before cleanPodPolicy
+#: Running deletes them: the driver released them as it finished and they are
+#: stopping Ray, to end Succeeded with their logs.
+MESH_EXIT_GRACE = 10.0
 
 def _data(configmap: Mapping[str, Any] | None, key: str) -> str | None:
     return ((configmap or {}).get("data") or {}).get(key)
@@ -110,12 +115,16 @@ class _Pass(PassState):
         if not self.status.phase.finished:
             return False
         policy = self.run_policy.get("cleanPodPolicy", CleanPodPolicy.RUNNING.value)
+        done = parse_time(self.status.completion_time)
+        since = (self.seen.now.replace(tzinfo=None) - done).total_seconds() if done is not None else None
+        succeeded = self.status.phase is Phase.SUCCEEDED
         if policy == CleanPodPolicy.ALL.value:
             self.delete_pods(self.seen.pods)
-        elif policy == CleanPodPolicy.RUNNING.value:
-            self.stop_pods(self.seen.pods)
+        elif succeeded and since is not None and since < MESH_EXIT_GRACE:
+            self.decision.wake(MESH_EXIT_GRACE - since)  # released mesh pods are ending on their own
+        elif policy == CleanPodPolicy.RUNNING.value or succeeded:
+            self.stop_pods(self.seen.pods)  # what still runs (of a Succeeded job, whatever the policy)
         ttl = self.run_policy.get("ttlSecondsAfterFinished")
-        done = parse_time(self.status.completion_time)
         if ttl is not None and done is not None:
             left = ttl - (self.seen.now.replace(tzinfo=None) - done).total_seconds()
             if left <= 0:
@@ -423,8 +432,7 @@ class _Pass(PassState):
             # Every pod of the attempt has been seen: from now on one that vanishes
             # (its node lost, evicted) counts as a failure.
             self.status.children.created = self.attempt
-        if phase_of(head) == "Succeeded":
-            self.stop_pods(current)
+        if phase_of(head) == "Succeeded":  # the mesh pods end on their own (finished)
             self.phase(Phase.SUCCEEDED, "TrainingFinished", "the driver finished every step")
             return
         running = head is not None and phase_of(head) == "Running" and all(

@@ -237,6 +237,11 @@ class Kubelet:
         folder.mkdir(parents=True, exist_ok=True)
         mounts = self._volumes(pod, folder)
         [container] = pod.spec.containers
+        message = folder / "termination-log"  # the container's terminationMessagePath, as a kubelet makes it
+        message.write_text("")
+        message.chmod(0o666)
+        if container.termination_message_path:
+            mounts.append((container.termination_message_path, message))
         self.envs[name] = {e.name: e.value or "" for e in container.env or []}
         env = {k: self._local(v, mounts) for k, v in self.envs[name].items()}
         steps = [self._command(c) for c in [*(pod.spec.init_containers or []), container]]
@@ -249,7 +254,7 @@ class Kubelet:
             boxed = self._boxed(pod, folder, steps, initialized)
             process = self.runtime.start(boxed, log)
         else:
-            steps = [[sys.executable, "-m", "alpajob", *c[1:]] if c[:1] == ["alpajob"] else c for c in steps]
+            steps = [self._as_process(c) for c in steps]
             command = steps[0] if initialized is None else [sys.executable, "-c", _CHAIN, json.dumps(steps),
                                                             str(initialized)]
             with open(log, "ab") as out:
@@ -271,6 +276,16 @@ class Kubelet:
     @staticmethod
     def _command(container: Any) -> list[str]:
         return list(container.command or []) + list(container.args or [])
+
+    @staticmethod
+    def _as_process(command: list[str]) -> list[str]:
+        """A pod's command as a process of this machine: ``alpajob`` as this Python's
+        module, without the image's init (tini) in front: a local process is not PID 1."""
+        from alpajob.api.runtime import INIT_COMMAND
+
+        if tuple(command[:len(INIT_COMMAND)]) == INIT_COMMAND:
+            command = command[len(INIT_COMMAND):]
+        return [sys.executable, "-m", "alpajob", *command[1:]] if command[:1] == ["alpajob"] else command
 
     def _boxed(self, pod: Any, folder: Path, steps: list[list[str]], initialized: Path | None) -> Any:
         """The pod as a container of the runtime's image (``containers.Container``): its
@@ -300,6 +315,8 @@ class Kubelet:
                     and (self.fs_group or volume.empty_dir is not None):
                 _own(where, fs_group)
             mounts.append((mount.mount_path, where, bool(mount.read_only)))
+        if container.termination_message_path:
+            mounts.append((container.termination_message_path, folder / "termination-log", False))
         for inside, outside, _ in mounts:  # a mount inside a read-only one needs its folder there first
             for other, _, _ in mounts:
                 if other.startswith(inside.rstrip("/") + "/") and outside.is_dir():
@@ -370,10 +387,15 @@ class Kubelet:
         del self.pods[running.name]
         self.finished[running.name] = code
         self.ended.add(running.uid)
-        text = running.log.read_text(errors="replace") if running.log.exists() else ""
+        # The termination message as a kubelet reads it: the container's file (4096
+        # bytes), else, for a failure (FallbackToLogsOnError), the log's tail.
+        note = running.folder / "termination-log"
+        text = note.read_text(errors="replace")[:4096] if note.exists() else ""
+        if not text.strip() and code:
+            text = (running.log.read_text(errors="replace") if running.log.exists() else "")[-2000:]
         finished = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                                "message": text[-2000:] if code else "", "finishedAt": finished}}
+                                "message": text, "finishedAt": finished}}
         with contextlib.suppress(client.ApiException):
             pod = self.core.read_namespaced_pod(running.name, self.namespace)
             self._status(running.name, {"phase": "Succeeded" if code == 0 else "Failed",

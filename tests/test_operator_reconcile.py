@@ -19,7 +19,7 @@ from alpajob.api.names import LABEL_JOB, Role
 from alpajob.api.runtime import TrainerRuntime
 from alpajob.cli.main import main
 from alpajob.operator.pool import PoolNode
-from alpajob.operator.reconcile import Observed, reconcile
+from alpajob.operator.reconcile import MESH_EXIT_GRACE, Observed, reconcile
 
 EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
 
@@ -190,8 +190,14 @@ def test_running_then_succeeded_then_cleaned_up_and_deleted_after_ttl(plan_json:
     world.set_pods("Succeeded", role="head")
     world.step()
     assert world.status["phase"] == "Succeeded" and world.status["completionTime"]
-    world.step()
-    assert not world.running()  # nothing left running
+    # The driver released its mesh hosts as it finished: their pods have a grace to end
+    # on their own (Succeeded, with their logs), then what still runs is deleted.
+    assert sorted(world.running()) == ["manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0"]
+    assert world.step().wake_after == pytest.approx(MESH_EXIT_GRACE - 1, abs=0.01)
+    world.objects["Pod", "manual-gpt-0-m0-h0"]["status"] = {"phase": "Succeeded"}  # it ended on its own
+    world.step(MESH_EXIT_GRACE)
+    assert not world.running()  # nothing left running: mesh 1's pod, still running, was deleted
+    assert world.pods()["manual-gpt-0-m0-h0"]["status"]["phase"] == "Succeeded"  # kept for its logs
     assert not world.deleted_job
     world.step(61)
     assert world.deleted_job

@@ -126,11 +126,27 @@ def test_the_readme_job_trains_in_containers_of_the_projects_image(world: tuple[
     assert int(shm) == int(parse_quantity(dshm.empty_dir.size_limit))  # the plan's /dev/shm, not 64 MiB
     assert "1000" in groups.split()  # fsGroup among its groups
     began = time.monotonic()
-    _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, 900)
+    seen: dict[str, float] = {}
+
+    def finished() -> bool:
+        now = status()
+        if (now.get("progress") or {}).get("step") == 30:
+            seen.setdefault("last step", time.monotonic())
+        return now.get("phase") in ("Succeeded", "Failed")
+
+    _wait("the job to finish", finished, kubelet, log, 900)
     final = status()
-    print(f"\ntrained in containers for {time.monotonic() - began:.0f} s after Running; status.time: "
-          f"{final.get('time')}; progress: {final.get('progress')}")
+    tail = time.monotonic() - seen.get("last step", began)
+    print(f"\ntrained in containers for {time.monotonic() - began:.0f} s after Running; from the last step "
+          f"to {final.get('phase')} {tail:.1f} s; status.time: {final.get('time')}; progress: {final.get('progress')}")
     assert final["phase"] == "Succeeded", final
+    # tini, the head's PID 1, reaps the raylets Ray orphans: `ray stop` finds no zombie
+    # to wait out its grace period for.
+    assert "Stopped only" not in kubelet.log(head), kubelet.log(head)[-3000:]
+    # The driver released the mesh hosts: each container stopped Ray and exited 0.
+    meshes = [n for n in kubelet.started if n.startswith("text-gpt-0-m")]
+    _wait("the mesh pods to end", lambda: all(n in kubelet.finished for n in meshes), kubelet, log, 60)
+    assert meshes and {kubelet.finished[n] for n in meshes} == {0}, {n: kubelet.log(n)[-1500:] for n in meshes}
     progress = final["progress"]
     assert progress["step"] == 30 and progress["loss"] < math.log(256) - 0.5, progress
     assert progress["evalLoss"] < math.log(256) - 0.5, progress
@@ -153,13 +169,27 @@ def test_a_volume_uid_1000_cannot_write_fails_the_job_in_one_line_naming_it(
     def status() -> dict[str, Any]:
         return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "text-gpt-ro").get("status") or {}
 
+    head = "text-gpt-ro-0-head"
+    _wait("the head to start", lambda: head in kubelet.started, kubelet, log, 600)
+    began = time.monotonic()
     _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, 900)
+    print(f"\nfailed {time.monotonic() - began:.1f} s after the head started")
     final = status()
     failed = next(c for c in final["conditions"] if c["type"] == "Failed")
     assert final["phase"] == "Failed" and failed["reason"] == "PodFailurePolicy", final
-    assert failed["message"].startswith("text-gpt-ro-0-head failed:"), failed["message"]
+    # The cause is the first line: the head wrote it to its termination log before
+    # anything else ran on exit, and checked the folder before it started Ray.
+    cause = "text-gpt-ro-0-head failed: error: checkpoint folder /checkpoints/text-gpt-ro"
+    assert failed["message"].startswith(cause) and "\n" not in failed["message"], failed["message"]
     assert "is not writable by uid 1000" in failed["message"]
     assert "PersistentVolumeClaim text-gpt-ro-checkpoints at /checkpoints" in failed["message"]
+    core = client.CoreV1Api(emu.api())
+    events = [e.message for e in core.list_namespaced_event(ns).items
+              if e.involved_object.name == "text-gpt-ro" and e.type == "Warning"]
+    assert any(m.startswith(cause) for m in events), events
+    [state] = core.read_namespaced_pod(head, ns).status.container_statuses
+    assert state.state.terminated.message.startswith("error: checkpoint folder"), state.state.terminated.message
+    assert "Ray runtime started" not in kubelet.log(head)  # it failed before Ray
     assert final["restarts"] == 0
     pods = {p.metadata.name for p in client.CoreV1Api(emu.api()).list_namespaced_pod(ns).items}
     assert "text-gpt-ro-0-head" in pods  # kept for `kubectl logs` (cleanPodPolicy Running)

@@ -256,3 +256,10 @@ def test_deleting_a_mesh_pod_mid_run_never_fails_the_job(world: tuple[Emulator, 
     assert not overlap, overlap
     assert "restoring every mesh from the checkpoint of step" in kubelet.log("gpt-del-1-head")
     assert (kubelet.root / "claims" / "gpt-del-checkpoints" / "gpt-del").is_dir()  # the claim the operator made
+    # The driver released its mesh hosts at the end: their pods exited 0 and stay,
+    # Succeeded, with their logs (cleanPodPolicy Running deletes only running pods).
+    for mesh_pod in ("gpt-del-1-m0-h0", "gpt-del-1-m1-h0"):
+        _wait(f"{mesh_pod} to end", lambda name=mesh_pod: name in kubelet.finished, kubelet, log, timeout=60)
+        assert kubelet.finished[mesh_pod] == 0, kubelet.log(mesh_pod)[-2000:]
+        assert "released by the driver" in kubelet.log(mesh_pod)
+        assert core.read_namespaced_pod(mesh_pod, ns).status.phase == "Succeeded"

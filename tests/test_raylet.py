@@ -89,3 +89,33 @@ def test_sigterm_stops_the_raylet_and_no_retry_follows(tmp_path: Path) -> None:
     assert process.wait(30) != 0
     time.sleep(0.5)
     assert runs.read_text() == "1"
+
+
+def test_a_released_host_stops_its_raylet_and_exits_0(tmp_path: Path) -> None:
+    """The driver releases the host at the end of the job (the file appears): the raylet
+    gets SIGTERM, and the pod's exit code is 0 whatever Ray's was (here 143), so the
+    finished job's mesh pods are Succeeded with their logs."""
+    released = tmp_path / "released"
+    said: list[str] = []
+    raylet = [sys.executable, "-c", "import time; time.sleep(60)"]
+    threading.Timer(0.5, released.write_text, ("done",)).start()
+    began = time.monotonic()
+    code = run_raylet(raylet, dict(os.environ), said.append, released=released, poll=0.1)
+    assert code == 0 and time.monotonic() - began < 10
+    assert said == ["released by the driver: the job is done; stopping Ray"]
+    # Not released: the raylet's own exit code, as before (its head went: the pod fails).
+    code = run_raylet([sys.executable, "-c", "raise SystemExit(1)"], dict(os.environ), lambda _: None,
+                      tries=1, released=tmp_path / "never", poll=0.1)
+    assert code == 1
+
+
+def test_the_mesh_host_releases_its_worker_through_the_file_it_named(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from alpajob.api.runtime import RELEASE_FILE_ENV
+    from alpajob.trainer_image.distributed.mesh_host import MeshHost
+
+    host = MeshHost.__new__(MeshHost)  # release needs none of the actor's state
+    monkeypatch.delenv(RELEASE_FILE_ENV, raising=False)
+    assert host.release() is False  # a worker not started by `alpajob mesh-worker`
+    monkeypatch.setenv(RELEASE_FILE_ENV, str(tmp_path / "released"))
+    assert host.release() is True and (tmp_path / "released").exists()

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from alpajob.api.errors import ManifestError
-from alpajob.api.names import Role
-from alpajob.api.runtime import TrainerRuntime, Transport
+from alpajob.api.names import LABEL_ROLE, Role
+from alpajob.api.runtime import INIT_COMMAND, TrainerRuntime, Transport
 from alpajob.cli.main import main, parser
 from alpajob.cli.planning import plan_options
 from alpajob.cli.ray import driver_run, worker_settings
@@ -36,9 +36,13 @@ def env_of(pod: dict[str, Any]) -> dict[str, str]:
 
 
 def command_of(pod: dict[str, Any]) -> argparse.Namespace:
-    """The pod's command line, parsed by the ``alpajob`` CLI it runs."""
+    """The pod's command line, parsed by the ``alpajob`` CLI it runs (the head and mesh
+    hosts under the image's init, which reaps what Ray orphans)."""
     [container] = pod["spec"]["containers"]
     command = container["command"]
+    if pod["metadata"]["labels"][LABEL_ROLE] in (Role.HEAD, Role.MESH):
+        assert tuple(command[:len(INIT_COMMAND)]) == INIT_COMMAND
+        command = command[len(INIT_COMMAND):]
     assert command[0] == "alpajob"
     return parser().parse_args(command[1:])
 
@@ -150,7 +154,7 @@ def test_a_full_runtime_goes_through_the_environment_unchanged() -> None:
         ray_address="h:1", ray_port=2, metrics_port=3, mesh=1, host=0, process_id=0,
         process_count=2, coordinator="c:4", devices=4, checkpoint_dir="/c", checkpoint_every=7,
         checkpoint_volume="PersistentVolumeClaim c at /c", object_store_bytes=2**28,
-        join_timeout=9.5, transport=Transport.COLLECTIVE)
+        join_timeout=9.5, transport=Transport.COLLECTIVE, termination_log="/dev/termination-log")
     env = runtime.to_env()
     assert len(env) == len(TrainerRuntime.model_fields), "every field has a variable"
     assert TrainerRuntime.from_env(env) == runtime

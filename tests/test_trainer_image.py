@@ -118,8 +118,20 @@ def test_runs_as_non_root_uid_1000_like_the_pods() -> None:
     assert "WORKDIR" in words[words.index("USER"):], "a WORKDIR after USER, owned by the user"
 
 
-def test_entrypoint_is_the_alpajob_command() -> None:
-    assert [json.loads(a) for a in only("ENTRYPOINT")] == [["alpajob"]]
+def test_entrypoint_is_the_alpajob_command_under_an_init_that_reaps() -> None:
+    """The ENTRYPOINT, and the head's and mesh hosts' commands, run ``alpajob`` under
+    tini (the image installs it from its apt packages): PID 1 reaps what Ray orphans."""
+    from alpajob.api.runtime import INIT_COMMAND
+    from alpajob.operator.children import head_pod, mesh_pod
+    from alpajob.operator.names import ChildNames
+
+    assert [json.loads(a) for a in only("ENTRYPOINT")] == [[*INIT_COMMAND, "alpajob"]]
+    assert any("apt-get install" in a and " tini" in a for a in only("RUN"))
+    job = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}, "spec": {"model": {"zoo": "gpt"}}}
+    for pod in (head_pod(job, ChildNames("demo", 0), None),
+                mesh_pod(job, ChildNames("demo", 0), 0, 0, 1, "node-0", 8, False, None)):
+        (container,) = pod["spec"]["containers"]
+        assert container["command"][:3] == [*INIT_COMMAND, "alpajob"]
     assert [json.loads(a) for a in only("CMD")] == [["--help"]]
     assert pyproject()["project"]["scripts"]["alpajob"] == "alpajob.cli.main:main"
     assert only("HEALTHCHECK") == []

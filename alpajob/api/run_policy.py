@@ -130,7 +130,9 @@ class RunPolicy(Contract):
     clean_pod_policy: CleanPodPolicy = Field(CleanPodPolicy.RUNNING, description=(
         "Which pods are deleted when the job finishes: Running (default: the ones still running; "
         "finished pods, the planner's included, stay for kubectl logs until the job is deleted or "
-        "its TTL passes), All, or None. Pods of a failed attempt also stay, stopped."))
+        "its TTL passes), All, or None. A Succeeded job's mesh pods end on their own (the driver "
+        "releases them: Succeeded, logs kept); any still running 10 s later are deleted whatever "
+        "the policy. Pods of a failed attempt also stay, stopped."))
     progress_deadline_seconds: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
         "Seconds a Running job may go without a progress report from its trainer before it is "
         "restarted as a hung job (reason ProgressDeadlineExceeded, counted against "

@@ -64,6 +64,21 @@ from alpajob.api.schema import Contract
 #: Every variable of the contract starts with this.
 ENV_PREFIX = "ALPAJOB_"
 
+#: What the head and mesh pods' commands run under: tini (Debian and Ubuntu's package, in
+#: the trainer image) as PID 1 reaps the processes Ray orphans and passes signals on, so
+#: `ray stop` never waits out its grace period for zombie raylets. An image of your own
+#: for these pods needs tini on its PATH (`apt-get install tini`).
+INIT_COMMAND = ("tini", "--")
+#: Where every trainer container's termination message is read from (its
+#: ``terminationMessagePath``, Kubernetes' default): an ``alpajob`` command that fails
+#: writes its one-line reason there, so the pod's message, the job's condition and its
+#: event lead with the cause, whatever Ray prints as it shuts down.
+TERMINATION_LOG = "/dev/termination-log"
+#: Not a pod variable: ``alpajob mesh-worker`` sets it for the Ray processes it starts.
+#: The file it names appears when the driver releases the host at the end of a job
+#: (``MeshHost.release``); the worker then stops Ray and exits 0, so a finished job's
+#: mesh pods are Succeeded, not deleted while Running, and their logs stay.
+RELEASE_FILE_ENV = "ALPAJOB_RELEASE_FILE"
 #: The Ray head's GCS port (the head pod and its Service).
 RAY_PORT = 6379
 #: The driver's and the trainers' Prometheus port.
@@ -127,6 +142,7 @@ class TrainerRuntime(Contract):
     join_timeout: float | None = Field(None, gt=0)
     object_store_bytes: int | None = Field(None, ge=78643200)  # Ray's least: 75 MiB
     transport: Transport | None = None
+    termination_log: str | None = None  # the file a failing command writes its reason to
 
     @staticmethod
     def env_name(field: str) -> str:

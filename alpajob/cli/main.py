@@ -22,9 +22,12 @@ print one line naming the problem and the fix and exit with status 2; no traceba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.text import Text
@@ -119,6 +122,19 @@ def _dispatch(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 1 if done is None else done
 
 
+def note_termination(line: str) -> None:
+    """Write ``line`` as this container's termination message, where its pod names the
+    file (``ALPAJOB_TERMINATION_LOG``, :data:`~alpajob.api.runtime.TERMINATION_LOG`): the
+    kubelet reports it as the pod's message, which the job's condition and event lead
+    with. Outside a pod, nothing. Kubernetes keeps 4096 bytes of it."""
+    from alpajob.api.runtime import TrainerRuntime
+
+    path = os.environ.get(TrainerRuntime.env_name("termination_log"))
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(line.strip()[:4000] + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the console script; returns the exit status."""
     args = parser().parse_args(argv)
@@ -132,11 +148,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AlpaJobError as error:
         # The message is plain text: "[n, 4]" in it must not be read as rich markup.
         err.print(Text.assemble(("error:", "bold red"), f" {error}"), highlight=False, soft_wrap=True)
+        note_termination(f"error: {error}")
         return error.exit_code
     except (Interrupted, KeyboardInterrupt) as error:
         stop = interrupted(error, "")
         err.print(stop.line(), highlight=False, soft_wrap=True)
+        note_termination(stop.line())
         return stop.exit_code
+    except Exception as error:  # a bug: Python prints the traceback; the pod's message is its last line
+        note_termination(f"error: {type(error).__name__}: {error}")
+        raise
 
 
 if __name__ == "__main__":

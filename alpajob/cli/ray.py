@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from alpajob.api.names import Role
 from alpajob.api.plan import Plan, read_plan
 from alpajob.api.progress import Progress
 from alpajob.api.resource import load_job
-from alpajob.api.runtime import RAY_PORT, TrainerRuntime, Transport
+from alpajob.api.runtime import RAY_PORT, RELEASE_FILE_ENV, TrainerRuntime, Transport
 from alpajob.api.wording import counted
 from alpajob.cli.tables import progress_line
 from alpajob.trainer_image.distributed import cluster as ray_cluster
@@ -135,7 +136,13 @@ def cmd_mesh_worker(args: argparse.Namespace, out: Console) -> int:
     address, mesh, host, devices = worker_settings(args, runtime)
     command = ray_cluster.worker_command(address, mesh, host, block=True,
                                          object_store_bytes=runtime.object_store_bytes)
-    return run_raylet(command, ray_cluster.ray_env(devices), out.print)
+    released = Path(tempfile.gettempdir()) / f"alpajob-released-{os.getpid()}"
+    released.unlink(missing_ok=True)
+    env = {**ray_cluster.ray_env(devices), RELEASE_FILE_ENV: str(released)}
+    try:
+        return run_raylet(command, env, out.print, released=released)
+    finally:
+        released.unlink(missing_ok=True)
 
 
 def cmd_wait_for_head(args: argparse.Namespace, out: Console) -> int:
@@ -198,6 +205,7 @@ def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
                             or Transport.default_for(plan.cluster.get("preset") or job.spec.cluster.gpu or "cpu")),
         attempt=runtime.attempt if runtime.role is Role.HEAD else None,
         checkpoint_volume=runtime.checkpoint_volume,
+        release_hosts=bool(head_port),  # this driver's head is the job's cluster: it ends with the job
     )
     if options.checkpoint_every is not None and options.checkpoint_every < 1:
         raise ManifestError("--checkpoint-every", f"must be at least 1, got {options.checkpoint_every}")
@@ -214,6 +222,10 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
 
     run = driver_run(args, _runtime())
     plan, options = run.plan, run.options
+    if options.checkpoint_dir:  # what cannot succeed later fails now, before Ray starts
+        from alpajob.trainer_image.checkpoint.lock import check_writable
+
+        check_writable(options.checkpoint_dir, options.checkpoint_volume)
 
     def on_step(report: Progress) -> None:
         out.print(progress_line(report))

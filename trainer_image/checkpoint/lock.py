@@ -80,6 +80,30 @@ class Holder:
                 and other.attempt is not None and self.attempt < other.attempt)
 
 
+def not_writable(root: Path, volume: str | None, error: PermissionError) -> CheckpointError:
+    """The one line for a checkpoint folder this process cannot write, and its fix."""
+    where = f" ({volume})" if volume else ""
+    return CheckpointError(
+        f"checkpoint folder {root}{where} is not writable by uid {os.getuid()} gid "
+        f"{os.getgid()} ({error.strerror}: {error.filename}); give the pods an fsGroup that owns "
+        "the volume (spec.podTemplate securityContext.fsGroup, set by default with "
+        "spec.checkpoint.volumeClaimTemplate) or a volume that uid can write")
+
+
+def check_writable(root: str | Path, volume: str | None = None) -> None:
+    """Raise :class:`CheckpointError` (:func:`not_writable`) unless this process can make
+    ``root`` and write a file in it: the head checks before it starts Ray, so a job
+    whose checkpoint volume it cannot write fails in seconds, not after Ray's start."""
+    root = Path(root)
+    probe = root / f".alpajob-write-check-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except PermissionError as error:
+        raise not_writable(root, volume, error) from None
+
+
 class FolderLock:
     """The lock on one checkpoint folder, as a context manager.
 
@@ -114,12 +138,7 @@ class FolderLock:
             self.root.mkdir(parents=True, exist_ok=True)
             self._take()
         except PermissionError as error:
-            where = f" ({self.volume})" if self.volume else ""
-            raise CheckpointError(
-                f"checkpoint folder {self.root}{where} is not writable by uid {os.getuid()} gid "
-                f"{os.getgid()} ({error.strerror}: {error.filename}); give the pods an fsGroup that owns "
-                "the volume (spec.podTemplate securityContext.fsGroup, set by default with "
-                "spec.checkpoint.volumeClaimTemplate) or a volume that uid can write") from None
+            raise not_writable(self.root, self.volume, error) from None
         self._owner.write_text(self.me.to_text())
 
     def _take(self) -> None:

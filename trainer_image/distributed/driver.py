@@ -105,6 +105,7 @@ class DriverOptions:
     attempt: int | None = None  # the job's attempt this driver runs (a pod's), for the checkpoint lock
     checkpoint_volume: str | None = None  # where the checkpoint folder lives, for messages
     lock_wait: float = 120.0  # seconds to wait for an earlier attempt to release the checkpoint folder
+    release_hosts: bool = False  # at the end, release the mesh hosts' workers (the job owns the cluster)
 
 
 @dataclass
@@ -310,6 +311,10 @@ class MeshGroup:
         return {name: assemble_pieces(shape, dtype, parts)
                 for name, (shape, dtype, parts) in pieces.items()}
 
+    def release(self) -> None:
+        """The job is done: every host's worker may stop Ray and exit 0."""
+        gather([a.release.remote() for a in self.all], self.timeout, "release")
+
     def stop(self) -> None:
         import ray
 
@@ -461,6 +466,8 @@ def drive(
                             result.checkpoint_step = saves.finish(group)
                     result.params = group.params()
                     result.badput = {bucket.value: seconds for bucket, seconds in books.badput.items()}
+                    if options.release_hosts and not result.stopped:
+                        group.release()  # their pods end Succeeded, their logs kept
                     break
                 except _recoverable() as failure:
                     reason = f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"

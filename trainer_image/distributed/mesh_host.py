@@ -55,7 +55,7 @@ import yaml
 
 from alpajob.api.plan import plan_from_json
 from alpajob.api.resource import parse_job
-from alpajob.api.runtime import TrainerRuntime, Transport
+from alpajob.api.runtime import RELEASE_FILE_ENV, TrainerRuntime, Transport
 from alpajob.api.spec import Schedule
 from alpajob.api.timeline import Span, SpanKind
 from alpajob.api.wording import counted
@@ -222,6 +222,17 @@ class MeshHost:
         if given is not None:
             return given
         return self.free_address()
+
+    def release(self) -> bool:
+        """The job is done: tell this host's ``alpajob mesh-worker`` to stop Ray and exit
+        0, by writing the file it named in :data:`~alpajob.api.runtime.RELEASE_FILE_ENV`
+        (a worker the driver did not start through a pod names none: False)."""
+        path = os.environ.get(RELEASE_FILE_ENV)
+        if not path:
+            return False
+        with open(path, "w") as marker:
+            marker.write("released by the driver\n")
+        return True
 
     def free_address(self) -> str:
         """A free port of this node, chosen now, as ``ip:port``."""

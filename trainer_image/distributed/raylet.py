@@ -13,7 +13,9 @@ startup"), failing attempt after attempt. So:
   tries again after a growing, jittered pause (1, 2, 4, ... s), up to ``tries``
   times, so the raylets of one job spread out instead of colliding again. A raylet
   that fails later (its head gone), or any exit after SIGTERM, is final: the pod
-  ends with its exit code.
+  ends with its exit code. When the driver releases the host at the end of a job (a
+  file appears), the raylet is stopped and the pod exits 0: a finished job's mesh pods
+  end Succeeded, with their logs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from alpajob.api.errors import TransientError
 
@@ -62,10 +65,33 @@ def wait_for_head(address: str, timeout: float, say: Callable[[str], None],
         time.sleep(poll)
 
 
+def _wait(child: subprocess.Popen, released: Path | None, poll: float, say: Callable[[str], None]) -> int:
+    """``child``'s exit code; once ``released`` appears, SIGTERM to it first (``ray
+    start --block`` then stops this node's Ray processes), SIGKILL after 10 s."""
+    if released is None:
+        return child.wait()
+    while True:
+        try:
+            return child.wait(poll)
+        except subprocess.TimeoutExpired:
+            if released.exists():
+                break
+    say("released by the driver: the job is done; stopping Ray")
+    child.send_signal(signal.SIGTERM)
+    try:
+        return child.wait(10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return child.wait()
+
+
 def run_raylet(command: Sequence[str], env: dict[str, str], say: Callable[[str], None], tries: int = 5,
-               window: float = STARTUP_WINDOW, pause: Callable[[int], float] | None = None) -> int:
+               window: float = STARTUP_WINDOW, pause: Callable[[int], float] | None = None,
+               released: Path | None = None, poll: float = 0.5) -> int:
     """Run ``command`` (``ray start ... --block``) in the foreground with retries (module
-    docstring), passing SIGTERM and SIGINT on; its last exit code."""
+    docstring), passing SIGTERM and SIGINT on; its last exit code. Once the file
+    ``released`` appears (the driver is done with this host, ``MeshHost.release``), Ray
+    is stopped and the exit code is 0, however Ray's processes ended."""
     stopped = False
     child: subprocess.Popen | None = None
 
@@ -81,7 +107,9 @@ def run_raylet(command: Sequence[str], env: dict[str, str], say: Callable[[str],
         for attempt in range(tries):
             began = time.monotonic()
             child = subprocess.Popen(list(command), env=env)
-            code = child.wait()
+            code = _wait(child, released, poll, say)
+            if released is not None and released.exists():
+                return 0
             lasted = time.monotonic() - began
             if code == 0 or stopped or lasted >= window or attempt == tries - 1:
                 return code

@@ -1,0 +1,83 @@
+"""A failure's first line is its cause: what a failing ``alpajob`` command writes to its
+container's termination log, and the line the operator quotes from a pod's message
+when the command wrote none (the log's tail, Ray's shutdown noise around the cause)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alpajob.api.runtime import TERMINATION_LOG, TrainerRuntime
+from alpajob.operator import children
+from alpajob.operator.names import ChildNames
+from alpajob.operator.pods import cause_line, ending
+
+RAY_NOISE = """\
+2026-12-01 10:00:01,123 INFO scripts.py:1234 -- Did not find any active Ray processes.
+(raylet) [2026-12-01 10:00:02] Stopped only 0 out of 5 Ray processes within the grace period.
+"""
+
+
+def test_our_error_line_is_the_cause_wherever_it_is_in_the_tail() -> None:
+    tail = RAY_NOISE + "error: checkpoint folder /checkpoints/x is not writable by uid 1000\n" + RAY_NOISE
+    assert cause_line(tail) == "error: checkpoint folder /checkpoints/x is not writable by uid 1000"
+
+
+def test_a_tracebacks_exception_line_is_the_cause_not_its_middle() -> None:
+    tail = RAY_NOISE + """\
+Traceback (most recent call last):
+  File "/opt/alpajob/lib/python3.11/site-packages/urllib3/connectionpool.py", line 791, in urlopen
+    response = self._make_request(
+ConnectionRefusedError: [Errno 111] Connection refused
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/opt/alpajob/bin/alpajob", line 8, in <module>
+    sys.exit(main())
+urllib3.exceptions.MaxRetryError: HTTPSConnectionPool(host='10.96.0.1', port=443): Max retries exceeded
+""" + "(raylet) shutting down\n"
+    assert cause_line(tail).startswith("urllib3.exceptions.MaxRetryError: HTTPSConnectionPool")
+
+
+def test_otherwise_the_last_line_and_a_one_liner_as_it_is() -> None:
+    assert cause_line("starting\nKilled\n") == "Killed"
+    assert cause_line("  error: one line  \n") == "error: one line"
+    assert cause_line("\n\n") == ""
+
+
+def test_a_failed_pods_ending_leads_with_the_cause() -> None:
+    pod = {"metadata": {"name": "j-0-head"}, "status": {"phase": "Failed", "containerStatuses": [{"state": {
+        "terminated": {"exitCode": 2, "message": RAY_NOISE * 30 + "error: spec.data.train: no file\n"}}}]}}
+    assert ending("j-0-head", pod) == "j-0-head failed: error: spec.data.train: no file"
+
+
+def test_every_trainer_pod_names_its_termination_log() -> None:
+    job = {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob",
+           "metadata": {"name": "j", "namespace": "ml", "uid": "u-1"}, "spec": {"model": {"zoo": "gpt"}}}
+    names = ChildNames("j", 0)
+    for pod in (children.head_pod(job, names, None), children.mesh_pod(job, names, 0, 0, 1, "n", 8, False, None)):
+        [container] = pod["spec"]["containers"]
+        assert container["terminationMessagePath"] == TERMINATION_LOG
+        assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"  # a crash still says something
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env[TrainerRuntime.env_name("termination_log")] == TERMINATION_LOG
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["plan", "no-such-manifest.yaml"], "error: "),
+    (["mesh-worker"], "error: --mesh"),
+])
+def test_a_failing_command_writes_its_one_line_to_the_termination_log(tmp_path: Path, args: list[str],
+                                                                      line: str) -> None:
+    log = tmp_path / "termination-log"
+    env = {"PATH": "/usr/bin:/bin", TrainerRuntime.env_name("termination_log"): str(log)}
+    done = subprocess.run([sys.executable, "-m", "alpajob", *args], capture_output=True, text=True, env=env,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    [written] = log.read_text().splitlines()
+    assert written.startswith(line)
+    assert written.split(": ", 1)[1][:30] in done.stderr  # the line the user saw
