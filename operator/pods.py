@@ -14,7 +14,9 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from alpajob.api.errors import AlpaJobError
 from alpajob.api.names import LABEL_ROLE, Role
+from alpajob.api.progress import Progress, progress_from_json
 from alpajob.api.run_policy import ExitCodeOperator, FailureAction, PodFailureRule
 
 
@@ -103,6 +105,24 @@ def pod_message(pod: Mapping[str, Any]) -> str:
         if terminated.get("reason"):
             return f"{terminated['reason']} (exit code {terminated.get('exitCode')})"
     return str(status.get("message") or status.get("reason") or "the pod failed")
+
+
+def final_progress(pod: Mapping[str, Any] | None) -> Progress | None:
+    """The last :class:`~alpajob.api.progress.Progress` a Succeeded head pod left as its
+    termination message (the driver writes its final report there as well as into the
+    job's progress ConfigMap), else None. The kubelet reports the message whenever the
+    API server takes it, so a job that ended while the API server was away, and whose
+    final ConfigMap write never landed, still ends with its true last step."""
+    if pod is None or phase_of(pod) != "Succeeded":
+        return None
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        message = str(((container.get("state") or {}).get("terminated") or {}).get("message") or "")
+        if message.lstrip().startswith("{"):
+            try:
+                return progress_from_json(message, f"pod {(pod.get('metadata') or {}).get('name')}")
+            except AlpaJobError:
+                return None  # cut or foreign: the ConfigMap's report stands
+    return None
 
 
 def exit_code(pod: Mapping[str, Any]) -> int | None:

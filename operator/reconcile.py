@@ -55,6 +55,7 @@ fires with time alone (``ttlSecondsAfterFinished``, ``activeDeadlineSeconds``,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from datetime import UTC
 from typing import Any
@@ -81,6 +82,7 @@ from alpajob.operator.pods import (
     done,
     ending,
     failure_action,
+    final_progress,
     parse_time,
     phase_of,
     pod_message,
@@ -407,14 +409,17 @@ class _Pass(PassState):
         return False
 
     def progress(self) -> None:
-        """The trainer's progress (``<job>-progress``) into ``status.progress``."""
+        """The trainer's progress (``<job>-progress``) into ``status.progress``; a
+        Succeeded head's final report (:func:`.pods.final_progress`) when it is newer
+        (its last ConfigMap write may have been lost to an API server outage)."""
         text = _data(self.seen.configmaps.get(self.names.progress), PROGRESS_KEY)
-        if not text:
-            return
-        try:
-            self.status.progress = progress_from_json(text, f"ConfigMap {self.names.progress}")
-        except AlpaJobError:
-            return  # advisory: a malformed report leaves the last good one
+        if text:
+            with contextlib.suppress(AlpaJobError):  # advisory: a malformed report leaves the last good one
+                self.status.progress = progress_from_json(text, f"ConfigMap {self.names.progress}")
+        final = final_progress(self.pods_of(self.attempt).get(self.names.head))
+        current = self.status.progress
+        if final is not None and (current is None or (final.updated or 0) > (current.updated or 0)):
+            self.status.progress = final
 
     def observe(self) -> None:
         self.progress()

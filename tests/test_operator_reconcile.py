@@ -901,3 +901,27 @@ def test_a_volume_claim_template_makes_the_checkpoint_claim_that_every_pod_mount
     head = runtime_of(world.objects["Pod", "manual-gpt-0-head"])
     assert head.checkpoint_dir == "/checkpoints/manual-gpt"
     assert head.checkpoint_volume == "PersistentVolumeClaim manual-gpt-checkpoints at /checkpoints"
+
+
+def test_a_head_that_succeeded_during_an_outage_ends_the_job_with_its_last_report(plan_json: str) -> None:
+    """The driver's last ConfigMap write was lost (the API server was away), but the
+    head's termination message holds its final report: the job ends at that step. A
+    message that is not a report (cut, or an error line) leaves the ConfigMap's."""
+    from alpajob.api.names import PROGRESS_KEY
+    from alpajob.api.progress import Progress, TrainerPhase
+
+    final = Progress(phase=TrainerPhase.SUCCEEDED, step=400, steps=400, loss=2.5)
+    for message, step in ((final.to_json()[:-3], 33), ("done", 33), (final.to_json(), 400)):
+        world = World({})
+        _running(world, plan_json)
+        stale = Progress(phase=TrainerPhase.RUNNING, step=33, steps=400, updated=world.now.timestamp())
+        world.objects["ConfigMap", "manual-gpt-progress"]["data"] = {PROGRESS_KEY: stale.to_json()}
+        world.step()
+        assert world.status["progress"]["step"] == 33
+        report = final.model_copy(update={"updated": world.now.timestamp() + 90}).to_json()
+        world.set_pods("Succeeded", role="head", containerStatuses=[{"name": "head", "state": {
+            "terminated": {"exitCode": 0, "reason": "Completed", "message": report if step == 400
+                           else message}}}])
+        world.step()
+        assert world.status["phase"] == "Succeeded" and world.status["progress"]["step"] == step, message
+    assert (world.status["progress"]["phase"], world.status["progress"]["loss"]) == ("Succeeded", 2.5)

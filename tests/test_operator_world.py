@@ -11,6 +11,8 @@ import asyncio
 import copy
 from typing import Any
 
+import pytest
+
 from alpajob.api.names import GPU_RESOURCE
 from alpajob.operator.pool import pool_nodes
 from alpajob.operator.world import NODES, Wakers, World, node_signature, slim_node
@@ -74,8 +76,6 @@ def test_a_change_wakes_its_job_only_and_a_forgotten_job_is_not_woken() -> None:
 
 
 def test_the_api_contact_fails_only_after_its_threshold_of_silence() -> None:
-    import asyncio
-
     from alpajob.operator.health import ApiContact, LostApiServer
 
     now = [0.0]
@@ -86,16 +86,48 @@ def test_the_api_contact_fails_only_after_its_threshold_of_silence() -> None:
             raise ConnectionRefusedError("Connect call failed ('10.96.0.1', 443)")
 
     contact = ApiContact(ask, threshold=60.0, clock=lambda: now[0])
-    assert asyncio.run(contact.check()) == {"apiServerSilentSeconds": 0.0}
+    contact.ping()
+    assert contact.state() == {"apiServerSilentSeconds": 0.0}
     up[0] = False
     now[0] = 45.0
-    assert asyncio.run(contact.check()) == {"apiServerSilentSeconds": 45.0}  # a blip: still alive
+    contact.ping()
+    assert contact.state() == {"apiServerSilentSeconds": 45.0}  # a blip: still alive
     now[0] = 61.0
-    try:
-        asyncio.run(contact.check())
-    except LostApiServer as error:
-        assert "for 61 s" in str(error) and "Connect call failed" in str(error)
-    else:
-        raise AssertionError("61 s of silence must fail the probe")
+    with pytest.raises(LostApiServer, match=r"for 61 s .*Connect call failed"):
+        contact.state()
     up[0] = True
-    assert asyncio.run(contact.check()) == {"apiServerSilentSeconds": 0.0}
+    contact.ping()
+    assert contact.state() == {"apiServerSilentSeconds": 0.0}
+
+
+def test_the_probe_answers_at_once_while_the_api_server_hangs() -> None:
+    """A call to an API server that hangs (a dropped connection waits for its timeout
+    and retries) blocks the contact's thread, never the probe: its answer is what the
+    thread last saw, and silence past the threshold fails it at once."""
+    import threading
+    import time
+
+    from alpajob.operator.health import ApiContact, LostApiServer
+
+    hang = threading.Event()
+    answered = []
+
+    def ask() -> None:
+        if hang.is_set():
+            time.sleep(30)  # the daemon thread is left behind
+        answered.append(1)
+
+    contact = ApiContact(ask, threshold=0.5, period=0.05).start()
+    try:
+        deadline = time.monotonic() + 5
+        while not answered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert contact.state()["apiServerSilentSeconds"] < 0.5
+        hang.set()
+        time.sleep(0.7)
+        began = time.monotonic()
+        with pytest.raises(LostApiServer, match="no answer from the API server"):
+            contact.state()
+        assert time.monotonic() - began < 0.1
+    finally:
+        contact.stop()

@@ -22,12 +22,9 @@ print one line naming the problem and the fix and exit with status 2; no traceba
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from rich.console import Console
 from rich.text import Text
@@ -124,15 +121,12 @@ def _dispatch(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 def note_termination(line: str) -> None:
     """Write ``line`` as this container's termination message, where its pod names the
-    file (``ALPAJOB_TERMINATION_LOG``, :data:`~alpajob.api.runtime.TERMINATION_LOG`): the
+    file (:func:`~alpajob.trainer_image.publish.write_termination_message`): the
     kubelet reports it as the pod's message, which the job's condition and event lead
-    with. Outside a pod, nothing. Kubernetes keeps 4096 bytes of it."""
-    from alpajob.api.runtime import TrainerRuntime
+    with. Outside a pod, nothing."""
+    from alpajob.trainer_image.publish import write_termination_message
 
-    path = os.environ.get(TrainerRuntime.env_name("termination_log"))
-    if path:
-        with contextlib.suppress(OSError):
-            Path(path).write_text(line.strip()[:4000] + "\n")
+    write_termination_message(line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

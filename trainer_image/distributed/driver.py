@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from alpajob.api.errors import AlpaJobError, TransientError
+from alpajob.api.errors import TransientError
 from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress, TrainerPhase
 from alpajob.api.resource import parse_job
@@ -72,6 +72,11 @@ from alpajob.trainer_image.distributed.saving import MeshCheckpoints
 from alpajob.trainer_image.goodput import Badput, Goodput
 from alpajob.trainer_image.metrics import TrainingMetrics, write_metrics_json, write_text_atomically
 from alpajob.trainer_image.precision import LossScale
+from alpajob.trainer_image.publish import (
+    ProgressPublisher,
+    final_report_message,
+    write_termination_message,
+)
 from alpajob.trainer_image.stopping import StopRequest
 
 
@@ -326,11 +331,22 @@ class Reporter:
     """Publishes the job's :class:`~alpajob.api.progress.Progress`: the status file at
     every call, the ConfigMap at every phase change and at most every ``interval``
     seconds while Running (one API call per step would load the API server when steps
-    are fast)."""
+    are fast). The ConfigMap is written by a
+    :class:`~alpajob.trainer_image.publish.ProgressPublisher`, off the training thread:
+    an API server that is away delays the job's status, never its training. A final
+    phase waits up to ``flush`` seconds for its report to be written; the report of a
+    job that Succeeded is also the head container's termination message, which the
+    kubelet hands to the API server whenever it is back, and which the operator
+    prefers to an older ConfigMap (a job that ends during an outage still ends with
+    its last step)."""
 
-    def __init__(self, options: DriverOptions, batch: int, scaled: bool = False, interval: float = 5.0) -> None:
+    def __init__(self, options: DriverOptions, batch: int, scaled: bool = False, interval: float = 5.0,
+                 say: Callable[[str], None] | None = None, flush: float = 10.0) -> None:
         self.options, self.batch, self.scaled, self.interval = options, batch, scaled, interval
+        self.say = say or (lambda what: print(what, flush=True))
+        self.flush = flush
         self._last: tuple[str, float] | None = None  # phase and time of the last ConfigMap write
+        self._publisher: ProgressPublisher | None = None
         self.goodput: float | None = None  # the last step's
 
     def progress(self, result: DriverResult, phase: TrainerPhase, message: str = "",
@@ -353,16 +369,18 @@ class Reporter:
         report = self.progress(result, phase, message)
         if options.status_file:
             write_text_atomically(options.status_file, report.to_json())
+        if phase == TrainerPhase.SUCCEEDED:  # the kubelet keeps it for an API server that is away
+            write_termination_message(final_report_message(report))
         now = time.monotonic()
         due = self._last is None or self._last[0] != phase or now - self._last[1] >= self.interval
         if options.status_configmap and due:
-            from alpajob.trainer_image.publish import write_progress_configmap
-
+            if self._publisher is None:
+                self._publisher = ProgressPublisher(options.status_configmap, self.say)
             self._last = (phase, now)
-            try:
-                write_progress_configmap(report, options.status_configmap)
-            except AlpaJobError as error:  # progress is advisory: training goes on
-                print(f"warning: {error}", flush=True)
+            self._publisher.publish(report)
+            if phase in (TrainerPhase.SUCCEEDED, TrainerPhase.FAILED, TrainerPhase.STOPPED):
+                self._publisher.close(self.flush)
+                self._publisher = None
 
 
 def drive(
@@ -384,7 +402,7 @@ def drive(
     metrics = TrainingMetrics(name)
     metrics.plan(plan)
     scale = LossScale.for_dtype(job.spec.training.dtype)  # float16: kept here, across restarts
-    status = Reporter(options, batch, scaled=scale is not None)
+    status = Reporter(options, batch, scaled=scale is not None, say=on_event)
     if options.metrics_port is not None:
         metrics.serve(options.metrics_port)
     # spec.data.eval without evalEvery: one evaluation, after the last step
