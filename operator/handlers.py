@@ -186,10 +186,24 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
         logger: logging.Logger = kwargs["logger"]
         woken = wakers.of(namespace, name)
         refused = 0  # passes in a row whose creations were refused
+        gone: set[str] = set()  # uids an audit found deleted while the watches had a gap
+        audited = contact.gaps
         try:
             while not stopped:
                 woken.clear()  # a change from now on asks for another pass
-                snapshot = World.of(kwargs, namespace, name)
+                snapshot = World.of(kwargs, namespace, name, gone)
+                if contact.gaps != audited:  # the API server is back: what did the watches miss?
+                    try:
+                        found = await asyncio.to_thread(kube.vanished, namespace, name, snapshot)
+                    except Exception as error:  # noqa: BLE001 (the server may still be flaky: next pass)
+                        logger.warning(f"audit of {namespace}/{name} after a gap in the watches failed: {error}")
+                    else:
+                        audited = contact.gaps
+                        if found:
+                            logger.info(f"{len(found)} children of {namespace}/{name} were deleted while the "
+                                        "watches had a gap")
+                            gone |= found
+                            snapshot = World.of(kwargs, namespace, name, gone)
                 wait = options.resync
                 try:
                     result = await asyncio.to_thread(reconcile_once, kube, metrics, namespace, name, snapshot)

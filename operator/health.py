@@ -19,6 +19,11 @@ probe timeouts rather than a clear failure. Hence two halves:
   server, one slow answer); past it the probe raises, kopf answers the endpoint with
   500, and the kubelet restarts the operator after its ``failureThreshold``, which
   re-establishes every watch from scratch.
+
+Each return of the server after a failed check is counted in :attr:`ApiContact.gaps`:
+kopf's watches list again when they reconnect, but an index keeps an object that was
+deleted while the watch was down (a re-list brings no DELETED event), so after a gap
+each job's pass audits its children once (:meth:`~.kube.Kube.vanished`).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class ApiContact:
     clock: Callable[[], float] = time.monotonic
     last_ok: float = field(default=0.0)
     last_error: str = ""
+    gaps: int = 0  # times the server answered again after failing: the watches had a gap
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +67,8 @@ class ApiContact:
             self.last_error = f"{type(error).__name__}: {error}".strip()[:300]
         else:
             self.last_ok = self.clock()
+            if self.last_error:
+                self.gaps += 1
             self.last_error = ""
 
     def start(self) -> ApiContact:

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from alpajob.api.names import API_VERSION, GROUP, KIND, PLAN_KEY, PLURAL, VERSION
+from alpajob.api.names import API_VERSION, GROUP, KIND, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
 from alpajob.api.status import ConditionType, Status
 from alpajob.operator.names import ChildNames
 from alpajob.operator.pool import pool_nodes
@@ -129,6 +129,32 @@ class Kube:
             if error.status == 404:
                 return None
             raise
+
+    def vanished(self, namespace: str, job: str, world: World) -> set[str]:
+        """The uids of ``world``'s children that the API server no longer has: each
+        kind is listed by the job's label, and a child missing from its list is asked
+        for by name (404, or another uid under its name: it is gone; there, it was made
+        after the list). Run after a gap in the watches, when kopf's indexes may still
+        hold objects deleted meanwhile."""
+        core = self.core
+        listing = ((world.pods, core.list_namespaced_pod, core.read_namespaced_pod),
+                   (world.configmaps, core.list_namespaced_config_map, core.read_namespaced_config_map),
+                   (world.services, core.list_namespaced_service, core.read_namespaced_service),
+                   (world.claims, core.list_namespaced_persistent_volume_claim,
+                    core.read_namespaced_persistent_volume_claim))
+        gone: set[str] = set()
+        for seen, list_them, read in listing:
+            if not seen:
+                continue
+            there = {item.metadata.uid for item in list_them(namespace, label_selector=f"{LABEL_JOB}={job}").items}
+            for obj in seen:
+                meta = obj.get("metadata") or {}
+                if meta.get("uid") in there:
+                    continue
+                now = self._get(read, meta.get("name"), namespace)
+                if now is None or (now.get("metadata") or {}).get("uid") != meta.get("uid"):
+                    gone.add(str(meta.get("uid")))
+        return gone
 
     def gang(self, job: Mapping[str, Any]) -> str | None:
         wanted = ((job.get("spec") or {}).get("scheduling") or {}).get("gang", "auto")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +42,16 @@ class World:
     nodes: tuple[dict[str, Any], ...] = ()
 
     @staticmethod
-    def of(indexes: Mapping[str, Any], namespace: str, job: str) -> World:
-        """The snapshot of ``namespace/job``'s world in kopf's ``indexes`` (by id)."""
+    def of(indexes: Mapping[str, Any], namespace: str, job: str, gone: Collection[str] = ()) -> World:
+        """The snapshot of ``namespace/job``'s world in kopf's ``indexes`` (by id),
+        without the objects whose uid is in ``gone`` (found deleted by an audit after a
+        gap in the watches: kopf's index still holds them)."""
 
         def values(index: str, key: object) -> tuple[dict[str, Any], ...]:
             store = indexes[index].get(key)
-            return tuple(store) if store is not None else ()
+            if store is None:
+                return ()
+            return tuple(obj for obj in store if ((obj.get("metadata") or {}).get("uid")) not in gone)
 
         return World(pods=values("pods", (namespace, job)), configmaps=values("configmaps", (namespace, job)),
                      services=values("services", (namespace, job)),
