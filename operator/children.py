@@ -37,6 +37,7 @@ from alpajob.api.names import (
 from alpajob.api.pod_template import PodTemplates
 from alpajob.api.runtime import (
     CHECKPOINT_DIR,
+    COMPILE_CACHE_DIR,
     CONFIG_DIR,
     COORDINATOR_PORT,
     INIT_COMMAND,
@@ -305,6 +306,7 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
     coordinator = f"{names.mesh_hostname(mesh, 0)}.{names.hosts_service}.{namespace}.svc"
     overrides, size = _templates(job, templates).of(Role.MESH.value), size or sizing.mesh_size(None, None, gpus, cpu)
     runtime = _runtime(job, names, Role.MESH, plan=PLAN_PATH, object_store_bytes=object_store_bytes(overrides, size),
+                       compile_cache=COMPILE_CACHE_DIR if checkpoint_claim(job) else None,
                        ray_address=f"{names.service}.{namespace}.svc:{RAY_PORT}", mesh=mesh,
                        host=host, process_id=host, process_count=hosts,
                        coordinator=f"{coordinator}:{COORDINATOR_PORT}",

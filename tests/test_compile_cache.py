@@ -71,3 +71,25 @@ def test_bad_compile_cache_flags_are_one_line_naming_the_flag(tmp_path, capsys, 
     code = main(["run", str(EXAMPLES / "local-gpt.yaml"), *flags])
     err = capsys.readouterr().err
     assert code == 2 and named in err and "Traceback" not in err
+
+
+def test_a_process_started_with_the_cache_s_environment_reads_back_what_another_compiled(tmp_path):
+    """What a mesh pod's Ray workers get (:func:`compile_cache_env`): JAX reads it from
+    the environment at import, so a second process loads the first one's executable."""
+    import os
+    import subprocess
+    import sys
+
+    from alpajob.trainer_image.compile_cache import compile_cache_env
+
+    program = (
+        "import jax, jax.numpy as jnp\n"
+        "hits = []\n"
+        "jax.monitoring.register_event_listener(lambda e, **k: hits.append(e))\n"
+        "print(float(jax.jit(lambda x: jnp.tanh(x @ x.T).sum() * 5.0)(jnp.ones((16, 16)))))\n"
+        "print('/jax/compilation_cache/cache_hits' in hits)\n")
+    env = {**os.environ, **compile_cache_env(str(tmp_path / "xla"), print), "JAX_PLATFORMS": "cpu"}
+    first = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, check=True)
+    second = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, check=True)
+    assert first.stdout.split()[1] == "False" and second.stdout.split()[1] == "True", (first.stdout, second.stdout)
+    assert first.stdout.split()[0] == second.stdout.split()[0]

@@ -268,8 +268,8 @@ def _sample(text: str, series: str) -> float:
 
 def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Mesh 1's worker (its node) is killed after step 3, checkpoints every 2 steps: the
-    driver restarts every mesh once the worker is back (as its pod would be), resumes
-    from step 2 and ends where an uninterrupted run ends. Progress is published all
+    driver replaces mesh 1's actor once the worker is back (as its pod would be), keeps
+    mesh 0's, resumes every mesh from step 2 and ends where an uninterrupted run ends. Progress is published all
     along: Prometheus metrics of every stage, and the status file."""
     import urllib.request
 
@@ -286,10 +286,14 @@ def test_a_killed_mesh_worker_resumes_from_the_last_complete_checkpoint(cluster:
     options = DriverOptions(address=cluster.address, steps=steps, join_timeout=120, step_timeout=120,
                             checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, checkpoint_async=False,
                             metrics_port=port, status_file=str(tmp_path / "status.json"))
+    events: list[str] = []
     with _KillMesh1AtStep3(cluster, before=scrape) as on_step:
-        result = drive(yaml.safe_dump(doc), plan, options, on_step=on_step)
+        result = drive(yaml.safe_dump(doc), plan, options, on_step=on_step, on_event=events.append)
     assert result.restarts == 1
     assert result.resumed_from == [0, 2]  # step 3 was lost, as the interval allows
+    # Mesh 0 survived: its actor, its stage and its executables were kept, and it
+    # went back to step 2 with the new mesh 1 (the numerics below say so).
+    assert "replaced mesh 1; the other meshes kept their processes and compiled stages" in events, events
     _assert_equal(result, serial)
     assert complete_steps(tmp_path / "ckpt") == [2, 4, 5]  # every mesh's part of each
     metrics = scraped[0]

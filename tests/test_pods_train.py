@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -73,6 +74,22 @@ def _world(tmp_path: Path, gate: bool = False) -> Iterator[tuple[Emulator, Kubel
 def world(tmp_path: Path) -> Iterator[tuple[Emulator, Kubelet, Path, str]]:
     with _world(tmp_path) as (emu, kubelet, log, ns, _):
         yield emu, kubelet, log, ns
+
+
+_STEP = re.compile(r"^step (\d+)/", re.M)
+
+
+def _seconds_to_next_step(kubelet: Kubelet, head: str, began: float, timeout: float = 400) -> float:
+    """Seconds from ``began`` until ``head``'s log shows a step after its last restore
+    from a checkpoint (the driver prints one line per step): what a restart cost."""
+    deadline = time.monotonic() + timeout
+    marker = "restoring every mesh from the checkpoint of step"
+    while time.monotonic() < deadline:
+        text = kubelet.log(head) if head in kubelet.started else ""
+        if marker in text and _STEP.search(text, text.rindex(marker)):
+            return time.monotonic() - began
+        time.sleep(0.25)
+    raise AssertionError(f"{head} never stepped after restoring:\n{kubelet.log(head)[-3000:]}")
 
 
 def _job(name: str, ns: str, **spec: Any) -> dict[str, Any]:
@@ -151,8 +168,10 @@ def test_with_restart_scope_failed_pods_only_the_killed_mesh_pod_is_replaced(
         return progress if (progress.get("lastCheckpointStep") or 0) >= 5 else None
 
     at_kill = _wait("a checkpoint", saved, kubelet, log, timeout=400)
+    killed = time.monotonic()
     kubelet.kill("gpt-swap-0-m1-h0")
     assert at_kill["step"] < steps - 20, at_kill  # mid-run
+    print(f"\nfrom the kill to the next step: {_seconds_to_next_step(kubelet, 'gpt-swap-0-head', killed):.1f} s")
     _wait("the job to finish", lambda: status().get("phase") in ("Succeeded", "Failed"), kubelet, log, timeout=500)
     final = status()
     print(f"\nstatus.time: {final.get('time')}")  # the restart's cost, for RESULTS.md
@@ -252,6 +271,7 @@ def test_deleting_a_mesh_pod_mid_run_never_fails_the_job(world: tuple[Emulator, 
         return step if step and step >= 5 else None
 
     _wait("a checkpoint", saved, kubelet, log, timeout=400)
+    deleted = time.monotonic()
     core.delete_namespaced_pod("gpt-del-0-m1-h0", ns)  # as kubectl does: the pod's grace period
     overlap: list[str] = []
 
@@ -264,9 +284,12 @@ def test_deleting_a_mesh_pod_mid_run_never_fails_the_job(world: tuple[Emulator, 
             overlap.append(f"{old} still there while {new} started")
         return status().get("phase") in ("Succeeded", "Failed")
 
+    _wait("the new attempt's head", lambda: "gpt-del-1-head" in kubelet.started or finished(), kubelet, log,
+          timeout=300)
+    print(f"\nfrom kubectl delete pod to the next step: {_seconds_to_next_step(kubelet, 'gpt-del-1-head', deleted):.1f} s")
     _wait("the job to finish", finished, kubelet, log, timeout=500)
     final = status()
-    print(f"\nstatus.time: {final.get('time')}")
+    print(f"status.time: {final.get('time')}")
     assert final["phase"] == "Succeeded", final
     assert (final["restarts"], final["disruptions"], final["progress"]["restarts"]) == (0, 1, 1), final
     assert final["children"]["attempt"] == 1 and final["progress"]["step"] == 40

@@ -87,6 +87,29 @@ def test_without_a_checkpoint_volume_the_planner_caches_in_its_own_home() -> Non
     assert plan_options(parser().parse_args(["plan"]), runtime).cache_dir.endswith("alpajob/plans")
 
 
+def test_mesh_pods_keep_compiled_executables_on_the_job_s_volume(tmp_path: Path) -> None:
+    """With a checkpoint volume, a mesh pod is told where JAX keeps its executables
+    (on the volume, so a new attempt or a replaced pod reads them back) and its raylet,
+    whose workers compile, gets JAX's variables for it; without a volume, neither."""
+    from alpajob.api.runtime import COMPILE_CACHE_DIR
+    from alpajob.trainer_image.compile_cache import compile_cache_env
+
+    runtime = TrainerRuntime.from_env(env_of(PODS["mesh"]()))
+    assert runtime.compile_cache == COMPILE_CACHE_DIR and COMPILE_CACHE_DIR.startswith("/checkpoints/")
+    bare = {**JOB, "spec": {"model": JOB["spec"]["model"]}}
+    assert TrainerRuntime.from_env(env_of(children.mesh_pod(bare, NAMES, 0, 0, 1, "n", 4, True, None))
+                                   ).compile_cache is None
+    assert TrainerRuntime.from_env(env_of(PODS["head"]())).compile_cache is None  # the head compiles nothing
+    warned: list[str] = []
+    env = compile_cache_env(str(tmp_path / "xla"), warned.append)
+    assert env == {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),
+                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"} and not warned
+    (tmp_path / "file").write_text("x")
+    assert compile_cache_env(str(tmp_path / "file" / "xla"), warned.append) == {}
+    assert len(warned) == 1 and "cannot be written" in warned[0]
+    assert compile_cache_env(None, warned.append) == {}
+
+
 def test_a_planner_pod_reads_back_the_plan_its_earlier_attempt_cached(tmp_path: Path, capsys) -> None:
     """Two planner pods of the job on the same volume: the second reads the plan."""
     env = {"ALPAJOB_ROLE": "planner", "ALPAJOB_MANIFEST": str(EXAMPLE), "ALPAJOB_PLAN_CACHE": str(tmp_path / "plans")}
@@ -154,7 +177,8 @@ def test_a_full_runtime_goes_through_the_environment_unchanged() -> None:
         ray_address="h:1", ray_port=2, metrics_port=3, mesh=1, host=0, process_id=0,
         process_count=2, coordinator="c:4", devices=4, checkpoint_dir="/c", checkpoint_every=7,
         checkpoint_volume="PersistentVolumeClaim c at /c", object_store_bytes=2**28,
-        join_timeout=9.5, transport=Transport.COLLECTIVE, termination_log="/dev/termination-log")
+        join_timeout=9.5, transport=Transport.COLLECTIVE, termination_log="/dev/termination-log",
+        compile_cache="/c/.alpajob/xla")
     env = runtime.to_env()
     assert len(env) == len(TrainerRuntime.model_fields), "every field has a variable"
     assert TrainerRuntime.from_env(env) == runtime

@@ -19,6 +19,13 @@ The folder defaults to ``$JAX_COMPILATION_CACHE_DIR`` when the user set it, else
 ``$XDG_CACHE_HOME/alpajob/xla`` beside the plans; ``--no-compile-cache`` turns it
 off. The setting is JAX's, one per process: :func:`compile_cache` sets it for the
 run and restores it after.
+
+In a job's pods the mesh hosts compile, in Ray workers their raylet spawns: the
+mesh pod's command gives its raylet the environment of :func:`compile_cache_env`
+(JAX reads its settings from ``JAX_*`` variables at import), with the folder the
+operator names on the job's checkpoint volume (``ALPAJOB_COMPILE_CACHE``). A new
+attempt after a restart, or a replaced mesh pod, then loads its stage executables
+instead of compiling them.
 """
 
 from __future__ import annotations
@@ -38,6 +45,28 @@ def default_compile_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
     return Path(base) / "alpajob" / "xla"
 
 
+def writable(folder: str, warn: Callable[[str], None], hint: str) -> bool:
+    """Whether ``folder`` can be made and written; else one ``warn`` line, with ``hint``."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as error:
+        warn(f"compile cache: {folder} cannot be written ({error.strerror or error}); compiling without it{hint}")
+        return False
+    return True
+
+
+def compile_cache_env(folder: str | None, warn: Callable[[str], None]) -> dict[str, str]:
+    """The environment under which a JAX process (a Ray worker) keeps every executable
+    it compiles in ``folder`` and reads back those compiled before: nothing for None or
+    a folder that cannot be written (one ``warn`` line)."""
+    if folder is None or not writable(folder, warn, ""):
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": folder, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
 @contextmanager
 def compile_cache(folder: str | None, warn: Callable[[str], None]) -> Iterator[bool]:
     """Within the block, JAX keeps every executable it compiles in ``folder`` (created
@@ -52,13 +81,7 @@ def compile_cache(folder: str | None, warn: Callable[[str], None]) -> Iterator[b
     from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
     path = Path(folder)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
-            pass
-    except OSError as error:
-        warn(f"compile cache: {folder} cannot be written ({error.strerror or error}); "
-             "compiling without it (--no-compile-cache silences this)")
+    if not writable(folder, warn, " (--no-compile-cache silences this)"):
         yield False
         return
     settings = {"jax_compilation_cache_dir": str(path),

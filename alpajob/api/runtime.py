@@ -91,6 +91,9 @@ PLAN_DIR = "/etc/alpajob/plan"
 CHECKPOINT_DIR = "/checkpoints"
 #: The planner's plan cache, on the checkpoint volume (a dot folder: no checkpoint).
 PLAN_CACHE_DIR = f"{CHECKPOINT_DIR}/.alpajob/plans"
+#: Where mesh pods keep JAX's compiled executables, on the job's volume: a new attempt,
+#: a replaced mesh pod or a job applied again reads its stage executables back.
+COMPILE_CACHE_DIR = f"{CHECKPOINT_DIR}/.alpajob/xla"
 MANIFEST_PATH = f"{CONFIG_DIR}/manifest.yaml"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
 
@@ -143,6 +146,7 @@ class TrainerRuntime(Contract):
     object_store_bytes: int | None = Field(None, ge=78643200)  # Ray's least: 75 MiB
     transport: Transport | None = None
     termination_log: str | None = None  # the file a failing command writes its reason to
+    compile_cache: str | None = None  # JAX's persistent compilation cache (mesh pods, with a volume)
 
     @staticmethod
     def env_name(field: str) -> str:

@@ -138,7 +138,10 @@ def cmd_mesh_worker(args: argparse.Namespace, out: Console) -> int:
                                          object_store_bytes=runtime.object_store_bytes)
     released = Path(tempfile.gettempdir()) / f"alpajob-released-{os.getpid()}"
     released.unlink(missing_ok=True)
-    env = {**ray_cluster.ray_env(devices), RELEASE_FILE_ENV: str(released)}
+    from alpajob.trainer_image.compile_cache import compile_cache_env
+
+    cache = compile_cache_env(runtime.compile_cache, lambda line: out.print(f"warning: {line}"))
+    env = {**ray_cluster.ray_env(devices), **cache, RELEASE_FILE_ENV: str(released)}
     try:
         return run_raylet(command, env, out.print, released=released)
     finally:

@@ -48,6 +48,7 @@ asked, a status file (JSON) that the operator reads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -222,23 +223,26 @@ def _raise_lost_host(pending: Sequence[Any], grace: float, what: str) -> None:
 
 
 class MeshGroup:
-    """The actors of one attempt: ``actors[stage][host]``, built and connected."""
+    """The actors of one attempt: ``actors[stage][host]``, built and connected.
+
+    After a mesh failed, :meth:`repair` replaces that mesh's actors alone (the object
+    store transport: each mesh is its own JAX process group) and connects every actor
+    again under a new epoch; the other meshes keep their processes, their built
+    stages and their compiled executables. With the collective transport, whose one
+    JAX group spans the job, nothing can be kept: the driver builds a new group."""
 
     def __init__(self, manifest_yaml: str, plan: Plan, hosts: Sequence[MeshHostSpec], seed: int, timeout: float,
                  transport: Transport = Transport.OBJECT_STORE, checkpoints: bool = False) -> None:
-        import ray
-
-        self.timeout, self.checkpoints = timeout, checkpoints
-        remote = ray.remote(MeshHost)
-        text = plan.to_json()
+        self.manifest_yaml, self.plan_json, self.seed = manifest_yaml, plan.to_json(), seed
+        self.timeout, self.checkpoints, self.transport = timeout, checkpoints, Transport(transport)
+        self.hosts = list(hosts)
+        self.epoch = 0
+        self.layouts: list[dict] = [{} for _ in plan.stages]
         self.actors: list[list[Any]] = [[] for _ in plan.stages]
-        for host in hosts:
-            self.actors[host.mesh].append(
-                remote.options(resources={host.resource: 1}, num_cpus=0, max_concurrency=16)
-                .remote(manifest_yaml, text, host.mesh, host.host, seed, transport=str(transport))
-            )
+        for host in self.hosts:
+            self.actors[host.mesh].append(self._actor(host))
         try:
-            self._connect(transport)
+            self._connect(range(len(self.actors)))
         except BaseException:
             # No actor of a failed setup may live on: one waiting in
             # jax.distributed.initialize (collective transport) for a peer that died
@@ -246,26 +250,87 @@ class MeshGroup:
             self.stop()
             raise
 
-    def _connect(self, transport: Transport) -> None:
-        """Join the process groups, build the stages, hand out the layouts."""
+    def _actor(self, host: MeshHostSpec) -> Any:
+        import ray
+
+        return (ray.remote(MeshHost).options(resources={host.resource: 1}, num_cpus=0, max_concurrency=16)
+                .remote(self.manifest_yaml, self.plan_json, host.mesh, host.host, self.seed,
+                        transport=str(self.transport)))
+
+    @property
+    def repairable(self) -> bool:
+        """Whether a failed mesh can be replaced alone (:meth:`repair`): with the object
+        store transport, several meshes, and checkpoints (every mesh, survivors too,
+        goes back to the same step; without one a new mesh would start from its seed
+        beside trained ones)."""
+        return self.transport is Transport.OBJECT_STORE and len(self.actors) > 1 and self.checkpoints
+
+    def broken(self, timeout: float = 10.0) -> set[int]:
+        """The meshes with a host whose actor no longer answers."""
+        import ray
+
+        asked = [(mesh, actor.alive.remote()) for mesh, group in enumerate(self.actors) for actor in group]
+        broken = set()
+        for mesh, ref in asked:
+            try:
+                ray.get(ref, timeout=timeout)
+            except Exception:  # noqa: BLE001 - dead, unreachable or hung: that mesh is replaced
+                broken.add(mesh)
+        return broken
+
+    def repair(self, meshes: set[int]) -> None:
+        """Replace every actor of ``meshes`` (a mesh's JAX group died with its failed
+        host) with a new one on the same host resource, build their stages, and
+        connect every actor under a new epoch. On failure (Ray may not have declared
+        the lost node dead yet, and placed a new actor there) the new actors are
+        stopped and the survivors kept: :meth:`broken` then names what to repair again."""
+        import ray
+
+        for mesh in sorted(meshes):
+            for actor in self.actors[mesh]:
+                ray.kill(actor)
+        survivors = [a for mesh, group in enumerate(self.actors) if mesh not in meshes for a in group]
+        # A survivor's background save of a checkpoint the failed mesh never finished
+        # ends first: the restore that follows tidies that checkpoint away.
+        with contextlib.suppress(*_recoverable()):
+            gather([a.wait_saved.remote() for a in survivors], self.timeout, "checkpoint")
+        for mesh in sorted(meshes):
+            self.actors[mesh] = [self._actor(host) for host in self.hosts if host.mesh == mesh]
+        try:
+            self._connect(sorted(meshes))
+        except BaseException:
+            for mesh in meshes:
+                for actor in self.actors[mesh]:
+                    ray.kill(actor)
+            raise
+
+    def _connect(self, meshes: Sequence[int] | range) -> None:
+        """Join the process groups of ``meshes``, build their stages, then hand every
+        actor every handle and layout (a new epoch)."""
         timeout = self.timeout
         firsts = [group[0] for group in self.actors]
         savers: list[str | None] = [None] * len(self.actors)
-        if Transport(transport) is Transport.COLLECTIVE:  # one group: every host of every mesh
+        if self.transport is Transport.COLLECTIVE:  # one group: every host of every mesh
             (job,) = gather([firsts[0].coordinator.remote()], timeout, "coordinator")
-            addresses = [job] * len(self.actors)
+            addresses: list[str | None] = [job] * len(self.actors)
             if self.checkpoints:  # the checkpoint helpers: one group per mesh of several hosts
                 wide = [mesh for mesh, group in enumerate(self.actors) if len(group) > 1]
                 for mesh, address in zip(wide, gather([firsts[m].free_address.remote() for m in wide], timeout,
                                                       "coordinator"), strict=True):
                     savers[mesh] = address
         else:  # one group per mesh of several hosts
-            addresses = gather([a.coordinator.remote() for a in firsts], timeout, "coordinator")
-            addresses = [a if len(group) > 1 else None for a, group in zip(addresses, self.actors, strict=True)]
+            addresses = [None] * len(self.actors)
+            wide = [mesh for mesh in meshes if len(self.actors[mesh]) > 1]
+            for mesh, address in zip(wide, gather([firsts[m].coordinator.remote() for m in wide], timeout,
+                                                  "coordinator"), strict=True):
+                addresses[mesh] = address
         gather([a.setup.remote(addresses[mesh], checkpoints=self.checkpoints, saver_coordinator=savers[mesh])
-                for mesh, group in enumerate(self.actors) for a in group], timeout, "setup")
-        layouts = gather([a.layout.remote() for a in firsts], timeout, "layout")
-        gather([a.connect.remote(self.actors, layouts) for a in self.all], timeout, "connect")
+                for mesh in meshes for a in self.actors[mesh]], timeout, "setup")
+        for mesh, layout in zip(meshes, gather([firsts[m].layout.remote() for m in meshes], timeout, "layout"),
+                                strict=True):
+            self.layouts[mesh] = layout
+        self.epoch += 1
+        gather([a.connect.remote(self.actors, self.layouts, self.epoch) for a in self.all], timeout, "connect")
 
     @property
     def all(self) -> list[Any]:
@@ -417,19 +482,26 @@ def drive(
     result = DriverResult()
     books = Goodput()  # badput: building stages, restoring, evaluating, saving; the rest is "other"
     ray.init(address=options.address, log_to_driver=False, logging_level=logging.WARNING)
+    group: MeshGroup | None = None
     with StopRequest() as stop:
         try:
             recovering_since = time.monotonic()  # of the attempt being set up
+            broken: set[int] = set()  # meshes of ``group`` to replace before the next attempt
             while True:
-                group: MeshGroup | None = None
                 training = False
                 try:
                     status(result, TrainerPhase.STARTING)
                     left = options.join_timeout - (time.monotonic() - recovering_since)
                     wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
                     with books.timing(Badput.PLANNING):
-                        group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
-                                          options.transport, checkpoints=saves is not None)
+                        if group is None:
+                            group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
+                                              options.transport, checkpoints=saves is not None)
+                        elif broken:  # on failure, the handler below asks again what is broken
+                            repairing, broken = broken, set()
+                            group.repair(repairing)
+                            say(f"replaced {', '.join(f'mesh {m}' for m in sorted(repairing))}; the other meshes "
+                                "kept their processes and compiled stages")
                     with books.timing(Badput.RESTORE):
                         start = saves.resume(group, say) if saves else 0
                     result.checkpoint_step = start or None
@@ -489,6 +561,11 @@ def drive(
                     break
                 except _recoverable() as failure:
                     reason = f"{type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"
+                    if group is not None:  # keep what survived, where a mesh can be replaced alone
+                        broken = group.broken() if group.repairable else set()
+                        if not broken or len(broken) == len(group.actors):
+                            group.stop()
+                            group, broken = None, set()
                     if not training and time.monotonic() - recovering_since < options.join_timeout:
                         # A host is still coming back (Ray may not have declared its lost
                         # node dead yet, and placed an actor there): set up again.
@@ -506,14 +583,13 @@ def drive(
                     say(f"restart {result.restarts}/{options.max_restarts} after {reason}")
                     status(result, TrainerPhase.RESTARTING, reason)
                     recovering_since = time.monotonic()
-                finally:
-                    if group is not None:
-                        group.stop()
         except BaseException as error:
             if not isinstance(error, JobFailedError):
                 status(result, TrainerPhase.FAILED, str(error).splitlines()[0] if str(error) else type(error).__name__)
             raise
         finally:
+            if group is not None:
+                group.stop()
             ray.shutdown()
             metrics.close()
             if saves:

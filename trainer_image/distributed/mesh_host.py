@@ -36,6 +36,14 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
    and restores it from one, whichever meshes saved each array (:meth:`restore`).
    With the ``collective`` transport each host does so through its checkpoint helper
    (:mod:`.saver`: orbax cannot save one mesh's part in the job-wide group).
+
+Each :meth:`connect` opens a new *epoch*: a fresh mailbox, and every message is
+delivered with its sender's epoch, those of an older one dropped. After a mesh
+failed, the driver replaces that mesh's actors and connects the survivors again
+(:meth:`~.driver.MeshGroup.repair`): a survivor keeps its built stage and compiled
+executables, and a step of its still waiting on the failed peer fails at its next
+wait (the old mailbox is aborted) without stealing or sending a message of the new
+epoch.
 """
 
 from __future__ import annotations
@@ -150,9 +158,10 @@ class RayLink:
     :meth:`MeshHost.layout`. Messages are delivered under ``(key, sending host)``.
     """
 
-    def __init__(self, split: Any, stage: Any, host: int, peers: Sequence[Sequence[Any]], layouts: Sequence[dict], mailbox: Any, timeout: float) -> None:
+    def __init__(self, split: Any, stage: Any, host: int, peers: Sequence[Sequence[Any]], layouts: Sequence[dict],
+                 mailbox: Any, timeout: float, epoch: int = 0) -> None:
         self.split, self.stage, self.host, self.peers, self.layouts = split, stage, host, peers, layouts
-        self.mailbox, self.timeout = mailbox, timeout
+        self.mailbox, self.timeout, self.epoch = mailbox, timeout, epoch
         self.sent_bytes = 0
 
     def send(self, stage: int, key: Key, value: Any) -> None:
@@ -161,7 +170,7 @@ class RayLink:
         parcels = cut_for_hosts(value, layout["tiles"][layout_key(key)], layout["owners"], len(hosts))
         for peer, parcel in zip(hosts, parcels, strict=True):
             self.sent_bytes += parcel.nbytes
-            peer.deliver.remote((key, self.host), ray.put(parcel))
+            peer.deliver.remote((key, self.host), ray.put(parcel), self.epoch)
 
     def send_all(self, sends: Sequence[tuple[int, Key, Any]]) -> None:
         for stage, key, value in sends:
@@ -209,6 +218,7 @@ class MeshHost:
         self.mailbox = Mailbox(self._abort)
         self.peers: list[list[Any]] = []
         self.layouts: list[dict] = []
+        self.epoch = 0  # of the last connect(): messages of another are dropped
         self.writer: PartWriter | None = None
         self.saver: SaverProcess | None = None  # the collective transport's checkpoint helper
         self._fused: FusedRunner | None = None  # a one-stage plan's steps (setup)
@@ -294,9 +304,20 @@ class MeshHost:
             return {"tiles": tiles, "owners": owners, "sources": source_layout(self.split, self.stage)}
         return {"tiles": tiles, "owners": owners}
 
-    def connect(self, peers: list[list[Any]], layouts: list[dict]) -> None:
+    def alive(self) -> bool:
+        """Answers while the actor lives (the driver asks which meshes survived)."""
+        return True
+
+    def connect(self, peers: list[list[Any]], layouts: list[dict], epoch: int = 0) -> None:
         """Learn every stage's actor handles (by host) and layout (index = stage); with
-        the collective transport, also every stage's devices and the global order."""
+        the collective transport, also every stage's devices and the global order.
+        Opens ``epoch`` (module docstring): a new mailbox; the old one is aborted, so a
+        step still waiting there fails."""
+        stale = self._abort
+        self._abort = threading.Event()
+        self.mailbox = Mailbox(self._abort)
+        self.epoch = epoch
+        stale.set()
         self.peers, self.layouts = peers, layouts
         if self.transport is Transport.COLLECTIVE:
             stages = self.plan.stages
@@ -308,24 +329,28 @@ class MeshHost:
                                   for i in range(len(stages))])
             self.mine = own_messages(order, self.index)
 
-    def deliver(self, key: Any, parcel: Any) -> None:
-        """A peer's message (Ray has fetched the parcel from the object store)."""
-        self.mailbox.put(key, parcel)
+    def deliver(self, key: Any, parcel: Any, epoch: int = 0) -> None:
+        """A peer's message (Ray has fetched the parcel from the object store); one sent
+        in another epoch than this host's is dropped."""
+        if epoch == self.epoch:
+            self.mailbox.put(key, parcel)
 
     def _agree(self, step: int) -> Callable[[jax.Array], bool]:
         """The verdict exchange of a loss-scaled step: host 0 of each stage sends its
         stage's verdict (all gradients finite?) to every host of every other stage;
         every host then has all of them and the same answer, with no driver round trip."""
 
+        mailbox, peers, epoch = self.mailbox, self.peers, self.epoch  # this step's epoch
+
         def agree(finite: jax.Array) -> bool:
             mine = bool(np.asarray(finite.addressable_data(0)))
             if self.host == 0:
-                for stage, hosts in enumerate(self.peers):
+                for stage, hosts in enumerate(peers):
                     if stage != self.index:
                         for peer in hosts:
-                            peer.deliver.remote(("finite", step, self.index), mine)
-            others = [self.mailbox.get(("finite", step, stage), timeout=self.timeout)
-                      for stage in range(len(self.peers)) if stage != self.index]
+                            peer.deliver.remote(("finite", step, self.index), mine, epoch)
+            others = [mailbox.get(("finite", step, stage), timeout=self.timeout)
+                      for stage in range(len(peers)) if stage != self.index]
             return mine and all(others)
 
         return agree
@@ -345,7 +370,8 @@ class MeshHost:
             link = CollectiveLink(self.split, self.stage, self.mine, self.mover)
             before = self.mover.sent_bytes
         else:
-            link = RayLink(self.split, self.stage, self.host, self.peers, self.layouts, self.mailbox, self.timeout)
+            link = RayLink(self.split, self.stage, self.host, self.peers, self.layouts, self.mailbox, self.timeout,
+                           self.epoch)
         times, losses, applied = run_stage_program(
             self.split, self.stage, Schedule(self.plan.schedule), len(self.plan.stages), micro, link,
             self._loss_seed, scale, self._agree(step),
