@@ -35,6 +35,7 @@ from alpajob.api.names import (
     Role,
 )
 from alpajob.api.pod_template import PodTemplates
+from alpajob.api.run_policy import RestartScope
 from alpajob.api.runtime import (
     CHECKPOINT_DIR,
     COMPILE_CACHE_DIR,
@@ -264,10 +265,10 @@ def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: Role, gang:
 
 def _driver_restarts(job: Mapping[str, Any]) -> int:
     """How often the driver restarts the stages itself: never when the operator restarts
-    the job (restartScope Job), else up to backoffLimit (the operator replaces the
+    the job (restartScope Job), else (FailedPods, the default) up to backoffLimit (the operator replaces the
     failed mesh pods; the driver waits for them to join again)."""
     policy = job["spec"].get("runPolicy") or {}
-    if policy.get("restartScope", "Job") != "FailedPods":
+    if policy.get("restartScope", RestartScope.FAILED_PODS.value) != RestartScope.FAILED_PODS.value:
         return 0
     return int(policy.get("backoffLimit", 3))
 

@@ -24,9 +24,10 @@ in order (the first that has something to wait for ends the pass):
    FailJob fails the job at once (by default: exit code 2, a configuration error),
    Ignore restarts without counting against ``backoffLimit`` (by default: a pod
    preempted, evicted, deleted, or lost with its node), Count restarts counted
-   (everything else). With ``runPolicy.restartScope: FailedPods`` a failed mesh pod
-   is replaced alone while the head runs on (its driver restarts every stage from the
-   checkpoint in place), and is judged once while it terminates. When the node pool
+   (everything else). With ``runPolicy.restartScope: FailedPods`` (the default) a
+   failed mesh pod on a Ready node is replaced alone while the head runs on (its
+   driver replaces that mesh's actors and goes back to the checkpoint in place), and
+   is judged once while it terminates. When the node pool
    has changed since the plan was made, the new attempt is **planned again** for the
    pool as it is, instead of failing; a Running job whose trainer reports no
    progress for ``progressDeadlineSeconds`` is restarted the same way (reason
@@ -66,7 +67,7 @@ from alpajob.api.names import LABEL_ROLE, PLAN_KEY, PROGRESS_KEY
 from alpajob.api.plan import plan_from_json
 from alpajob.api.pod_template import PodTemplates
 from alpajob.api.progress import progress_from_json
-from alpajob.api.run_policy import CleanPodPolicy, FailureAction, RunPolicy
+from alpajob.api.run_policy import CleanPodPolicy, FailureAction, RestartScope, RunPolicy
 from alpajob.api.status import (
     ConditionStatus,
     ConditionType,
@@ -237,12 +238,17 @@ class _Pass(PassState):
                              and uid(p) not in judged_before], current)
         missing = [n for n in expected if created and n not in self.seen.pods]
         head_done = phase_of(current.get(self.names.head)) == "Succeeded"
-        # restartScope FailedPods: while the head runs, a failed mesh pod is replaced
-        # alone, and a missing one is simply created again (ensure_children).
-        in_place = (self.run_policy.get("restartScope") == "FailedPods"
+        # restartScope FailedPods (the default): while the head runs, a failed mesh pod
+        # whose node is Ready is replaced alone (pinned there again), and a missing one
+        # is simply created again (ensure_children) unless the pool changed meanwhile.
+        scope = self.run_policy.get("restartScope", RestartScope.FAILED_PODS.value)
+        in_place = (scope == RestartScope.FAILED_PODS.value
                     and phase_of(current.get(self.names.head)) == "Running"
                     and not terminating(current[self.names.head])
-                    and self.names.head not in failed + missing)
+                    and self.names.head not in failed + missing
+                    and not any(node and node not in self.seen.ready_nodes
+                                for node in ((current[n].get("spec") or {}).get("nodeName") for n in failed))
+                    and not (missing and self.pool_changed()))
         if in_place:
             missing = []
         if head_done or not (failed or missing):

@@ -205,7 +205,7 @@ def test_running_then_succeeded_then_cleaned_up_and_deleted_after_ttl(plan_json:
 
 
 def test_a_failed_pod_restarts_every_mesh_then_backoff_fails_the_job(plan_json: str) -> None:
-    world = World({"runPolicy": {"backoffLimit": 1}})
+    world = World({"runPolicy": {"backoffLimit": 1, "restartScope": "Job"}})
     _running(world, plan_json)
     world.objects["Pod", "manual-gpt-0-m1-h0"]["status"] = {
         "phase": "Failed", "containerStatuses": [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}
@@ -270,7 +270,7 @@ def test_preemption_and_a_lost_node_restart_without_spending_the_backoff_limit(p
     """A pod Kubernetes disrupted (DisruptionTarget: preempted, evicted), one that
     vanished, and one on a node that is no longer Ready restart the job as
     disruptions; backoffLimit 0 is left for the job's own failures."""
-    world = World({"runPolicy": {"backoffLimit": 0}}, nodes=2)
+    world = World({"runPolicy": {"backoffLimit": 0, "restartScope": "Job"}}, nodes=2)
     _running(world, plan_json)
     _fail(world, "manual-gpt-0-m0-h0", 137, conditions=[
         {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}])
@@ -361,11 +361,40 @@ def test_with_restart_scope_failed_pods_only_the_failed_mesh_pod_is_replaced(pla
     assert world.status["children"]["attempt"] == 1 and world.status["restarts"] == 2
 
 
-def test_with_the_default_restart_scope_the_driver_never_restarts_itself(plan_json: str) -> None:
-    world = World()
+def test_with_restart_scope_job_the_driver_never_restarts_itself(plan_json: str) -> None:
+    """restartScope Job: the operator restarts every pod, the driver never restarts
+    in place; by default (FailedPods) it does, up to backoffLimit times."""
+    world = World({"runPolicy": {"restartScope": "Job"}})
     _running(world, plan_json)
     assert world.objects["Pod", "manual-gpt-0-head"]["spec"]["containers"][0]["command"][-2:] == \
         ["--max-restarts", "0"]
+    world = World()
+    _running(world, plan_json)
+    assert world.objects["Pod", "manual-gpt-0-head"]["spec"]["containers"][0]["command"][-2:] == \
+        ["--max-restarts", "3"]
+
+
+def test_by_default_a_failed_mesh_pod_is_replaced_alone_unless_its_node_is_lost(plan_json: str) -> None:
+    """restartScope's default, FailedPods: a mesh pod that failed on a Ready node is
+    replaced alone (same attempt); one whose node is no longer Ready restarts the job
+    as a new attempt (its replacement, pinned to that node, could never start), a
+    disruption."""
+    world = World({"runPolicy": {"backoffLimit": 2}}, nodes=2)
+    _running(world, plan_json)
+    world.objects["Pod", "manual-gpt-0-m1-h0"]["spec"]["nodeName"] = "node-1"
+    _fail(world, "manual-gpt-0-m1-h0", 137)
+    world.step()
+    assert (world.status["children"]["attempt"], world.status["restarts"]) == (0, 1)
+    assert sorted(world.running()) == ["manual-gpt-0-head", "manual-gpt-0-m0-h0"]
+    world.step()
+    world.set_pods("Running")
+    world.step()
+    world.objects["Pod", "manual-gpt-0-m1-h0"]["spec"]["nodeName"] = "node-1"
+    world.ready = frozenset({"node-0"})  # node-1 went NotReady; the pod failed with it
+    _fail(world, "manual-gpt-0-m1-h0", 1)
+    world.step()
+    assert world.status["phase"] == "Restarting" and world.status["children"]["attempt"] == 1
+    assert (world.status["restarts"], world.status["disruptions"]) == (1, 1)
 
 
 def test_suspend_deletes_the_pods_and_resume_starts_a_new_attempt(plan_json: str) -> None:
@@ -591,7 +620,7 @@ def test_a_deleted_mesh_pod_is_a_disruption_and_the_next_attempt_waits_for_the_o
     once the old pods are gone: the old head may still hold the checkpoint folder while
     it terminates for its grace period. A pod still there past its grace period is
     forced, at the time the pass asks for."""
-    world = World({"runPolicy": {"backoffLimit": 0}})
+    world = World({"runPolicy": {"backoffLimit": 0, "restartScope": "Job"}})
     world.grace = 30.0
     _running(world, plan_json)
     pod = world.objects["Pod", "manual-gpt-0-m1-h0"]
@@ -629,7 +658,7 @@ def test_the_status_progress_counts_the_jobs_restarts_as_the_status_does(plan_js
     from alpajob.api.names import PROGRESS_KEY
     from alpajob.api.progress import Progress, TrainerPhase
 
-    world = World()
+    world = World({"runPolicy": {"restartScope": "Job"}})
     _running(world, plan_json)
     _fail(world, "manual-gpt-0-m0-h0", 1)
     world.step()

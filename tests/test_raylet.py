@@ -119,3 +119,15 @@ def test_the_mesh_host_releases_its_worker_through_the_file_it_named(tmp_path: P
     assert host.release() is False  # a worker not started by `alpajob mesh-worker`
     monkeypatch.setenv(RELEASE_FILE_ENV, str(tmp_path / "released"))
     assert host.release() is True and (tmp_path / "released").exists()
+
+
+def test_a_deleted_pod_s_node_stops_at_once_unless_the_user_asks_for_a_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray drains a node for 30 s on SIGTERM (for Serve's replicas); a busy mesh actor
+    never finishes draining, so a deleted mesh pod held its restart 30 s. Our nodes
+    stop at once; a user's own setting stands."""
+    from alpajob.trainer_image.distributed.cluster import ray_env
+
+    monkeypatch.delenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", raising=False)
+    assert ray_env()["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
+    monkeypatch.setenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")
+    assert ray_env(4)["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "5"

@@ -136,7 +136,7 @@ def test_the_head_pod_starts_its_ray_head_and_drives_with_checkpoints_and_progre
     options = run.options
     assert options.checkpoint_dir == "/checkpoints/runs/gpt" and options.checkpoint_every == 50
     assert options.status_configmap == "ml/gpt-progress" and options.metrics_port == 9090
-    assert options.max_restarts == 0  # the operator restarts the whole job
+    assert options.max_restarts == 3  # restartScope FailedPods (default): in place, up to backoffLimit
     assert options.transport is Transport.OBJECT_STORE
 
 

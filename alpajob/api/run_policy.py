@@ -137,11 +137,14 @@ class RunPolicy(Contract):
         "Seconds a Running job may go without a progress report from its trainer before it is "
         "restarted as a hung job (reason ProgressDeadlineExceeded, counted against "
         "backoffLimit). Keep it well above a step's time."))
-    restart_scope: RestartScope = Field(RestartScope.JOB, description=(
-        "Job: a failure restarts every pod as a new attempt. FailedPods: a failed mesh pod is "
-        "replaced alone while the head pod's driver keeps the Ray cluster and restarts every "
-        "stage from the last checkpoint (no rescheduling of the other pods); a failed head pod "
-        "still restarts the job. Both count against backoffLimit."))
+    restart_scope: RestartScope = Field(RestartScope.FAILED_PODS, description=(
+        "FailedPods (default): a failed or deleted mesh pod is replaced alone, on its node, while "
+        "the head pod's driver keeps the Ray cluster, replaces that mesh's actors (the other "
+        "meshes keep theirs, with their compiled stages, where the transport allows) and goes "
+        "back to the last checkpoint; no other pod is rescheduled. The whole job restarts instead "
+        "when the head failed, when a failed pod's node is not Ready, or once the driver has "
+        "restarted in place backoffLimit times. Job: every failure restarts every pod as a new "
+        "attempt. Counted failures spend backoffLimit either way."))
     pod_failure_policy: PodFailurePolicy | None = Field(None, description=(
         "What a failed pod does: fail the job at once, restart without counting, or restart "
         "counted against backoffLimit (unset: FailJob on exit code 2, Ignore on DisruptionTarget)."))

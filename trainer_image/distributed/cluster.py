@@ -62,9 +62,14 @@ def mesh_hosts(plan: Plan) -> list[MeshHostSpec]:
 
 
 def ray_env(devices: int | None = None) -> dict[str, str]:
-    """The environment ``ray start`` (and so every worker it spawns) runs with."""
+    """The environment ``ray start`` (and so every worker it spawns) runs with. A node
+    that gets SIGTERM (its pod deleted) stops at once instead of draining for 30 s
+    (``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``, made for Ray Serve's replicas): a
+    busy actor never finishes draining, and the driver recovers from a lost host on
+    its own, so the drain only delays the restart (measured: 30 s per deleted pod)."""
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
+    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     if devices is not None:
         env["XLA_FLAGS"] = with_host_devices(env.get("XLA_FLAGS", ""), devices)
         env.setdefault("JAX_PLATFORMS", "cpu")

@@ -159,7 +159,7 @@ class RayLink:
     """
 
     def __init__(self, split: Any, stage: Any, host: int, peers: Sequence[Sequence[Any]], layouts: Sequence[dict],
-                 mailbox: Any, timeout: float, epoch: int = 0) -> None:
+                 mailbox: Any, timeout: float, epoch: int) -> None:
         self.split, self.stage, self.host, self.peers, self.layouts = split, stage, host, peers, layouts
         self.mailbox, self.timeout, self.epoch = mailbox, timeout, epoch
         self.sent_bytes = 0
@@ -413,7 +413,8 @@ class MeshHost:
         the next batch's messages have the same addresses, so a stage must not send
         them before every stage has taken this batch's."""
         micro = split_micro_batches(self.evaluations[index], self.plan.num_micro_batches)
-        link = RayLink(self.split, self.stage, self.host, self.peers, self.layouts, self.mailbox, self.timeout)
+        link = RayLink(self.split, self.stage, self.host, self.peers, self.layouts, self.mailbox, self.timeout,
+                       self.epoch)
         losses = run_stage_eval(self.split, self.stage, micro, link)
         if not losses or self.host != 0:
             return None
