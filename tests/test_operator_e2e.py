@@ -276,7 +276,7 @@ def _condition(cluster: Cluster, job: str, kind: str) -> dict[str, Any]:
 
 
 def test_a_failed_pod_restarts_the_whole_job_until_the_backoff_limit(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
-    cluster.create_job("gpt-b", runPolicy={"backoffLimit": 1})
+    cluster.create_job("gpt-b", runPolicy={"backoffLimit": 1, "restartScope": "Job"})
     cluster.run_planner("gpt-b", tmp_path)
     _to_running(cluster, operator, "gpt-b", tmp_path)
     cluster.set_phase("gpt-b-0-m1-h0", "Failed", containerStatuses=[

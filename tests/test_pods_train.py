@@ -292,6 +292,7 @@ def test_deleting_a_mesh_pod_mid_run_never_fails_the_job(world: tuple[Emulator, 
     head = kubelet.log("gpt-del-0-head")
     assert "replaced mesh 1; the other meshes kept their processes and compiled stages" in head, head[-3000:]
     assert "Draining for up to" not in kubelet.log("gpt-del-0-m1-h0")  # the deleted pod's node stopped at once
+    assert "Unhandled error" not in head, head[-3000:]  # the survivor's failed step was fetched, not logged
     assert (kubelet.root / "claims" / "gpt-del-checkpoints" / "gpt-del").is_dir()  # the claim the operator made
     assert list((kubelet.root / "claims" / "gpt-del-checkpoints" / ".alpajob" / "xla").iterdir())  # executables kept
     # The driver released its mesh hosts at the end: their pods exited 0 and stay,

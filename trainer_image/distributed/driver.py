@@ -237,6 +237,7 @@ class MeshGroup:
         self.timeout, self.checkpoints, self.transport = timeout, checkpoints, Transport(transport)
         self.hosts = list(hosts)
         self.epoch = 0
+        self._calls: list[Any] = []  # the last step's (or evaluation's) calls, drained after a repair
         self.layouts: list[dict] = [{} for _ in plan.stages]
         self.actors: list[list[Any]] = [[] for _ in plan.stages]
         for host in self.hosts:
@@ -303,6 +304,13 @@ class MeshGroup:
                 for actor in self.actors[mesh]:
                     ray.kill(actor)
             raise
+        # The failed call's results: a survivor's stale step fails now that its mailbox
+        # is aborted. Fetched (and dropped) here, Ray does not log each as an unhandled
+        # error with its traceback.
+        stale, self._calls = self._calls, []
+        for ref in stale:
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=5.0)
 
     def _connect(self, meshes: Sequence[int] | range) -> None:
         """Join the process groups of ``meshes``, build their stages, then hand every
@@ -340,7 +348,8 @@ class MeshGroup:
         """Run one step on every host (with loss ``scale``: float16); replies as
         ``[stage][host]``."""
         refs = [[a.step.remote(step, scale) for a in group] for group in self.actors]
-        flat = gather([r for group in refs for r in group], self.timeout, f"step {step + 1}")
+        self._calls = [r for group in refs for r in group]
+        flat = gather(self._calls, self.timeout, f"step {step + 1}")
         out, k = [], 0
         for group in refs:
             out.append(flat[k:k + len(group)])
@@ -352,7 +361,8 @@ class MeshGroup:
         every stage together (forward only), one batch after another."""
         losses = []
         for index in range(batches):
-            replies = gather([a.evaluate.remote(index) for a in self.all], self.timeout, "evaluation")
+            self._calls = [a.evaluate.remote(index) for a in self.all]
+            replies = gather(self._calls, self.timeout, "evaluation")
             losses += [loss for loss in replies if loss is not None]
         return float(np.mean(losses))
 
