@@ -40,7 +40,7 @@ by the host's custom resource (:func:`~.cluster.host_resource`). In its own proc
 Each :meth:`connect` opens a new *epoch*: a fresh mailbox, and every message is
 delivered with its sender's epoch, those of an older one dropped. After a mesh
 failed, the driver replaces that mesh's actors and connects the survivors again
-(:meth:`~.driver.MeshGroup.repair`): a survivor keeps its built stage and compiled
+(:meth:`~.group.MeshGroup.repair`): a survivor keeps its built stage and compiled
 executables, and a step of its still waiting on the failed peer fails at its next
 wait (the old mailbox is aborted) without stealing or sending a message of the new
 epoch.

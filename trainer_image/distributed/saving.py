@@ -24,7 +24,7 @@ from alpajob.trainer_image.checkpoint.store import DAMAGED, complete_steps, prun
 
 
 class Meshes(Protocol):
-    """What the checkpoints ask of the mesh actors (:class:`.driver.MeshGroup`)."""
+    """What the checkpoints ask of the mesh actors (:class:`.group.MeshGroup`)."""
 
     def save(self, root: str, step: int, run: dict[str, Any], asynchronous: bool) -> None: ...
     def wait_saved(self) -> None: ...
