@@ -439,9 +439,11 @@ class _Pass(PassState):
                 entry.ready_pods += 1
         self.status.meshes = [meshes[k] for k in sorted(meshes)]
         expected = [self.names.head] + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts()]
-        if all(name in current for name in expected):
-            # Every pod of the attempt has been seen: from now on one that vanishes
-            # (its node lost, evicted) counts as a failure.
+        judged = set(self.status.children.replaced or [])
+        if all(name in current and uid(current[name]) not in judged for name in expected):
+            # Every pod of the attempt has been seen (not one that is being made
+            # again): from now on one that vanishes (its node lost, evicted) counts as
+            # a failure.
             self.status.children.created = self.attempt
         if phase_of(head) == "Succeeded":  # the mesh pods end on their own (finished)
             self.phase(Phase.SUCCEEDED, "TrainingFinished", "the driver finished every step")
@@ -492,8 +494,15 @@ class _Pass(PassState):
             role = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE, "")
             made_with = ((pod.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_ANNOTATION)
             if role in PodTemplates.model_fields and made_with != template_hash(self.templates.of(role)):
-                # A pod's spec cannot change; one that never ran is simply made again.
+                # A pod's spec cannot change; one that never ran is simply made again,
+                # alone: its deletion is not a failure (its uid is judged already) and
+                # its absence until it is made again is not a loss (the attempt's pods
+                # count as created again only once every one is there).
                 self.delete_pods({name: pod})
+                made = self.status.children
+                made.replaced = sorted({*(made.replaced or []), *filter(None, [uid(pod)])})
+                if made.created == self.attempt:
+                    made.created = None
                 self.decision.events.append(("Normal", "PodTemplateChanged", (
                     f"pod {name} cannot be scheduled and spec.podTemplate.{role} changed: making it again")))
                 del waiting[name]

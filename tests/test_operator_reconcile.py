@@ -877,6 +877,44 @@ def test_an_unschedulable_pod_is_made_again_when_its_template_changes(plan_json:
     assert planner["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "1"
 
 
+@pytest.mark.parametrize("scope", ["FailedPods", "Job"])
+@pytest.mark.parametrize("pod", ["manual-gpt-0-m1-h0", "manual-gpt-0-head"])
+def test_a_template_change_remakes_only_the_pods_that_wait(plan_json: str, scope: str, pod: str) -> None:
+    """One pod of a running attempt cannot be placed; the user lowers its role's
+    requests (as on the real node, where this remade the whole attempt and booked a
+    disruption). Only that pod is made again, after it has terminated for its grace
+    period: the other pods keep running, the attempt stays, nothing is counted, and
+    the job goes back to Running once the new pod runs, under either restartScope."""
+    role = "head" if pod.endswith("head") else "mesh"
+    world = World({"runPolicy": {"restartScope": scope},
+                   "podTemplate": {role: {"resources": {"requests": {"cpu": 8}}}}})
+    world.grace = 5
+    _running(world, plan_json)
+    others = {n: p["metadata"]["uid"] for n, p in world.pods().items() if n not in (pod, "manual-gpt-planner")}
+    _unschedulable(world, pod, "2026-11-21T12:00:02Z", "0/1 nodes are available: 1 Insufficient cpu.")
+    world.step(10)
+    world.job["spec"]["podTemplate"] = {role: {"resources": {"requests": {"cpu": 1}}}}
+    world.step()
+    assert world.objects["Pod", pod]["metadata"]["deletionTimestamp"]  # terminating, as a kubelet keeps it
+    assert [m for _, r, m in world.events if r == "PodTemplateChanged"] == [
+        f"pod {pod} cannot be scheduled and spec.podTemplate.{role} changed: making it again"]
+    for _ in range(3):
+        world.step()
+    del world.objects["Pod", pod]  # its grace period is over
+    world.step()
+    world.step()
+    remade = world.objects["Pod", pod]
+    assert remade["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "1"
+    world.set_pods("Running")
+    world.step()
+    assert world.status["phase"] == "Running", world.status
+    assert (world.status["restarts"], world.status["disruptions"]) == (0, 0)
+    assert {n: p["metadata"]["uid"] for n, p in world.pods().items()
+            if n not in (pod, "manual-gpt-planner")} == others  # nothing else was made again
+    assert not any(r in ("MeshPodReplaced", "PodDisrupted", "PodFailed") for _, r, _ in world.events)
+    assert world.status["children"]["created"] == 0  # from now on a vanished pod is a loss again
+
+
 def test_an_invalid_pod_template_without_the_webhook_fails_the_job_naming_it() -> None:
     world = World({"podTemplate": {"mesh": {"env": [{"name": "ALPAJOB_MESH", "value": "9"}]}}})
     world.step()
