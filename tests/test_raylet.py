@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,3 +132,46 @@ def test_a_deleted_pod_s_node_stops_at_once_unless_the_user_asks_for_a_drain(mon
     assert ray_env()["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
     monkeypatch.setenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")
     assert ray_env(4)["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "5"
+
+
+def _node(node_id: str, resource: str, port: int, alive: bool = True) -> dict[str, Any]:
+    """One entry of ``ray.nodes()``, as Ray 2 writes it."""
+    return {"NodeID": node_id, "Alive": alive, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": port,
+            "Resources": {resource: 1.0, "CPU": 1.0}}
+
+
+def test_a_replaced_host_goes_to_the_node_that_joined_not_the_lost_one() -> None:
+    """A killed pod's node stays Alive for the GCS until its health checks fail; the
+    replacement actor waits for the new pod's node instead of landing on the lost
+    one (where it died a few seconds later)."""
+    from alpajob.trainer_image.distributed.cluster import host_node
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there any more: the killed raylet's port
+    res = "alpajob-mesh-1-host-0"
+    polls: list[int] = []
+
+    def nodes() -> list[dict[str, Any]]:
+        polls.append(1)
+        joined = [_node("new", res, port + 1)] if len(polls) >= 3 else []
+        return [_node("old", res, port), _node("gone", res, port, alive=False), *joined]
+
+    assert host_node(res, {"old"}, nodes, timeout=10, poll=0.01) == "new"
+    assert len(polls) == 3  # it waited for the new node
+
+
+def test_a_replaced_host_stays_on_its_node_when_only_its_actor_died() -> None:
+    """The mesh's actor died (a hung or killed worker process) but its raylet answers:
+    the replacement goes there at once."""
+    from alpajob.trainer_image.distributed.cluster import JoinTimeoutError, host_node
+
+    res = "alpajob-mesh-0-host-0"
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert host_node(res, {"old"}, lambda: [_node("old", res, port)], timeout=5, poll=0.01) == "old"
+    with pytest.raises(JoinTimeoutError, match="no live Ray node offers alpajob-mesh-0-host-0 within 0.2 s"):
+        host_node(res, {"old"}, lambda: [_node("old", res, port)], timeout=0.2, poll=0.01)

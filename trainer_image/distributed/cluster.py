@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,14 +67,31 @@ def ray_env(devices: int | None = None) -> dict[str, str]:
     that gets SIGTERM (its pod deleted) stops at once instead of draining for 30 s
     (``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``, made for Ray Serve's replicas): a
     busy actor never finishes draining, and the driver recovers from a lost host on
-    its own, so the drain only delays the restart (measured: 30 s per deleted pod)."""
+    its own, so the drain only delays the restart (measured: 30 s per deleted pod).
+
+    The GCS (on the head) declares a node dead after :data:`HEALTH_CHECK` (a node
+    whose pod was killed, and that never said goodbye): Ray's defaults, a check every
+    3 s and 5 failures, took 10-14 s here, and a mesh cannot be replaced before its
+    lost node is dead. Each variable may be set to override it."""
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+    for name, value in HEALTH_CHECK.items():
+        env.setdefault(name, value)
     if devices is not None:
         env["XLA_FLAGS"] = with_host_devices(env.get("XLA_FLAGS", ""), devices)
         env.setdefault("JAX_PLATFORMS", "cpu")
     return env
+
+
+#: How the GCS tells a lost node: a check every second, answered within 2 s, four
+#: misses in a row (about 4 s for a node that is gone; a busy raylet still answers,
+#: its gRPC threads do not wait for the trainer).
+HEALTH_CHECK = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "4",
+}
 
 
 def ray_binary() -> str:
@@ -109,10 +127,15 @@ def head_command(port: int, temp_dir: str | None, block: bool, num_cpus: int | N
 
 def worker_command(address: str, mesh: int, host: int, block: bool, num_cpus: int = 1,
                    object_store_bytes: int | None = None) -> list[str]:
-    """``ray start --address``: a raylet offering this mesh host's resource."""
+    """``ray start --address``: a raylet offering this mesh host's resource. Its
+    dashboard agent's HTTP server takes a free port rather than Ray's fixed 52365: a
+    raylet waits for its agent, and an agent that finds the port taken (another
+    raylet on the same machine: ``alpajob run``, the tests' kubelet) retries for
+    about 4 s before it gives up on it (measured: ``ray start`` 6.2 s, 2.2 s with a
+    free port)."""
     resources = json.dumps({host_resource(mesh, host): 1})
     command = [ray_binary(), "start", f"--address={address}", f"--resources={resources}",
-               f"--num-cpus={num_cpus}", *_LEAN, *_store(object_store_bytes)]
+               f"--num-cpus={num_cpus}", "--dashboard-agent-listen-port=0", *_LEAN, *_store(object_store_bytes)]
     if block:
         command.append("--block")
     return command
@@ -157,4 +180,47 @@ def wait_for_hosts(
                 f"{timeout:g} s: {names}; start them with `alpajob mesh-worker --mesh I "
                 f"--host J` (or check that their pods are running and can reach the head)"
             )
+        time.sleep(poll)
+
+
+def raylet_answers(address: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether a raylet listens at ``address:port`` (a TCP connect within ``timeout``)."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def host_node(
+    resource: str,
+    lost: set[str],
+    nodes: Callable[[], list[dict]],
+    timeout: float,
+    answers: Callable[[str, int], bool] = raylet_answers,
+    poll: float = 0.2,
+) -> str:
+    """The Ray node to place a replaced mesh host's actor on: one that offers
+    ``resource`` and is not among ``lost`` (the nodes of the failed mesh), as soon as
+    one has joined; or a node of ``lost`` whose raylet still answers (its actor alone
+    died: a hung or killed worker process, not its pod). ``nodes`` is
+    ``ray.nodes``.
+
+    Without this choice Ray places the new actor on the lost node itself: a killed
+    pod's node stays alive for the GCS until its health checks fail, and the actor
+    dies with it a few seconds later (measured: the restart waited 4 s more).
+    Raises :class:`JoinTimeoutError` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        offering = [n for n in nodes() if n.get("Alive") and (n.get("Resources") or {}).get(resource, 0) >= 1]
+        new = [n["NodeID"] for n in offering if n["NodeID"] not in lost]
+        if new:
+            return str(new[0])
+        for node in offering:  # the old node, if it lives on
+            if answers(str(node.get("NodeManagerAddress")), int(node.get("NodeManagerPort") or 0)):
+                return str(node["NodeID"])
+        if time.monotonic() >= deadline:
+            raise JoinTimeoutError(
+                f"no live Ray node offers {resource} within {timeout:g} s: the mesh host's pod was not "
+                "made again, or its raylet cannot reach the head")
         time.sleep(poll)

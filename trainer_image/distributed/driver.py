@@ -261,7 +261,7 @@ def drive(
                                               options.transport, checkpoints=saves is not None)
                         elif broken:  # on failure, the handler below asks again what is broken
                             repairing, broken = broken, set()
-                            group.repair(repairing)
+                            group.repair(repairing, max(left, 1.0))
                             say(f"replaced {', '.join(f'mesh {m}' for m in sorted(repairing))}; the other meshes "
                                 "kept their processes and compiled stages")
                     with books.timing(Badput.RESTORE):

@@ -23,7 +23,7 @@ from alpajob.api.plan import Plan
 from alpajob.api.runtime import Transport
 from alpajob.api.wording import counted
 from alpajob.trainer_image.checkpoint.store import mesh_part
-from alpajob.trainer_image.distributed.cluster import MeshHostSpec
+from alpajob.trainer_image.distributed.cluster import MeshHostSpec, host_node
 from alpajob.trainer_image.distributed.mesh_host import MeshHost
 from alpajob.trainer_image.distributed.pieces import assemble_pieces
 
@@ -114,6 +114,7 @@ class MeshGroup:
         self._calls: list[Any] = []  # the last step's (or evaluation's) calls, drained after a repair
         self.layouts: list[dict] = [{} for _ in plan.stages]
         self.actors: list[list[Any]] = [[] for _ in plan.stages]
+        self.nodes: dict[str, str] = {}  # host resource -> the Ray node its actor runs on
         for host in self.hosts:
             self.actors[host.mesh].append(self._actor(host))
         try:
@@ -125,10 +126,13 @@ class MeshGroup:
             self.stop()
             raise
 
-    def _actor(self, host: MeshHostSpec) -> Any:
+    def _actor(self, host: MeshHostSpec, node: str | None = None) -> Any:
+        """A mesh host's actor, pinned by its resource (and to ``node``, if given)."""
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        return (ray.remote(MeshHost).options(resources={host.resource: 1}, num_cpus=0, max_concurrency=16)
+        pinned = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}
+        return (ray.remote(MeshHost).options(resources={host.resource: 1}, num_cpus=0, max_concurrency=16, **pinned)
                 .remote(self.manifest_yaml, self.plan_json, host.mesh, host.host, self.seed,
                         transport=str(self.transport)))
 
@@ -153,12 +157,13 @@ class MeshGroup:
                 broken.add(mesh)
         return broken
 
-    def repair(self, meshes: set[int]) -> None:
+    def repair(self, meshes: set[int], join_timeout: float) -> None:
         """Replace every actor of ``meshes`` (a mesh's JAX group died with its failed
-        host) with a new one on the same host resource, build their stages, and
-        connect every actor under a new epoch. On failure (Ray may not have declared
-        the lost node dead yet, and placed a new actor there) the new actors are
-        stopped and the survivors kept: :meth:`broken` then names what to repair again."""
+        host) with a new one on the same host resource, on a node that is not the
+        lost one (:func:`~.cluster.host_node`, waiting up to ``join_timeout`` seconds
+        for it to join), build their stages, and connect every actor under a new
+        epoch. On failure the new actors are stopped and the survivors kept:
+        :meth:`broken` then names what to repair again."""
         import ray
 
         for mesh in sorted(meshes):
@@ -169,8 +174,10 @@ class MeshGroup:
         # ends first: the restore that follows tidies that checkpoint away.
         with contextlib.suppress(*recoverable()):
             gather([a.wait_saved.remote() for a in survivors], self.timeout, "checkpoint")
+        lost = {node for host in self.hosts if host.mesh in meshes and (node := self.nodes.get(host.resource))}
         for mesh in sorted(meshes):
-            self.actors[mesh] = [self._actor(host) for host in self.hosts if host.mesh == mesh]
+            self.actors[mesh] = [self._actor(host, host_node(host.resource, lost, ray.nodes, join_timeout))
+                                 for host in self.hosts if host.mesh == mesh]
         try:
             self._connect(sorted(meshes))
         except BaseException:
@@ -212,6 +219,11 @@ class MeshGroup:
                                 strict=True):
             self.layouts[mesh] = layout
         self.epoch += 1
+        placed = [(host, actor) for mesh in meshes
+                  for host, actor in zip([h for h in self.hosts if h.mesh == mesh], self.actors[mesh], strict=True)]
+        nodes = gather([a.node.remote() for _, a in placed], timeout, "node")
+        for (host, _), node in zip(placed, nodes, strict=True):
+            self.nodes[host.resource] = node
         gather([a.connect.remote(self.actors, self.layouts, self.epoch) for a in self.all], timeout, "connect")
 
     @property

@@ -308,6 +308,13 @@ class MeshHost:
         """Answers while the actor lives (the driver asks which meshes survived)."""
         return True
 
+    def node(self) -> str:
+        """The Ray node this actor runs on (the driver places a replacement elsewhere
+        once this node is lost)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def connect(self, peers: list[list[Any]], layouts: list[dict], epoch: int = 0) -> None:
         """Learn every stage's actor handles (by host) and layout (index = stage); with
         the collective transport, also every stage's devices and the global order.
