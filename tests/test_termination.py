@@ -4,13 +4,18 @@ when the command wrote none (the log's tail, Ray's shutdown noise around the cau
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
+from alpajob.api.errors import ManifestError
 from alpajob.api.runtime import TERMINATION_LOG, TrainerRuntime
+from alpajob.cli.main import main
 from alpajob.operator import children
 from alpajob.operator.names import ChildNames
 from alpajob.operator.pods import cause_line, ending
@@ -81,3 +86,52 @@ def test_a_failing_command_writes_its_one_line_to_the_termination_log(tmp_path: 
     [written] = log.read_text().splitlines()
     assert written.startswith(line)
     assert written.split(": ", 1)[1][:30] in done.stderr  # the line the user saw
+
+
+
+@pytest.fixture(scope="module")
+def three_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A manifest whose data is not in this pod, and its real plan of 3 stages."""
+    folder = tmp_path_factory.mktemp("three")
+    doc = {"apiVersion": "alpajob.io/v1alpha1", "kind": "AlpaJob", "metadata": {"name": "j"},
+           "spec": {"model": {"zoo": "gpt", "config": "tiny"}, "data": {"train": "/data/corpus/*.txt"},
+                    "training": {"globalBatchSize": 32}, "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8},
+                    "parallelism": {"method": "manual", "numLayers": 6, "numMicroBatches": 4, "stages": [
+                        {"layers": [2 * i, 2 * i + 2], "submeshShape": [1, 4 if i == 2 else 2]} for i in range(3)]}}}
+    manifest, plan = folder / "manifest.yaml", folder / "plan.json"
+    manifest.write_text(yaml.safe_dump(doc))
+    assert main(["plan", str(manifest), "--output", str(plan)]) == 0
+    return manifest, plan
+
+
+@pytest.mark.parametrize("mesh", [0, 2])
+def test_a_mesh_pod_whose_data_is_missing_fails_before_ray_naming_the_field(
+        tmp_path: Path, three_stages: tuple[Path, Path], mesh: int) -> None:
+    """The first and last stages' pods cannot see spec.data.train (a volume not
+    mounted): each exits 2 within seconds, that field in its first line and its
+    termination message, before any Ray process starts."""
+    manifest, plan = three_stages
+    log = tmp_path / "termination-log"
+    env = {"PATH": os.environ["PATH"], TrainerRuntime.env_name("termination_log"): str(log),
+           TrainerRuntime.env_name("manifest"): str(manifest), TrainerRuntime.env_name("plan"): str(plan),
+           TrainerRuntime.env_name("mesh"): str(mesh), TrainerRuntime.env_name("ray_address"): "127.0.0.1:9"}
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "alpajob", "mesh-worker"], capture_output=True, text=True,
+                          env=env, timeout=180, cwd=tmp_path)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    [written] = log.read_text().splitlines()
+    assert written.startswith("error: spec.data.train: '/data/corpus/*.txt' matches nothing in this pod"), written
+    assert "Ray" not in said and time.monotonic() - began < 30
+
+
+def test_a_middle_stage_reads_no_data_and_checks_none(three_stages: tuple[Path, Path]) -> None:
+    from rich.console import Console
+
+    from alpajob.cli.ray import check_mesh_data
+
+    manifest, plan = three_stages
+    runtime = TrainerRuntime(manifest=str(manifest), plan=str(plan))
+    check_mesh_data(runtime, 1, Console())  # no error: mesh 1 reads nothing
+    with pytest.raises(ManifestError, match="spec.data.train"):
+        check_mesh_data(runtime, 2, Console())

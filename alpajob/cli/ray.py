@@ -129,11 +129,32 @@ def worker_settings(args: argparse.Namespace, runtime: TrainerRuntime) -> tuple[
     return _address(args, runtime), mesh, host, devices
 
 
+def check_mesh_data(runtime: TrainerRuntime, mesh: int, out: Console) -> None:
+    """A mesh pod's pre-flight, before Ray starts: the data its stage reads (the first
+    stage's inputs, the last stage's labels; a middle stage reads nothing) is there
+    (:func:`~alpajob.trainer_image.data.corpus.check_present`). A ManifestError (exit
+    2: the pod's first line, the job Failed) says which field names what is missing."""
+    if not runtime.manifest or not Path(runtime.manifest).is_file():
+        return  # started by hand: the driver's hosts say it when they read
+    job = load_job(runtime.manifest)
+    if job.spec.data is None:
+        return
+    if runtime.plan and Path(runtime.plan).is_file():
+        last = len(read_plan(runtime.plan).stages) - 1
+        if mesh not in (0, last):
+            return
+    from alpajob.trainer_image.data.corpus import check_present
+
+    for warning in check_present(job.spec.data):
+        out.print(f"warning: {warning}")
+
+
 def cmd_mesh_worker(args: argparse.Namespace, out: Console) -> int:
     from alpajob.trainer_image.distributed.raylet import run_raylet
 
     runtime = _runtime()
     address, mesh, host, devices = worker_settings(args, runtime)
+    check_mesh_data(runtime, mesh, out)  # what cannot succeed later fails now, before Ray starts
     command = ray_cluster.worker_command(address, mesh, host, block=True,
                                          object_store_bytes=runtime.object_store_bytes)
     released = Path(tempfile.gettempdir()) / f"alpajob-released-{os.getpid()}"

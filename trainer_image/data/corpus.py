@@ -24,8 +24,9 @@ import numpy as np
 from alpajob.api.data import DataFormat, DataSpec
 from alpajob.api.errors import ManifestError
 from alpajob.api.wording import counted
+from alpajob.trainer_image.data.remote import DataReadError
 from alpajob.trainer_image.data.shards import Opener, Shard, in_memory, open_token_files
-from alpajob.trainer_image.data.sources import expand, read_documents
+from alpajob.trainer_image.data.sources import expand, listing, read_documents
 from alpajob.trainer_image.data.tokenizer import Tokenizer
 
 
@@ -114,20 +115,48 @@ def open_source(data: DataSpec, name: str, field: str, patterns: Sequence[str], 
     return TokenCorpus.of(name, field, [in_memory(tokens, f"{field} (tokenized)")], files=len(files))
 
 
+def train_fields(data: DataSpec) -> list[tuple[str, str, list[str]]]:
+    """Each training source's name, the field that configures it, and its patterns,
+    in ``spec.data.train``'s order (weight-0 ones included)."""
+    mixture = data.is_mixture() or any(s.name for s in data.sources())
+    return [(name, f"spec.data.train[{index}].path" if mixture else "spec.data.train", list(source.paths()))
+            for index, (name, source) in enumerate(data.named_sources())]
+
+
 def open_train(data: DataSpec, tokenizer: Tokenizer, opener: Opener) -> list[TokenCorpus]:
     """The training sources, in ``spec.data.train``'s order (weight-0 ones included)."""
-    mixture = data.is_mixture() or any(s.name for s in data.sources())
-    out = []
-    for index, (name, source) in enumerate(data.named_sources()):
-        field = f"spec.data.train[{index}].path" if mixture else "spec.data.train"
-        out.append(open_source(data, name, field, source.paths(), tokenizer, opener))
-    return out
+    return [open_source(data, name, field, patterns, tokenizer, opener)
+            for name, field, patterns in train_fields(data)]
 
 
 def open_eval(data: DataSpec, tokenizer: Tokenizer, opener: Opener) -> TokenCorpus | None:
     if data.eval is None:
         return None
     return open_source(data, "eval", "spec.data.eval", data.eval_paths(), tokenizer, opener)
+
+
+def check_present(data: DataSpec) -> list[str]:
+    """Before anything starts (a mesh pod's check before Ray): every pattern of
+    ``spec.data`` names something here, one listing per pattern and nothing read, so
+    a path that is not there (a volume not mounted, a typo) fails at once with a
+    :class:`ManifestError` naming its field instead of after Ray, compilation and
+    the first batch. A store that does not answer is not a verdict (the reads retry
+    later): it comes back as a warning."""
+    fields = [(field, patterns) for _, field, patterns in train_fields(data)]
+    if data.eval is not None:
+        fields.append(("spec.data.eval", list(data.eval_paths())))
+    warnings = []
+    for field, patterns in fields:
+        for pattern in patterns:
+            try:
+                found = listing(pattern, field)
+            except DataReadError as error:
+                warnings.append(f"{field}: {error}; the reads will retry")
+                continue
+            if not found.entries:
+                raise ManifestError(field, f"{pattern!r} matches nothing in this pod; check the path, and that "
+                                           "every mesh pod mounts its volume (spec.podTemplate.mesh.volumes)")
+    return warnings
 
 
 def check_known_ids(corpus: TokenCorpus, vocab: int | None) -> None:
