@@ -299,9 +299,10 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None,
 
 def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, hosts: int,
              node: str, gpus: int, cpu: bool, gang: str | None, templates: PodTemplates | None = None,
-             size: sizing.PodSize | None = None) -> dict[str, Any]:
+             size: sizing.PodSize | None = None, name: str | None = None) -> dict[str, Any]:
     """Host ``host`` of mesh ``mesh``: a Ray worker offering that host's resource, on
-    ``node``, with the mesh's JAX process-group coordinates."""
+    ``node``, with the mesh's JAX process-group coordinates; named ``name`` (a
+    replacement's), else as :meth:`.names.ChildNames.mesh_pod` says."""
     namespace = job["metadata"]["namespace"]
     hostname = names.mesh_hostname(mesh, host)
     coordinator = f"{names.mesh_hostname(mesh, 0)}.{names.hosts_service}.{namespace}.svc"
@@ -317,7 +318,7 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
                  "env": _env(runtime), "resources": resources,
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}]}
     labels = {LABEL_MESH: str(mesh), LABEL_HOST: str(host)}
-    pod = _pod(job, names, names.mesh_pod(mesh, host), Role.MESH, gang, container, labels, hostname)
+    pod = _pod(job, names, name or names.mesh_pod(mesh, host), Role.MESH, gang, container, labels, hostname)
     pod["spec"]["initContainers"] = [{
         "name": "wait-for-head", "image": _image(job), "command": ["alpajob", "wait-for-head"],
         "env": _env(runtime), "securityContext": _security(),

@@ -18,13 +18,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from alpajob.api.names import LABEL_ATTEMPT, LABEL_ROLE, Role
+from alpajob.api.names import LABEL_ATTEMPT, LABEL_HOST, LABEL_MESH, LABEL_ROLE, Role
 from alpajob.api.plan import Plan
 from alpajob.api.pod_template import PodTemplates
 from alpajob.api.status import Phase, Status
 from alpajob.operator import children
 from alpajob.operator.names import ChildNames
-from alpajob.operator.pods import done, parse_time, terminating
+from alpajob.operator.pods import done, parse_time, terminating, uid
 from alpajob.operator.pool import PoolNode
 from alpajob.operator.status import set_phase
 
@@ -122,6 +122,35 @@ class PassState:
                 continue
             out[name] = pod
         return out
+
+    def host_pods(self, mesh: int, host: int) -> dict[str, Mapping[str, Any]]:
+        """The current attempt's pods of mesh ``mesh``'s host ``host`` (by their
+        labels): one, or while it is replaced in place, the one that terminates and
+        its replacement."""
+        out = {}
+        for name, pod in self.pods_of(self.attempt, Role.MESH).items():
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            if (labels.get(LABEL_MESH), labels.get(LABEL_HOST)) == (str(mesh), str(host)):
+                out[name] = pod
+        return out
+
+    def host_pod(self, mesh: int, host: int) -> tuple[str, Mapping[str, Any]] | None:
+        """The pod that stands for mesh ``mesh``'s host ``host``: the one not being
+        replaced (its uid not in ``status.children.replaced``); None if there is none."""
+        judged = set(self.status.children.replaced or [])
+        standing = [(n, p) for n, p in self.host_pods(mesh, host).items() if uid(p) not in judged]
+        return min(standing, key=lambda item: item[0]) if standing else None
+
+    def replacement_name(self, mesh: int, host: int) -> str:
+        """The name for a new pod of mesh ``mesh``'s host ``host``: its usual name, or
+        while a pod of that name still terminates, the first free ``<name>-r<k>``
+        (as a Job makes a replacement while the pod it replaces terminates)."""
+        base = self.names.mesh_pod(mesh, host)
+        name, k = base, 0
+        while name in self.seen.pods:
+            k += 1
+            name = f"{base}-r{k}"
+        return name
 
     def delete_pods(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
         """Delete ``pods``. One already terminating is left to its kubelet for its grace

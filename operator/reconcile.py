@@ -27,7 +27,8 @@ in order (the first that has something to wait for ends the pass):
    (everything else). With ``runPolicy.restartScope: FailedPods`` (the default) a
    failed mesh pod on a Ready node is replaced alone while the head runs on (its
    driver replaces that mesh's actors and goes back to the checkpoint in place), and
-   is judged once while it terminates. When the node pool
+   is judged once while it terminates; its replacement is made at once beside it
+   (``<pod>-r<k>`` while the old name is taken, :meth:`~.decision.PassState.host_pod`). When the node pool
    has changed since the plan was made, the new attempt is **planned again** for the
    pool as it is, instead of failing; a Running job whose trainer reports no
    progress for ``progressDeadlineSeconds`` is restarted the same way (reason
@@ -229,14 +230,15 @@ class _Pass(PassState):
         """Restart the whole job after a failure of the current attempt; True if it did."""
         current = self.pods_of(self.attempt)
         created = self.status.children.created == self.attempt
-        expected = [self.names.head] + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts()]
         judged_before = set(self.status.children.replaced or [])
         # Failed, or deleted through the API while it ran (judged once: a pod replaced
         # in place is remembered by uid until it is gone).
         failed = by_finish([n for n, p in current.items()
                              if (phase_of(p) == "Failed" or terminating(p)) and phase_of(p) != "Succeeded"
                              and uid(p) not in judged_before], current)
-        missing = [n for n in expected if created and n not in self.seen.pods]
+        missing = ([self.names.head] if self.names.head not in self.seen.pods else []) + [
+            self.names.mesh_pod(m, h) for m, h, _ in self.hosts() if not self.host_pods(m, h)]
+        missing = missing if created else []
         head_done = phase_of(current.get(self.names.head)) == "Succeeded"
         # restartScope FailedPods (the default): while the head runs, a failed mesh pod
         # whose node is Ready is replaced alone (pinned there again), and a missing one
@@ -394,6 +396,8 @@ class _Pass(PassState):
         cpu = (cluster.get("device") or {}).get("name") == "cpu" or cluster.get("preset") == "cpu"
         before = self.status.children
         self.status.children = names.to_status([(m, h) for m, h, _ in hosts])
+        self.status.children.mesh_pods = [standing[0] if (standing := self.host_pod(m, h)) else
+                                          self.replacement_name(m, h) for m, h, _ in hosts]
         self.status.children.created, self.status.children.replaced = before.created, before.replaced
         if names.service not in self.seen.services:
             self.decision.create.append(children.head_service(job, names))
@@ -407,11 +411,12 @@ class _Pass(PassState):
             self.decision.create.append(children.head_pod(job, names, gang, self.templates,
                                                           sizing.head_size(self.plan)))
         for mesh, host, count, devices in self.host_devices():
-            if names.mesh_pod(mesh, host) not in self.seen.pods:
+            if self.host_pod(mesh, host) is None:  # none yet, or the one there is being replaced
                 self.decision.create.append(
                     children.mesh_pod(job, names, mesh, host, count, nodes[mesh, host], devices, cpu, gang,
                                       self.templates,
-                                      sizing.mesh_size(self.plan, self.plan.stages[mesh], devices, cpu)))
+                                      sizing.mesh_size(self.plan, self.plan.stages[mesh], devices, cpu),
+                                      name=self.replacement_name(mesh, host)))
         return False
 
     def progress(self) -> None:
@@ -435,12 +440,13 @@ class _Pass(PassState):
         for mesh, host, count in self.hosts():
             entry = meshes.setdefault(mesh, MeshStatus(name=f"mesh-{mesh}", nodes=count,
                                                        ready_pods=0, total_pods=count))
-            if phase_of(current.get(self.names.mesh_pod(mesh, host))) == "Running":
+            standing = self.host_pod(mesh, host)
+            if standing is not None and phase_of(standing[1]) == "Running":
                 entry.ready_pods += 1
         self.status.meshes = [meshes[k] for k in sorted(meshes)]
-        expected = [self.names.head] + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts()]
         judged = set(self.status.children.replaced or [])
-        if all(name in current and uid(current[name]) not in judged for name in expected):
+        if (head is not None and uid(head) not in judged
+                and all(self.host_pod(m, h) is not None for m, h, _ in self.hosts())):
             # Every pod of the attempt has been seen (not one that is being made
             # again): from now on one that vanishes (its node lost, evicted) counts as
             # a failure.

@@ -676,8 +676,10 @@ def test_the_status_progress_counts_the_jobs_restarts_as_the_status_does(plan_js
 
 def test_a_pod_replaced_in_place_is_judged_once_while_it_terminates(plan_json: str) -> None:
     """restartScope FailedPods: the failed mesh pod is deleted, and terminates for a
-    while; the passes meanwhile do not count it again, and its replacement (same name,
-    new uid) is created once it is gone."""
+    while (its volumes unmount slowly); its replacement is made at once beside it
+    (``-r1``: same mesh, host, node and hostname), as a Job replaces a terminating
+    pod, and the passes meanwhile do not count it again. Once the old one is gone
+    nothing more is made; the next replacement takes the usual name again."""
     world = World({"runPolicy": {"restartScope": "FailedPods", "backoffLimit": 3}})
     world.grace = 30.0
     _running(world, plan_json)
@@ -686,13 +688,27 @@ def test_a_pod_replaced_in_place_is_judged_once_while_it_terminates(plan_json: s
     world.step()
     assert world.status["restarts"] == 1
     assert world.objects["Pod", "manual-gpt-0-m1-h0"]["metadata"]["deletionTimestamp"]
+    world.step()
+    new = world.objects["Pod", "manual-gpt-0-m1-h0-r1"]  # made while the old one terminates
+    old = world.objects["Pod", "manual-gpt-0-m1-h0"]
+    assert new["metadata"]["labels"] == old["metadata"]["labels"]
+    assert (new["spec"]["hostname"], new["spec"]["affinity"]) == (old["spec"]["hostname"], old["spec"]["affinity"])
     for _ in range(3):
         world.step()
         assert (world.status["restarts"], world.status["disruptions"]) == (1, 0)
-    assert world.status["children"]["attempt"] == 0
+    world.set_pods("Running")
+    world.step()
+    assert world.status["phase"] == "Running" and world.status["children"]["attempt"] == 0
     del world.objects["Pod", "manual-gpt-0-m1-h0"]
     world.step()
-    assert "manual-gpt-0-m1-h0" in world.pods() and world.status["restarts"] == 1
+    assert sorted(world.pods()) == ["manual-gpt-0-head", "manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0-r1",
+                                    "manual-gpt-planner"]
+    assert world.status["restarts"] == 1 and world.status["phase"] == "Running"
+    assert world.status["children"]["meshPods"] == ["manual-gpt-0-m0-h0", "manual-gpt-0-m1-h0-r1"]
+    _fail(world, "manual-gpt-0-m1-h0-r1", 137)  # the replacement fails in turn
+    world.step()
+    world.step()
+    assert world.status["restarts"] == 2 and "manual-gpt-0-m1-h0" in world.pods()
 
 
 def test_the_failure_message_names_the_pod_that_failed_first(plan_json: str) -> None:
@@ -882,8 +898,8 @@ def test_an_unschedulable_pod_is_made_again_when_its_template_changes(plan_json:
 def test_a_template_change_remakes_only_the_pods_that_wait(plan_json: str, scope: str, pod: str) -> None:
     """One pod of a running attempt cannot be placed; the user lowers its role's
     requests (as on the real node, where this remade the whole attempt and booked a
-    disruption). Only that pod is made again, after it has terminated for its grace
-    period: the other pods keep running, the attempt stays, nothing is counted, and
+    disruption). Only that pod is made again (a mesh pod's beside the one that
+    terminates for its grace period, the head's once it is gone): the other pods keep running, the attempt stays, nothing is counted, and
     the job goes back to Running once the new pod runs, under either restartScope."""
     role = "head" if pod.endswith("head") else "mesh"
     world = World({"runPolicy": {"restartScope": scope},
@@ -903,14 +919,16 @@ def test_a_template_change_remakes_only_the_pods_that_wait(plan_json: str, scope
     del world.objects["Pod", pod]  # its grace period is over
     world.step()
     world.step()
-    remade = world.objects["Pod", pod]
+    # A mesh pod's replacement is made beside the one that terminates; the head's
+    # once it is gone (one head per attempt).
+    remade = world.objects["Pod", pod if role == "head" else f"{pod}-r1"]
     assert remade["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "1"
     world.set_pods("Running")
     world.step()
     assert world.status["phase"] == "Running", world.status
     assert (world.status["restarts"], world.status["disruptions"]) == (0, 0)
     assert {n: p["metadata"]["uid"] for n, p in world.pods().items()
-            if n not in (pod, "manual-gpt-planner")} == others  # nothing else was made again
+            if n not in (pod, f"{pod}-r1", "manual-gpt-planner")} == others  # nothing else was made again
     assert not any(r in ("MeshPodReplaced", "PodDisrupted", "PodFailed") for _, r, _ in world.events)
     assert world.status["children"]["created"] == 0  # from now on a vanished pod is a loss again
 

@@ -147,7 +147,7 @@ class Children(_Status):
     hosts_service: str | None = Field(None, description="The headless Service that names every pod.")
     head: str | None = Field(None, description="The head pod (Ray head and driver).")
     pod_group: str | None = Field(None, description="The gang-scheduling PodGroup, when spec.scheduling asks for one.")
-    mesh_pods: list[str] = Field(default_factory=list, max_length=4096, description="The mesh pods, in mesh order.")
+    mesh_pods: list[str] = Field(default_factory=list, max_length=4096, description="The mesh pods that stand for each host, in mesh order (a pod replaced in place while the one before it terminates is named <name>-r<k>).")
     created: int | None = Field(None, ge=0, description=(
         "The attempt whose pods have all been seen: from then on a vanished pod is a failure."))
     replaced: list[str] | None = Field(None, max_length=4096, description=(
