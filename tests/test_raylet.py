@@ -175,3 +175,17 @@ def test_a_replaced_host_stays_on_its_node_when_only_its_actor_died() -> None:
         assert host_node(res, {"old"}, lambda: [_node("old", res, port)], timeout=5, poll=0.01) == "old"
     with pytest.raises(JoinTimeoutError, match="no live Ray node offers alpajob-mesh-0-host-0 within 0.2 s"):
         host_node(res, {"old"}, lambda: [_node("old", res, port)], timeout=0.2, poll=0.01)
+
+
+def test_the_gcs_gives_a_lost_node_up_in_seconds_unless_the_user_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's defaults took 10-14 s to declare a killed pod's node dead; the head's GCS
+    runs with checks every second (5 misses), and a user's own setting stands."""
+    from alpajob.trainer_image.distributed.cluster import HEALTH_CHECK, ray_env
+
+    for name in HEALTH_CHECK:
+        monkeypatch.delenv(name, raising=False)
+    env = ray_env()
+    assert int(env["RAY_health_check_period_ms"]) * int(env["RAY_health_check_failure_threshold"]) <= 5000
+    monkeypatch.setenv("RAY_health_check_failure_threshold", "20")
+    assert ray_env()["RAY_health_check_failure_threshold"] == "20"

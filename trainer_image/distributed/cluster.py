@@ -70,9 +70,11 @@ def ray_env(devices: int | None = None) -> dict[str, str]:
     its own, so the drain only delays the restart (measured: 30 s per deleted pod).
 
     The GCS (on the head) declares a node dead after :data:`HEALTH_CHECK` (a node
-    whose pod was killed, and that never said goodbye): Ray's defaults, a check every
-    3 s and 5 failures, took 10-14 s here, and a mesh cannot be replaced before its
-    lost node is dead. Each variable may be set to override it."""
+    whose pod was killed, and that never said goodbye): with Ray's defaults, a check
+    every 3 s, 10 s to answer, 5 failures, it took 10-14 s here, and until then Ray
+    offers the lost node's resource as if it were there (the driver places a
+    replacement on the node that joined instead: :func:`host_node`). Each variable
+    may be set to override it."""
     env = dict(os.environ)
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
@@ -84,13 +86,14 @@ def ray_env(devices: int | None = None) -> dict[str, str]:
     return env
 
 
-#: How the GCS tells a lost node: a check every second, answered within 2 s, four
-#: misses in a row (about 4 s for a node that is gone; a busy raylet still answers,
-#: its gRPC threads do not wait for the trainer).
+#: How the GCS tells a lost node: a check every second, five misses in a row (about
+#: 5 s for a node whose port refuses). A check misses only when unanswered for 3 s: a
+#: busy raylet still answers (its gRPC threads do not wait for the trainer), and a
+#: starved one has 15 s before it is given up.
 HEALTH_CHECK = {
     "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "2000",
-    "RAY_health_check_failure_threshold": "4",
+    "RAY_health_check_timeout_ms": "3000",
+    "RAY_health_check_failure_threshold": "5",
 }
 
 
