@@ -141,6 +141,13 @@ class PassState:
         standing = [(n, p) for n, p in self.host_pods(mesh, host).items() if uid(p) not in judged]
         return min(standing, key=lambda item: item[0]) if standing else None
 
+    def judge(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
+        """Remember ``pods`` (by uid, in ``status.children.replaced``) as judged and
+        being replaced: while they terminate, no pass counts them again, and
+        :meth:`host_pod` looks past them."""
+        made = self.status.children
+        made.replaced = sorted({*(made.replaced or []), *(key for p in pods.values() if (key := uid(p)))})
+
     def replacement_name(self, mesh: int, host: int) -> str:
         """The name for a new pod of mesh ``mesh``'s host ``host``: its usual name, or
         while a pod of that name still terminates, the first free ``<name>-r<k>``

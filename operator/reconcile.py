@@ -236,9 +236,9 @@ class _Pass(PassState):
         failed = by_finish([n for n, p in current.items()
                              if (phase_of(p) == "Failed" or terminating(p)) and phase_of(p) != "Succeeded"
                              and uid(p) not in judged_before], current)
-        missing = ([self.names.head] if self.names.head not in self.seen.pods else []) + [
-            self.names.mesh_pod(m, h) for m, h, _ in self.hosts() if not self.host_pods(m, h)]
-        missing = missing if created else []
+        missing = [] if not created else (
+            ([self.names.head] if self.names.head not in self.seen.pods else [])
+            + [self.names.mesh_pod(m, h) for m, h, _ in self.hosts() if not self.host_pods(m, h)])
         head_done = phase_of(current.get(self.names.head)) == "Succeeded"
         # restartScope FailedPods (the default): while the head runs, a failed mesh pod
         # whose node is Ready is replaced alone (pinned there again), and a missing one
@@ -285,8 +285,7 @@ class _Pass(PassState):
         if tally is None:
             return  # Failed: its pods go as cleanPodPolicy says (finished)
         self.delete_pods(pods)
-        self.status.children.replaced = sorted({*(self.status.children.replaced or []),
-                                                *(key for p in pods.values() if (key := uid(p)))})
+        self.judge(pods)
         self.phase(Phase.RESTARTING, "MeshPodReplaced",
                    f"{what}; replacing {', '.join(sorted(pods))} while the driver restarts every stage "
                    f"from the last checkpoint ({tally})")
@@ -505,10 +504,9 @@ class _Pass(PassState):
                 # its absence until it is made again is not a loss (the attempt's pods
                 # count as created again only once every one is there).
                 self.delete_pods({name: pod})
-                made = self.status.children
-                made.replaced = sorted({*(made.replaced or []), *filter(None, [uid(pod)])})
-                if made.created == self.attempt:
-                    made.created = None
+                self.judge({name: pod})
+                if self.status.children.created == self.attempt:
+                    self.status.children.created = None
                 self.decision.events.append(("Normal", "PodTemplateChanged", (
                     f"pod {name} cannot be scheduled and spec.podTemplate.{role} changed: making it again")))
                 del waiting[name]

@@ -86,8 +86,9 @@ def ray_env(devices: int | None = None) -> dict[str, str]:
     return env
 
 
-#: How the GCS tells a lost node: a check every second, five misses in a row (about
-#: 5 s for a node whose port refuses). A check misses only when unanswered for 3 s: a
+#: How the GCS tells a lost node: a check every second, five misses in a row (a
+#: killed node given up in 9 s, 17 s with Ray's defaults: ``benchmarks/ray_node_start.py``).
+#: A check misses only when unanswered for 3 s: a
 #: busy raylet still answers (its gRPC threads do not wait for the trainer), and a
 #: starved one has 15 s before it is given up.
 HEALTH_CHECK = {

@@ -175,9 +175,11 @@ class MeshGroup:
         with contextlib.suppress(*recoverable()):
             gather([a.wait_saved.remote() for a in survivors], self.timeout, "checkpoint")
         lost = {node for host in self.hosts if host.mesh in meshes and (node := self.nodes.get(host.resource))}
+        # Every new host's node first (this may time out), then the actors.
+        placed = {host: host_node(host.resource, lost, ray.nodes, join_timeout)
+                  for host in self.hosts if host.mesh in meshes}
         for mesh in sorted(meshes):
-            self.actors[mesh] = [self._actor(host, host_node(host.resource, lost, ray.nodes, join_timeout))
-                                 for host in self.hosts if host.mesh == mesh]
+            self.actors[mesh] = [self._actor(host, node) for host, node in placed.items() if host.mesh == mesh]
         try:
             self._connect(sorted(meshes))
         except BaseException:
