@@ -16,6 +16,7 @@ pod is told (paths, ports, its mesh and host, the head's address) is one
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,12 +49,16 @@ from alpajob.api.runtime import (
     PLAN_DIR,
     PLAN_PATH,
     RAY_PORT,
+    RAY_TOKEN_DIR,
+    RAY_TOKEN_KEY,
+    RAY_TOKEN_PATH,
     TERMINATION_LOG,
     TrainerRuntime,
 )
 from alpajob.api.spec import CHECKPOINT_CLAIM_SUFFIX
 from alpajob.operator import sizing
 from alpajob.operator.names import ChildNames
+from alpajob.operator.network import NetworkSettings, job_network_policy
 from alpajob.operator.pod_overrides import finish, object_store_bytes
 from alpajob.operator.pool import PoolCluster
 
@@ -105,6 +110,27 @@ def progress_config_map(job: Mapping[str, Any], names: ChildNames) -> dict[str, 
     """``<job>-progress``: the driver keeps its progress here."""
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, names.progress, Role.PROGRESS),
             "data": {}}
+
+
+def ray_token_secret(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
+    """``<job>-<a>-ray``: a fresh random token that the attempt's Ray cluster requires
+    of every connection (GCS, raylets, the dashboard agent's job API, Ray Client). A
+    new one each call: the first one created stands (a later create is a 409), and
+    only the attempt's head and mesh pods mount it (:func:`_ray_auth`)."""
+    meta = _meta(job, names.ray_token, Role.RAY_TOKEN, names.attempt)
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
+            "stringData": {RAY_TOKEN_KEY: secrets.token_urlsafe(32)}}
+
+
+def _ray_auth(pod: dict[str, Any], names: ChildNames) -> None:
+    """Ray token authentication on in ``pod``: the attempt's Secret mounted read-only
+    (readable by the pod's user only) and Ray told to require it."""
+    spec = pod["spec"]
+    spec["volumes"].append({"name": "ray-token", "secret": {"secretName": names.ray_token, "defaultMode": 0o400}})
+    [container] = spec["containers"]
+    container["volumeMounts"].append({"name": "ray-token", "mountPath": RAY_TOKEN_DIR, "readOnly": True})
+    container["env"] = [*container["env"], {"name": "RAY_AUTH_MODE", "value": "token"},
+                        {"name": "RAY_AUTH_TOKEN_PATH", "value": RAY_TOKEN_PATH}]
 
 
 def checkpoint_claim(job: Mapping[str, Any]) -> str | None:
@@ -218,6 +244,12 @@ def head_service(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
     }
 
 
+def network_policy(job: Mapping[str, Any], names: ChildNames, settings: NetworkSettings) -> dict[str, Any]:
+    """``<job>-pods``: ingress to the job's pods from the job, the operator and the
+    metrics scraper only (:mod:`.network`)."""
+    return job_network_policy(job, _meta(job, names.network_policy, Role.NETWORK), settings)
+
+
 def hosts_service(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any]:
     """``<job>-hosts``: headless, so every mesh pod has a DNS name (its hostname)."""
     return {
@@ -294,6 +326,7 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None,
                            {"name": "metrics", "containerPort": METRICS_PORT}],
                  "env": _env(runtime)}
     pod = _pod(job, names, names.head, Role.HEAD, gang, container, {}, None)
+    _ray_auth(pod, names)
     return finish(pod, overrides, size)
 
 
@@ -319,6 +352,9 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}]}
     labels = {LABEL_MESH: str(mesh), LABEL_HOST: str(host)}
     pod = _pod(job, names, name or names.mesh_pod(mesh, host), Role.MESH, gang, container, labels, hostname)
+    # A mesh host never calls the Kubernetes API: its pod gets no ServiceAccount token.
+    pod["spec"]["automountServiceAccountToken"] = False
+    _ray_auth(pod, names)
     pod["spec"]["initContainers"] = [{
         "name": "wait-for-head", "image": _image(job), "command": ["alpajob", "wait-for-head"],
         "env": _env(runtime), "securityContext": _security(),

@@ -24,6 +24,7 @@ from alpajob.api.pod_template import PodTemplates
 from alpajob.api.status import Phase, Status
 from alpajob.operator import children
 from alpajob.operator.names import ChildNames
+from alpajob.operator.network import NetworkSettings
 from alpajob.operator.pods import done, parse_time, terminating, uid
 from alpajob.operator.pool import PoolNode
 from alpajob.operator.status import set_phase
@@ -50,6 +51,7 @@ class Observed:
     gang: str | None = None  # installed gang scheduler: volcano, coscheduling or None
     ready_nodes: frozenset[str] = frozenset()
     default_image: str = children.DEFAULT_IMAGE  # for jobs without spec.image
+    network: NetworkSettings = NetworkSettings()  # the jobs' NetworkPolicies
 
 
 @dataclass
@@ -204,6 +206,7 @@ class PassState:
         return out
 
     def next_attempt(self) -> None:
+        self.decision.delete.append(("Secret", self.names.ray_token, None))  # the old attempt's Ray token
         self.attempt += 1
         self.names = ChildNames(self.meta["name"], self.attempt)
         self.status.children.attempt = self.attempt

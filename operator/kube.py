@@ -25,6 +25,7 @@ from kubernetes import client
 from alpajob.api.names import API_VERSION, GROUP, KIND, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
 from alpajob.api.status import ConditionType, Status
 from alpajob.operator.names import ChildNames
+from alpajob.operator.network import NetworkSettings
 from alpajob.operator.pool import pool_nodes
 from alpajob.operator.reconcile import Decision, Observed
 from alpajob.operator.status import set_condition
@@ -102,9 +103,11 @@ class Cached:
 class Kube:
     """Reads and writes for the operator, on one ``ApiClient``."""
 
-    def __init__(self, api: client.ApiClient, default_image: str | None = None) -> None:
+    def __init__(self, api: client.ApiClient, default_image: str | None = None,
+                 network: NetworkSettings | None = None) -> None:
         self.api = api
         self.default_image = default_image
+        self.network = network or NetworkSettings()
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.extensions = client.ApiextensionsV1Api(api)
@@ -202,6 +205,7 @@ class Kube:
         return Observed(job=job, now=now, manifest_yaml=yaml.safe_dump(manifest, sort_keys=False),
                         pool=pool, configmaps=configmaps, pods=pods, services=services, claims=claims,
                         pod_groups=groups, gang=gang, ready_nodes=ready,
+                        network=self.network,
                         **({"default_image": self.default_image} if self.default_image else {}))
 
     # ------------------------------------------------------------ writing
@@ -270,6 +274,10 @@ class Kube:
                 self.core.create_namespaced_service(namespace, obj)
             elif kind == "PersistentVolumeClaim":
                 self.core.create_namespaced_persistent_volume_claim(namespace, obj)
+            elif kind == "Secret":
+                self.core.create_namespaced_secret(namespace, obj)
+            elif kind == "NetworkPolicy":
+                client.NetworkingV1Api(self.api).create_namespaced_network_policy(namespace, obj)
             elif kind == "PodGroup":
                 group, version = obj["apiVersion"].split("/")
                 self.custom.create_namespaced_custom_object(group, version, namespace, "podgroups", obj)
@@ -288,6 +296,8 @@ class Kube:
         try:
             if kind == "Pod":
                 self.core.delete_namespaced_pod(name, namespace, body=options)
+            elif kind == "Secret":
+                self.core.delete_namespaced_secret(name, namespace, body=options)
             else:
                 raise ValueError(f"cannot delete a {kind}")
         except client.ApiException as error:

@@ -15,12 +15,13 @@ import kopf
 from alpajob.operator.handlers import OperatorOptions, build_registry
 from alpajob.operator.kube import Kube, client_from_environment
 from alpajob.operator.metrics import OperatorMetrics
+from alpajob.operator.network import NetworkSettings
 
 
 def run_operator(options: OperatorOptions, *, namespaces: tuple[str, ...] = (), clusterwide: bool = False,
                  liveness: str | None = None, metrics_port: int | None = None,
                  default_image: str | None = None, verbose: bool = False,
-                 metrics_bind_address: str = "0.0.0.0") -> int:
+                 metrics_bind_address: str = "0.0.0.0", network: NetworkSettings | None = None) -> int:
     """Run until interrupted; the exit status."""
     kopf.configure(verbose=verbose)
     if not verbose:  # kopf logs every watch event's handler at INFO: one line per pod change
@@ -30,7 +31,7 @@ def run_operator(options: OperatorOptions, *, namespaces: tuple[str, ...] = (), 
         metrics.serve(metrics_port, metrics_bind_address)
     api = client_from_environment()
     metrics.count_requests(api)
-    registry = build_registry(Kube(api, default_image=default_image), metrics, options)
+    registry = build_registry(Kube(api, default_image=default_image, network=network), metrics, options)
     kopf.run(registry=registry, standalone=True, clusterwide=clusterwide, namespaces=namespaces,
              liveness_endpoint=liveness)
     return 0

@@ -12,9 +12,11 @@ it is about to use into ``status.children`` before creating anything.
 ``<job>-planner``      Pod: runs ``alpajob plan`` once
 ``<job>-head``         Service: the Ray head's GCS and the driver's metrics
 ``<job>-hosts``        headless Service: DNS names of the mesh pods
+``<job>-pods``         NetworkPolicy: ingress to the job's pods (:mod:`.network`)
 ``<job>-<a>-head``     Pod: Ray head + driver of attempt ``a``
 ``<job>-<a>-m<i>-h<j>`` Pod: host ``j`` of mesh ``i``, attempt ``a``
 ``<job>-<a>``          PodGroup of attempt ``a`` (gang scheduling)
+``<job>-<a>-ray``      Secret: attempt ``a``'s Ray token (head and mesh pods only)
 =====================  ==========================================================
 """
 
@@ -57,12 +59,20 @@ class ChildNames:
         return f"{self.job}-hosts"
 
     @property
+    def network_policy(self) -> str:
+        return f"{self.job}-pods"
+
+    @property
     def head(self) -> str:
         return f"{self.job}-{self.attempt}-head"
 
     @property
     def pod_group(self) -> str:
         return f"{self.job}-{self.attempt}"
+
+    @property
+    def ray_token(self) -> str:
+        return f"{self.job}-{self.attempt}-ray"
 
     def mesh_pod(self, mesh: int, host: int) -> str:
         return f"{self.job}-{self.attempt}-m{mesh}-h{host}"

@@ -399,6 +399,8 @@ class _Pass(PassState):
                                           self.replacement_name(m, h) for m, h, _ in hosts]
         self.status.children.created, self.status.children.replaced = before.created, before.replaced
         if names.service not in self.seen.services:
+            if self.seen.network.enabled:  # made once, with the Services (not watched: a 409 keeps it)
+                self.decision.create.append(children.network_policy(job, names, self.seen.network))
             self.decision.create.append(children.head_service(job, names))
         if names.hosts_service not in self.seen.services:
             self.decision.create.append(children.hosts_service(job, names))
@@ -416,6 +418,10 @@ class _Pass(PassState):
                                       self.templates,
                                       sizing.mesh_size(self.plan, self.plan.stages[mesh], devices, cpu),
                                       name=self.replacement_name(mesh, host)))
+        if any(obj["kind"] == "Pod" for obj in self.decision.create):
+            # The attempt's Ray token before its pods: made once (the operator cannot
+            # read Secrets, so it asks again with every pod it makes; a 409 keeps it).
+            self.decision.create.insert(0, children.ray_token_secret(job, names))
         return False
 
     def progress(self) -> None:

@@ -74,6 +74,81 @@ def operator_process(namespace: str, env: dict[str, str], log: Path) -> Iterator
             operator.kill()
 
 
+#: The operator's identity, as manifests/rbac.yaml makes it.
+OPERATOR_NAMESPACE, OPERATOR_ACCOUNT = "alpajob-system", "alpajob-operator"
+
+
+def shipped_rbac(name: str, namespace: str | None = None) -> list[dict[str, Any]]:
+    """The RBAC documents of ``manifests/<name>``, with every namespaced one moved to
+    ``namespace`` when given (the trainer's ServiceAccount and RoleBinding, as the chart
+    makes them in each namespace of ``trainerNamespaces``)."""
+    docs = [d for d in yaml.safe_load_all((ROOT / "manifests" / name).read_text()) if d]
+    for doc in docs:
+        if namespace is not None and "namespace" in doc["metadata"]:
+            doc["metadata"]["namespace"] = namespace
+            for subject in doc.get("subjects") or []:
+                if subject.get("kind") == "ServiceAccount":
+                    subject["namespace"] = namespace
+    return docs
+
+
+def apply_documents(api: client.ApiClient, docs: list[dict[str, Any]]) -> None:
+    """Create each of ``docs``; one that exists already is made again from the
+    document (a cluster that an earlier run left roles in gets the shipped ones)."""
+    from kubernetes import utils
+
+    for doc in docs:
+        try:
+            utils.create_from_dict(api, doc)
+        except utils.FailToCreateError as failure:
+            if any(error.status != 409 for error in failure.api_exceptions):
+                raise
+            if doc["kind"] == "ServiceAccount":
+                continue  # its token stays valid; nothing in it to update
+            _delete_document(api, doc)
+            utils.create_from_dict(api, doc)
+
+
+def _delete_document(api: client.ApiClient, doc: dict[str, Any]) -> None:
+    rbac = client.RbacAuthorizationV1Api(api)
+    name, namespace = doc["metadata"]["name"], doc["metadata"].get("namespace")
+    delete = {"ClusterRole": lambda: rbac.delete_cluster_role(name),
+              "ClusterRoleBinding": lambda: rbac.delete_cluster_role_binding(name),
+              "Role": lambda: rbac.delete_namespaced_role(name, namespace),
+              "RoleBinding": lambda: rbac.delete_namespaced_role_binding(name, namespace)}[doc["kind"]]
+    _unless(404, delete)
+
+
+def token_kubeconfig(kubeconfig: Path, token: str, path: Path) -> Path:
+    """``kubeconfig`` with its current user's credentials replaced by ``token``."""
+    doc = yaml.safe_load(kubeconfig.read_text())
+    context = next(c for c in doc["contexts"] if c["name"] == doc["current-context"])["context"]
+    for user in doc["users"]:
+        if user["name"] == context["user"]:
+            user["user"] = {"token": token}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def account_token(api: client.ApiClient, namespace: str, account: str, seconds: int = 7200) -> str:
+    """A token for ServiceAccount ``namespace/account`` (the TokenRequest API, as a
+    kubelet asks for a pod's)."""
+    request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+        audiences=[], expiration_seconds=seconds))
+    return str(client.CoreV1Api(api).create_namespaced_service_account_token(account, namespace, request).status.token)
+
+
+def operator_kubeconfig(cluster: Any, root: Path) -> Path:
+    """A kubeconfig as the operator's ServiceAccount, with exactly the shipped RBAC
+    (``manifests/rbac.yaml`` applied): the e2e's operator runs with it, so a verb
+    missing from its ClusterRole fails there as it would on a real cluster."""
+    api = cluster.api()
+    cluster.ensure_namespace(OPERATOR_NAMESPACE)
+    apply_documents(api, shipped_rbac("rbac.yaml"))
+    token = account_token(api, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT)
+    return token_kubeconfig(cluster.kubeconfig, token, root / "operator-kubeconfig")
+
+
 def unique_namespace(prefix: str) -> str:
     """A namespace name no test used before: ``<prefix>-<6 hex digits>``."""
     import uuid
@@ -114,6 +189,13 @@ class RealCluster:
     def api(self) -> client.ApiClient:
         return config.new_client_from_config(str(self.kubeconfig))
 
+    def ensure_namespace(self, namespace: str) -> None:
+        """``namespace``, made if missing (and then removed by :meth:`stop`)."""
+        core = client.CoreV1Api(self.api())
+        if _unless(409, core.create_namespace, {"apiVersion": "v1", "kind": "Namespace",
+                                                 "metadata": {"name": namespace}}):
+            self.namespaces.append(namespace)
+
     def start(self) -> RealCluster:
         """Apply the CRD (manifests/crd.yaml) and wait until it is served."""
         extensions = client.ApiextensionsV1Api(self.api())
@@ -149,9 +231,7 @@ class RealCluster:
         else:
             core.patch_namespace(namespace, {"metadata": {"labels": labels}})
         self.restricted.add(namespace)
-        _unless(409, core.create_namespaced_service_account, namespace, {
-            "apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": {"name": "alpajob-trainer", "namespace": namespace}})
+        apply_documents(self.api(), shipped_rbac("trainer-rbac.yaml", namespace))
         for i in range(nodes):
             name = f"node-{i}"
             capacity = {GPU_RESOURCE: str(gpus), "cpu": "64", "memory": "512Gi", "pods": "110"}

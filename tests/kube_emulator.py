@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
+import re
 import threading
 import time
 import uuid
@@ -44,6 +46,7 @@ import kmock
 import yaml
 from kmock._internal.k8s import KubernetesError  # kmock's API-error response
 from kubernetes import client
+from rbac import ADMIN_TOKEN, Ask, Tokens, allowed, forbidden_message, verb_of
 
 
 @attrs.define(kw_only=True)
@@ -73,11 +76,20 @@ class _Admitting(kmock.KubernetesEmulator):
     """
 
     admit: Any = None
+    authorize: Any = None  # who may do what (``Emulator._authorize``): the error to answer, or None
     graceful_pods: bool = False  # a kubelet confirms pod deletions (module docstring of Emulator)
     version: int = 0  # the last resource version given
     deletions: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list)  # version, resource, last state
+    tokens: Tokens = attrs.field(factory=Tokens)  # who each bearer token is (:mod:`rbac`)
+    sent: collections.Counter[str] = attrs.field(factory=collections.Counter)  # list and watch bytes, by kind
 
     async def _handle(self, request: Any) -> Any:
+        denied = self.authorize(request) if self.authorize is not None else None
+        if denied is not None:
+            return await self._render_error(denied)
+        if request.subresource == "token" and request.method == kmock.method.POST and request.resource is not None \
+                and request.resource.plural == "serviceaccounts":
+            return await self._token_request(request)
         refusal = await self.admit(request) if self.admit is not None and request.resource is not None else None
         if refusal is not None:
             return await self._render_error(refusal)
@@ -239,12 +251,43 @@ class _Admitting(kmock.KubernetesEmulator):
         changed = any(stored.get("spec", {}).get(k) != v for k, v in (request.data.get("spec") or {}).items())
         return int(old) + (1 if changed else 0)
 
+    async def _token_request(self, request: Any) -> Any:
+        """The TokenRequest API: a token for an existing ServiceAccount (404 otherwise),
+        which this server then authenticates as that account (:mod:`rbac`)."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            return await self._render_error(KubernetesError(
+                status=404, reason="NotFound", message=f'serviceaccounts "{request.name}" not found',
+                details={"name": request.name, "kind": "serviceaccounts"}))
+        token = self.tokens.issue(request.namespace, request.name)
+        expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "metadata": {"name": request.name, "namespace": request.namespace},
+                "spec": (request.data or {}).get("spec") or {},
+                "status": {"token": token, "expirationTimestamp": expires}}
+        return aiohttp.web.json_response(body, status=201)
+
     async def _serve_list(self, request: Any) -> Any:
         listed = await super()._serve_list(request)
         listed["metadata"]["resourceVersion"] = str(self.version)
+        selector = label_selector(request.params.get("labelSelector"))
+        listed["items"] = [item for item in listed["items"] if selector(item)]
+        self.sent[_kind(str(request.url))] += len(json.dumps(listed))
         return listed
 
     async def _serve_watch(self, request: Any) -> Any:
+        """A watch, sent only what matches its ``labelSelector`` (as the API server
+        filters it; kmock ignores selectors), with the bytes sent counted by kind."""
+        selector = label_selector(request.params.get("labelSelector"))
+        kind = _kind(str(request.url))
+        async for event in self._watch_events(request):
+            if isinstance(event, dict):
+                if not selector(event.get("object") or {}):
+                    continue
+                self.sent[kind] += len(json.dumps(event))
+            yield event
+
+    async def _watch_events(self, request: Any) -> Any:
         since = _version(request.params.get("resourceVersion"))
         if since is None:  # a watch from the start: every object, then the changes
             async for event in super()._serve_watch(request):
@@ -268,11 +311,45 @@ class _Admitting(kmock.KubernetesEmulator):
                 yield event
 
 
+RBAC = "rbac.authorization.k8s.io"
+
 #: A namespace's states (``Emulator.namespaces``).
 ACTIVE, TERMINATING = "Active", "Terminating"
 
 #: Held on a pod marked for deletion until its kubelet confirms it (``_graceful_delete``).
 KUBELET_FINALIZER = "kmock.test/kubelet"
+
+
+_REQUIREMENT = re.compile(r"\s*(!?)\s*([\w./-]+)\s*(?:(==|=|!=)\s*([\w.-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*")
+
+
+def label_selector(text: str | None) -> Any:
+    """A predicate on objects for a label selector as the API server reads it
+    (``key``, ``!key``, ``key=value``, ``key==value``, ``key!=value``,
+    ``key in (a,b)``, ``key notin (a,b)``, joined by commas: all must hold)."""
+    checks = []
+    rest = (text or "").strip()
+    while rest:
+        found = _REQUIREMENT.match(rest)
+        if found is None or found.end() == 0:
+            raise ValueError(f"unable to parse requirement: {rest!r}")
+        negated, key, op, value, set_op, values = found.groups()
+        checks.append((negated, key, op, value, set_op, {v.strip() for v in (values or "").split(",") if v.strip()}))
+        rest = rest[found.end():].lstrip(",")
+
+    def matches(obj: Mapping[str, Any]) -> bool:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        for negated, key, op, value, set_op, values in checks:
+            has = key in labels
+            ok = (not has if negated else has) if op is None and set_op is None else \
+                (labels.get(key) == value if op in ("=", "==") else
+                 labels.get(key) != value if op == "!=" else
+                 has and labels[key] in values if set_op == "in" else labels.get(key) not in values)
+            if not ok:
+                return False
+        return True
+
+    return matches
 
 
 def _version(text: str | None) -> int | None:
@@ -312,6 +389,31 @@ class Emulator:
         #: twice a second, so read it after a pause.
         self.served: collections.Counter[tuple[str, str]] = collections.Counter()
         self._counted = 0
+        #: Every request that RBAC refused, as its 403 message (:mod:`rbac`).
+        self.forbidden: list[str] = []
+
+    def _authorize(self, request: Any) -> KubernetesError | None:
+        """Authentication, then RBAC (:mod:`rbac`): 401 for a missing or unknown token,
+        403 for a request no role of its user grants; None to go on."""
+        user = self.kmock.tokens.user(request.headers)
+        if user is None:
+            return KubernetesError(status=401, reason="Unauthorized", message="Unauthorized")
+        if request.resource is None or request.resource.plural is None or user.admin:
+            return None  # discovery: open to every authenticated user
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        ask = Ask(verb_of(request.method.upper(), request.name, request.params), request.resource.group or "",
+                  resource, request.namespace, request.name)
+
+        def stored(plural: str) -> list[dict[str, Any]]:
+            return [_plain(obj.raw) for (kind, _, _), obj in list(self.kmock._objects.items())
+                    if kind.group == RBAC and kind.plural == plural and not obj.deleted]
+
+        if allowed(user, ask, stored):
+            return None
+        message = forbidden_message(user, ask)
+        self.forbidden.append(message)
+        return KubernetesError(status=403, reason="Forbidden", message=message,
+                               details={"name": request.name, "group": ask.group, "kind": request.resource.plural})
 
     def _serve(self) -> None:
         asyncio.run(self._main())
@@ -319,7 +421,8 @@ class Emulator:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with _Admitting(admit=self._admit, graceful_pods=self.graceful_pods) as emulator, \
+        async with _Admitting(admit=self._admit, authorize=self._authorize,
+                              graceful_pods=self.graceful_pods) as emulator, \
                 kmock.Server(emulator) as server:
             emulator.resources["alpajob.io/v1alpha1/alpajobs"] = kmock.ResourceInfo(
                 kind="AlpaJob", singular="alpajob", namespaced=True, shortnames={"aj"},
@@ -329,6 +432,12 @@ class Emulator:
                                           ("v1/serviceaccounts", "ServiceAccount", True),
                                           ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True),
                                           ("v1/services", "Service", True), ("v1/events", "Event", True),
+                                          ("v1/secrets", "Secret", True),
+                                          ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True),
+                                          *[(f"{RBAC}/v1/{plural}", kind, namespaced) for plural, kind, namespaced in (
+                                              ("clusterroles", "ClusterRole", False),
+                                              ("clusterrolebindings", "ClusterRoleBinding", False),
+                                              ("roles", "Role", True), ("rolebindings", "RoleBinding", True))],
                                           ("v1/nodes", "Node", False), ("v1/namespaces", "Namespace", False),
                                           ("apiextensions.k8s.io/v1/customresourcedefinitions",
                                            "CustomResourceDefinition", False)]:
@@ -423,6 +532,11 @@ class Emulator:
         self.namespaces.pop(namespace, None)
         self.restricted.discard(namespace)
 
+    def ensure_namespace(self, namespace: str) -> None:
+        """``namespace``, made if missing (not Pod Security restricted: a system namespace)."""
+        if namespace not in self.namespaces:
+            self.create_namespace(namespace, restricted=False)
+
     def namespace_gone(self, namespace: str) -> bool:
         return namespace not in self.namespaces
 
@@ -509,15 +623,16 @@ class Emulator:
 
     def cluster_of(self, namespace: str, nodes: int, gpus: int = 8) -> None:
         """What the chart and the nodes give a real cluster: ``namespace`` enforcing Pod
-        Security "restricted", with the trainer's ServiceAccount, and ``nodes`` Ready
+        Security "restricted", with the trainer's ServiceAccount and its RoleBinding
+        (``manifests/trainer-rbac.yaml``), and ``nodes`` Ready
         nodes ``node-<i>`` of ``gpus`` allocatable GPUs."""
         from alpajob.api.names import GPU_RESOURCE
 
+        from e2e_cluster import apply_documents, shipped_rbac
+
         self.create_namespace(namespace)
         core = client.CoreV1Api(self.api())
-        core.create_namespaced_service_account(namespace, {
-            "apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": {"name": "alpajob-trainer", "namespace": namespace}})
+        apply_documents(self.api(), shipped_rbac("trainer-rbac.yaml", namespace))
         for i in range(nodes):
             try:
                 core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
@@ -553,9 +668,11 @@ class Emulator:
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
 
-    def api(self) -> client.ApiClient:
+    def api(self, token: str = ADMIN_TOKEN) -> client.ApiClient:
+        """A client of this server, as the administrator (else as ``token``'s user)."""
         config = client.Configuration()
         config.host = self.url
+        config.api_key = {"authorization": f"Bearer {token}"}
         return client.ApiClient(config)
 
     def requests(self, method: str, path_part: str) -> int:

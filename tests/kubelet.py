@@ -15,6 +15,9 @@ an AlpaJob really trains from the pods' own commands and environment:
   DNS name (``*.svc``) by 127.0.0.1: every pod of the test shares the loopback
   address, as pods of one node would share the node's (so two pods cannot bind one
   port: one job at a time); ``alpajob`` runs as ``python -m alpajob``;
+- the pod's API credentials are its ServiceAccount's, as a kubelet mounts them: a
+  kubeconfig of the test's API with a token issued for that account (none at all with
+  ``automountServiceAccountToken: false``), so RBAC judges each pod as itself;
 - it reports the pod Running (with ``podIP`` 127.0.0.1), then Succeeded or Failed
   with the exit code and, as ``terminationMessagePolicy: FallbackToLogsOnError``
   asks, the log's tail as the termination message;
@@ -35,6 +38,7 @@ an AlpaJob really trains from the pods' own commands and environment:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -244,6 +248,9 @@ class Kubelet:
             mounts.append((container.termination_message_path, message))
         self.envs[name] = {e.name: e.value or "" for e in container.env or []}
         env = {k: self._local(v, mounts) for k, v in self.envs[name].items()}
+        kubeconfig = self._credentials(pod, folder)
+        if kubeconfig is not None:
+            env["KUBECONFIG"] = str(kubeconfig)
         steps = [self._command(c) for c in [*(pod.spec.init_containers or []), container]]
         initialized = folder / "status" / "initialized" if len(steps) > 1 else None
         if initialized is not None:
@@ -251,7 +258,7 @@ class Kubelet:
         log = folder / "log.txt"
         boxed = None
         if self.runtime is not None:
-            boxed = self._boxed(pod, folder, steps, initialized)
+            boxed = self._boxed(pod, folder, steps, initialized, kubeconfig)
             process = self.runtime.start(boxed, log)
         else:
             steps = [self._as_process(c) for c in steps]
@@ -287,7 +294,27 @@ class Kubelet:
             command = command[len(INIT_COMMAND):]
         return [sys.executable, "-m", "alpajob", *command[1:]] if command[:1] == ["alpajob"] else command
 
-    def _boxed(self, pod: Any, folder: Path, steps: list[list[str]], initialized: Path | None) -> Any:
+    def _credentials(self, pod: Any, folder: Path) -> Path | None:
+        """The pod's API credentials, as a kubelet mounts its ServiceAccount's token: a
+        kubeconfig of the test's API (``KUBECONFIG`` of ``env``) whose user is a token
+        issued for the pod's ServiceAccount (the TokenRequest API), so that the API
+        server's RBAC judges the pod as itself. A pod with
+        ``automountServiceAccountToken: false`` gets a path with nothing there (no
+        credentials at all). None: the test gave no API to the pods."""
+        from e2e_cluster import account_token, token_kubeconfig
+
+        base = self.extra_env.get("KUBECONFIG")
+        if not base:
+            return None
+        if pod.spec.automount_service_account_token is False:
+            return folder / "no-service-account-token"
+        token = account_token(self.core.api_client, self.namespace, pod.spec.service_account_name or "default")
+        path = token_kubeconfig(Path(base), token, folder / "kubeconfig")
+        path.chmod(0o644)  # readable by the container's user
+        return path
+
+    def _boxed(self, pod: Any, folder: Path, steps: list[list[str]], initialized: Path | None,
+               kubeconfig: Path | None = None) -> Any:
         """The pod as a container of the runtime's image (``containers.Container``): its
         volumes at their mount paths (group-owned by its fsGroup, as the kubelet makes a
         volume that supports ownership, unless ``fs_group`` is off), its user and groups,
@@ -314,6 +341,10 @@ class Kubelet:
             if fs_group is not None and (volume.persistent_volume_claim is not None or volume.empty_dir is not None) \
                     and (self.fs_group or volume.empty_dir is not None):
                 _own(where, fs_group)
+            if fs_group is not None and volume.secret is not None:  # group-readable, as a kubelet makes it
+                for path in where.iterdir():
+                    os.chown(path, -1, fs_group)
+                    path.chmod(path.stat().st_mode | 0o040)
             mounts.append((mount.mount_path, where, bool(mount.read_only)))
         if container.termination_message_path:
             mounts.append((container.termination_message_path, folder / "termination-log", False))
@@ -323,9 +354,10 @@ class Kubelet:
                     (outside / other[len(inside.rstrip("/")) + 1:]).mkdir(parents=True, exist_ok=True)
         env = {k: _SERVICE_HOST.sub("127.0.0.1", v) for k, v in self.envs[pod.metadata.name].items()}
         env.update(self.extra_env)
-        kubeconfig = self.extra_env.get("KUBECONFIG")
-        if kubeconfig:
-            mounts.append((kubeconfig, Path(kubeconfig), True))
+        if kubeconfig is not None:
+            env["KUBECONFIG"] = str(kubeconfig)
+            if kubeconfig.exists():
+                mounts.append((str(kubeconfig), kubeconfig, True))
         command = steps[0]
         if initialized is not None:
             status = initialized.parent
@@ -356,6 +388,15 @@ class Kubelet:
                 data = self.core.read_namespaced_config_map(volume.config_map.name, self.namespace).data or {}
                 for key, text in data.items():
                     (where / key).write_text(text)
+                local[volume.name] = where
+            elif volume.secret is not None:  # its keys as files of defaultMode (0644 unless told)
+                where = folder / "volumes" / volume.name
+                where.mkdir(parents=True, exist_ok=True)
+                secret = self.core.read_namespaced_secret(volume.secret.secret_name, self.namespace)
+                for key, encoded in (secret.data or {}).items():
+                    (where / key).write_bytes(base64.b64decode(encoded))
+                    (where / key).chmod(volume.secret.default_mode if volume.secret.default_mode is not None
+                                        else 0o644)
                 local[volume.name] = where
             elif volume.persistent_volume_claim is not None:
                 where = self.root / "claims" / volume.persistent_volume_claim.claim_name

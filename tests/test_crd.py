@@ -528,8 +528,10 @@ NEEDED_VERBS = {
     ("alpajob.io", "alpajobs/finalizers"): {"update"},
     ("", "pods"): {"create", "get", "list", "watch", "delete"},
     ("", "services"): {"create", "get", "list", "watch"},
-    ("", "configmaps"): {"create", "get", "list", "watch"},
+    ("", "configmaps"): {"create", "get", "list", "watch", "patch"},  # patch: the plan cleared to plan again
     ("", "persistentvolumeclaims"): {"create", "get", "list", "watch"},
+    ("", "secrets"): {"create", "delete"},  # the attempts' Ray tokens; never read
+    ("networking.k8s.io", "networkpolicies"): {"create"},
     ("", "events"): {"create"},
     ("", "nodes"): {"get", "list", "watch"},
     ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "watch", "delete"},
@@ -548,6 +550,7 @@ NEEDED_NAMED_VERBS = {
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", WEBHOOK_CONFIGURATION): {"patch"},
 }
 CREATED = [("", "pods"), ("", "services"), ("", "configmaps"), ("", "persistentvolumeclaims"), ("", "events"),
+           ("", "secrets"), ("networking.k8s.io", "networkpolicies"),
            ("scheduling.volcano.sh", "podgroups"), ("scheduling.x-k8s.io", "podgroups"),
            ("admissionregistration.k8s.io", "validatingwebhookconfigurations")]
 

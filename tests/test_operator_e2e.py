@@ -30,11 +30,18 @@ pytest.importorskip("kopf")
 from kubernetes import client  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e_cluster import emulator_only, open_cluster, unique_namespace  # noqa: E402
+from e2e_cluster import (  # noqa: E402
+    account_token,
+    emulator_only,
+    open_cluster,
+    operator_kubeconfig,
+    token_kubeconfig,
+    unique_namespace,
+)
 from gitops_health import ARGOCD, VERDICTS, argocd_health, flux_health, kstatus  # noqa: E402
 from kube_emulator import Emulator  # noqa: E402
 
-from alpajob.api.names import FINALIZER, LABEL_JOB, MANIFEST_KEY  # noqa: E402
+from alpajob.api.names import FINALIZER, LABEL_JOB, MANIFEST_KEY, PLAN_KEY  # noqa: E402
 from alpajob.api.progress import Progress, TrainerPhase  # noqa: E402
 from alpajob.api.runtime import MANIFEST_PATH, TrainerRuntime  # noqa: E402
 
@@ -66,12 +73,15 @@ class Operator:
 
     def __init__(self, emu: Emulator, log: Path, ns: str) -> None:
         self.emu, self.log, self.ns = emu, log, ns
+        #: As the operator's ServiceAccount, with the shipped RBAC: a verb its
+        #: ClusterRole lacks is refused, as on a real cluster.
+        self.kubeconfig = operator_kubeconfig(emu, log.parent)
         self.proc: subprocess.Popen | None = None
         self.args: list[str] = []
         self.metrics_port = self.liveness_port = 0
 
     def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.emu.kubeconfig)}
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         out = open(self.log, "a")  # noqa: SIM115 (closed with the process)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "alpajob", "operator", "--namespace", self.ns, "--interval", "0.3",
@@ -97,12 +107,15 @@ def operator(emulator: Emulator, tmp_path: Path, ns: str) -> Iterator[Operator]:
     from alpajob.trainer_image.distributed.loopback import free_port
 
     op = Operator(emulator, tmp_path / "operator.log", ns)
+    refused = getattr(emulator, "forbidden", [])
+    refused.clear()
     op.metrics_port, op.liveness_port = free_port(), free_port()
     op.args = ["--metrics-port", str(op.metrics_port),
                "--liveness", f"http://127.0.0.1:{op.liveness_port}/healthz"]
     op.start()
     yield op
     op.stop()
+    assert refused == [], "the shipped RBAC refused what the operator or a pod asked"
 
 
 def _wait(what: str, check: Callable[[], Any], timeout: float = 60, op: Operator | None = None) -> Any:
@@ -170,8 +183,11 @@ class Cluster:
         assert env["ALPAJOB_MANIFEST"] == MANIFEST_PATH
         env["ALPAJOB_MANIFEST"] = str(tmp / "manifest.yaml")
         self.set_phase(f"{job}-planner", "Running")
+        # As the pod's ServiceAccount, with the shipped trainer RBAC (a kubelet's token).
+        kubeconfig = token_kubeconfig(self.emu.kubeconfig, account_token(self.api, self.ns, pod.spec.service_account_name),
+                                      tmp / "pod-kubeconfig")
         done = subprocess.run([sys.executable, "-m", "alpajob", *command[1:]], capture_output=True, text=True,
-                              env={**os.environ, **env, "KUBECONFIG": str(self.emu.kubeconfig)}, timeout=300)
+                              env={**os.environ, **env, "KUBECONFIG": str(kubeconfig)}, timeout=300)
         if succeeds:
             assert done.returncode == 0, done.stderr[-3000:]
             self.set_phase(f"{job}-planner", "Succeeded")
@@ -299,6 +315,33 @@ def test_a_failed_pod_restarts_the_whole_job_until_the_backoff_limit(cluster: Cl
                 if e.involved_object.name == "gpt-b" and e.type == "Warning"]
 
     _wait("the Warning events", lambda: {"PodFailed", "BackoffLimitExceeded"} <= set(warnings()), op=operator)
+
+
+def test_a_smaller_pool_plans_the_job_again_under_the_shipped_rbac(
+        emulator: Emulator, cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    """A node leaves the pool while the job runs on two: at the next restart the
+    operator clears the plan in ``<job>-plan`` and plans again, as its own
+    ServiceAccount with exactly the shipped ClusterRole (a verb it lacks is a 403)."""
+    emulator_only(emulator, "makes a shared node NotReady")
+    cluster.create_job("gpt-p", cluster={"gpu": "cpu", "nodes": 2, "gpusPerNode": 8},
+                       runPolicy={"backoffLimit": 2, "restartScope": "Job"})
+    cluster.run_planner("gpt-p", tmp_path)
+    _to_running(cluster, operator, "gpt-p", tmp_path)
+    core = cluster.core
+    core.patch_node_status("node-1", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+    try:
+        cluster.set_phase("gpt-p-0-m1-h0", "Failed")
+        _wait("the planner pod made again", lambda: cluster.job("gpt-p")["status"].get("phase") == "Planning"
+              and "gpt-p-planner" in cluster.pods("gpt-p")
+                    and (cluster.pods("gpt-p")["gpt-p-planner"].status or client.V1PodStatus()).phase in (None, "Pending"),
+              op=operator)
+        plan = core.read_namespaced_config_map("gpt-p-plan", cluster.ns).data or {}
+        assert PLAN_KEY not in plan  # the old plan was cleared (a patch of the ConfigMap)
+        events = {e.reason for e in core.list_namespaced_event(cluster.ns).items if e.involved_object.name == "gpt-p"}
+        assert "Replanning" in events
+    finally:
+        core.patch_node_status("node-1", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    assert emulator.forbidden == []
 
 
 def test_suspend_and_resume(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:

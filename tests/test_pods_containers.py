@@ -52,7 +52,7 @@ def _world(image: Image, tmp_path: Path, fs_group: bool) -> Iterator[tuple[Emula
     emu = Emulator(tmp_path / "api", graceful_pods=True).start()
     ns = unique_namespace("ml")
     emu.cluster_of(ns, nodes=1)
-    env = {"KUBECONFIG": str(emu.kubeconfig), "RAY_AUTH_MODE": "disabled"}
+    env = {"KUBECONFIG": str(emu.kubeconfig)}
     runtime = Runtime(image, Path("/var/tmp/alpajob-images/pods") / tmp_path.name)
     kubelet = Kubelet(emu.api(), ns, tmp_path / "kubelet", env=env, runtime=runtime, fs_group=fs_group).start()
     log = tmp_path / "operator.log"

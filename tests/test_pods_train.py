@@ -49,7 +49,7 @@ def _world(tmp_path: Path, gate: bool = False) -> Iterator[tuple[Emulator, Kubel
     emu.cluster_of(ns, nodes=4)
     door = Gate(int(emu.url.rsplit(":", 1)[1])) if gate else None
     kubeconfig = gated_kubeconfig(emu.kubeconfig, door, tmp_path / "gated") if door else emu.kubeconfig
-    env = {"KUBECONFIG": str(kubeconfig), "RAY_AUTH_MODE": "disabled"}
+    env = {"KUBECONFIG": str(kubeconfig)}
     fake_nodes = frozenset(emu.nodes) if getattr(emu, "real", False) else None  # a real scheduler binds pods
     # Deleted pods stay 10 s after their process ends, as on a slow node: a new attempt
     # must never start beside them.

@@ -37,9 +37,9 @@ def api_behind_gate(tmp_path: Path) -> Iterator[tuple[Any, Gate, client.CoreV1Ap
         direct = client.CoreV1Api(emu.api())
         direct.create_namespaced_config_map("ml", {"metadata": {"name": "j-progress"}, "data": {}})
         gate = Gate(int(emu.url.rsplit(":", 1)[1]))
-        config = client.Configuration()
-        config.host = f"http://127.0.0.1:{gate.port}"
-        yield client.ApiClient(config), gate, direct
+        gated = emu.api()
+        gated.configuration.host = f"http://127.0.0.1:{gate.port}"
+        yield gated, gate, direct
         gate.down()
     finally:
         emu.stop()

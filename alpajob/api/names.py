@@ -54,6 +54,8 @@ class Role(StrEnum):
     MESH = "mesh"  # Pods and the headless Service: the mesh hosts
     GANG = "gang"  # PodGroup
     CHECKPOINTS = "checkpoints"  # PersistentVolumeClaim made from spec.checkpoint.volumeClaimTemplate
+    RAY_TOKEN = "ray-token"  # Secret: the attempt's Ray authentication token
+    NETWORK = "network"  # NetworkPolicy: who may connect to the job's pods
 
 
 # --------------------------------------------------------------------------- ConfigMap keys

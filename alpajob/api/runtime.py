@@ -96,6 +96,11 @@ PLAN_CACHE_DIR = f"{CHECKPOINT_DIR}/.alpajob/plans"
 COMPILE_CACHE_DIR = f"{CHECKPOINT_DIR}/.alpajob/xla"
 MANIFEST_PATH = f"{CONFIG_DIR}/manifest.yaml"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
+#: The attempt's Ray token (the ``<job>-<a>-ray`` Secret), mounted in the head and mesh
+#: pods only; Ray reads it from ``RAY_AUTH_TOKEN_PATH`` with ``RAY_AUTH_MODE=token``.
+RAY_TOKEN_DIR = "/var/run/alpajob/ray"
+RAY_TOKEN_KEY = "token"
+RAY_TOKEN_PATH = f"{RAY_TOKEN_DIR}/{RAY_TOKEN_KEY}"
 
 
 class Transport(StrEnum):

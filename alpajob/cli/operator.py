@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 from typing import Any
 
 from alpajob.api.errors import ManifestError
@@ -38,6 +39,15 @@ def add_parser(sub: Any) -> None:
                         help="the address the metrics listener binds (default 0.0.0.0: every interface)")
     parser.add_argument("--default-image",
                         help="the trainer image of jobs without spec.image (default: this release's)")
+    parser.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
+                        help="make a NetworkPolicy per job: ingress to its pods only from the job, the "
+                             "operator and the metrics scraper (default on; needs a network plugin that "
+                             "enforces NetworkPolicies)")
+    parser.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE") or "alpajob-system",
+                        help="the operator's own namespace, whose operator pods the jobs' policies admit "
+                             "(default $POD_NAMESPACE, else alpajob-system)")
+    parser.add_argument("--metrics-scraper-namespace", metavar="NAMESPACE",
+                        help="only pods of this namespace may scrape the jobs' metrics port (default: any)")
     parser.add_argument("--no-scanning", action="store_true",
                         help="do not list namespaces and CRDs (least privilege: watch only the "
                              "--namespace names given, discover resources once at start)")
@@ -61,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     """Run until interrupted."""
     from alpajob.operator.handlers import OperatorOptions
     from alpajob.operator.main import run_operator
+    from alpajob.operator.network import NetworkSettings
 
     if args.interval <= 0:
         raise ManifestError("--interval", f"must be positive, got {args.interval}")
@@ -87,4 +98,7 @@ def run(args: argparse.Namespace) -> int:
     return run_operator(options, namespaces=tuple(args.namespace or ()),
                         clusterwide=bool(args.all_namespaces), liveness=args.liveness,
                         metrics_port=args.metrics_port, default_image=args.default_image,
-                        verbose=args.verbose, metrics_bind_address=args.metrics_bind_address)
+                        verbose=args.verbose, metrics_bind_address=args.metrics_bind_address,
+                        network=NetworkSettings(enabled=args.network_policy,
+                                                operator_namespace=args.operator_namespace,
+                                                metrics_namespace=args.metrics_scraper_namespace))

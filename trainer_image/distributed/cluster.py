@@ -9,7 +9,10 @@ the head's address through the runtime contract
 defaults to it.
 
 The entry points run ``ray start`` (blocking in the foreground, as a pod's main
-process should) with a temp dir and no token auth inside the job's private network.
+process should) with a temp dir. In a job's pods Ray requires the attempt's token
+(``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN_PATH``: the operator's ``<job>-<a>-ray``
+Secret) of every connection: its GCS, raylets, the dashboard agent's job API and Ray
+Client answer nothing without it.
 """
 
 from __future__ import annotations
@@ -76,7 +79,10 @@ def ray_env(devices: int | None = None) -> dict[str, str]:
     replacement on the node that joined instead: :func:`host_node`). Each variable
     may be set to override it."""
     env = dict(os.environ)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
+    # Token authentication whenever a token is given (a job's pods: the attempt's
+    # Secret); without one (a developer's own `alpajob ray-head`), none.
+    token = env.get("RAY_AUTH_TOKEN_PATH") or env.get("RAY_AUTH_TOKEN")
+    env.setdefault("RAY_AUTH_MODE", "token" if token else "disabled")
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     for name, value in HEALTH_CHECK.items():
         env.setdefault(name, value)
