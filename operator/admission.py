@@ -20,14 +20,47 @@ It imports neither kopf nor JAX; the operator's webhook handler wraps it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
+from alpajob.api.data import DataSpec
 from alpajob.api.resource import document_problems
 
+#: The data URL schemes a cluster allows unless its operator says otherwise
+#: (``--data-schemes``): local paths and volumes, S3 and Google Cloud Storage. A web
+#: URL (http, https) reads from anywhere the pods can reach, so it is allowed only
+#: where the operator is told to.
+DEFAULT_DATA_SCHEMES = ("file", "s3", "gs")
+#: Other spellings fsspec accepts for one store.
+SCHEME_ALIASES = {"gcs": "gs", "s3a": "s3", "local": "file"}
 
-def validate_alpajob(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[str]:
-    """Every problem of the AlpaJob ``body`` (``old``: the stored object, on an update)."""
+
+def scheme_of(location: str) -> str:
+    """``s3`` for ``s3://bucket/x``; ``file`` for a path."""
+    if "://" not in location:
+        return "file"
+    scheme = location.split("://", 1)[0].lower()
+    return SCHEME_ALIASES.get(scheme, scheme)
+
+
+def data_scheme_problems(body: Mapping[str, Any], allowed: Collection[str]) -> list[str]:
+    """One problem per place of ``spec.data`` whose scheme the cluster does not allow."""
+    raw = (body.get("spec") or {}).get("data")
+    if not raw:
+        return []
+    data = DataSpec.model_validate(raw)
+    wanted = {SCHEME_ALIASES.get(s, s) for s in allowed}
+    return [f"{field}: {location!r} reads over {scheme}://, which this cluster does not allow (its operator "
+            f"allows {', '.join(sorted(wanted))}); copy the data to an allowed store, or ask the cluster's "
+            f"admins to add {scheme} to the operator's --data-schemes (the chart's dataSchemes)"
+            for field, location in data.locations() if (scheme := scheme_of(location)) not in wanted]
+
+
+def validate_alpajob(body: Mapping[str, Any], old: Mapping[str, Any] | None = None,
+                     data_schemes: Collection[str] = DEFAULT_DATA_SCHEMES) -> list[str]:
+    """Every problem of the AlpaJob ``body`` (``old``: the stored object, on an update);
+    ``data_schemes``: the URL schemes ``spec.data`` may read over."""
     if old is not None and body.get("spec") == old.get("spec"):
         return []
-    return [str(problem) for problem in document_problems(dict(body), dict(old) if old else None)]
+    problems = [str(problem) for problem in document_problems(dict(body), dict(old) if old else None)]
+    return problems or data_scheme_problems(body, data_schemes)

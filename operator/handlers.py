@@ -39,6 +39,7 @@ import kopf
 from alpajob.api.names import ANNOTATION_PREFIX, CRD_NAME, FINALIZER, GROUP, PLURAL, VERSION
 from alpajob.api.status import Phase
 from alpajob.operator import world
+from alpajob.operator.admission import DEFAULT_DATA_SCHEMES
 from alpajob.operator.health import ApiContact, LostApiServer
 from alpajob.operator.kube import Kube
 from alpajob.operator.metrics import OperatorMetrics
@@ -61,6 +62,7 @@ class OperatorOptions:
     webhook_managed: bool = False  # kopf keeps a ValidatingWebhookConfiguration up to date
     webhook_bind_address: str = "0.0.0.0"  # the address the webhook listens on
     api_loss_seconds: float = 60.0  # liveness fails after this long without an answer from the API server
+    data_schemes: tuple[str, ...] = DEFAULT_DATA_SCHEMES  # the URL schemes spec.data may read over
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
         settings.posting.enabled = False
         settings.watching.server_timeout = 60
+        world.select_on_server(settings)
         settings.scanning.disabled = not options.scanning
         if options.webhook_port is not None:
             import tempfile
@@ -226,7 +229,7 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
             wakers.forget(namespace, name)
 
     if options.webhook_port is not None:
-        from alpajob.operator.admission import validate_alpajob
+        from alpajob.operator.admission import validate_alpajob  # noqa: I001 (beside its only use)
 
         @kopf.on.validate(GROUP, VERSION, PLURAL, registry=registry, id="validate-alpajob",
                           operations=["CREATE", "UPDATE"])
@@ -236,7 +239,8 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
             body, old, operation = kwargs["body"], kwargs.get("old"), kwargs.get("operation")
             if operation not in ("CREATE", "UPDATE"):
                 return
-            problems = validate_alpajob(dict(body), old=dict(old) if operation == "UPDATE" and old else None)
+            problems = validate_alpajob(dict(body), old=dict(old) if operation == "UPDATE" and old else None,
+                                        data_schemes=options.data_schemes)
             if problems:
                 raise kopf.AdmissionError("; ".join(problems), code=422)
 

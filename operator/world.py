@@ -1,7 +1,8 @@
 """What the operator knows of every job's world, kept current by watches.
 
 The operator does not poll. kopf watches the AlpaJobs' pods, ConfigMaps and Services
-(the objects with the job label) and the Nodes, and keeps them in memory in kopf
+(the objects with the job label, selected by the API server: :func:`select_on_server`)
+and the Nodes, and keeps them in memory in kopf
 *indexes* (:func:`register`): children by ``(namespace, job)``, nodes under one key.
 Each change also wakes the job it concerns (:class:`Wakers`), whose daemon then runs
 one reconciliation pass on a :class:`World` snapshot of the indexes. A Node wakes
@@ -101,6 +102,15 @@ class Wakers:
 
     def jobs(self) -> Iterable[tuple[str, str]]:
         return list(self._flags)
+
+
+def select_on_server(settings: kopf.OperatorSettings) -> None:
+    """Ask the API server for the jobs' children only: every list and watch of a
+    child kind carries ``labelSelector=alpajob.io/job``. (kopf's ``labels=`` on a
+    handler filters after the objects arrive: without this, every Pod, ConfigMap,
+    Service and claim of the cluster would stream into the operator.)"""
+    for kind in CHILD_KINDS:
+        settings.watching.label_selectors["v1", kind] = LABEL_JOB
 
 
 def register(registry: kopf.OperatorRegistry, wakers: Wakers) -> None:

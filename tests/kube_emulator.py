@@ -626,9 +626,9 @@ class Emulator:
         Security "restricted", with the trainer's ServiceAccount and its RoleBinding
         (``manifests/trainer-rbac.yaml``), and ``nodes`` Ready
         nodes ``node-<i>`` of ``gpus`` allocatable GPUs."""
-        from alpajob.api.names import GPU_RESOURCE
-
         from e2e_cluster import apply_documents, shipped_rbac
+
+        from alpajob.api.names import GPU_RESOURCE
 
         self.create_namespace(namespace)
         core = client.CoreV1Api(self.api())

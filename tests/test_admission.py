@@ -117,3 +117,23 @@ def test_an_update_that_changes_spec_is_still_judged_whole() -> None:
     new["spec"]["cluster"]["gpusPerNode"] = 3
     problems = validate_alpajob(new, old=request["oldObject"])
     assert any(p.startswith("spec.training: is immutable") for p in problems), problems
+
+
+@pytest.mark.parametrize(("data", "refused"), [
+    ({"train": "/data/corpus/*.txt"}, []),
+    ({"train": "s3://team/corpus/*.bin", "eval": "gs://team/eval.txt", "format": "tokens"}, []),
+    ({"train": "https://example.com/corpus.txt"}, ["spec.data.train"]),
+    ({"train": [{"name": "web", "path": "http://example.com/a.txt", "weight": 1},
+                {"name": "code", "path": "s3://team/code.txt", "weight": 1}]}, ["spec.data.train[0].path"]),
+    ({"train": "/data/a.txt", "eval": ["ftp://host/e.txt"], "tokenizer": "https://hf.co/tokenizer.json"},
+     ["spec.data.eval", "spec.data.tokenizer"]),
+])
+def test_data_urls_over_a_scheme_the_cluster_does_not_allow_are_refused(
+        data: dict[str, Any], refused: list[str]) -> None:
+    body = copy.deepcopy(BASE)
+    body["spec"]["data"] = data
+    problems = validate_alpajob(body)
+    assert [p.split(":", 1)[0] for p in problems] == refused
+    assert all("--data-schemes" in p and "\n" not in p for p in problems)
+    allowed = ("file", "s3", "gcs", "http", "https", "ftp")  # gcs: fsspec's other name for gs
+    assert validate_alpajob(body, data_schemes=allowed) == []

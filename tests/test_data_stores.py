@@ -73,6 +73,23 @@ def test_a_prepared_folder_reads_over_http_by_ranges(served: tuple[str, Path], t
     assert single.remote and single.tokens == 40_000
 
 
+@pytest.mark.parametrize(("address", "said"), [
+    ("{url}/prepared/train/missing.bin", "is not there (the server answered 404 Not Found)"),
+    ("https://{host}/prepared/train/shard-00000.bin", "SSL"),  # an http server asked for https
+    ("http://127.0.0.1:1/corpus.bin", "Cannot connect to host 127.0.0.1:1"),
+])
+def test_a_url_that_gives_nothing_says_why_in_one_line(served: tuple[str, Path], tmp_path: Path,
+                                                        address: str, said: str) -> None:
+    """Not a bucket: the URL kept whole in the message, with the server's own answer."""
+    url, _ = served
+    address = address.format(url=url, host=url.split("://", 1)[1])
+    with pytest.raises(ManifestError) as info:
+        corpus_at(address, BlockCache(tmp_path / "cache", "0"))
+    message = str(info.value)
+    assert info.value.field == "spec.data.train" and said in message and "\n" not in message
+    assert address in message and "bucket" not in message
+
+
 def test_a_server_that_ignores_ranges_is_refused_in_one_line(served: tuple[str, Path], tmp_path: Path) -> None:
     _, local = served
     handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(local))

@@ -265,6 +265,14 @@ def test_a_job_goes_from_planning_to_running_to_succeeded(cluster: Cluster, oper
         assert cluster.emu.requests("PATCH", "/alpajobs/gpt-a/status") == writes
         assert cluster.emu.requests("GET", "/alpajobs/gpt-a") == reads
         assert cluster.emu.requests("GET", f"/namespaces/{cluster.ns}/pods?") == lists
+        # kopf's lists and watches of the children ask the API server for the job
+        # label: no other pod, ConfigMap, Service or claim of the cluster comes back.
+        kinds = ("pods", "configmaps", "services", "persistentvolumeclaims")
+        kopf_reads = [r for r in list(cluster.emu.kmock) if r.resource is not None and r.resource.plural in kinds
+                      and r.method.upper() == "GET" and r.name is None
+                      and r.headers.get("User-Agent", "").startswith("kopf")]
+        assert {r.resource.plural for r in kopf_reads} == set(kinds)
+        assert {r.params.get("labelSelector") for r in kopf_reads} == {LABEL_JOB}
     cluster.set_phase("gpt-a-0-head", "Succeeded")
     _wait("phase Succeeded", lambda: cluster.phase("gpt-a") == "Succeeded", op=operator)
     # cleanPodPolicy Running: what still ran is deleted; the finished planner and head

@@ -180,6 +180,18 @@ class DataSpec(Contract):
             return list(self.train)  # type: ignore[arg-type]
         return [DataSource(path=self.train, weight=1.0)]  # type: ignore[arg-type]
 
+    def locations(self) -> list[tuple[str, str]]:
+        """Every place the job reads from, as (field, path or URL): each training
+        source's patterns, the eval patterns, and a tokenizer file (not ``bytes``)."""
+        mixture = self.is_mixture() or any(s.name for s in self.sources())
+        out = [(f"spec.data.train[{i}].path" if mixture else "spec.data.train", p)
+               for i, source in enumerate(self.sources()) for p in source.paths()]
+        if self.eval is not None:
+            out += [("spec.data.eval", p) for p in ([self.eval] if isinstance(self.eval, str) else self.eval)]
+        if self.tokenizer != BYTES_TOKENIZER:
+            out.append(("spec.data.tokenizer", self.tokenizer))
+        return out
+
     def named_sources(self) -> list[tuple[str, DataSource]]:
         """Each source with its name (``name``, else ``source-<index>``; a single
         source is ``train``)."""

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from alpajob.api.errors import ManifestError
+from alpajob.operator.admission import DEFAULT_DATA_SCHEMES
 
 
 def add_parser(sub: Any) -> None:
@@ -48,6 +49,9 @@ def add_parser(sub: Any) -> None:
                              "(default $POD_NAMESPACE, else alpajob-system)")
     parser.add_argument("--metrics-scraper-namespace", metavar="NAMESPACE",
                         help="only pods of this namespace may scrape the jobs' metrics port (default: any)")
+    parser.add_argument("--data-schemes", default=",".join(DEFAULT_DATA_SCHEMES), metavar="LIST",
+                        help="the URL schemes spec.data may read over, comma-separated; the webhook refuses "
+                             "others (default file,s3,gs; add https to allow web URLs)")
     parser.add_argument("--no-scanning", action="store_true",
                         help="do not list namespaces and CRDs (least privilege: watch only the "
                              "--namespace names given, discover resources once at start)")
@@ -65,6 +69,16 @@ def add_parser(sub: Any) -> None:
                         help="create and update the ValidatingWebhookConfiguration")
     parser.add_argument("--webhook-insecure", action="store_true",
                         help="plain HTTP (tests only: an API server requires HTTPS)")
+
+
+def _schemes(text: str) -> tuple[str, ...]:
+    """``--data-schemes``: lower-case names such as ``s3`` (no ``://``), at least one."""
+    schemes = tuple(s.strip().lower() for s in text.split(",") if s.strip())
+    bad = [s for s in schemes if not s.isascii() or not s.replace("-", "").replace("+", "").isalnum()]
+    if not schemes or bad:
+        raise ManifestError("--data-schemes", f"give scheme names separated by commas, such as file,s3,gs,https; "
+                                              f"got {text!r}")
+    return schemes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,
         webhook_key=args.webhook_key, webhook_insecure=args.webhook_insecure,
         webhook_managed=args.webhook_managed, webhook_bind_address=args.webhook_bind_address,
-        api_loss_seconds=args.liveness_api_timeout)
+        api_loss_seconds=args.liveness_api_timeout, data_schemes=_schemes(args.data_schemes))
     return run_operator(options, namespaces=tuple(args.namespace or ()),
                         clusterwide=bool(args.all_namespaces), liveness=args.liveness,
                         metrics_port=args.metrics_port, default_image=args.default_image,

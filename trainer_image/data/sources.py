@@ -113,7 +113,20 @@ def listing(pattern: str, field: str) -> Listing:
 
 def _check_bucket(fs: Any, path: str, pattern: str, field: str) -> None:
     """Say so if ``path``'s bucket does not exist (an object store lists a missing
-    bucket as empty)."""
+    bucket as empty); for a web server (no buckets: its path is the whole URL), why the
+    URL gave nothing: not found, or the server's own error."""
+    if "://" in path:  # http(s): fsspec keeps the URL whole, and says "missing" for any failure
+        try:
+            fs.info(path)
+        except FileNotFoundError as error:
+            cause = error.__cause__  # fsspec's http raises this for every failure, the real one below
+            if cause is None or "404" in str(cause):
+                raise ManifestError(field, f"{pattern!r} is not there (the server answered 404 Not Found); "
+                                           "check the URL") from None
+            raise ManifestError(field, describe_remote_error(cause, repr(pattern))) from None
+        except Exception as error:  # noqa: BLE001 - aiohttp's own errors (TLS, refused, DNS)
+            raise ManifestError(field, describe_remote_error(error, repr(pattern))) from None
+        return
     bucket = path.split("/", 1)[0]
     try:
         fs.info(bucket)
