@@ -195,6 +195,7 @@ def test_defaults_install_the_operator_and_the_trainer_rbac_only(default: list[d
         ("Deployment", "alpajob-operator", NAMESPACE),
         ("Service", "alpajob-operator-metrics", NAMESPACE),
         ("Service", "alpajob-operator-webhook", NAMESPACE),
+        ("NetworkPolicy", "alpajob-operator", NAMESPACE),
         ("ClusterRole", "alpajob-trainer", None),
         ("ServiceAccount", "alpajob-trainer", "default"),
         ("RoleBinding", "alpajob-trainer", "default"),
@@ -323,6 +324,23 @@ def test_disabling_the_webhook_drops_its_flags_port_service_and_rules(helm: Modu
     with_webhook = manifest("rbac.yaml", "ClusterRole")["rules"]
     assert rules == [r for r in with_webhook if r["apiGroups"] != ["admissionregistration.k8s.io"]]
     assert len(rules) == len(with_webhook) - 2
+
+
+def test_network_policies_follow_the_values(helm: ModuleType, default: list[dict[str, Any]]) -> None:
+    """On by default: the operator's namespace policy equals the manifest's, and the
+    operator makes the jobs' (no flag); a metrics namespace and data schemes reach it
+    as flags; off: no policy, and --no-network-policy."""
+    policy = find(default, "NetworkPolicy", "alpajob-operator", NAMESPACE)
+    assert policy["spec"] == manifest("operator.yaml", "NetworkPolicy")["spec"]
+    args = operator_args(container(find(default, "Deployment", "alpajob-operator", NAMESPACE))["command"])
+    assert args.network_policy and args.metrics_scraper_namespace is None and args.data_schemes == "file,s3,gs"
+    objects = render(helm, {"networkPolicy": {"metricsNamespace": "monitoring"}, "dataSchemes": ["s3", "https"]})
+    args = operator_args(container(find(objects, "Deployment", "alpajob-operator", NAMESPACE))["command"])
+    assert args.metrics_scraper_namespace == "monitoring" and args.data_schemes == "s3,https"
+    objects = render(helm, {"networkPolicy": {"enabled": False}})
+    assert not any(kind == "NetworkPolicy" for kind, _, _ in identity(objects))
+    args = operator_args(container(find(objects, "Deployment", "alpajob-operator", NAMESPACE))["command"])
+    assert args.network_policy is False
 
 
 def test_interval_accepts_whole_numbers(helm: ModuleType) -> None:

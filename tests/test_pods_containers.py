@@ -17,6 +17,7 @@ skipped elsewhere, saying why.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import time
@@ -106,6 +107,47 @@ def _inside(kubelet: Kubelet, pod: str, command: str) -> str:
                           timeout=60, check=True).stdout
 
 
+def ray_answers(token: str | None) -> dict[str, str]:
+    """What the job's Ray answers a client that reaches its ports with ``token`` (None:
+    no token): the GCS (a gRPC call, as ``ray.init`` makes first), the head's dashboard
+    agent (the job-submission API that runs any command), Ray Client (its first call).
+    The client is this test's process: every pod of the test shares the loopback
+    address, so it stands where another job's pod stands on a real pod network."""
+    import urllib.error
+    import urllib.request
+
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, ray_client_pb2, ray_client_pb2_grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    answers: dict[str, str] = {}
+    with grpc.insecure_channel("127.0.0.1:6379") as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=10, metadata=metadata)
+            answers["gcs"] = "OK"
+        except grpc.RpcError as error:
+            answers["gcs"] = error.code().name
+    with grpc.insecure_channel("127.0.0.1:10001") as channel:
+        try:
+            ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(
+                ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING), timeout=10,
+                metadata=metadata)
+            answers["client"] = "OK"
+        except grpc.RpcError as error:
+            answers["client"] = error.code().name
+    submit = urllib.request.Request(  # the exploit: a job whose entrypoint is any command
+        "http://127.0.0.1:52365/api/job_agent/jobs/", method="POST",
+        data=json.dumps({"entrypoint": "touch /tmp/ran-by-a-stranger"}).encode(),
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
+    try:
+        with urllib.request.urlopen(submit, timeout=30) as reply:
+            answers["job API"] = str(reply.status)
+    except urllib.error.HTTPError as error:
+        answers["job API"] = str(error.code)
+    return answers
+
+
 def test_the_readme_job_trains_in_containers_of_the_projects_image(world: tuple[Emulator, Kubelet, Path, str]) -> None:
     emu, kubelet, log, ns = world
     custom = client.CustomObjectsApi(emu.api())
@@ -125,6 +167,18 @@ def test_the_readme_job_trains_in_containers_of_the_projects_image(world: tuple[
 
     assert int(shm) == int(parse_quantity(dshm.empty_dir.size_limit))  # the plan's /dev/shm, not 64 MiB
     assert "1000" in groups.split()  # fsGroup among its groups
+    # Ray is closed: without the attempt's token, or with another job's, every port
+    # refuses (the job API's 401/403 before any command runs); the job's token is let in.
+    import base64
+
+    secret = client.CoreV1Api(emu.api()).read_namespaced_secret("text-gpt-0-ray", ns)
+    token = base64.b64decode(secret.data["token"]).decode()
+    assert ray_answers(None) == {"gcs": "UNAUTHENTICATED", "client": "UNAUTHENTICATED", "job API": "401"}
+    assert ray_answers("another-jobs-token") == {"gcs": "UNAUTHENTICATED", "client": "UNAUTHENTICATED",
+                                                 "job API": "403"}
+    assert ray_answers(token)["gcs"] == "OK"
+    assert _inside(kubelet, head, "ls /tmp/ran-by-a-stranger 2>/dev/null; stat -c %a /var/run/alpajob/ray/token"
+                   ).split() == ["440"]  # nothing ran; the token readable by the pod's user and group only
     began = time.monotonic()
     seen: dict[str, float] = {}
 
