@@ -79,7 +79,23 @@ def service_of(host: str | None) -> tuple[str, str] | None:
     return None
 
 
-class ServiceWebhookServer(kopf.WebhookServer):
+#: The largest AdmissionReview the webhook reads. aiohttp's default (1 MiB) refused
+#: the review of an update of any AlpaJob above about 0.5 MiB (the review carries the
+#: object twice, new and old), so such a job could never be changed, nor deleted (its
+#: finalizer's removal is an update). etcd stores objects up to 1.5 MiB, so a review
+#: stays under 3.5 MiB; 8 MiB leaves room.
+REVIEW_LIMIT = 8 << 20
+
+
+class ReviewServer(kopf.WebhookServer):
+    """kopf's server, reading reviews up to :data:`REVIEW_LIMIT` bytes."""
+
+    @staticmethod
+    async def _serve(fn: Any, request: Any) -> Any:
+        return await kopf.WebhookServer._serve(fn, request.clone(client_max_size=REVIEW_LIMIT))
+
+
+class ServiceWebhookServer(ReviewServer):
     """kopf's server, registered as a reference to the Service in front of it."""
 
     def __init__(self, *, namespace: str, name: str, **kwargs: Any) -> None:
@@ -109,4 +125,4 @@ def webhook_server(port: int, host: str | None, cert: str | None, key: str | Non
     service = service_of(host)
     if service is not None:
         return ServiceWebhookServer(namespace=service[0], name=service[1], **options)
-    return kopf.WebhookServer(**options)
+    return ReviewServer(**options)

@@ -462,6 +462,17 @@ def test_the_webhook_refuses_bad_specs_naming_the_field(emulator: Emulator, tmp_
         for field, path, value in IMMUTABLE:
             answer = _review(url, changed(BASE, path, value), old=BASE)
             assert answer["allowed"] is False and field in answer["status"]["message"], (field, answer)
+        # The largest AlpaJob etcd stores (about 1.5 MiB: here long env values in the pod
+        # template, and kubectl's last-applied annotation): its updates, a change of spec
+        # and a finalizer's removal (how it is deleted), are judged, not refused unread.
+        env = [{"name": f"SETTING_{i}", "value": "x" * 9000} for i in range(110)]
+        big = changed(BASE, "spec.podTemplate", {"mesh": {"env": env}})
+        big["metadata"]["annotations"] = {"kubectl.kubernetes.io/last-applied-configuration": "y" * 250_000}
+        assert len(json.dumps(big)) > 1_200_000
+        grown = changed(big, "spec.podTemplate", {"mesh": {"env": [*env, {"name": "MORE", "value": "1"}]}})
+        assert _review(url, grown, old=big)["allowed"] is True
+        going = {**big, "metadata": {**big["metadata"], "finalizers": [], "deletionTimestamp": "2026-12-02T10:00:00Z"}}
+        assert _review(url, going, old=big)["allowed"] is True
     finally:
         op.stop()
 
