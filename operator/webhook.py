@@ -7,8 +7,9 @@ real cluster without extra packages or tunnels:
 - **Certificate.** Without ``--webhook-cert``/``--webhook-key`` the operator makes a
   self-signed certificate for the webhook's host at start (:func:`self_signed`, with
   the ``cryptography`` package the Kubernetes client already needs); the managed
-  configuration carries it as its CA bundle. Mount a cert-manager certificate
-  instead for rotation by your PKI.
+  configuration carries it as its CA bundle. It is valid for 90 days and made again
+  after 60 (:class:`ReviewServer`); the new CA bundle reaches the configuration at
+  once. Or mount a cert-manager certificate, which kopf rereads when it is renewed.
 - **Address.** kube-apiserver does not resolve cluster DNS names in a webhook *URL*.
   A host of the form ``<service>.<namespace>.svc`` is therefore registered as a
   *Service reference* (:class:`ServiceWebhookServer`), which the API server resolves
@@ -17,6 +18,7 @@ real cluster without extra packages or tunnels:
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -42,9 +44,16 @@ def _subject_names(host: str) -> list[Any]:
     return [x509.DNSName(n) for n in dict.fromkeys(names)]
 
 
-def self_signed(host: str, folder: Path, days: int = 365) -> tuple[Path, Path]:
+#: How long a self-signed serving certificate is valid; it is made again after two
+#: thirds of that (:class:`ReviewServer`), long before it expires.
+CERTIFICATE_LIFETIME = datetime.timedelta(days=90)
+
+
+def self_signed(host: str, folder: Path,
+                lifetime: datetime.timedelta = CERTIFICATE_LIFETIME) -> tuple[Path, Path]:
     """A self-signed certificate (its own CA) and key for ``host`` (:func:`_subject_names`),
-    written as ``tls.crt`` and ``tls.key`` into ``folder``."""
+    valid for ``lifetime``, written as ``tls.crt`` and ``tls.key`` into ``folder``
+    (replacing the files at once: a reader never sees half of one)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -56,16 +65,19 @@ def self_signed(host: str, folder: Path, days: int = 365) -> tuple[Path, Path]:
     cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
+            .not_valid_after(now + lifetime)
             .add_extension(x509.SubjectAlternativeName(_subject_names(host)), critical=False)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .sign(key, hashes.SHA256()))
     folder.mkdir(parents=True, exist_ok=True)
     certfile, keyfile = folder / "tls.crt", folder / "tls.key"
-    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    keyfile.chmod(0o600)
+    for path, data in ((keyfile, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption())),
+                       (certfile, cert.public_bytes(serialization.Encoding.PEM))):
+        fresh = path.with_suffix(".new")
+        fresh.write_bytes(data)
+        fresh.chmod(0o600)
+        fresh.replace(path)
     return certfile, keyfile
 
 
@@ -88,7 +100,34 @@ REVIEW_LIMIT = 8 << 20
 
 
 class ReviewServer(kopf.WebhookServer):
-    """kopf's server, reading reviews up to :data:`REVIEW_LIMIT` bytes."""
+    """kopf's server, reading reviews up to :data:`REVIEW_LIMIT` bytes, and renewing
+    its self-signed certificate (``renew``: the host and folder of :func:`self_signed`,
+    and the lifetime) after two thirds of its lifetime. kopf rereads the certificate
+    files every ``file_check_interval`` seconds and, when they changed, serves the new
+    one and yields a new client configuration, whose CA bundle the managed
+    ValidatingWebhookConfiguration then gets: the API server trusts the new certificate
+    before the old one expires. (A mounted certificate, cert-manager's, is reread the
+    same way when its Secret is renewed.)"""
+
+    def __init__(self, *, renew: tuple[str, Path, datetime.timedelta] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.renew = renew
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        renewing = asyncio.create_task(self._renewing()) if self.renew is not None else None
+        try:
+            async for config in super().__call__(fn):
+                yield config
+        finally:
+            if renewing is not None:
+                renewing.cancel()
+
+    async def _renewing(self) -> None:
+        assert self.renew is not None
+        host, folder, lifetime = self.renew
+        while True:
+            await asyncio.sleep(lifetime.total_seconds() * 2 / 3)
+            await asyncio.to_thread(self_signed, host, folder, lifetime)
 
     @staticmethod
     async def _serve(fn: Any, request: Any) -> Any:
@@ -113,13 +152,17 @@ class ServiceWebhookServer(ReviewServer):
 
 
 def webhook_server(port: int, host: str | None, cert: str | None, key: str | None, insecure: bool,
-                   folder: Path, bind_address: str = "0.0.0.0") -> kopf.WebhookServer:
+                   folder: Path, bind_address: str = "0.0.0.0",
+                   lifetime: datetime.timedelta = CERTIFICATE_LIFETIME,
+                   file_check_interval: float = 60.0) -> kopf.WebhookServer:
     """The server for ``alpajob operator``'s webhook flags (see the module docstring),
-    listening on ``bind_address``."""
+    listening on ``bind_address``; a self-signed certificate lives ``lifetime``."""
+    options: dict[str, Any] = {"addr": bind_address, "port": port, "host": host, "insecure": insecure,
+                               "file_check_interval": file_check_interval}
     if not insecure and not (cert and key):
-        certfile, keyfile = self_signed(host or "localhost", folder)
+        certfile, keyfile = self_signed(host or "localhost", folder, lifetime)
         cert, key = str(certfile), str(keyfile)
-    options: dict[str, Any] = {"addr": bind_address, "port": port, "host": host, "insecure": insecure}
+        options["renew"] = (host or "localhost", folder, lifetime)
     if not insecure:
         options.update(certfile=cert, pkeyfile=key, cafile=cert)
     service = service_of(host)

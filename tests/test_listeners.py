@@ -58,6 +58,43 @@ def test_a_certificate_for_a_name_does_not_verify_for_an_ip(tmp_path: Path) -> N
         _handshake(certfile, keyfile, "127.0.0.1")
 
 
+def test_the_self_signed_certificate_is_renewed_and_served_before_it_expires(tmp_path: Path) -> None:
+    """A 3-second certificate (90 days in the operator): after 2 s a new one is made,
+    kopf's server serves it and yields a client configuration whose CA bundle is the
+    new certificate, which the managed webhook configuration then carries; a client
+    that trusts the new bundle verifies the server."""
+    import asyncio
+    import base64
+    import datetime
+
+    from cryptography import x509
+
+    from alpajob.operator.webhook import webhook_server
+
+    port = _free_port()
+    server = webhook_server(port, "127.0.0.1", None, None, False, tmp_path / "tls", "127.0.0.1",
+                            lifetime=datetime.timedelta(seconds=3), file_check_interval=0.2)
+
+    async def bundles() -> list[bytes]:
+        async def fn(*_: object, **__: object) -> dict[str, object]:
+            return {}
+
+        seen: list[bytes] = []
+        stream = server(fn)
+        async for config in stream:
+            seen.append(base64.b64decode(config["caBundle"]))
+            if len(seen) == 2:
+                break
+        await stream.aclose()
+        return seen
+
+    first, second = asyncio.run(asyncio.wait_for(bundles(), timeout=30))
+    old, new = x509.load_pem_x509_certificate(first), x509.load_pem_x509_certificate(second)
+    assert new.serial_number != old.serial_number
+    assert new.not_valid_after_utc > old.not_valid_after_utc
+    assert second == (tmp_path / "tls" / "tls.crt").read_bytes()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
