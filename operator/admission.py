@@ -20,6 +20,7 @@ It imports neither kopf nor JAX; the operator's webhook handler wraps it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -56,6 +57,38 @@ def data_scheme_problems(body: Mapping[str, Any], allowed: Collection[str]) -> l
             for field, location in data.locations() if (scheme := scheme_of(location)) not in wanted]
 
 
+#: Parts of an env var's name (split at ``_``, ``-``, ``.``) that say it holds a
+#: credential: ``HF_TOKEN``, ``DB_PASSWORD``, ``WANDB_API_KEY``, ``AWS_SECRET_ACCESS_KEY``
+#: (but not ``TOKENIZERS_PARALLELISM`` or ``MAX_TOKENS``).
+CREDENTIAL_WORDS = frozenset({"PASSWORD", "PASSWD", "SECRET", "TOKEN", "APIKEY", "CREDENTIAL", "CREDENTIALS"})
+CREDENTIAL_PAIRS = frozenset({("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY"), ("AUTH", "KEY")})
+#: What a credential's value looks like, whatever its name: an AWS access key id, a
+#: GitHub or Slack or OpenAI-style token, a JWT, a PEM private key.
+CREDENTIAL_VALUE = re.compile(r"AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{30,}|xox[abpr]-[A-Za-z0-9-]{10,}"
+                              r"|sk-[A-Za-z0-9_-]{20,}|eyJ[A-Za-z0-9_-]{8,}\.eyJ|-----BEGIN [A-Z ]*PRIVATE KEY-----")
+
+
+def credential_problems(body: Mapping[str, Any]) -> list[str]:
+    """One problem per literal ``env[].value`` of ``spec.podTemplate`` that looks like a
+    credential: the job's pods read the job from ``<job>-config``, a ConfigMap every pod
+    of the namespace may read, so a value written there is no secret."""
+    templates = ((body.get("spec") or {}).get("podTemplate")) or {}
+    problems = []
+    for role in ("planner", "head", "mesh"):
+        for index, var in enumerate(((templates.get(role) or {}).get("env")) or []):
+            if not isinstance(var, Mapping) or not var.get("value"):
+                continue
+            parts = [p for p in re.split(r"[_.-]", str(var.get("name", "")).upper()) if p]
+            named = any(p in CREDENTIAL_WORDS for p in parts) or any(pair in CREDENTIAL_PAIRS
+                                                                    for pair in zip(parts, parts[1:], strict=False))
+            if named or CREDENTIAL_VALUE.search(str(var["value"])):
+                problems.append(
+                    f"spec.podTemplate.{role}.env[{index}] ({var.get('name')}): a literal value that looks like a "
+                    "credential would be readable by every pod of the namespace (the job is kept in a ConfigMap); "
+                    f"put it in a Secret and use valueFrom: {{secretKeyRef: {{name: <secret>, key: <key>}}}}")
+    return problems
+
+
 def validate_alpajob(body: Mapping[str, Any], old: Mapping[str, Any] | None = None,
                      data_schemes: Collection[str] = DEFAULT_DATA_SCHEMES) -> list[str]:
     """Every problem of the AlpaJob ``body`` (``old``: the stored object, on an update);
@@ -63,4 +96,4 @@ def validate_alpajob(body: Mapping[str, Any], old: Mapping[str, Any] | None = No
     if old is not None and body.get("spec") == old.get("spec"):
         return []
     problems = [str(problem) for problem in document_problems(dict(body), dict(old) if old else None)]
-    return problems or data_scheme_problems(body, data_schemes)
+    return problems or data_scheme_problems(body, data_schemes) + credential_problems(body)

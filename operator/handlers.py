@@ -63,6 +63,7 @@ class OperatorOptions:
     webhook_bind_address: str = "0.0.0.0"  # the address the webhook listens on
     api_loss_seconds: float = 60.0  # liveness fails after this long without an answer from the API server
     data_schemes: tuple[str, ...] = DEFAULT_DATA_SCHEMES  # the URL schemes spec.data may read over
+    check_creator: bool = True  # the webhook refuses a job whose creator may not create pods there
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,9 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
                           operations=["CREATE", "UPDATE"])
         def validate(**kwargs: Any) -> None:
             """Refuse what the CRD's schema and CEL cannot judge; on an update, also a
-            change of an immutable field."""
+            change of an immutable field. A job that is new or changes its spec is also
+            refused when its author may not create pods in its namespace: creating an
+            AlpaJob is creating pods (as a Deployment is), with the job's ServiceAccount."""
             body, old, operation = kwargs["body"], kwargs.get("old"), kwargs.get("operation")
             if operation not in ("CREATE", "UPDATE"):
                 return
@@ -243,5 +246,19 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
                                         data_schemes=options.data_schemes)
             if problems:
                 raise kopf.AdmissionError("; ".join(problems), code=422)
+            changed = operation == "CREATE" or (old is not None and dict(old).get("spec") != dict(body).get("spec"))
+            user = kwargs.get("userinfo") or {}
+            namespace = kwargs.get("namespace") or (body.get("metadata") or {}).get("namespace")
+            if options.check_creator and changed and namespace:
+                try:
+                    allowed = kube.may_create_pods(user, namespace)
+                except Exception as error:  # noqa: BLE001 (the API server's own trouble: refuse, and say it)
+                    raise kopf.AdmissionError(f"could not ask the API server whether {user.get('username')} may "
+                                              f"create pods in {namespace} ({error}); try again", code=503) from None
+                if not allowed:
+                    raise kopf.AdmissionError(
+                        f"{user.get('username')} may not create pods in namespace {namespace}, and an AlpaJob "
+                        f"creates pods there (as spec.serviceAccountName); ask for the create verb on pods in "
+                        f"{namespace}", code=403)
 
     return registry

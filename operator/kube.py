@@ -159,6 +159,16 @@ class Kube:
                     gone.add(str(meta.get("uid")))
         return gone
 
+    def may_create_pods(self, user: Mapping[str, Any], namespace: str) -> bool:
+        """Whether ``user`` (an admission request's ``userInfo``) may create pods in
+        ``namespace``: the API server's own answer (a SubjectAccessReview)."""
+        review = client.V1SubjectAccessReview(spec=client.V1SubjectAccessReviewSpec(
+            user=user.get("username"), uid=user.get("uid"), groups=list(user.get("groups") or []),
+            extra={k: list(v) for k, v in (user.get("extra") or {}).items()},
+            resource_attributes=client.V1ResourceAttributes(namespace=namespace, verb="create", resource="pods")))
+        answer = client.AuthorizationV1Api(self.api).create_subject_access_review(review, _request_timeout=5.0)
+        return bool(answer.status and answer.status.allowed)
+
     def gang(self, job: Mapping[str, Any]) -> str | None:
         wanted = ((job.get("spec") or {}).get("scheduling") or {}).get("gang", "auto")
         if wanted == "none":

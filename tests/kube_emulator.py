@@ -77,6 +77,7 @@ class _Admitting(kmock.KubernetesEmulator):
 
     admit: Any = None
     authorize: Any = None  # who may do what (``Emulator._authorize``): the error to answer, or None
+    access_review: Any = None  # a SubjectAccessReview's answer (``Emulator._access_review``)
     graceful_pods: bool = False  # a kubelet confirms pod deletions (module docstring of Emulator)
     version: int = 0  # the last resource version given
     deletions: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list)  # version, resource, last state
@@ -90,6 +91,9 @@ class _Admitting(kmock.KubernetesEmulator):
         if request.subresource == "token" and request.method == kmock.method.POST and request.resource is not None \
                 and request.resource.plural == "serviceaccounts":
             return await self._token_request(request)
+        if request.resource is not None and request.resource.plural == "subjectaccessreviews" \
+                and request.method == kmock.method.POST and self.access_review is not None:
+            return aiohttp.web.json_response(self.access_review(request.data or {}), status=201)
         refusal = await self.admit(request) if self.admit is not None and request.resource is not None else None
         if refusal is not None:
             return await self._render_error(refusal)
@@ -392,6 +396,26 @@ class Emulator:
         #: Every request that RBAC refused, as its 403 message (:mod:`rbac`).
         self.forbidden: list[str] = []
 
+    def _stored_rbac(self, plural: str) -> list[dict[str, Any]]:
+        """The stored objects of one RBAC kind (``clusterroles``, ``rolebindings``, ...)."""
+        return [_plain(obj.raw) for (kind, _, _), obj in list(self.kmock._objects.items())
+                if kind.group == RBAC and kind.plural == plural and not obj.deleted]
+
+    def _access_review(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The SubjectAccessReview API: may the user of ``body.spec`` do what its
+        ``resourceAttributes`` say, by the stored roles (:mod:`rbac`)?"""
+        from rbac import User
+
+        spec = body.get("spec") or {}
+        attributes = spec.get("resourceAttributes") or {}
+        user = User(str(spec.get("user") or ""), tuple(spec.get("groups") or ()))
+        resource = str(attributes.get("resource") or "") + \
+            (f"/{attributes['subresource']}" if attributes.get("subresource") else "")
+        ask = Ask(str(attributes.get("verb") or ""), str(attributes.get("group") or ""), resource,
+                  attributes.get("namespace"), attributes.get("name"))
+        verdict = allowed(user, ask, self._stored_rbac)
+        return {**body, "status": {"allowed": verdict, **({} if verdict else {"reason": forbidden_message(user, ask)})}}
+
     def _authorize(self, request: Any) -> KubernetesError | None:
         """Authentication, then RBAC (:mod:`rbac`): 401 for a missing or unknown token,
         403 for a request no role of its user grants; None to go on."""
@@ -404,11 +428,7 @@ class Emulator:
         ask = Ask(verb_of(request.method.upper(), request.name, request.params), request.resource.group or "",
                   resource, request.namespace, request.name)
 
-        def stored(plural: str) -> list[dict[str, Any]]:
-            return [_plain(obj.raw) for (kind, _, _), obj in list(self.kmock._objects.items())
-                    if kind.group == RBAC and kind.plural == plural and not obj.deleted]
-
-        if allowed(user, ask, stored):
+        if allowed(user, ask, self._stored_rbac):
             return None
         message = forbidden_message(user, ask)
         self.forbidden.append(message)
@@ -421,7 +441,7 @@ class Emulator:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with _Admitting(admit=self._admit, authorize=self._authorize,
+        async with _Admitting(admit=self._admit, authorize=self._authorize, access_review=self._access_review,
                               graceful_pods=self.graceful_pods) as emulator, \
                 kmock.Server(emulator) as server:
             emulator.resources["alpajob.io/v1alpha1/alpajobs"] = kmock.ResourceInfo(
@@ -550,6 +570,11 @@ class Emulator:
                 raise RuntimeError(f"namespace {namespace} not gone after {timeout:.0f} s")
             time.sleep(0.2)
 
+    def _user_info(self, request: Any) -> dict[str, Any]:
+        """The requester as an AdmissionReview names it (``userInfo``)."""
+        user = self.kmock.tokens.user(request.headers)
+        return {"username": user.name, "groups": list(user.groups)} if user is not None else {}
+
     async def _review(self, request: Any) -> KubernetesError | None:
         """Ask :attr:`webhook` about an AlpaJob write, as the API server asks a
         validating webhook: the object as it would be stored (a patch applied to the
@@ -573,7 +598,7 @@ class Emulator:
             "resource": {"group": "alpajob.io", "version": "v1alpha1", "resource": "alpajobs"},
             **({"subResource": request.subresource} if request.subresource else {}),
             "operation": "UPDATE" if update else "CREATE", "object": new,
-            "oldObject": old if update else None, "userInfo": {"username": "kmock"}, "dryRun": False}}
+            "oldObject": old if update else None, "userInfo": self._user_info(request), "dryRun": False}}
         webhook = 'admission webhook "validate-alpajob.alpajobs.alpajob.io"'
         try:
             async with aiohttp.ClientSession() as session, session.post(self.webhook, json=review,

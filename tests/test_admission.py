@@ -137,3 +137,24 @@ def test_data_urls_over_a_scheme_the_cluster_does_not_allow_are_refused(
     assert all("--data-schemes" in p and "\n" not in p for p in problems)
     allowed = ("file", "s3", "gcs", "http", "https", "ftp")  # gcs: fsspec's other name for gs
     assert validate_alpajob(body, data_schemes=allowed) == []
+
+
+@pytest.mark.parametrize(("env", "refused"), [
+    ({"name": "HF_TOKEN", "value": "hf_abcdefghijklmnop"}, True),
+    ({"name": "WANDB_API_KEY", "value": "0123456789abcdef"}, True),
+    ({"name": "AWS_SECRET_ACCESS_KEY", "value": "x"}, True),
+    ({"name": "SETTINGS", "value": "key=AKIAIOSFODNN7EXAMPLE"}, True),  # an AWS key id, whatever the name
+    ({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}, False),
+    ({"name": "TOKENIZERS_PARALLELISM", "value": "false"}, False),
+    ({"name": "MAX_TOKENS", "value": "4096"}, False),
+    ({"name": "NCCL_DEBUG", "value": "INFO"}, False),
+])
+def test_a_literal_credential_in_the_pod_template_is_refused_with_the_fix(env: dict[str, Any], refused: bool) -> None:
+    body = copy.deepcopy(BASE)
+    body["spec"]["podTemplate"] = {"head": {"env": [{"name": "NCCL_DEBUG", "value": "WARN"}, env]}}
+    problems = validate_alpajob(body)
+    if not refused:
+        assert problems == []
+        return
+    [problem] = problems
+    assert problem.startswith(f"spec.podTemplate.head.env[1] ({env['name']}):") and "secretKeyRef" in problem

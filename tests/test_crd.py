@@ -531,6 +531,7 @@ NEEDED_VERBS = {
     ("", "configmaps"): {"create", "get", "list", "watch", "patch"},  # patch: the plan cleared to plan again
     ("", "persistentvolumeclaims"): {"create", "get", "list", "watch"},
     ("", "secrets"): {"create", "delete"},  # the attempts' Ray tokens; never read
+    ("authorization.k8s.io", "subjectaccessreviews"): {"create"},  # may a job's author create pods?
     ("networking.k8s.io", "networkpolicies"): {"create"},
     ("", "events"): {"create"},
     ("", "nodes"): {"get", "list", "watch"},

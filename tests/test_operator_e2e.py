@@ -416,7 +416,12 @@ def test_an_operator_killed_mid_way_creates_no_duplicates(cluster: Cluster, oper
     assert set(created) == {"gpt-e-planner", "gpt-e-0-head", "gpt-e-0-m0-h0", "gpt-e-0-m1-h0"}
 
 
-def _review(url: str, body: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
+#: A cluster administrator, as an AdmissionReview names the requester.
+ADMIN_INFO = {"username": "kubernetes-admin", "groups": ["system:masters", "system:authenticated"]}
+
+
+def _review(url: str, body: dict[str, Any], old: dict[str, Any] | None = None,
+            user: dict[str, Any] | None = None) -> dict[str, Any]:
     """Send one AdmissionReview, as the API server would, and return its response."""
     import json
     import urllib.request
@@ -426,7 +431,7 @@ def _review(url: str, body: dict[str, Any], old: dict[str, Any] | None = None) -
         "resource": {"group": GROUP, "version": VERSION, "resource": PLURAL},
         "namespace": REVIEW_NS, "name": body["metadata"].get("name"),
         "operation": "UPDATE" if old else "CREATE", "object": body, "oldObject": old,
-        "userInfo": {"username": "test"}, "dryRun": False}}
+        "userInfo": user or ADMIN_INFO, "dryRun": False}}
     request = urllib.request.Request(url, json.dumps(review).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as answer:
         return json.loads(answer.read())["response"]
@@ -500,6 +505,27 @@ def test_with_the_webhook_called_as_the_api_server_calls_it_a_job_runs_suspends_
         with pytest.raises(client.ApiException) as refused:  # the webhook judges creations
             cluster.create_job("gpt-w0", model={"zoo": "gpt", "config": "no-such-size"})
         assert refused.value.status == 422 and "spec.model.config" in refused.value.body
+        # Creating an AlpaJob is creating pods: a user who may create AlpaJobs but not
+        # pods in the namespace is refused (the webhook asks the API server's RBAC).
+        from e2e_cluster import apply_documents
+
+        apply_documents(cluster.api, [
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "alice", "namespace": cluster.ns}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": "alpajob-author", "namespace": cluster.ns},
+             "rules": [{"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["create", "get"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": "alice", "namespace": cluster.ns},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "alpajob-author"},
+             "subjects": [{"kind": "ServiceAccount", "name": "alice", "namespace": cluster.ns}]}])
+        alice = client.CustomObjectsApi(emulator.api(account_token(cluster.api, cluster.ns, "alice")))
+        job = yaml.safe_load((EXAMPLES / "manual-gpt.yaml").read_text())
+        job["metadata"] = {"name": "gpt-alice", "namespace": cluster.ns}
+        with pytest.raises(client.ApiException) as not_allowed:
+            alice.create_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, job)
+        assert not_allowed.value.status == 403
+        assert f"system:serviceaccount:{cluster.ns}:alice may not create pods in namespace {cluster.ns}" \
+            in not_allowed.value.body
         cluster.create_job("gpt-w")
         cluster.run_planner("gpt-w", tmp_path)
         _to_running(cluster, op, "gpt-w", tmp_path)

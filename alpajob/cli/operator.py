@@ -52,6 +52,9 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--data-schemes", default=",".join(DEFAULT_DATA_SCHEMES), metavar="LIST",
                         help="the URL schemes spec.data may read over, comma-separated; the webhook refuses "
                              "others (default file,s3,gs; add https to allow web URLs)")
+    parser.add_argument("--check-creator", action=argparse.BooleanOptionalAction, default=True,
+                        help="the webhook refuses a job whose author may not create pods in its namespace "
+                             "(a SubjectAccessReview; default on)")
     parser.add_argument("--no-scanning", action="store_true",
                         help="do not list namespaces and CRDs (least privilege: watch only the "
                              "--namespace names given, discover resources once at start)")
@@ -108,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         webhook_host=args.webhook_host, webhook_cert=args.webhook_cert,
         webhook_key=args.webhook_key, webhook_insecure=args.webhook_insecure,
         webhook_managed=args.webhook_managed, webhook_bind_address=args.webhook_bind_address,
-        api_loss_seconds=args.liveness_api_timeout, data_schemes=_schemes(args.data_schemes))
+        api_loss_seconds=args.liveness_api_timeout, data_schemes=_schemes(args.data_schemes),
+        check_creator=args.check_creator)
     return run_operator(options, namespaces=tuple(args.namespace or ()),
                         clusterwide=bool(args.all_namespaces), liveness=args.liveness,
                         metrics_port=args.metrics_port, default_image=args.default_image,
