@@ -117,7 +117,12 @@ def ray_answers(token: str | None) -> dict[str, str]:
     import urllib.request
 
     import grpc
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, ray_client_pb2, ray_client_pb2_grpc
+    from ray.core.generated import (
+        gcs_service_pb2,
+        gcs_service_pb2_grpc,
+        ray_client_pb2,
+        ray_client_pb2_grpc,
+    )
 
     metadata = [("authorization", f"Bearer {token}")] if token else None
     answers: dict[str, str] = {}
