@@ -23,12 +23,14 @@ a namespace that does not exist is refused with 404, and one in a namespace bein
 deleted with 403 ``NamespaceTerminating``; a namespace deletion takes
 ``namespace_seconds``, then everything in it goes, as on a real API server. Every AlpaJob
 written (created, patched or replaced, status included) is pruned by the CRD's
-structural schema, as the API server prunes it.
+structural schema, as the API server prunes it. A Secret's ``stringData`` is stored
+as ``data`` (base64), as the API server stores it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import json
@@ -453,6 +455,8 @@ class Emulator:
                                           ("v1/persistentvolumeclaims", "PersistentVolumeClaim", True),
                                           ("v1/services", "Service", True), ("v1/events", "Event", True),
                                           ("v1/secrets", "Secret", True),
+                                          ("kopf.dev/v1/kopfpeerings", "KopfPeering", True),
+                                          ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False),
                                           ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True),
                                           *[(f"{RBAC}/v1/{plural}", kind, namespaced) for plural, kind, namespaced in (
                                               ("clusterroles", "ClusterRole", False),
@@ -461,8 +465,8 @@ class Emulator:
                                           ("v1/nodes", "Node", False), ("v1/namespaces", "Namespace", False),
                                           ("apiextensions.k8s.io/v1/customresourcedefinitions",
                                            "CustomResourceDefinition", False)]:
-                emulator.resources[key] = kmock.ResourceInfo(
-                    kind=kind, namespaced=namespaced, subresources={"status"},
+                emulator.resources[key] = kmock.ResourceInfo(  # kopf's peering CRDs declare no status subresource
+                    kind=kind, namespaced=namespaced, subresources=set() if key.startswith("kopf.dev/") else {"status"},
                     verbs={"get", "list", "watch", "create", "update", "patch", "delete"})
             self.kmock = emulator
             self.url = str(server.url).rstrip("/")
@@ -497,6 +501,12 @@ class Emulator:
             if refusal is not None:
                 return KubernetesError(status=403, reason="Forbidden", message=refusal,
                                        details={"name": name, "kind": "pods"})
+        if resource.plural == "secrets" and resource.group == "" and isinstance(request.data, dict) \
+                and action in (kmock.action.CREATE, kmock.action.UPDATE) and request.data.get("stringData"):
+            # What the API server stores of a Secret's stringData: its keys, base64, in data.
+            plain = request.data.pop("stringData")
+            request.data["data"] = {**(request.data.get("data") or {}),
+                                    **{k: base64.b64encode(str(v).encode()).decode() for k, v in plain.items()}}
         if resource.plural == "alpajobs" and action in (kmock.action.CREATE, kmock.action.UPDATE):
             self._prune_job(request.data)
             if self.webhook is not None:

@@ -74,7 +74,7 @@ def helm() -> ModuleType:
 def render(helm: ModuleType, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every object the chart installs: its CRDs, then its rendered templates."""
     with helm.Chart.load(CHART) as chart:
-        objects = [yaml.safe_load(crd["data"]) for crd in chart.crds]
+        objects = [doc for crd in chart.crds for doc in yaml.safe_load_all(crd["data"]) if doc]
         rendered = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
     for path, text in sorted(rendered.items()):
         if path.endswith(".yaml"):
@@ -155,9 +155,13 @@ def test_crd_is_byte_identical_to_the_manifest(helm: ModuleType) -> None:
     source = (MANIFESTS / "crd.yaml").read_bytes()
     with helm.Chart.load(CHART) as chart:
         crds = chart.crds
-    assert [c["name"] for c in crds] == ["crds/alpajob.io_alpajobs.yaml"]
+    assert [c["name"] for c in crds] == ["crds/alpajob.io_alpajobs.yaml", "crds/kopf.dev_peerings.yaml"]
     assert crds[0]["data"].encode() == source
     assert (CHART / "crds" / "alpajob.io_alpajobs.yaml").read_bytes() == source
+    # kopf's peering kinds, as manifests/peering.yaml defines them.
+    peering = [d for d in yaml.safe_load_all((MANIFESTS / "peering.yaml").read_text())
+               if d and d["kind"] == "CustomResourceDefinition"]
+    assert [d for d in yaml.safe_load_all(crds[1]["data"]) if d] == peering
 
 
 def test_the_packaged_chart_carries_everything(helm: ModuleType, tmp_path: Path) -> None:
@@ -183,12 +187,16 @@ def test_every_object_passes_the_kubernetes_schemas(which: str, request: pytest.
         except validate.ValidationError as error:
             path = ".".join(str(p) for p in error.path)
             pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {path}: {error.message}")
-    assert unchecked == (PROMETHEUS_OPERATOR if which == "full" else set())
+    assert unchecked == (PROMETHEUS_OPERATOR | {"KopfPeering"} if which == "full" else {"ClusterKopfPeering"})
 
 
 def test_defaults_install_the_operator_and_the_trainer_rbac_only(default: list[dict[str, Any]]) -> None:
     assert identity(default) == {
         ("CustomResourceDefinition", "alpajobs.alpajob.io", None),
+        ("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev", None),
+        ("CustomResourceDefinition", "kopfpeerings.kopf.dev", None),
+        ("ClusterKopfPeering", "alpajob", None),
+        ("PodDisruptionBudget", "alpajob-operator", NAMESPACE),
         ("ServiceAccount", "alpajob-operator", NAMESPACE),
         ("ClusterRole", "alpajob-operator", None),
         ("ClusterRoleBinding", "alpajob-operator", None),

@@ -532,6 +532,8 @@ NEEDED_VERBS = {
     ("", "persistentvolumeclaims"): {"create", "get", "list", "watch"},
     ("", "secrets"): {"create", "delete"},  # the attempts' Ray tokens; never read
     ("authorization.k8s.io", "subjectaccessreviews"): {"create"},  # may a job's author create pods?
+    ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},  # the replicas' election
+    ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
     ("networking.k8s.io", "networkpolicies"): {"create"},
     ("", "events"): {"create"},
     ("", "nodes"): {"get", "list", "watch"},
@@ -597,7 +599,7 @@ def test_the_managed_webhook_configuration_is_the_one_rbac_names() -> None:
     assert CRD_NAME == WEBHOOK_CONFIGURATION  # settings.admission.managed
 
 
-def test_operator_deployment_is_single_non_root_and_probed() -> None:
+def test_operator_deployment_is_replicated_non_root_and_probed() -> None:
     deployment = by_kind("operator.yaml")["Deployment"]
     services = {d["metadata"]["name"]: d for d in documents("operator.yaml") if d["kind"] == "Service"}
     assert set(services) == {"alpajob-operator-metrics", "alpajob-operator-webhook"}
@@ -606,7 +608,14 @@ def test_operator_deployment_is_single_non_root_and_probed() -> None:
     assert namespace["metadata"]["name"] == deployment["metadata"]["namespace"] == "alpajob-system"
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    # Two replicas, one of which reconciles (kopf's peering object alpajob); a rollout
+    # starts the new pod before it stops an old one, and a drain keeps one.
+    assert spec["replicas"] == 2 and spec["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    budget = by_kind("operator.yaml")["PodDisruptionBudget"]
+    assert budget["spec"] == {"minAvailable": 1, "selector": spec["selector"]}
+    command = spec["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--peering") + 1] == "alpajob"
+    assert by_kind("peering.yaml")["ClusterKopfPeering"]["metadata"]["name"] == "alpajob"
     pod = spec["template"]["spec"]
     assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
     assert pod["serviceAccountName"] == "alpajob-operator"

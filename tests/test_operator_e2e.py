@@ -352,6 +352,54 @@ def test_a_smaller_pool_plans_the_job_again_under_the_shipped_rbac(
     assert emulator.forbidden == []
 
 
+def test_of_two_replicas_one_reconciles_and_a_killed_leader_is_replaced_within_seconds(
+        emulator: Emulator, cluster: Cluster, tmp_path: Path) -> None:
+    """Two operators on one peering object (``--peering alpajob``): the one of the
+    higher priority reconciles, the other waits and still answers the webhook; once the
+    first is killed (SIGKILL: no goodbye) the second takes over and restarts the job."""
+    from e2e_cluster import apply_documents, shipped_rbac
+
+    from alpajob.operator.main import PEER_LIFETIME
+    from alpajob.trainer_image.distributed.loopback import free_port
+
+    refused = getattr(emulator, "forbidden", [])
+    refused.clear()
+    apply_documents(cluster.api, [d for d in shipped_rbac("peering.yaml") if d["kind"] == "CustomResourceDefinition"])
+    cluster.custom.create_namespaced_custom_object("kopf.dev", "v1", cluster.ns, "kopfpeerings", {
+        "apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "alpajob", "namespace": cluster.ns}})
+    replicas = []
+    for name, priority in (("leader", 200), ("follower", 100)):
+        op = Operator(emulator, tmp_path / f"{name}.log", cluster.ns)
+        op.args = ["--peering", "alpajob", "--priority", str(priority), "--webhook-port", str(free_port()),
+                   "--webhook-insecure"]
+        op.start()
+        replicas.append(op)
+    leader, follower = replicas
+    try:
+        cluster.create_job("gpt-l", runPolicy={"backoffLimit": 2, "restartScope": "Job"})
+        cluster.run_planner("gpt-l", tmp_path)
+        _to_running(cluster, leader, "gpt-l", tmp_path)
+        _wait("the follower paused", lambda: "Pausing operations in favour of" in follower.log.read_text(),
+              op=follower)
+        from test_crd import BASE
+
+        port = follower.args[follower.args.index("--webhook-port") + 1]
+        assert _review(f"http://127.0.0.1:{port}/validate-alpajob", BASE)["allowed"] is True  # paused, yet serving
+        leader.kill()
+        killed = time.monotonic()
+        cluster.set_phase("gpt-l-0-m1-h0", "Failed")
+        _wait("the follower restarting the job", lambda: "gpt-l-1-head" in cluster.pods("gpt-l"),
+              timeout=PEER_LIFETIME + 45, op=follower)
+        taken_over = time.monotonic() - killed
+        print(f"\nthe follower took over {taken_over:.1f} s after the leader was killed")
+        assert "Resuming operations after the pause" in follower.log.read_text()
+        assert taken_over < PEER_LIFETIME + 15
+    finally:
+        for op in replicas:
+            op.stop()
+    assert refused == [], "the shipped RBAC refused what a replica asked"
+
+
 def test_suspend_and_resume(cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
     cluster.create_job("gpt-c")
     cluster.run_planner("gpt-c", tmp_path)

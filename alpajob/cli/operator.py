@@ -55,6 +55,12 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--check-creator", action=argparse.BooleanOptionalAction, default=True,
                         help="the webhook refuses a job whose author may not create pods in its namespace "
                              "(a SubjectAccessReview; default on)")
+    parser.add_argument("--peering", metavar="NAME",
+                        help="run as one of several replicas: kopf's peering object NAME (a KopfPeering in each "
+                             "watched namespace, or a ClusterKopfPeering with --all-namespaces) elects the one "
+                             "that reconciles (default: standalone, one replica)")
+    parser.add_argument("--priority", type=int,
+                        help="this replica's peering priority: the highest live one reconciles (default random)")
     parser.add_argument("--no-scanning", action="store_true",
                         help="do not list namespaces and CRDs (least privilege: watch only the "
                              "--namespace names given, discover resources once at start)")
@@ -117,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
                         clusterwide=bool(args.all_namespaces), liveness=args.liveness,
                         metrics_port=args.metrics_port, default_image=args.default_image,
                         verbose=args.verbose, metrics_bind_address=args.metrics_bind_address,
+                        peering=args.peering, priority=args.priority,
                         network=NetworkSettings(enabled=args.network_policy,
                                                 operator_namespace=args.operator_namespace,
                                                 metrics_namespace=args.metrics_scraper_namespace))
