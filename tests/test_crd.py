@@ -615,7 +615,9 @@ def test_operator_deployment_is_replicated_non_root_and_probed() -> None:
     assert budget["spec"] == {"minAvailable": 1, "selector": spec["selector"]}
     command = spec["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--peering") + 1] == "alpajob"
-    assert by_kind("peering.yaml")["ClusterKopfPeering"]["metadata"]["name"] == "alpajob"
+    assert by_kind("operator.yaml")["ClusterKopfPeering"]["metadata"]["name"] == "alpajob"
+    assert {d["metadata"]["name"] for d in documents("peering.yaml")} == \
+        {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
     pod = spec["template"]["spec"]
     assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
     assert pod["serviceAccountName"] == "alpajob-operator"
