@@ -138,13 +138,27 @@ def account_token(api: client.ApiClient, namespace: str, account: str, seconds: 
     return str(client.CoreV1Api(api).create_namespaced_service_account_token(account, namespace, request).status.token)
 
 
-def operator_kubeconfig(cluster: Any, root: Path) -> Path:
+#: ``ALPAJOB_E2E_RBAC=namespaced`` runs the e2e's operator with the namespaced install's
+#: RBAC (``manifests/rbac-namespaced.yaml``, bound in the test's namespace only).
+E2E_RBAC = "ALPAJOB_E2E_RBAC"
+
+
+def operator_kubeconfig(cluster: Any, root: Path, namespace: str | None = None) -> Path:
     """A kubeconfig as the operator's ServiceAccount, with exactly the shipped RBAC
-    (``manifests/rbac.yaml`` applied): the e2e's operator runs with it, so a verb
-    missing from its ClusterRole fails there as it would on a real cluster."""
+    (``manifests/rbac.yaml`` applied; with ``$ALPAJOB_E2E_RBAC=namespaced``,
+    ``manifests/rbac-namespaced.yaml`` with its RoleBinding in ``namespace``): the e2e's
+    operator runs with it, so a verb missing from its roles fails there as it would on
+    a real cluster."""
     api = cluster.api()
     cluster.ensure_namespace(OPERATOR_NAMESPACE)
-    apply_documents(api, shipped_rbac("rbac.yaml"))
+    if os.environ.get(E2E_RBAC) == "namespaced" and namespace is not None:
+        docs = shipped_rbac("rbac-namespaced.yaml")
+        for doc in docs:
+            if doc["kind"] == "RoleBinding":
+                doc["metadata"]["namespace"] = namespace
+        apply_documents(api, docs)
+    else:
+        apply_documents(api, shipped_rbac("rbac.yaml"))
     token = account_token(api, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT)
     return token_kubeconfig(cluster.kubeconfig, token, root / "operator-kubeconfig")
 

@@ -224,9 +224,15 @@ def test_every_object_is_labelled_with_the_release(full: list[dict[str, Any]]) -
 
 # --- in sync with manifests/ -----------------------------------------------------------
 
+def _grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str, str]]:
+    """Every (group, resource, verb, name) a list of RBAC rules grants."""
+    return {(group, resource, verb, name) for rule in rules for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"] for name in rule.get("resourceNames") or ["*"]}
+
+
 def test_operator_rbac_equals_the_manifest(default: list[dict[str, Any]]) -> None:
     role = find(default, "ClusterRole", "alpajob-operator")
-    assert role["rules"] == manifest("rbac.yaml", "ClusterRole")["rules"]
+    assert _grants(role["rules"]) == _grants(manifest("rbac.yaml", "ClusterRole")["rules"])
     binding = find(default, "ClusterRoleBinding", "alpajob-operator")
     expected = manifest("rbac.yaml", "ClusterRoleBinding")
     assert binding["roleRef"] == expected["roleRef"]
@@ -330,9 +336,8 @@ def test_disabling_the_webhook_drops_its_flags_port_service_and_rules(helm: Modu
         {("Service", "alpajob-operator-metrics", NAMESPACE)}
     rules = find(objects, "ClusterRole", "alpajob-operator")["rules"]
     with_webhook = manifest("rbac.yaml", "ClusterRole")["rules"]
-    webhook_groups = (["admissionregistration.k8s.io"], ["authorization.k8s.io"])
-    assert rules == [r for r in with_webhook if r["apiGroups"] not in webhook_groups]
-    assert len(rules) == len(with_webhook) - 3
+    webhook_groups = {"admissionregistration.k8s.io", "authorization.k8s.io"}
+    assert _grants(rules) == {g for g in _grants(with_webhook) if g[0] not in webhook_groups}
 
 
 def test_network_policies_follow_the_values(helm: ModuleType, default: list[dict[str, Any]]) -> None:
@@ -350,6 +355,22 @@ def test_network_policies_follow_the_values(helm: ModuleType, default: list[dict
     assert not any(kind == "NetworkPolicy" for kind, _, _ in identity(objects))
     args = operator_args(container(find(objects, "Deployment", "alpajob-operator", NAMESPACE))["command"])
     assert args.network_policy is False
+
+
+def test_a_namespaced_install_binds_the_operator_in_the_watched_namespaces_only(helm: ModuleType) -> None:
+    """rbac.namespaced: manifests/rbac-namespaced.yaml's two roles, the namespaced one
+    bound in each watched namespace (and its KopfPeering there), nothing cluster-wide
+    on pods, ConfigMaps or Secrets; without watchNamespaces the chart refuses."""
+    objects = render(helm, {"rbac": {"namespaced": True}, "watchNamespaces": ["ml", "research"]})
+    for name in ("alpajob-operator-namespaced", "alpajob-operator-cluster"):
+        source = manifest("rbac-namespaced.yaml", "ClusterRole", name)
+        assert _grants(find(objects, "ClusterRole", name)["rules"]) == _grants(source["rules"]), name
+    assert not any(k == ("ClusterRole", "alpajob-operator", None) for k in identity(objects))
+    bindings = {k[2] for k in identity(objects) if k[0] == "RoleBinding" and k[1] == "alpajob-operator"}
+    assert bindings == {"ml", "research"}
+    assert {k[2] for k in identity(objects) if k[0] == "KopfPeering"} == {"ml", "research"}
+    with pytest.raises(Exception, match="rbac.namespaced needs watchNamespaces"):
+        render(helm, {"rbac": {"namespaced": True}})
 
 
 def test_interval_accepts_whole_numbers(helm: ModuleType) -> None:

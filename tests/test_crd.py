@@ -653,3 +653,25 @@ def test_operator_command_is_one_the_cli_accepts() -> None:
     assert (args.webhook_port, args.webhook_managed, args.webhook_insecure) == (9443, True, False)
     assert args.webhook_host == "alpajob-operator-webhook.alpajob-system.svc"
     assert args.webhook_cert is args.webhook_key is None  # kopf self-signs for the host
+
+
+def _grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str, str]]:
+    return {(group, resource, verb, name) for rule in rules for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"] for name in rule.get("resourceNames") or ["*"]}
+
+
+def test_the_namespaced_install_grants_the_same_verbs_split_by_scope() -> None:
+    """rbac-namespaced.yaml: the cluster-wide role's verbs, those on namespaced kinds
+    in a role bound per watched namespace, the rest cluster-wide; the cluster-wide
+    peering object is not needed (a KopfPeering per namespace)."""
+    roles = {d["metadata"]["name"]: d for d in documents("rbac-namespaced.yaml") if d["kind"] == "ClusterRole"}
+    namespaced = _grants(roles["alpajob-operator-namespaced"]["rules"])
+    cluster = _grants(roles["alpajob-operator-cluster"]["rules"])
+    everything = _grants(by_kind("rbac.yaml")["ClusterRole"]["rules"])
+    assert namespaced | cluster == {g for g in everything if g[1] != "clusterkopfpeerings"}
+    assert not namespaced & cluster
+    scoped = {"nodes", "customresourcedefinitions", "subjectaccessreviews", "validatingwebhookconfigurations",
+              "mutatingwebhookconfigurations"}
+    assert {g[1] for g in cluster} == scoped
+    bindings = [d for d in documents("rbac-namespaced.yaml") if d["kind"] == "RoleBinding"]
+    assert [b["roleRef"]["name"] for b in bindings] == ["alpajob-operator-namespaced"]

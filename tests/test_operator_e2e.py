@@ -75,7 +75,7 @@ class Operator:
         self.emu, self.log, self.ns = emu, log, ns
         #: As the operator's ServiceAccount, with the shipped RBAC: a verb its
         #: ClusterRole lacks is refused, as on a real cluster.
-        self.kubeconfig = operator_kubeconfig(emu, log.parent)
+        self.kubeconfig = operator_kubeconfig(emu, log.parent, ns)
         self.proc: subprocess.Popen | None = None
         self.args: list[str] = []
         self.metrics_port = self.liveness_port = 0

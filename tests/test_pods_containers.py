@@ -107,10 +107,34 @@ def _inside(kubelet: Kubelet, pod: str, command: str) -> str:
                           timeout=60, check=True).stdout
 
 
-def ray_answers(token: str | None) -> dict[str, str]:
+def ray_agent(token: str, timeout: float = 120.0) -> str:
+    """``host:port`` of the head's dashboard agent, as the job's GCS tells it to a client
+    with the job's token, once the head's node is up with its agent."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with grpc.insecure_channel("127.0.0.1:6379") as channel:
+            try:
+                nodes = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetAllNodeInfo(
+                    gcs_service_pb2.GetAllNodeInfoRequest(), timeout=10,
+                    metadata=[("authorization", f"Bearer {token}")]).node_info_list
+                head = next((n for n in nodes if n.is_head_node and n.dashboard_agent_listen_port), None)
+                if head is not None:
+                    return f"{head.node_manager_address}:{head.dashboard_agent_listen_port}"
+            except grpc.RpcError:
+                pass
+        if time.monotonic() > deadline:
+            raise AssertionError("the head's GCS never named its dashboard agent")
+        time.sleep(1.0)
+
+
+def ray_answers(token: str | None, agent: str | None) -> dict[str, str]:
     """What the job's Ray answers a client that reaches its ports with ``token`` (None:
     no token): the GCS (a gRPC call, as ``ray.init`` makes first), the head's dashboard
-    agent (the job-submission API that runs any command), Ray Client (its first call).
+    agent at ``agent`` (the job-submission API that runs any command; None: not asked),
+    Ray Client (its first call).
     The client is this test's process: every pod of the test shares the loopback
     address, so it stands where another job's pod stands on a real pod network."""
     import urllib.error
@@ -141,8 +165,10 @@ def ray_answers(token: str | None) -> dict[str, str]:
             answers["client"] = "OK"
         except grpc.RpcError as error:
             answers["client"] = error.code().name
+    if agent is None:
+        return answers
     submit = urllib.request.Request(  # the exploit: a job whose entrypoint is any command
-        "http://127.0.0.1:52365/api/job_agent/jobs/", method="POST",
+        f"http://{agent}/api/job_agent/jobs/", method="POST",
         data=json.dumps({"entrypoint": "touch /tmp/ran-by-a-stranger"}).encode(),
         headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
     try:
@@ -178,10 +204,11 @@ def test_the_readme_job_trains_in_containers_of_the_projects_image(world: tuple[
 
     secret = client.CoreV1Api(emu.api()).read_namespaced_secret("text-gpt-0-ray", ns)
     token = base64.b64decode(secret.data["token"]).decode()
-    assert ray_answers(None) == {"gcs": "UNAUTHENTICATED", "client": "UNAUTHENTICATED", "job API": "401"}
-    assert ray_answers("another-jobs-token") == {"gcs": "UNAUTHENTICATED", "client": "UNAUTHENTICATED",
-                                                 "job API": "403"}
-    assert ray_answers(token)["gcs"] == "OK"
+    agent = ray_agent(token)  # Ray up, its agent listening
+    assert ray_answers(None, agent) == {"gcs": "UNAUTHENTICATED", "client": "UNAUTHENTICATED", "job API": "401"}
+    assert ray_answers("another-jobs-token", agent) == {"gcs": "UNAUTHENTICATED", "client": "UNAUTHENTICATED",
+                                                        "job API": "403"}
+    assert ray_answers(token, None)["gcs"] == "OK"  # the check can pass: the job's own token is let in
     assert _inside(kubelet, head, "ls /tmp/ran-by-a-stranger 2>/dev/null; stat -c %a /var/run/alpajob/ray/token"
                    ).split() == ["440"]  # nothing ran; the token readable by the pod's user and group only
     began = time.monotonic()
