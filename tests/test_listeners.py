@@ -119,6 +119,8 @@ def test_the_operator_metrics_bind_where_told() -> None:
     (["--webhook-port", "0"], "--webhook-port"),
     (["--metrics-bind-address", "everywhere"], "--metrics-bind-address"),
     (["--webhook-bind-address", "0.0.0"], "--webhook-bind-address"),
+    (["--data-schemes", ""], "--data-schemes"),
+    (["--data-schemes", "s3://,gs"], "--data-schemes"),
 ])
 def test_bad_operator_listener_flags_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[str], flags: list[str],
                                                              field: str) -> None:
