@@ -152,6 +152,7 @@ def operator_kubeconfig(cluster: Any, root: Path, namespace: str | None = None) 
     api = cluster.api()
     cluster.ensure_namespace(OPERATOR_NAMESPACE)
     if os.environ.get(E2E_RBAC) == "namespaced" and namespace is not None:
+        cluster.ensure_namespace(namespace)
         docs = shipped_rbac("rbac-namespaced.yaml")
         for doc in docs:
             if doc["kind"] == "RoleBinding":
