@@ -143,12 +143,13 @@ def account_token(api: client.ApiClient, namespace: str, account: str, seconds: 
 E2E_RBAC = "ALPAJOB_E2E_RBAC"
 
 
-def operator_kubeconfig(cluster: Any, root: Path, namespace: str | None = None) -> Path:
+def operator_kubeconfig(cluster: Any, root: Path, namespace: str | None = None, base: Path | None = None) -> Path:
     """A kubeconfig as the operator's ServiceAccount, with exactly the shipped RBAC
     (``manifests/rbac.yaml`` applied; with ``$ALPAJOB_E2E_RBAC=namespaced``,
     ``manifests/rbac-namespaced.yaml`` with its RoleBinding in ``namespace``): the e2e's
     operator runs with it, so a verb missing from its roles fails there as it would on
-    a real cluster."""
+    a real cluster. ``base``: the kubeconfig whose server it reaches (default the
+    cluster's; a gated one for an outage)."""
     api = cluster.api()
     cluster.ensure_namespace(OPERATOR_NAMESPACE)
     if os.environ.get(E2E_RBAC) == "namespaced" and namespace is not None:
@@ -161,7 +162,7 @@ def operator_kubeconfig(cluster: Any, root: Path, namespace: str | None = None) 
     else:
         apply_documents(api, shipped_rbac("rbac.yaml"))
     token = account_token(api, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT)
-    return token_kubeconfig(cluster.kubeconfig, token, root / "operator-kubeconfig")
+    return token_kubeconfig(base or cluster.kubeconfig, token, root / "operator-kubeconfig")
 
 
 def unique_namespace(prefix: str) -> str:

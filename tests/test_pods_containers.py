@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 from containers import Image, Runtime, available, build_image
-from e2e_cluster import operator_process, unique_namespace
+from e2e_cluster import operator_kubeconfig, operator_process, unique_namespace
 from kube_emulator import Emulator
 from kubelet import Kubelet
 from kubernetes import client
@@ -57,9 +57,12 @@ def _world(image: Image, tmp_path: Path, fs_group: bool) -> Iterator[tuple[Emula
     runtime = Runtime(image, Path("/var/tmp/alpajob-images/pods") / tmp_path.name)
     kubelet = Kubelet(emu.api(), ns, tmp_path / "kubelet", env=env, runtime=runtime, fs_group=fs_group).start()
     log = tmp_path / "operator.log"
+    # The operator as its own ServiceAccount, with the shipped RBAC (a missing verb: a 403).
+    as_operator = {"KUBECONFIG": str(operator_kubeconfig(emu, tmp_path, ns))}
     try:
-        with operator_process(ns, env, log):
+        with operator_process(ns, as_operator, log):
             yield emu, kubelet, log, ns
+        assert emu.forbidden == [], "the shipped RBAC refused what the operator or a pod asked"
     finally:
         kubelet.stop()
         emu.stop()

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_cluster import open_cluster, operator_process, unique_namespace
+from e2e_cluster import open_cluster, operator_kubeconfig, operator_process, unique_namespace
 from kube_emulator import Emulator
 from kubelet import Kubelet
 from kubernetes import client, config
@@ -58,9 +58,12 @@ def _world(tmp_path: Path, gate: bool = False) -> Iterator[tuple[Emulator, Kubel
     kubelet.env.pop("XLA_FLAGS", None)  # each pod forces its own device count (ALPAJOB_DEVICES)
     kubelet.start()
     log = tmp_path / "operator.log"
+    # The operator as its own ServiceAccount, with the shipped RBAC (a missing verb: a 403).
+    as_operator = {"KUBECONFIG": str(operator_kubeconfig(emu, tmp_path, ns, base=kubeconfig))}
     try:
-        with operator_process(ns, env, log):
+        with operator_process(ns, as_operator, log):
             yield emu, kubelet, log, ns, door
+        assert getattr(emu, "forbidden", []) == [], "the shipped RBAC refused what the operator or a pod asked"
     finally:
         kubelet.stop()
         if door is not None:
