@@ -25,7 +25,6 @@ from alpajob.operator.kube import Kube, client_from_environment
 from alpajob.operator.metrics import OperatorMetrics
 from alpajob.operator.network import NetworkSettings
 
-
 #: Seconds a replica's peering record stays valid without being renewed: a killed
 #: leader is replaced after at most this long (kopf renews records a few seconds early).
 PEER_LIFETIME = 15
