@@ -3,9 +3,9 @@ each pod run in it with runc.
 
 **The image.** ``trainer_image/Dockerfile`` is built by buildah (Debian's package: it
 builds a Dockerfile without a daemon or a registry) from a local Debian bookworm made
-by debootstrap, with ``BASE_IMAGE`` set to it and ``JAX_EXTRA`` empty (the CPU build of
-JAX): :func:`build_image`. Nothing here rewrites the Dockerfile: its own ``RUN`` steps
-install Python 3.11 from apt and JAX and the project with pip. Two things of this
+by debootstrap, with ``BASE_IMAGE`` set to it and ``LOCK`` the CPU lock (CPU JAX, hashes
+checked): :func:`build_image`. Nothing here rewrites the Dockerfile: its own ``RUN`` steps
+install Python 3.11 from apt and the locked packages and the project with pip. Two things of this
 machine are lent to the build only, never kept in the image: its CA bundle and a
 pip configuration naming it (PyPI is reached through a TLS-inspecting proxy here).
 The built image's root filesystem is then mounted once (``buildah mount``) and its
@@ -105,7 +105,7 @@ def build_image(log: Path) -> Image:
           "-f", "trainer_image/Dockerfile", "--ignorefile", "trainer_image/Dockerfile.dockerignore",
           "--volume", "/etc/ssl/certs/ca-certificates.crt:/run/host-ca.crt:ro",
           "--volume", f"{pip_conf}:/etc/pip.conf:ro",
-          "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", "JAX_EXTRA=",
+          "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", "LOCK=requirements/trainer-cpu.txt",
           "-t", IMAGE, str(ROOT)], log)
     for old in _run([*_BUILDAH, "containers", "--quiet", "--filter", "name=alpajob-test-image"]).split():
         _run([*_BUILDAH, "rm", old])

@@ -294,24 +294,31 @@ class _Admitting(kmock.KubernetesEmulator):
             yield event
 
     async def _watch_events(self, request: Any) -> Any:
+        """The events of a watch: from the start (no ``resourceVersion``) every object as
+        ADDED, else every change after that version; then each change as it is made.
+        The bus position is taken under the same lock as the snapshot, so a write made
+        while the snapshot is sent is streamed after it, never lost (as kmock's own
+        watch, which subscribes after sending the snapshot, may lose it)."""
         since = _version(request.params.get("resourceVersion"))
-        if since is None:  # a watch from the start: every object, then the changes
-            async for event in super()._serve_watch(request):
-                yield event
-            return
         yield b""  # the headers: the stream is open
         objects = self._KubernetesEmulator__get_objs  # kmock's own selection of the request's objects
         matches = self._KubernetesEmulator__check
+        bus = self._buses[request.resource]
         async with self._lock:
-            changed = [{"type": "MODIFIED", "object": obj.raw} for obj in objects(request, strict=False)
-                       if not obj.deleted and (_version(obj.raw.get("metadata", {}).get("resourceVersion")) or 0) > since]
-        changed += [{"type": "DELETED", "object": last} for version, resource, last in list(self.deletions)
-                    if version > since and resource == request.resource
-                    and matches(request, resource, last["metadata"].get("namespace"), last["metadata"].get("name"),
-                                strict=False)]
+            position = await bus.mark()
+            current = [obj.raw for obj in objects(request, strict=False) if not obj.deleted]
+        if since is None:
+            changed = [{"type": "ADDED", "object": raw} for raw in current]
+        else:
+            changed = [{"type": "MODIFIED", "object": raw} for raw in current
+                       if (_version(raw.get("metadata", {}).get("resourceVersion")) or 0) > since]
+            changed += [{"type": "DELETED", "object": last} for version, resource, last in list(self.deletions)
+                        if version > since and resource == request.resource
+                        and matches(request, resource, last["metadata"].get("namespace"),
+                                    last["metadata"].get("name"), strict=False)]
         for event in changed:
             yield event
-        async for event in self._buses[request.resource]:
+        async for event in position:
             meta = event.get("object", {}).get("metadata", {})
             if matches(request, request.resource, meta.get("namespace"), meta.get("name"), strict=False):
                 yield event

@@ -137,8 +137,10 @@ def test_chart_metadata_matches_the_package(helm: ModuleType) -> None:
     assert meta["apiVersion"] == "v2"
     assert (meta["name"], meta["version"], meta["appVersion"]) == ("alpajob", "0.1.0", "0.1.0")
     assert meta["appVersion"] == project["version"]
-    # The operator's own default for job pods is the image the chart installs.
-    assert f"{values['image']['repository']}:{meta['appVersion']}" == DEFAULT_IMAGE
+    # The chart installs the operator's image (operator/Dockerfile); the operator's own
+    # default for job pods is the trainer image of the same release.
+    assert f"{values['image']['repository']}:{meta['appVersion']}" == \
+        DEFAULT_IMAGE.replace("/alpajob:", "/alpajob-operator:")
 
 
 @pytest.mark.parametrize("values", [None, FULL_VALUES], ids=["default", "full"])

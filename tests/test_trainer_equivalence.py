@@ -80,6 +80,11 @@ CASES = {
         {"method": "manual", "numMicroBatches": 2, "schedule": "1f1b",
          "stages": _stages(((0, 2), (1, 4)), ((2, 4), (1, 4)))},
     ),
+    "mlp-2stage-1f1b-uneven": (
+        "mlp",
+        {"method": "manual", "numMicroBatches": 4, "schedule": "1f1b",
+         "stages": _stages(((0, 1), (1, 2)), ((1, 4), (1, 4)))},
+    ),
     "mlp-4stage-gpipe": (
         "mlp",
         {"method": "manual", "numMicroBatches": 4, "schedule": "gpipe",
@@ -104,9 +109,9 @@ def _serial(model: str, optimizer: str) -> Any:
 
 #: Cases the default suite leaves to ``-m slow``: the longest, and variants whose kind
 #: (one stage with micro-batches, an uneven 1F1B pipeline, GPipe, sharding) another
-#: default case covers.
+#: default case covers (the uneven 1F1B pipeline: the Adam case below).
 SLOW_CASES = {"wresnet-2stage-1f1b", "wresnet-data", "gpt-1stage-m4", "gpt-2stage-1f1b-uneven",
-              "moe-2stage-gpipe", "moe-shard"}
+              "moe-2stage-gpipe", "moe-shard", "gpt-4stage-1f1b-uneven", "mlp-2stage-1f1b-uneven"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
@@ -125,7 +130,10 @@ def test_parallel_equals_serial(case: str) -> None:
 
 
 def test_adam_pipeline_losses_equal_serial() -> None:
-    _, parallelism = CASES["gpt-2stage-1f1b-uneven"]
-    parallel = _train(_manifest("gpt", parallelism, optimizer="adam"))
-    serial = _serial("gpt", "adam")
+    """Adam's state through an uneven 1F1B pipeline (one layer on 2 devices, three on 4)
+    trains as the serial run does."""
+    _, parallelism = CASES["mlp-2stage-1f1b-uneven"]
+    parallel = _train(_manifest("mlp", parallelism, optimizer="adam"))
+    assert len(parallel.plan.stages) == 2
+    serial = _serial("mlp", "adam")
     np.testing.assert_allclose(parallel.losses, serial.losses, rtol=1e-5)

@@ -77,11 +77,15 @@ def test_python_is_3_11_in_a_virtual_environment() -> None:
 
 def test_gpu_jax_is_pinned_to_the_project_version() -> None:
     args = dict(arg.split("=", 1) for arg in only("ARG"))
-    assert args["JAX_VERSION"] == pinned("jax") == pinned("jaxlib")
-    runs = only("RUN")
-    assert args["JAX_EXTRA"] == "cuda12"  # the GPU build by default; empty for a CPU image
-    assert any('pip install "jax${JAX_EXTRA:+[${JAX_EXTRA}]}==${JAX_VERSION}"' in run for run in runs)
-    assert any(re.search(r'pip install "\.\[cloud\]"', run) for run in runs)  # s3fs, gcsfs for spec.data
+    assert args["LOCK"] == "requirements/trainer-cuda.txt"  # the GPU build by default
+    from test_locks import locked
+
+    for lock in ("trainer-cuda.txt", "trainer-cpu.txt"):
+        versions = {name: version for name, (version, _) in locked(lock).items()}
+        assert versions["jax"] == versions["jaxlib"] == pinned("jax") == pinned("jaxlib")
+        assert {"s3fs", "gcsfs"} <= set(versions)  # the cloud extra, for spec.data
+    assert "jax-cuda12-plugin" in locked("trainer-cuda.txt")
+    assert any('pip install --require-hashes --no-deps -r "${LOCK}"' in run for run in only("RUN"))
 
 
 def test_every_package_folder_is_copied_and_sent() -> None:
