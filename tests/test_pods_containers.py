@@ -112,12 +112,22 @@ def _inside(kubelet: Kubelet, pod: str, command: str) -> str:
 
 def ray_agent(token: str, timeout: float = 120.0) -> str:
     """``host:port`` of the head's dashboard agent, as the job's GCS tells it to a client
-    with the job's token, once the head's node is up with its agent."""
+    with the job's token, once the head's node is up with its agent and its Ray Client
+    server (a process the head starts after the node) listens."""
+    import socket
+
     import grpc
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
     deadline = time.monotonic() + timeout
     while True:
+        try:
+            socket.create_connection(("127.0.0.1", 10001), timeout=1).close()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise AssertionError("the head's Ray Client server never listened") from None
+            time.sleep(1.0)
+            continue
         with grpc.insecure_channel("127.0.0.1:6379") as channel:
             try:
                 nodes = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetAllNodeInfo(
