@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Regenerate the lock files: every package, direct and transitive, at one version with
 # the sha256 of each of its files, for Linux x86_64 and Python 3.11 (what the images and
-# CI run). Run from anywhere after changing a pin in pyproject.toml or a *.in file:
+# CI run); then each image's SBOM (CycloneDX 1.6 JSON, requirements/sbom/), read from its
+# lock. Run from anywhere after changing a pin in pyproject.toml or a *.in file:
 #
-#   python -m pip install uv==0.13.9 && requirements/lock.sh
+#   python -m pip install uv==0.13.9 cyclonedx-bom==7.5.0 && requirements/lock.sh
 #
 # Versions already in a lock are kept (uv reads the old file back) unless a pin moved
 # them; `requirements/lock.sh --upgrade` takes the newest everywhere.
@@ -24,5 +25,13 @@ compile ci.txt 3.11.5 pyproject.toml requirements/build.in --extra test --extra 
 compile trainer-cuda.txt 3.11 pyproject.toml requirements/cuda.in requirements/build.in --extra cloud \
   --constraint requirements/ci.txt
 compile trainer-cpu.txt 3.11 pyproject.toml requirements/build.in --extra cloud --constraint requirements/ci.txt
-# The operator's image (operator/Dockerfile): no JAX, no Ray.
+# The operator's image (trainer_image/Dockerfile, --target operator): no JAX, no Ray.
 compile operator.txt 3.11 requirements/operator.in --constraint requirements/ci.txt
+
+# What each image holds, as an SBOM from its lock (names, versions, purls, hashes); the
+# images carry theirs at /opt/alpajob/sbom.cdx.json.
+mkdir -p requirements/sbom
+for lock in trainer-cuda trainer-cpu operator; do
+  PYTHONWARNINGS=ignore cyclonedx-py requirements --pyproject pyproject.toml --output-reproducible \
+    --of JSON -o "requirements/sbom/$lock.cdx.json" "requirements/$lock.txt"
+done

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("ALPAJOB_IMAGE_CACHE", "/var/tmp/alpajob-images"))
 BASE = "localhost/debian:bookworm"
 IMAGE = "localhost/alpajob:cpu"
+OPERATOR_IMAGE = "localhost/alpajob-operator:test"
 MIRROR = "http://deb.debian.org/debian"
 _BUILDAH = ["buildah", "--storage-driver", "overlay"]
 
@@ -94,26 +95,40 @@ def _base(log: Path) -> None:
     _run([*_BUILDAH, "rm", container])
 
 
-def build_image(log: Path) -> Image:
-    """Build the trainer image from ``trainer_image/Dockerfile`` (CPU JAX, the local
-    Debian base) and mount it (module docstring)."""
+def build_image(log: Path, target: str = "trainer") -> Image:
+    """Build a target of ``trainer_image/Dockerfile`` on the local Debian base and mount
+    it (module docstring): ``trainer`` (CPU JAX), or ``operator`` (the operator's image,
+    tagged :data:`OPERATOR_IMAGE`)."""
     CACHE.mkdir(parents=True, exist_ok=True)
     _base(log)
     pip_conf = CACHE / "pip.conf"
     pip_conf.write_text("[global]\ncert = /run/host-ca.crt\n")
+    tag = IMAGE if target == "trainer" else OPERATOR_IMAGE
     _run([*_BUILDAH, "bud", "--network", "host", "--isolation", "chroot", "--layers",
           "-f", "trainer_image/Dockerfile", "--ignorefile", "trainer_image/Dockerfile.dockerignore",
           "--volume", "/etc/ssl/certs/ca-certificates.crt:/run/host-ca.crt:ro",
           "--volume", f"{pip_conf}:/etc/pip.conf:ro",
-          "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", "LOCK=requirements/trainer-cpu.txt",
-          "-t", IMAGE, str(ROOT)], log)
-    for old in _run([*_BUILDAH, "containers", "--quiet", "--filter", "name=alpajob-test-image"]).split():
+          "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", f"OPERATOR_BASE_IMAGE={BASE}",
+          "--build-arg", "LOCK=requirements/trainer-cpu.txt", "--target", target,
+          "-t", tag, str(ROOT)], log)
+    name = f"alpajob-test-{target}"
+    for old in _run([*_BUILDAH, "containers", "--quiet", "--filter", f"name={name}"]).split():
         _run([*_BUILDAH, "rm", old])
-    container = _run([*_BUILDAH, "from", "--name", "alpajob-test-image", IMAGE])
+    container = _run([*_BUILDAH, "from", "--name", name, tag])
     rootfs = Path(_run([*_BUILDAH, "mount", container]))
-    config = json.loads(_run([*_BUILDAH, "inspect", "--type", "image", IMAGE]))["OCIv1"]["config"]
+    config = json.loads(_run([*_BUILDAH, "inspect", "--type", "image", tag]))["OCIv1"]["config"]
     env = dict(item.split("=", 1) for item in config.get("Env") or [])
     return Image(rootfs, env, str(config.get("User") or "0"), str(config.get("WorkingDir") or "/"))
+
+
+def run_in(image: str, command: list[str]) -> subprocess.CompletedProcess:
+    """``command`` in a throwaway container of ``image`` as its user (buildah run)."""
+    container = _run([*_BUILDAH, "from", image])
+    try:
+        return subprocess.run([*_BUILDAH, "run", "--isolation", "chroot", container, "--", *command],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        _run([*_BUILDAH, "rm", container])
 
 
 @dataclass

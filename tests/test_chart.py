@@ -137,7 +137,7 @@ def test_chart_metadata_matches_the_package(helm: ModuleType) -> None:
     assert meta["apiVersion"] == "v2"
     assert (meta["name"], meta["version"], meta["appVersion"]) == ("alpajob", "0.1.0", "0.1.0")
     assert meta["appVersion"] == project["version"]
-    # The chart installs the operator's image (operator/Dockerfile); the operator's own
+    # The chart installs the operator's image (trainer_image/Dockerfile, --target operator); the operator's own
     # default for job pods is the trainer image of the same release.
     assert f"{values['image']['repository']}:{meta['appVersion']}" == \
         DEFAULT_IMAGE.replace("/alpajob:", "/alpajob-operator:")

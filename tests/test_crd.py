@@ -624,7 +624,7 @@ def test_operator_deployment_is_replicated_non_root_and_probed() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     [container] = pod["containers"]
-    assert container["image"] == "ghcr.io/alpajob/alpajob-operator:0.1.0"  # operator/Dockerfile: no JAX
+    assert container["image"] == "ghcr.io/alpajob/alpajob-operator:0.1.0"  # the operator target: no JAX
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"] == {"drop": ["ALL"]}

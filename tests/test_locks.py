@@ -106,11 +106,11 @@ def _install_lines(dockerfile: Path) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("RUN") and "pip install" in line]
 
 
-@pytest.mark.parametrize("dockerfile", ["trainer_image/Dockerfile", "operator/Dockerfile"])
-def test_the_images_install_only_from_a_lock_with_hashes_checked(dockerfile: str) -> None:
+def test_the_images_install_only_from_a_lock_with_hashes_checked() -> None:
+    dockerfile = "trainer_image/Dockerfile"  # both targets: trainer and operator
     installs = [command for line in _install_lines(ROOT / dockerfile)
                 for command in re.split(r"&&|;", line) if "pip install" in command]
-    assert installs, f"{dockerfile} installs nothing"
+    assert len(installs) == 4, f"{dockerfile}: {installs}"  # per target: the lock, then the project
     for command in installs:
         if "--require-hashes" in command:
             assert re.search(r"-r \S*requirements/", command) and "--no-deps" in command, command
@@ -123,3 +123,24 @@ def test_ci_installs_the_lock_with_hashes_before_the_readme_commands() -> None:
     [install] = [line for line in ci.splitlines() if "pip install" in line and "requirements/ci.txt" in line]
     assert "--require-hashes" in install and "--no-deps" in install
     assert ci.index(install) < ci.index("The README's first two")
+
+
+@pytest.mark.parametrize("lock", ["trainer-cuda", "trainer-cpu", "operator"])
+def test_each_image_s_sbom_lists_exactly_its_lock(lock: str) -> None:
+    """requirements/sbom/<lock>.cdx.json (CycloneDX, made from the lock by lock.sh; the
+    image carries it): every locked package at its version with its hashes, nothing
+    else, so an SBOM left behind by a lock that moved fails here."""
+    import json
+    from urllib.parse import unquote
+
+    sbom = json.loads((LOCKS / "sbom" / f"{lock}.cdx.json").read_text())
+    assert sbom["bomFormat"] == "CycloneDX" and sbom["specVersion"] == "1.6"
+    assert sbom["metadata"]["component"]["name"] == "alpajob"
+    listed = {}
+    for component in sbom["components"]:
+        hashes = sorted(h["content"] for ref in component.get("externalReferences", [])
+                        for h in ref.get("hashes", []))
+        listed[str(canonicalize_name(component["name"]))] = (component["version"], hashes)
+        purl_name, _, purl_version = component["purl"].removeprefix("pkg:pypi/").partition("@")
+        assert (purl_name, unquote(purl_version)) == (component["name"], component["version"])
+    assert listed == {name: (version, sorted(hashes)) for name, (version, hashes) in locked(f"{lock}.txt").items()}

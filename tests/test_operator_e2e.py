@@ -71,7 +71,7 @@ def ns(emulator: Emulator) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def slim_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The Python of a virtual environment made as the operator's image makes it
-    (operator/Dockerfile): requirements/operator.txt with its hashes checked, then the
+    (trainer_image/Dockerfile, --target operator): requirements/operator.txt with its hashes checked, then the
     project with ``--no-deps``; so no JAX, Ray or NumPy, and an operator that imports
     one fails here."""
     root = Path(__file__).resolve().parents[1]

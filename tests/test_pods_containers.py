@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
-from containers import Image, Runtime, available, build_image
+from containers import OPERATOR_IMAGE, Image, Runtime, available, build_image, run_in
 from e2e_cluster import operator_kubeconfig, operator_process, unique_namespace
 from kube_emulator import Emulator
 from kubelet import Kubelet
@@ -293,3 +293,21 @@ def test_a_volume_uid_1000_cannot_write_fails_the_job_in_one_line_naming_it(
     pods = {p.metadata.name for p in client.CoreV1Api(emu.api()).list_namespaced_pod(ns).items}
     assert "text-gpt-ro-0-head" in pods  # kept for `kubectl logs` (cleanPodPolicy Running)
     assert "not writable by uid 1000" in kubelet.log("text-gpt-ro-0-head")
+
+
+def test_the_operator_target_runs_the_operator_without_jax_and_carries_its_sbom(tmp_path: Path) -> None:
+    """``--target operator`` of the same Dockerfile, built from its lock with hashes
+    checked: ``alpajob operator`` runs as uid 1000; JAX, Ray and NumPy are not there;
+    its SBOM lists what its environment holds."""
+    image = build_image(tmp_path / "build.log", target="operator")
+    assert image.user == "1000:1000"
+    assert "alpajob operator" in run_in(OPERATOR_IMAGE, ["alpajob", "operator", "--help"]).stdout
+    for heavy in ("jax", "ray", "numpy"):
+        missing = run_in(OPERATOR_IMAGE, ["python", "-c", f"import {heavy}"])
+        assert missing.returncode == 1 and "ModuleNotFoundError" in missing.stderr, heavy
+    sbom = json.loads((image.rootfs / "opt" / "alpajob" / "sbom.cdx.json").read_text())
+    installed = run_in(OPERATOR_IMAGE, ["pip", "list", "--format", "json"])
+    held = {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(installed.stdout)}
+    held.pop("alpajob"), held.pop("pip")  # the project itself, and the venv's own pip
+    assert held == {c["name"].lower().replace("_", "-"): c["version"] for c in sbom["components"]}
+

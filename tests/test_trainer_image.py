@@ -24,8 +24,9 @@ DOCKERIGNORE = ROOT / "trainer_image" / "Dockerfile.dockerignore"
 EXAMPLE = ROOT / "manifests" / "examples" / "manual-gpt.yaml"
 
 
-def instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined."""
+def instructions(stage: str = "trainer") -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of one stage of the Dockerfile (``FROM ... AS stage``),
+    after the ARGs declared before the first FROM; continuation lines joined."""
     logical, current = [], ""
     for line in DOCKERFILE.read_text().splitlines():
         if not current and (not line.strip() or line.lstrip().startswith("#")):
@@ -36,15 +37,25 @@ def instructions() -> list[tuple[str, str]]:
         logical.append(current + line)
         current = ""
     assert not current, "the Dockerfile ends inside a continued line"
-    out = []
+    out, current_stage = [], None
     for line in logical:
         word, _, rest = line.strip().partition(" ")
-        out.append((word.upper(), rest.strip()))
+        word, rest = word.upper(), rest.strip()
+        if word == "FROM":
+            current_stage = rest.split()[-1] if " AS " in f" {rest.upper()} " else ""
+        if current_stage is None or current_stage == stage:
+            out.append((word, rest))
     return out
 
 
-def only(name: str) -> list[str]:
-    return [args for word, args in instructions() if word == name]
+def stages() -> list[str]:
+    """The Dockerfile's stage names, in order (the last is what a plain build makes)."""
+    return [args.split()[-1] for word, args in instructions("") if word == "FROM"] or \
+        [line.split()[-1] for line in DOCKERFILE.read_text().splitlines() if line.startswith("FROM ")]
+
+
+def only(name: str, stage: str = "trainer") -> list[str]:
+    return [args for word, args in instructions(stage) if word == name]
 
 
 def pyproject() -> dict[str, Any]:
@@ -63,7 +74,8 @@ def pinned(package: str) -> str:
 
 def test_base_is_a_pinned_cuda_12_runtime_on_ubuntu_lts_unless_told() -> None:
     (base,) = only("FROM")
-    assert base == "${BASE_IMAGE}"
+    assert base == "${BASE_IMAGE} AS trainer"
+    assert stages()[-1] == "trainer", "the trainer is the last stage: what a plain build makes"
     default = dict(arg.split("=", 1) for arg in only("ARG"))["BASE_IMAGE"]
     assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-runtime-ubuntu(22|24)\.04", default), default
     assert [word for word, _ in instructions()][0] == "ARG"  # declared before FROM, so FROM may use it
@@ -100,7 +112,28 @@ def test_every_package_folder_is_copied_and_sent() -> None:
     assert all((ROOT / source).exists() for source in sources)
     # The ignore file keeps everything out but what is copied.
     kept = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")}
-    assert sources <= kept, sorted(sources - kept)
+    assert all(source in kept or any(source.startswith(k + "/") for k in kept) for source in sources), \
+        sorted(sources - kept)
+
+
+def test_the_operator_target_holds_neither_jax_nor_tini_and_runs_the_operator() -> None:
+    """``--target operator``: a slim base, the operator's lock only, the same uid as the
+    operator Deployment's securityContext, ``alpajob`` as its entry point."""
+    (base,) = only("FROM", "operator")
+    assert base == "${OPERATOR_BASE_IMAGE} AS operator"
+    args = dict(arg.split("=", 1) for arg in only("ARG", "operator"))
+    assert args["OPERATOR_BASE_IMAGE"].startswith("debian:bookworm")
+    runs = " ".join(only("RUN", "operator"))
+    assert "-r requirements/operator.txt" in runs and "tini" not in runs and "LOCK" not in runs
+    assert only("USER", "operator")[-1] == only("USER")[-1]
+    assert [json.loads(a) for a in only("ENTRYPOINT", "operator")] == [["alpajob"]]
+    assert [json.loads(a) for a in only("CMD", "operator")] == [["operator", "--help"]]
+    sources = {source for args in only("COPY", "operator") for source in args.split()[:-1]}
+    kept = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")}
+    assert all(source in kept or any(source.startswith(k + "/") for k in kept) for source in sources), sources
+    operator = yaml.safe_load_all((ROOT / "manifests" / "operator.yaml").read_text())
+    deployment = next(d for d in operator if d["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"].endswith("/alpajob-operator:0.1.0")
 
 
 def test_runs_as_non_root_uid_1000_like_the_pods() -> None:
