@@ -32,6 +32,7 @@ from e2e_cluster import operator_kubeconfig, operator_process, unique_namespace
 from kube_emulator import Emulator
 from kubelet import Kubelet
 from kubernetes import client
+from packaging.utils import canonicalize_name
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(available() is not None, reason=str(available()))]
 
@@ -307,7 +308,7 @@ def test_the_operator_target_runs_the_operator_without_jax_and_carries_its_sbom(
         assert missing.returncode == 1 and "ModuleNotFoundError" in missing.stderr, heavy
     sbom = json.loads((image.rootfs / "opt" / "alpajob" / "sbom.cdx.json").read_text())
     installed = run_in(OPERATOR_IMAGE, ["pip", "list", "--format", "json"])
-    held = {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(installed.stdout)}
-    held.pop("alpajob"), held.pop("pip")  # the project itself, and the venv's own pip
-    assert held == {c["name"].lower().replace("_", "-"): c["version"] for c in sbom["components"]}
+    held = {canonicalize_name(p["name"]): p["version"] for p in json.loads(installed.stdout)}
+    del held["alpajob"], held["pip"]  # the project itself, and the venv's own pip
+    assert held == {canonicalize_name(c["name"]): c["version"] for c in sbom["components"]}
 
