@@ -63,8 +63,6 @@ from alpajob.operator.pod_overrides import finish, object_store_bytes
 from alpajob.operator.pool import PoolCluster
 
 DEFAULT_IMAGE = "ghcr.io/alpajob/alpajob:0.1.0"
-#: The ServiceAccount of a job's pods when ``spec.serviceAccountName`` is not set.
-DEFAULT_SERVICE_ACCOUNT = "alpajob-trainer"
 
 #: Gang schedulers: the PodGroup's API and the scheduler that honours it.
 GANG = {
@@ -120,6 +118,37 @@ def ray_token_secret(job: Mapping[str, Any], names: ChildNames) -> dict[str, Any
     meta = _meta(job, names.ray_token, Role.RAY_TOKEN, names.attempt)
     return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
             "stringData": {RAY_TOKEN_KEY: secrets.token_urlsafe(32)}}
+
+
+def service_account(job: Mapping[str, Any], names: ChildNames) -> str:
+    """The ServiceAccount of the job's pods: ``spec.serviceAccountName``, else the
+    job's own ``<job>-trainer`` (:func:`identity`)."""
+    return str(job["spec"].get("serviceAccountName") or names.identity)
+
+
+def identity(job: Mapping[str, Any], names: ChildNames) -> list[dict[str, Any]]:
+    """The job's own identity, when it names no ``spec.serviceAccountName``: the
+    ServiceAccount ``<job>-trainer``, a Role of that name that may ``get`` and
+    ``patch`` only the job's ``<job>-plan`` (the planner writes the plan) and
+    ``<job>-progress`` (the head's driver its progress), and the RoleBinding between
+    them; all owned by the job. None of the job's pods may read another job's
+    ConfigMaps, its own manifest or any Secret through the API, and only the
+    planner and head pods get a token at all. Created before the pods that run as it
+    (a 409 keeps what is there). The operator holds both verbs on ConfigMaps itself,
+    which is what the API server asks of whoever creates such a Role and binds it."""
+    if job["spec"].get("serviceAccountName"):
+        return []
+    name = names.identity
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, name, Role.IDENTITY),
+               "automountServiceAccountToken": False}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(job, name, Role.IDENTITY),
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"],
+                       "resourceNames": [names.plan, names.progress], "verbs": ["get", "patch"]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": _meta(job, name, Role.IDENTITY),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job["metadata"]["namespace"]}]}
+    return [account, role, binding]
 
 
 def _ray_auth(pod: dict[str, Any], names: ChildNames) -> None:
@@ -222,7 +251,8 @@ def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster,
         "apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, names.planner, Role.PLANNER),
         "spec": {
             "restartPolicy": "Never",
-            "serviceAccountName": job["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT,
+            "serviceAccountName": service_account(job, names),
+            "automountServiceAccountToken": True,
             "containers": [{
                 "name": "planner", "image": _image(job), "command": ["alpajob", "plan"],
                 "env": _env(runtime), "volumeMounts": mounts, "securityContext": _security(),
@@ -282,7 +312,8 @@ def _pod(job: Mapping[str, Any], names: ChildNames, name: str, role: Role, gang:
     container = {**container, "volumeMounts": mounts, "securityContext": _security(),
                  "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError"}
     spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], "volumes": volumes,
-                            "serviceAccountName": job["spec"].get("serviceAccountName") or DEFAULT_SERVICE_ACCOUNT,
+                            "serviceAccountName": service_account(job, names),
+                            "automountServiceAccountToken": role is Role.HEAD,
                             "securityContext": _pod_security()}
     if scheduler:
         spec["schedulerName"] = scheduler
@@ -351,9 +382,9 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
                  "env": _env(runtime), "resources": resources,
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}]}
     labels = {LABEL_MESH: str(mesh), LABEL_HOST: str(host)}
+    # A mesh host never calls the Kubernetes API: its pod gets no ServiceAccount token
+    # (:func:`_pod`: only the head's does).
     pod = _pod(job, names, name or names.mesh_pod(mesh, host), Role.MESH, gang, container, labels, hostname)
-    # A mesh host never calls the Kubernetes API: its pod gets no ServiceAccount token.
-    pod["spec"]["automountServiceAccountToken"] = False
     _ray_auth(pod, names)
     pod["spec"]["initContainers"] = [{
         "name": "wait-for-head", "image": _image(job), "command": ["alpajob", "wait-for-head"],

@@ -286,6 +286,12 @@ class Kube:
                 self.core.create_namespaced_persistent_volume_claim(namespace, obj)
             elif kind == "Secret":
                 self.core.create_namespaced_secret(namespace, obj)
+            elif kind == "ServiceAccount":
+                self.core.create_namespaced_service_account(namespace, obj)
+            elif kind == "Role":
+                client.RbacAuthorizationV1Api(self.api).create_namespaced_role(namespace, obj)
+            elif kind == "RoleBinding":
+                client.RbacAuthorizationV1Api(self.api).create_namespaced_role_binding(namespace, obj)
             elif kind == "NetworkPolicy":
                 client.NetworkingV1Api(self.api).create_namespaced_network_policy(namespace, obj)
             elif kind == "PodGroup":

@@ -17,6 +17,8 @@ it is about to use into ``status.children`` before creating anything.
 ``<job>-<a>-m<i>-h<j>`` Pod: host ``j`` of mesh ``i``, attempt ``a``
 ``<job>-<a>``          PodGroup of attempt ``a`` (gang scheduling)
 ``<job>-<a>-ray``      Secret: attempt ``a``'s Ray token (head and mesh pods only)
+``<job>-trainer``      ServiceAccount, Role and RoleBinding: the pods' identity (get
+                       and patch on ``<job>-plan`` and ``<job>-progress`` only)
 =====================  ==========================================================
 """
 
@@ -73,6 +75,10 @@ class ChildNames:
     @property
     def ray_token(self) -> str:
         return f"{self.job}-{self.attempt}-ray"
+
+    @property
+    def identity(self) -> str:
+        return f"{self.job}-trainer"
 
     def mesh_pod(self, mesh: int, host: int) -> str:
         return f"{self.job}-{self.attempt}-m{mesh}-h{host}"

@@ -44,6 +44,8 @@ in order (the first that has something to wait for ends the pass):
 8. **observe**: Starting until every pod runs, then Running; the head pod's
    success is the job's.
 
+Whenever a pass makes a pod, the job's own ServiceAccount, Role and RoleBinding
+(``<job>-trainer``, unless ``spec.serviceAccountName`` names one) are made before it.
 After the steps, **scheduling**: a pod unschedulable for :data:`SCHEDULING_GRACE`
 seconds shows as ``PodsScheduled=False`` with the scheduler's message (past
 ``schedulingTimeoutSeconds`` the job fails), and ``status.progress.restarts`` is set
@@ -546,8 +548,17 @@ class _Pass(PassState):
                       self.generation, self.now)
         self.phase(self.status.phase, "Unschedulable", message)
 
+    def identity(self) -> None:
+        """The job's identity (:func:`.children.identity`) before any pod that runs as
+        it: asked again with every pod the pass makes (a 409 keeps it), so a
+        deleted ServiceAccount or an operator upgraded under a running job is made
+        good by the next pod."""
+        if any(obj["kind"] == "Pod" for obj in self.decision.create):
+            self.decision.create[:0] = children.identity(self.job, self.names)
+
     def run(self) -> Decision:
         self.steps()
+        self.identity()
         if not self.status.phase.finished and self.status.phase is not Phase.SUSPENDED:
             self.scheduling()
         self.count_restarts()

@@ -235,7 +235,7 @@ class RealCluster:
 
     def cluster_of(self, namespace: str, nodes: int, gpus: int = 8) -> None:
         """As :meth:`kube_emulator.Emulator.cluster_of`: ``namespace`` enforcing Pod Security
-        "restricted" with the trainer's ServiceAccount, and ``nodes`` fake Ready nodes
+        "restricted" (the jobs' identities are the operator's to make), and ``nodes`` fake Ready nodes
         ``node-<i>`` offering ``gpus`` GPUs (a test kubelet must keep them alive)."""
         from alpajob.api.names import GPU_RESOURCE
 
@@ -247,7 +247,6 @@ class RealCluster:
         else:
             core.patch_namespace(namespace, {"metadata": {"labels": labels}})
         self.restricted.add(namespace)
-        apply_documents(self.api(), shipped_rbac("trainer-rbac.yaml", namespace))
         for i in range(nodes):
             name = f"node-{i}"
             capacity = {GPU_RESOURCE: str(gpus), "cpu": "64", "memory": "512Gi", "pods": "110"}

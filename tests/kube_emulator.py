@@ -48,7 +48,7 @@ import kmock
 import yaml
 from kmock._internal.k8s import KubernetesError  # kmock's API-error response
 from kubernetes import client
-from rbac import ADMIN_TOKEN, Ask, Tokens, allowed, forbidden_message, verb_of
+from rbac import ADMIN_TOKEN, Ask, Tokens, allowed, escalation, forbidden_message, verb_of
 
 
 @attrs.define(kw_only=True)
@@ -438,8 +438,12 @@ class Emulator:
                   resource, request.namespace, request.name)
 
         if allowed(user, ask, self._stored_rbac):
-            return None
-        message = forbidden_message(user, ask)
+            body = request.data if isinstance(request.data, dict) else {}
+            message = escalation(user, ask, body, self._stored_rbac)
+            if message is None:
+                return None
+        else:
+            message = forbidden_message(user, ask)
         self.forbidden.append(message)
         return KubernetesError(status=403, reason="Forbidden", message=message,
                                details={"name": request.name, "group": ask.group, "kind": request.resource.plural})
@@ -665,16 +669,13 @@ class Emulator:
 
     def cluster_of(self, namespace: str, nodes: int, gpus: int = 8) -> None:
         """What the chart and the nodes give a real cluster: ``namespace`` enforcing Pod
-        Security "restricted", with the trainer's ServiceAccount and its RoleBinding
-        (``manifests/trainer-rbac.yaml``), and ``nodes`` Ready
-        nodes ``node-<i>`` of ``gpus`` allocatable GPUs."""
-        from e2e_cluster import apply_documents, shipped_rbac
-
+        Security "restricted" (no ServiceAccount or role for the jobs' pods: the
+        operator makes each job's own), and ``nodes`` Ready nodes ``node-<i>`` of
+        ``gpus`` allocatable GPUs."""
         from alpajob.api.names import GPU_RESOURCE
 
         self.create_namespace(namespace)
         core = client.CoreV1Api(self.api())
-        apply_documents(self.api(), shipped_rbac("trainer-rbac.yaml", namespace))
         for i in range(nodes):
             try:
                 core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {

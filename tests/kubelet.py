@@ -299,16 +299,26 @@ class Kubelet:
         kubeconfig of the test's API (``KUBECONFIG`` of ``env``) whose user is a token
         issued for the pod's ServiceAccount (the TokenRequest API), so that the API
         server's RBAC judges the pod as itself. A pod with
-        ``automountServiceAccountToken: false`` gets a path with nothing there (no
-        credentials at all). None: the test gave no API to the pods."""
+        ``automountServiceAccountToken: false`` (or, when the pod does not say, its
+        ServiceAccount with it) gets a path with nothing there (no credentials at all). None: the test gave no API to the pods."""
         from e2e_cluster import account_token, token_kubeconfig
 
         base = self.extra_env.get("KUBECONFIG")
         if not base:
             return None
-        if pod.spec.automount_service_account_token is False:
+        account = pod.spec.service_account_name or "default"
+        mount = pod.spec.automount_service_account_token
+        if mount is None:  # the pod does not say: its ServiceAccount does (default true)
+            try:
+                stored = self.core.read_namespaced_service_account(account, self.namespace)
+                mount = stored.automount_service_account_token is not False
+            except client.ApiException as error:  # `default`, which the emulator does not store
+                if error.status != 404:
+                    raise
+                mount = True
+        if not mount:
             return folder / "no-service-account-token"
-        token = account_token(self.core.api_client, self.namespace, pod.spec.service_account_name or "default")
+        token = account_token(self.core.api_client, self.namespace, account)
         path = token_kubeconfig(Path(base), token, folder / "kubeconfig")
         path.chmod(0o644)  # readable by the container's user
         return path

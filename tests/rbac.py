@@ -23,6 +23,13 @@ a real server. The roles and bindings are the objects stored in the server (the
 shipped manifests, applied through the API), read on every request. Discovery and
 other non-resource paths are open to every authenticated user (what
 ``system:discovery`` grants). A refusal is kube-apiserver's 403 and its message.
+
+**No escalation.** As kube-apiserver's RBAC storage does, a user may create or
+update a Role or ClusterRole only with permissions it holds itself where the role
+applies (or with the ``escalate`` verb on it), and a RoleBinding or
+ClusterRoleBinding only to a role whose every permission it holds where the binding
+applies (or with the ``bind`` verb on that role): an operator that hands out a Role
+must hold what the Role grants (:func:`escalation`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 #: The administrator's token: the kubeconfig the tests write (``Emulator.kubeconfig``).
 ADMIN_TOKEN = "test"
 ADMIN = "kubernetes-admin"
+RBAC_GROUP = "rbac.authorization.k8s.io"
 
 
 @dataclass(frozen=True)
@@ -144,3 +152,59 @@ def forbidden_message(user: User, ask: Ask) -> str:
     where = f'in the namespace "{ask.namespace}"' if ask.namespace else "at the cluster scope"
     return (f'{what} is forbidden: User "{user.name}" cannot {ask.verb} resource "{ask.resource}" '
             f'in API group "{ask.group}" {where}')
+
+
+#: The RBAC kinds whose writes are checked for escalation, by plural.
+ROLES = ("roles", "clusterroles")
+BINDINGS = ("rolebindings", "clusterrolebindings")
+
+
+def _asks(rules: Iterable[Mapping[str, Any]], namespace: str | None) -> Iterable[tuple[Mapping[str, Any], Ask]]:
+    """Each permission of ``rules`` as the request it allows (a ``*`` stays a literal
+    ``*``: only a ``*`` held covers it, as kube-apiserver's coverage check says)."""
+    for rule in rules:
+        for group in rule.get("apiGroups") or []:
+            for resource in rule.get("resources") or []:
+                for verb in rule.get("verbs") or []:
+                    for name in rule.get("resourceNames") or [None]:
+                        yield rule, Ask(verb, group, resource, namespace, name)
+
+
+def escalation(user: User, ask: Ask, body: Mapping[str, Any],
+               objects: Callable[[str], Iterable[Mapping[str, Any]]]) -> str | None:
+    """kube-apiserver's refusal of a role or binding write ``ask`` (``body``, the
+    object) that grants what ``user`` does not hold, or None when it grants nothing
+    more (or the user may ``escalate`` / ``bind``)."""
+    plural = ask.resource.partition("/")[0]
+    if user.admin or ask.verb not in ("create", "update") or ask.group != RBAC_GROUP \
+            or plural not in ROLES + BINDINGS:
+        return None
+    name = ask.name or (body.get("metadata") or {}).get("name")
+    namespace = ask.namespace if plural in ("roles", "rolebindings") else None
+    if plural in ROLES:
+        if allowed(user, Ask("escalate", RBAC_GROUP, plural, namespace, name), objects):
+            return None
+        rules = body.get("rules") or []
+    else:
+        ref = body.get("roleRef") or {}
+        role_plural = "clusterroles" if ref.get("kind") == "ClusterRole" else "roles"
+        if allowed(user, Ask("bind", RBAC_GROUP, role_plural, namespace if role_plural == "roles" else None,
+                             ref.get("name")), objects):
+            return None
+        if role_plural == "clusterroles":
+            role = next((r for r in objects("clusterroles") if r["metadata"]["name"] == ref.get("name")), None)
+        else:
+            role = next((r for r in objects("roles") if r["metadata"]["name"] == ref.get("name")
+                         and r["metadata"].get("namespace") == namespace), None)
+        if role is None:
+            return f'{plural}.{RBAC_GROUP} "{name}" is forbidden: {ref.get("kind")} "{ref.get("name")}" not found'
+        rules = role.get("rules") or []
+    missing = [rule for rule, wanted in _asks(rules, namespace) if not allowed(user, wanted, objects)]
+    if not missing:
+        return None
+    shown = "\n".join(f"{{APIGroups:{r.get('apiGroups')}, Resources:{r.get('resources')}, "
+                      f"ResourceNames:{r.get('resourceNames') or []}, Verbs:{r.get('verbs')}}}"
+                      for r in {id(r): r for r in missing}.values())
+    return (f'{plural}.{RBAC_GROUP} "{name}" is forbidden: user "{user.name}" (groups={list(user.groups)}) '
+            f"is attempting to grant RBAC permissions not currently held:\n{shown}")
+

@@ -192,7 +192,8 @@ def test_every_object_passes_the_kubernetes_schemas(which: str, request: pytest.
     assert unchecked == (PROMETHEUS_OPERATOR | {"KopfPeering"} if which == "full" else {"ClusterKopfPeering"})
 
 
-def test_defaults_install_the_operator_and_the_trainer_rbac_only(default: list[dict[str, Any]]) -> None:
+def test_defaults_install_the_operator_and_the_shared_trainer_role_only(default: list[dict[str, Any]]) -> None:
+    """No ServiceAccount for the jobs: each job runs as its own, which the operator makes."""
     assert identity(default) == {
         ("CustomResourceDefinition", "alpajobs.alpajob.io", None),
         ("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev", None),
@@ -207,8 +208,6 @@ def test_defaults_install_the_operator_and_the_trainer_rbac_only(default: list[d
         ("Service", "alpajob-operator-webhook", NAMESPACE),
         ("NetworkPolicy", "alpajob-operator", NAMESPACE),
         ("ClusterRole", "alpajob-trainer", None),
-        ("ServiceAccount", "alpajob-trainer", "default"),
-        ("RoleBinding", "alpajob-trainer", "default"),
     }
 
 
@@ -267,24 +266,30 @@ def test_service_equals_the_manifest_and_selects_the_operator(default: list[dict
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
 
 
-def test_trainer_rbac_equals_the_manifest(default: list[dict[str, Any]]) -> None:
-    role = find(default, "ClusterRole", "alpajob-trainer")
+def test_trainer_rbac_equals_the_manifest(helm: ModuleType) -> None:
+    objects = render(helm, {"trainerNamespaces": ["default"]})
+    role = find(objects, "ClusterRole", "alpajob-trainer")
     assert role["rules"] == manifest("trainer-rbac.yaml", "ClusterRole")["rules"]
-    binding = find(default, "RoleBinding", "alpajob-trainer", "default")
+    binding = find(objects, "RoleBinding", "alpajob-trainer", "default")
     expected = manifest("trainer-rbac.yaml", "RoleBinding")
     assert (binding["roleRef"], binding["subjects"]) == (expected["roleRef"], expected["subjects"])
-    account = find(default, "ServiceAccount", "alpajob-trainer", "default")
+    account = find(objects, "ServiceAccount", "alpajob-trainer", "default")
     assert account["metadata"]["name"] == manifest("trainer-rbac.yaml", "ServiceAccount")["metadata"]["name"]
 
 
-def test_the_trainer_account_is_the_one_job_pods_run_as(default: list[dict[str, Any]]) -> None:
-    from alpajob.operator.children import head_pod
+def test_a_job_naming_the_shared_account_runs_as_it_and_others_as_their_own(helm: ModuleType) -> None:
+    from alpajob.operator.children import head_pod, identity
     from alpajob.operator.names import ChildNames
 
+    objects = render(helm, {"trainerNamespaces": ["default"]})
     job = {"metadata": {"name": "demo", "namespace": "default", "uid": "u-1"},
-           "spec": {"model": {"zoo": "gpt"}}}
+           "spec": {"model": {"zoo": "gpt"}, "serviceAccountName": "alpajob-trainer"}}
     pod = head_pod(job, ChildNames("demo", 0), None)
-    find(default, "ServiceAccount", pod["spec"]["serviceAccountName"], "default")
+    find(objects, "ServiceAccount", pod["spec"]["serviceAccountName"], "default")
+    assert identity(job, ChildNames("demo", 0)) == []
+    del job["spec"]["serviceAccountName"]
+    assert head_pod(job, ChildNames("demo", 0), None)["spec"]["serviceAccountName"] == "demo-trainer"
+    assert [o["kind"] for o in identity(job, ChildNames("demo", 0))] == ["ServiceAccount", "Role", "RoleBinding"]
 
 
 # --- values ----------------------------------------------------------------------------

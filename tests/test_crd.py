@@ -531,6 +531,9 @@ NEEDED_VERBS = {
     ("", "configmaps"): {"create", "get", "list", "watch", "patch"},  # patch: the plan cleared to plan again
     ("", "persistentvolumeclaims"): {"create", "get", "list", "watch"},
     ("", "secrets"): {"create", "delete"},  # the attempts' Ray tokens; never read
+    ("", "serviceaccounts"): {"create"},  # the job's own identity, <job>-trainer
+    ("rbac.authorization.k8s.io", "roles"): {"create"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"create"},
     ("authorization.k8s.io", "subjectaccessreviews"): {"create"},  # may a job's author create pods?
     ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},  # the replicas' election
     ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
@@ -553,7 +556,8 @@ NEEDED_NAMED_VERBS = {
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", WEBHOOK_CONFIGURATION): {"patch"},
 }
 CREATED = [("", "pods"), ("", "services"), ("", "configmaps"), ("", "persistentvolumeclaims"), ("", "events"),
-           ("", "secrets"), ("networking.k8s.io", "networkpolicies"),
+           ("", "secrets"), ("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
+           ("rbac.authorization.k8s.io", "rolebindings"), ("networking.k8s.io", "networkpolicies"),
            ("scheduling.volcano.sh", "podgroups"), ("scheduling.x-k8s.io", "podgroups"),
            ("admissionregistration.k8s.io", "validatingwebhookconfigurations")]
 
@@ -581,6 +585,49 @@ def test_cluster_role_grants_exactly_the_verbs_needed() -> None:
     assert named == NEEDED_NAMED_VERBS
     for key in CREATED:
         assert "create" in granted[key], key
+
+
+@pytest.mark.parametrize("install", ["rbac.yaml", "rbac-namespaced.yaml"])
+def test_the_shipped_roles_may_hand_out_each_jobs_identity_and_nothing_more(install: str) -> None:
+    """A real API server lets a user create a Role, or bind one, only with permissions
+    it holds (RBAC's escalation check, which :mod:`rbac` applies as kube-apiserver
+    does). Under each shipped install the operator may create a job's
+    ``<job>-trainer`` Role and RoleBinding; with ``patch`` on ConfigMaps taken away it
+    may not, and it may never bind a role it does not hold (``cluster-admin``)."""
+    from rbac import Ask, User, escalation
+
+    from alpajob.operator.children import identity
+    from alpajob.operator.names import ChildNames
+
+    job = {"metadata": {"name": "gpt", "namespace": "default", "uid": "u"}, "spec": {}}
+    account, role, binding = identity(job, ChildNames("gpt", 0))
+    operator = User.service_account("alpajob-system", "alpajob-operator")
+    stored = [copy.deepcopy(d) for d in documents(install) if d["kind"] != "ServiceAccount"]
+    admin = {"kind": "ClusterRole", "metadata": {"name": "cluster-admin"},
+             "rules": [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}]}
+
+    def objects(plural: str, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        kinds = {"clusterroles": "ClusterRole", "roles": "Role", "clusterrolebindings": "ClusterRoleBinding",
+                 "rolebindings": "RoleBinding"}
+        return [d for d in docs if d["kind"] == kinds[plural]]
+
+    with_role = [*stored, admin, {**role, "metadata": {"name": "gpt-trainer", "namespace": "default"}}]
+    make_role = Ask("create", "rbac.authorization.k8s.io", "roles", "default", None)
+    make_binding = Ask("create", "rbac.authorization.k8s.io", "rolebindings", "default", None)
+    assert escalation(operator, make_role, role, lambda p: objects(p, with_role)) is None
+    assert escalation(operator, make_binding, binding, lambda p: objects(p, with_role)) is None
+    to_admin = {**binding, "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                       "name": "cluster-admin"}}
+    refused = escalation(operator, make_binding, to_admin, lambda p: objects(p, with_role))
+    assert refused is not None and "not currently held" in refused
+    weaker = copy.deepcopy(with_role)
+    for doc in weaker:
+        for rule in doc.get("rules") or []:
+            if doc["metadata"]["name"].startswith("alpajob-operator") and "configmaps" in rule["resources"]:
+                rule["verbs"] = [v for v in rule["verbs"] if v != "patch"]
+    refused = escalation(operator, make_role, role, lambda p: objects(p, weaker))
+    assert refused is not None and "Verbs:['get', 'patch']" in refused and "gpt-progress" in refused
+    assert account["automountServiceAccountToken"] is False
 
 
 def test_the_service_account_is_bound_to_the_cluster_role() -> None:

@@ -375,6 +375,66 @@ def test_a_smaller_pool_plans_the_job_again_under_the_shipped_rbac(
     assert emulator.forbidden == []
 
 
+def test_each_job_runs_as_its_own_identity_that_reaches_only_its_own_configmaps(
+        emulator: Emulator, cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    """With no ``spec.serviceAccountName``, the operator (under the shipped RBAC,
+    whose escalation check the API server applies to every Role and RoleBinding it
+    creates) makes the job's ServiceAccount, Role and RoleBinding ``<job>-trainer``,
+    owned by the job, before its first pod. The planner plans as that account; the
+    head gets its token, mesh pods none. The token may get and patch the job's plan
+    and progress and nothing else: not the job's own manifest, not another job's
+    plan, no list, no Secret, no pod."""
+    cluster.create_job("gpt-i")
+    cluster.create_job("gpt-j")
+    _wait("both planner pods", lambda: "gpt-i-planner" in cluster.pods("gpt-i") and "gpt-j-planner" in cluster.pods("gpt-j"),
+          op=operator)
+    job = cluster.job("gpt-i")
+    rbac = client.RbacAuthorizationV1Api(cluster.api)
+    account = cluster.core.read_namespaced_service_account("gpt-i-trainer", cluster.ns)
+    role = rbac.read_namespaced_role("gpt-i-trainer", cluster.ns)
+    binding = rbac.read_namespaced_role_binding("gpt-i-trainer", cluster.ns)
+    for obj in (account, role, binding):
+        assert [o.uid for o in obj.metadata.owner_references] == [job["metadata"]["uid"]]
+    assert account.automount_service_account_token is False
+    assert [(r.resources, r.resource_names, r.verbs) for r in role.rules] == \
+        [(["configmaps"], ["gpt-i-plan", "gpt-i-progress"], ["get", "patch"])]
+    assert binding.role_ref.kind == "Role" and [s.name for s in binding.subjects] == ["gpt-i-trainer"]
+    assert cluster.pods("gpt-i")["gpt-i-planner"].spec.service_account_name == "gpt-i-trainer"
+    cluster.run_planner("gpt-i", tmp_path)  # writes gpt-i-plan as gpt-i-trainer
+    pods = _wait("the head and mesh pods", lambda: {"gpt-i-0-head", "gpt-i-0-m0-h0"} <= set(cluster.pods("gpt-i"))
+                 and cluster.pods("gpt-i"), op=operator)
+    assert pods["gpt-i-0-head"].spec.automount_service_account_token is True
+    assert pods["gpt-i-0-m0-h0"].spec.automount_service_account_token is False
+    assert {p.spec.service_account_name for p in pods.values()} == {"gpt-i-trainer"}
+
+    token = account_token(cluster.api, cluster.ns, "gpt-i-trainer")
+    from kubernetes import config
+
+    core = client.CoreV1Api(config.new_client_from_config(
+        str(token_kubeconfig(cluster.emu.kubeconfig, token, tmp_path / "trainer-kubeconfig"))))
+    core.patch_namespaced_config_map("gpt-i-progress", cluster.ns, {"metadata": {"annotations": {"probe": "1"}}})
+    assert core.read_namespaced_config_map("gpt-i-plan", cluster.ns).data[PLAN_KEY]
+    refused_before = len(getattr(emulator, "forbidden", []))
+    for what, call in [
+            ("the job's manifest", lambda: core.read_namespaced_config_map("gpt-i-config", cluster.ns)),
+            ("another job's plan", lambda: core.read_namespaced_config_map("gpt-j-plan", cluster.ns)),
+            ("another job's plan, patched", lambda: core.patch_namespaced_config_map(
+                "gpt-j-plan", cluster.ns, {"data": {PLAN_KEY: "{}"}})),
+            ("every ConfigMap", lambda: core.list_namespaced_config_map(cluster.ns)),
+            ("the Ray token", lambda: core.read_namespaced_secret("gpt-i-0-ray", cluster.ns)),
+            ("a pod", lambda: core.create_namespaced_pod(cluster.ns, {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"},
+                "spec": {"containers": [{"name": "c", "image": "busybox"}]}}))]:
+        with pytest.raises(client.ApiException) as refused:
+            call()
+        assert refused.value.status == 403, what
+    forbidden = getattr(emulator, "forbidden", None)
+    if forbidden is not None:  # the probes' refusals are the test's, not a missing grant
+        assert len(forbidden) == refused_before + 6
+        assert all("system:serviceaccount:" + cluster.ns + ":gpt-i-trainer" in m for m in forbidden[refused_before:])
+        del forbidden[refused_before:]
+
+
 def test_of_two_replicas_one_reconciles_and_a_killed_leader_is_replaced_within_seconds(
         emulator: Emulator, cluster: Cluster, tmp_path: Path) -> None:
     """Two operators on one peering object (``--peering alpajob``): the one of the

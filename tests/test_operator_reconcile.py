@@ -38,6 +38,10 @@ def runtime_of(pod: dict[str, Any]) -> TrainerRuntime:
     return TrainerRuntime.from_env(env)
 
 
+#: Children the operator asks for again with every pod it makes (a 409 keeps them).
+ASKED_AGAIN = ("Secret", "ServiceAccount", "Role", "RoleBinding")
+
+
 class World:
     """The API server's objects for one job, and a clock."""
 
@@ -83,8 +87,8 @@ class World:
         self.job["status"] = decision.status.to_dict()
         for obj in decision.create:
             key = (obj["kind"], obj["metadata"]["name"])
-            if obj["kind"] == "Secret" and key in self.objects:
-                continue  # the API's 409: the operator cannot see Secrets, so it asks with every pod it makes
+            if obj["kind"] in ASKED_AGAIN and key in self.objects:
+                continue  # the API's 409: the operator does not watch these, so it asks with every pod it makes
             assert key not in self.objects, f"{key} created twice"
             retained = obj["kind"] == "PersistentVolumeClaim" and "ownerReferences" not in obj["metadata"]
             assert retained or obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
@@ -146,8 +150,20 @@ def test_a_new_job_plans_in_a_pod_for_the_pool(plan_json: str) -> None:
     world = World()
     decision = world.step()
     kinds = [(o["kind"], o["metadata"]["name"]) for o in decision.create]
-    assert kinds == [("ConfigMap", "manual-gpt-config"), ("ConfigMap", "manual-gpt-plan"),
+    identity = [("ServiceAccount", "manual-gpt-trainer"), ("Role", "manual-gpt-trainer"),
+                ("RoleBinding", "manual-gpt-trainer")]
+    assert kinds == [*identity, ("ConfigMap", "manual-gpt-config"), ("ConfigMap", "manual-gpt-plan"),
                      ("ConfigMap", "manual-gpt-progress"), ("Pod", "manual-gpt-planner")]
+    # The planner runs as the job's own identity, whose Role reaches the job's plan and
+    # progress only; its token is the pod's to ask for (the account mounts none).
+    assert world.objects["Pod", "manual-gpt-planner"]["spec"]["serviceAccountName"] == "manual-gpt-trainer"
+    assert world.objects["Pod", "manual-gpt-planner"]["spec"]["automountServiceAccountToken"] is True
+    assert world.objects["ServiceAccount", "manual-gpt-trainer"]["automountServiceAccountToken"] is False
+    assert world.objects["Role", "manual-gpt-trainer"]["rules"] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["manual-gpt-plan", "manual-gpt-progress"],
+         "verbs": ["get", "patch"]}]
+    assert world.objects["RoleBinding", "manual-gpt-trainer"]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "manual-gpt-trainer", "namespace": "ml"}]
     planner = world.objects["Pod", "manual-gpt-planner"]
     assert planner["spec"]["containers"][0]["command"] == ["alpajob", "plan"]
     runtime = runtime_of(planner)
@@ -164,6 +180,9 @@ def test_after_planning_every_child_is_created_once_with_its_environment(plan_js
     world.planned(plan_json)
     decision = world.step()
     created = [(o["kind"], o["metadata"]["name"]) for o in decision.create]
+    assert created[:3] == [("ServiceAccount", "manual-gpt-trainer"), ("Role", "manual-gpt-trainer"),
+                           ("RoleBinding", "manual-gpt-trainer")]  # asked again before pods: a 409 keeps them
+    decision.create[:3], created[:3] = [], []
     assert created == [("Secret", "manual-gpt-0-ray"), ("NetworkPolicy", "manual-gpt-pods"),
                        ("Service", "manual-gpt-head"), ("Service", "manual-gpt-hosts"), ("Pod", "manual-gpt-0-head"),
                        ("Pod", "manual-gpt-0-m0-h0"), ("Pod", "manual-gpt-0-m1-h0")]

@@ -118,7 +118,7 @@ def write_plan_configmap(plan_json: str, target: str, api: Any = None, patience:
                 raise AlpaJobError(
                     f"{_PLAN_TARGET}: cannot write ConfigMap {namespace}/{name} "
                     f"({status} {getattr(error, 'reason', '')}); it must exist and this pod's service account "
-                    "needs get and patch on configmaps"
+                    "needs get and patch on it"
                 ) from None
             waited = time.monotonic() - began
             if waited + pause > patience:

@@ -56,6 +56,7 @@ class Role(StrEnum):
     CHECKPOINTS = "checkpoints"  # PersistentVolumeClaim made from spec.checkpoint.volumeClaimTemplate
     RAY_TOKEN = "ray-token"  # Secret: the attempt's Ray authentication token
     NETWORK = "network"  # NetworkPolicy: who may connect to the job's pods
+    IDENTITY = "identity"  # ServiceAccount, Role and RoleBinding: what the job's pods may do in the API
 
 
 # --------------------------------------------------------------------------- ConfigMap keys

@@ -413,8 +413,9 @@ class Spec(Contract):
     image: str | None = Field(None, min_length=1, max_length=512, description=(
         "The trainer image of the planner, head and mesh pods (default: the operator's)."))
     service_account_name: ObjectName | None = Field(None, description=(
-        "The service account of the job's pods (default: alpajob-trainer); the planner pod "
-        "needs get and patch on ConfigMaps."))
+        "The service account of the job's pods (default: the job's own <job>-trainer, which "
+        "the operator creates with a Role that may get and patch only <job>-plan and "
+        "<job>-progress); one named here needs get and patch on those two ConfigMaps."))
     checkpoint: CheckpointSpec | None = Field(None, description=(
         "Periodic checkpoints on a PersistentVolumeClaim every pod mounts; restarts resume "
         "from the last complete one."))
