@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
+from alpajob.api.documents import load_documents, read_text
 from alpajob.api.errors import ManifestError
 from alpajob.api.names import API_VERSION, KIND
 from alpajob.api.schema import Contract
@@ -151,14 +152,7 @@ def load_job(path: str | Path) -> AlpaJob:
     A file with several YAML documents (a ``---`` list) must hold exactly one AlpaJob.
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ManifestError(str(path), f"cannot read the manifest: {error.strerror}") from None
-    try:
-        documents = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as error:
-        raise ManifestError(str(path), f"is not valid YAML: {error}") from None
+    documents = load_documents(read_text(path), str(path))
     jobs = [d for d in documents if isinstance(d, dict) and d.get("kind") == KIND]
     if len(jobs) == 1:
         return parse_job(jobs[0], str(path))
