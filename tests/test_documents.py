@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,3 +103,70 @@ def test_the_cli_answers_each_in_one_line_and_exit_code_2(tmp_path: Path) -> Non
     assert "Traceback" not in done.stderr and "expands to" in done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
+
+
+def _fields(model: type, seen: set[type]) -> list[tuple[str, Any, Any]]:
+    """Every (model.field, annotation, FieldInfo) reachable from ``model``."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if model in seen:
+        return []
+    seen.add(model)
+    out = []
+    for name, info in model.model_fields.items():  # type: ignore[attr-defined]
+        out.append((f"{model.__name__}.{name}", info.annotation, info))
+        stack = [info.annotation]
+        while stack:
+            kind = stack.pop()
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                out += _fields(kind, seen)
+            stack += list(typing.get_args(kind))
+    return out
+
+
+def test_every_number_of_the_spec_is_bounded_as_the_api_server_bounds_it() -> None:
+    """What users write (``spec``; the status is the operator's). An int of format int64/int32 is bounded by it in the typed model (a larger one
+    was a traceback deep in the planner); a float is finite (``.inf`` trained to a NaN
+    loss and exit 0)."""
+    import typing
+
+    from alpajob.api.spec import Spec
+
+    ints = floats = 0
+    for name, annotation, info in _fields(Spec, set()):
+        kinds = set(typing.get_args(annotation)) | {annotation}
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        limits = {type(m).__name__: m for m in info.metadata}
+        if int in kinds and extra.get("format") in ("int64", "int32"):
+            ints += 1
+            top = 2**63 - 1 if extra["format"] == "int64" else 2**31 - 1
+            bound = getattr(limits.get("Le"), "le", None) or getattr(limits.get("Lt"), "lt", None)
+            assert bound is not None and bound <= top, name
+        if float in kinds:
+            floats += 1
+            finite = any(getattr(m, "allow_inf_nan", None) is False for m in info.metadata)
+            assert finite or name == "DataSource.weight", f"{name} takes .inf and .nan"  # weight: its own check
+    assert ints >= 15 and floats >= 7
+
+
+@pytest.mark.parametrize(("edit", "field", "says"), [
+    ({"globalBatchSize": 2**63}, "spec.training.globalBatchSize", "less than or equal to 9223372036854775807"),
+    ({"seed": 2**64}, "spec.training.seed", "less than or equal to"),
+    ({"seed": -1}, "spec.training.seed", "greater than or equal to 0"),
+    ({"learningRate": float("inf")}, "spec.training.learningRate", "finite number"),
+    ({"optimizer": {"name": "adamw", "weightDecay": float("inf")}}, "spec.training.optimizer", "finite number"),
+    ({"optimizer": {"name": "adamw", "clipNorm": float("nan")}}, "spec.training.optimizer", "finite number"),
+])
+def test_numbers_out_of_bounds_are_one_line_naming_the_field(edit: dict[str, Any], field: str, says: str) -> None:
+    import yaml
+
+    from alpajob.api.resource import parse_job
+
+    doc = yaml.safe_load(EXAMPLE)
+    doc["spec"].setdefault("training", {}).update(edit)
+    with pytest.raises(ManifestError) as refused:
+        parse_job(doc)
+    message = str(refused.value)
+    assert message.startswith(field) and says in message and "\n" not in message, message

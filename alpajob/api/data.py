@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from alpajob.api.pod_template import Quantity
-from alpajob.api.schema import INT64, Contract, cel, k8s
+from alpajob.api.schema import INT64, INT64_MAX, Contract, cel, k8s
 
 
 class DataFormat(StrEnum):
@@ -215,9 +215,9 @@ class IndexShard(Contract):
     """One shard of a :class:`TokenIndex`."""
 
     path: str = Field(min_length=1, description="The shard's file, relative to the index's folder.")
-    tokens: int = Field(ge=0, json_schema_extra=INT64, description="Token ids it holds.")
-    documents: int = Field(0, ge=0, json_schema_extra=INT64, description="Documents that end in it.")
-    max_id: int = Field(-1, ge=-1, json_schema_extra=INT64, description="Its largest id (-1: empty).")
+    tokens: int = Field(ge=0, le=INT64_MAX, json_schema_extra=INT64, description="Token ids it holds.")
+    documents: int = Field(0, ge=0, le=INT64_MAX, json_schema_extra=INT64, description="Documents that end in it.")
+    max_id: int = Field(-1, ge=-1, le=INT64_MAX, json_schema_extra=INT64, description="Its largest id (-1: empty).")
 
 
 class TokenIndex(Contract):

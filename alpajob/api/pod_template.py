@@ -34,7 +34,7 @@ from pydantic import BeforeValidator, Field, StringConstraints, field_validator
 
 from alpajob.api.names import ANNOTATION_PREFIX
 from alpajob.api.runtime import ENV_PREFIX
-from alpajob.api.schema import Contract, k8s
+from alpajob.api.schema import INT64, INT64_MAX, Contract, k8s
 
 #: A Kubernetes resource quantity (``2``, ``500m``, ``16Gi``), as the API server checks it.
 QUANTITY = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
@@ -96,7 +96,7 @@ class Toleration(Contract):
     value: str | None = Field(None, max_length=63, description="The taint's value, with Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="The taint effect to tolerate; empty: every effect.")
-    toleration_seconds: int | None = Field(None, json_schema_extra=k8s(format="int64"), description=(
+    toleration_seconds: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, json_schema_extra=INT64, description=(
         "With NoExecute: how long the pod stays on a node after the taint appears."))
 
 
@@ -132,14 +132,14 @@ class VolumeMount(Contract):
 class PodSecurity(Contract):
     """Pod-level security settings a user may choose (the rest stays "restricted")."""
 
-    fs_group: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"), description=(
+    fs_group: int | None = Field(None, ge=0, le=INT64_MAX, json_schema_extra=INT64, description=(
         "Group that owns the pods' volumes (default 1000, the image's user's group), so "
         "uid 1000 can write a volume made by root."))
     fs_group_change_policy: Literal["OnRootMismatch", "Always"] | None = Field(None, description=(
         "When the kubelet changes the volumes' ownership to fsGroup: always, or only when the root differs."))
-    run_as_user: int | None = Field(None, ge=1, json_schema_extra=k8s(format="int64"),
+    run_as_user: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=INT64,
                                     description="Any uid but 0 (Pod Security restricted).")
-    run_as_group: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"),
+    run_as_group: int | None = Field(None, ge=0, le=INT64_MAX, json_schema_extra=INT64,
                                      description="The containers' primary group id (default the image's).")
     supplemental_groups: list[int] = Field(default_factory=list, max_length=32,
                                            description="More group ids of the containers' processes.")
@@ -179,7 +179,7 @@ class PodOverrides(Contract):
     shm_size: Quantity | None = Field(None, description=(
         "Size of the memory-backed /dev/shm (Ray's object store lives there); default: sized "
         "from the plan. Counted in the pod's memory."))
-    termination_grace_period_seconds: int | None = Field(None, ge=0, json_schema_extra=k8s(format="int64"),
+    termination_grace_period_seconds: int | None = Field(None, ge=0, le=INT64_MAX, json_schema_extra=INT64,
                                                          description="Seconds a deleted pod may take to stop.")
 
     @field_validator("volumes")

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from alpajob.api.schema import INT32, INT64, Contract, cel, k8s, unchanged
+from alpajob.api.schema import INT32, INT32_MAX, INT64, INT64_MAX, Contract, cel, k8s, unchanged
 
 
 class FailureAction(StrEnum):
@@ -113,17 +113,17 @@ class RunPolicy(Contract):
         "cleanPodPolicy may change")
         for key in ("backoffLimit", "podFailurePolicy")))}
 
-    backoff_limit: int = Field(3, ge=0, json_schema_extra=INT32, description=(
+    backoff_limit: int = Field(3, ge=0, le=INT32_MAX, json_schema_extra=INT32, description=(
         "Restarts of the whole job (every mesh, from the last checkpoint) before it fails."))
-    active_deadline_seconds: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
+    active_deadline_seconds: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=INT64, description=(
         "Seconds from the start after which the job fails and its pods are deleted."))
-    ttl_seconds_after_finished: int | None = Field(None, ge=0, json_schema_extra=INT32, description=(
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, le=INT32_MAX, json_schema_extra=INT32, description=(
         "Seconds after the job succeeded or failed when the AlpaJob (and with it every child) "
         "is deleted."))
     suspend: bool = Field(False, description=(
         "true deletes the job's pods and holds it (Kueue sets it); false resumes it from the "
         "last checkpoint."))
-    scheduling_timeout_seconds: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
+    scheduling_timeout_seconds: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=INT64, description=(
         "Seconds a pod of the job may stay unschedulable (the scheduler finds no node for it) "
         "before the job fails with reason SchedulingTimeout. Unset: it waits, and says why "
         "(condition PodsScheduled=False with the scheduler's message)."))
@@ -133,7 +133,7 @@ class RunPolicy(Contract):
         "its TTL passes), All, or None. A Succeeded job's mesh pods end on their own (the driver "
         "releases them: Succeeded, logs kept); any still running 10 s later are deleted whatever "
         "the policy. Pods of a failed attempt also stay, stopped."))
-    progress_deadline_seconds: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
+    progress_deadline_seconds: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=INT64, description=(
         "Seconds a Running job may go without a progress report from its trainer before it is "
         "restarted as a hung job (reason ProgressDeadlineExceeded, counted against "
         "backoffLimit). Keep it well above a step's time."))

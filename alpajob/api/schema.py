@@ -58,6 +58,10 @@ def k8s(*rules: dict[str, Any], **extensions: Any) -> dict[str, Any]:
     return out
 
 
-#: Kubernetes' integer formats, for a field's ``json_schema_extra``.
+#: Kubernetes' integer formats, for a field's ``json_schema_extra``; a field of one
+#: also bounds its value by the format's largest (``le=INT64_MAX``), as the API server
+#: does, so the typed model never takes what a real server refuses.
 INT64 = k8s(format="int64")
 INT32 = k8s(format="int32")
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1

@@ -36,7 +36,7 @@ from alpajob.api.data import DataSpec
 from alpajob.api.names import GPU_PRODUCT_LABEL
 from alpajob.api.pod_template import PodTemplates, Quantity
 from alpajob.api.run_policy import RunPolicy
-from alpajob.api.schema import INT32, INT64, Contract, cel, k8s, unchanged
+from alpajob.api.schema import INT32, INT32_MAX, INT64, INT64_MAX, Contract, cel, k8s, unchanged
 
 #: A DNS-1123 subdomain (a Kubernetes object name).
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -149,13 +149,13 @@ class OptimizerSpec(Contract):
     """
 
     name: Optimizer = Optimizer.ADAMW
-    learning_rate: float | None = Field(None, gt=0)
+    learning_rate: float | None = Field(None, gt=0, allow_inf_nan=False)
     schedule: LRSchedule = LRSchedule.CONSTANT
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    clip_norm: float | None = Field(None, gt=0)
-    b1: float = Field(0.9, ge=0, lt=1)
-    b2: float = Field(0.999, ge=0, lt=1)
+    warmup_steps: int = Field(0, ge=0, le=INT64_MAX)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    clip_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
+    b1: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)
+    b2: float = Field(0.999, ge=0, lt=1, allow_inf_nan=False)
 
 
 class TrainingSpec(Contract):
@@ -165,9 +165,9 @@ class TrainingSpec(Contract):
         cel("self == oldSelf", "spec.training is immutable once the AlpaJob exists; create a new "
             "AlpaJob to change it"))}
 
-    global_batch_size: int = Field(1024, ge=1, json_schema_extra=INT64,
+    global_batch_size: int = Field(1024, ge=1, le=INT64_MAX, json_schema_extra=INT64,
                                    description="Samples per step, over all devices.")
-    steps: int = Field(1000, ge=1, json_schema_extra=INT64, description="Training steps.")
+    steps: int = Field(1000, ge=1, le=INT64_MAX, json_schema_extra=INT64, description="Training steps.")
     dtype: DType = Field(DType.FLOAT32, description="Parameter and compute dtype.")
     optimizer: Optimizer | OptimizerSpec = Field(
         Optimizer.ADAM, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
@@ -175,14 +175,14 @@ class TrainingSpec(Contract):
                     "constant|cosine|linear, warmupSteps, weightDecay, clipNorm, b1, b2}. "
                     "Free-form to the API server (a name or an object); the admission webhook "
                     "checks it.")
-    learning_rate: float = Field(1e-4, gt=0, description=(
+    learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False, description=(
         "The peak learning rate (unless spec.training.optimizer.learningRate is set)."))
-    seed: int = Field(0, json_schema_extra=INT64,
-                      description="Seed of the parameters' and the data's random numbers.")
-    eval_every: int | None = Field(None, ge=1, json_schema_extra=INT64, description=(
+    seed: int = Field(0, ge=0, le=INT64_MAX, json_schema_extra=INT64,
+                      description="Seed of the parameters' and the data's random numbers (0 or more).")
+    eval_every: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=INT64, description=(
         "Evaluate on spec.data.eval every this many steps and after the last step; "
         "unset, a job with spec.data.eval evaluates once, after the last step."))
-    eval_steps: int = Field(8, ge=1, json_schema_extra=INT64, description=(
+    eval_steps: int = Field(8, ge=1, le=INT64_MAX, json_schema_extra=INT64, description=(
         "Batches of spec.data.eval each evaluation averages over."))
 
     @property
@@ -210,9 +210,9 @@ class NodePoolSpec(Contract):
         default_factory=dict, max_length=32,
         description="Labels of the pool's nodes; nvidia.com/gpu.product also names the device "
                     "preset when gpu is not set.")
-    nodes: int = Field(1, ge=1, json_schema_extra=INT32,
+    nodes: int = Field(1, ge=1, le=INT32_MAX, json_schema_extra=INT32,
                        description="Nodes of the pool the job may use.")
-    gpus_per_node: int = Field(8, ge=1, json_schema_extra=INT32,
+    gpus_per_node: int = Field(8, ge=1, le=INT32_MAX, json_schema_extra=INT32,
                                description="GPUs of each node the job may use.")
     gpu: DevicePreset | None = Field(
         None, description="A device preset; default: the preset of the nodeSelector's "
@@ -332,7 +332,7 @@ class CheckpointSpec(Contract):
     volume_claim_template: VolumeClaimTemplate | None = Field(None, description=(
         "A claim the operator makes for the job (<job>-checkpoints): size, storageClassName, "
         "accessModes, retain."))
-    interval_steps: int = Field(500, ge=1, json_schema_extra=INT64,
+    interval_steps: int = Field(500, ge=1, le=INT64_MAX, json_schema_extra=INT64,
                                 description="Steps between two checkpoints.")
     path: str | None = Field(
         None, max_length=1024, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$",
