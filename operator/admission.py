@@ -8,7 +8,9 @@ field's path in the manifest's camelCase spelling and saying how to fix it::
     spec.model.config: unknown gpt size '9b'; choose one of tiny, 350m, 1.3b, ...
 
 The checks are the contracts' own (:func:`alpajob.api.resource.document_problems`: the
-typed model, then :mod:`alpajob.api.validation`), the same the CLI runs. The webhook
+typed model, then :mod:`alpajob.api.validation`), the same the CLI runs, then the
+cluster's: data schemes, credentials written as literals, and the free-form parts of
+``spec.podTemplate`` against Kubernetes' types (:mod:`alpajob.operator.pod_shapes`). The webhook
 judges ``spec`` only: on an UPDATE the API server sends the whole object, status and
 finalizers included, and an update that leaves ``spec`` as it was (a status write, a
 finalizer added or removed, a deletion in progress) is always allowed, so the webhook can
@@ -26,6 +28,7 @@ from typing import Any
 
 from alpajob.api.data import DataSpec
 from alpajob.api.resource import document_problems
+from alpajob.operator.pod_shapes import template_problems
 
 #: The data URL schemes a cluster allows unless its operator says otherwise
 #: (``--data-schemes``): local paths and volumes, S3 and Google Cloud Storage. A web
@@ -96,4 +99,5 @@ def validate_alpajob(body: Mapping[str, Any], old: Mapping[str, Any] | None = No
     if old is not None and body.get("spec") == old.get("spec"):
         return []
     problems = [str(problem) for problem in document_problems(dict(body), dict(old) if old else None)]
-    return problems or data_scheme_problems(body, data_schemes) + credential_problems(body)
+    return problems or (data_scheme_problems(body, data_schemes) + credential_problems(body)
+                        + template_problems(body))

@@ -87,6 +87,7 @@ from alpajob.operator.pods import (
     ending,
     failure_action,
     final_progress,
+    finished_at,
     parse_time,
     phase_of,
     pod_message,
@@ -104,6 +105,9 @@ SCHEDULING_GRACE = 5.0
 #: Running deletes them: the driver released them as it finished and they are
 #: stopping Ray, to end Succeeded with their logs.
 MESH_EXIT_GRACE = 10.0
+#: Seconds a Succeeded planner pod's plan has to appear before the job fails for want of it.
+PLAN_GRACE_SECONDS = 30.0
+
 
 def _data(configmap: Mapping[str, Any] | None, key: str) -> str | None:
     return ((configmap or {}).get("data") or {}).get(key)
@@ -217,9 +221,27 @@ class _Pass(PassState):
                        f"planning for {cluster.nodes} x {cluster.gpus_per_node} {cluster.preset}")
         elif phase_of(planner) == "Failed":
             self.phase(Phase.FAILED, "PlanningFailed", pod_message(planner))
+        elif phase_of(planner) == "Succeeded":
+            self.planner_ended_without_plan(planner)
         elif self.status.phase is not Phase.PLANNING:
             self.phase(Phase.PLANNING, "Planning", "the planner pod is running")
         return True
+
+    def planner_ended_without_plan(self, planner: Mapping[str, Any]) -> None:
+        """A planner pod that succeeded but left no plan fails the job, once the plan
+        ConfigMap has had :data:`PLAN_GRACE_SECONDS` to arrive: the planner writes it
+        before it exits, but the operator's watch of ConfigMaps may see it after the
+        pod's end (two resources, two streams)."""
+        at = finished_at(planner)
+        ended = parse_time(at) if at != "~" else None
+        waited = (self.seen.now.replace(tzinfo=None) - ended).total_seconds() if ended else PLAN_GRACE_SECONDS
+        if waited < PLAN_GRACE_SECONDS:
+            self.decision.wake(PLAN_GRACE_SECONDS - waited)
+            return
+        self.phase(Phase.FAILED, "PlanningFailed", (
+            f"the planner pod {self.names.planner} exited 0 but wrote no plan into ConfigMap "
+            f"{self.names.plan}: your model's entrypoint or the image's command ended it early "
+            f"(see `kubectl logs {self.names.planner}`)"))
 
     def summary(self) -> PlanSummary:
         plan = self.plan

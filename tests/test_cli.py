@@ -109,3 +109,10 @@ def test_ray_commands_refuse_bad_flags_naming_them(tmp_path, capsys, monkeypatch
     filled = [a.format(manifest=manifest, plan=plan) for a in args]
     assert main(filled) == 2
     assert field in capsys.readouterr().err
+
+
+def test_alpajob_version_prints_the_installed_version() -> None:
+    from importlib import metadata
+
+    done = subprocess.run([sys.executable, "-m", "alpajob", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"alpajob {metadata.version('alpajob')}"

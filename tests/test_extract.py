@@ -11,10 +11,10 @@ import pytest
 from jax import lax
 
 from alpajob.api.errors import ManifestError
+from alpajob.api.zoo import mlp_layer_dims
 from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole, with_batch_size
 from alpajob.trainer_image.step import graph_of
 from alpajob.trainer_image.zoo import resolve_model
-from alpajob.trainer_image.zoo.mlp import layer_dims
 
 BATCH = 8
 
@@ -46,13 +46,13 @@ def _ancestors(graph: OpGraph, tensor: int) -> set[int]:
 
 
 def test_mlp_forward_dot_flops_match_the_closed_form(mlp_graph):
-    dims = layer_dims(resolve_model("mlp").config)
+    dims = mlp_layer_dims(resolve_model("mlp").config)
     expected = 2 * BATCH * sum(d_in * d_out for d_in, d_out in dims)
     assert _dot_flops(mlp_graph, Phase.FORWARD) == expected
 
 
 def test_mlp_backward_dot_flops_are_twice_forward_less_the_input_gradient(mlp_graph):
-    dims = layer_dims(resolve_model("mlp").config)
+    dims = mlp_layer_dims(resolve_model("mlp").config)
     forward = _dot_flops(mlp_graph, Phase.FORWARD)
     first = 2 * BATCH * dims[0][0] * dims[0][1]  # no gradient w.r.t. the batch input
     assert _dot_flops(mlp_graph, Phase.BACKWARD) == 2 * forward - first
@@ -145,7 +145,7 @@ def test_mlp_weight_gradient_dots_are_anchored_in_their_layer(mlp_graph):
         name = mlp_graph.param_names[mlp_graph.grads.index(grad)]
         assert _layer_of(starts, op.anchor) == _layer_key(name), name
         checked += 1
-    assert checked == len(layer_dims(resolve_model("mlp").config))
+    assert checked == len(mlp_layer_dims(resolve_model("mlp").config))
 
 
 def test_gpt_layers_carry_twice_their_forward_flops_backward(gpt_graph):

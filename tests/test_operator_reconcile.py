@@ -513,6 +513,22 @@ def test_a_failed_planner_fails_the_job_with_its_message() -> None:
     assert ("Warning", "PlanningFailed") in [(e[0], e[1]) for e in world.events]
 
 
+def test_a_planner_that_exits_0_without_a_plan_fails_the_job_after_a_grace() -> None:
+    """An entrypoint that calls sys.exit(0) ended the planner pod Succeeded with no plan,
+    and the job stayed in Planning for ever."""
+    world = World()
+    world.step()
+    ended = world.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    world.objects["Pod", "manual-gpt-planner"]["status"] = {"phase": "Succeeded", "containerStatuses": [
+        {"state": {"terminated": {"exitCode": 0, "finishedAt": ended}}}]}
+    wait = world.step().wake_after
+    assert world.status["phase"] == "Planning" and wait is not None and 0 < wait <= 30
+    world.step(wait)
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert world.status["phase"] == "Failed" and failed["reason"] == "PlanningFailed"
+    assert "exited 0 but wrote no plan" in failed["message"]
+
+
 def test_with_volcano_the_pod_group_comes_first_and_pods_join_it(plan_json: str) -> None:
     world = World({"scheduling": {"queue": "research"}})
     world.gang = "volcano"

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from alpajob.api.errors import ManifestError
+from alpajob.api.errors import AlpaJobError, ManifestError
 from alpajob.api.options import PlanOptions
 from alpajob.api.plan import Plan
 from alpajob.api.resource import AlpaJob
@@ -35,16 +35,24 @@ from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.inter_op.search import Progress
 from alpajob.planner.plan.make import PlanningResult, SearchOptions, make_plan, search_options
 from alpajob.planner.plan.workers import start_fork_server
-from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.entrypoint import load_model, user_code_failed
 from alpajob.trainer_image.plan_cache import PlanCache, plan_key, planner_version
 from alpajob.trainer_image.step import graph_of, training_optimizer
+from alpajob.trainer_image.stopping import Deadline
 
 
 def job_graph(job: AlpaJob) -> OpGraph:
     """The op graph of ``job``'s training step at its global batch."""
     training = job.spec.training
     model = load_model(job.spec.model, training.dtype)
-    return graph_of(model, training.global_batch_size, training_optimizer(training))
+    try:
+        return graph_of(model, training.global_batch_size, training_optimizer(training))
+    except AlpaJobError:
+        raise
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - a user's model, reported in one line
+        if job.spec.model.entrypoint is None:
+            raise
+        raise user_code_failed("tracing your model's training step", error) from None
 
 
 @dataclass(frozen=True)
@@ -81,9 +89,11 @@ def plan_job(job: AlpaJob, options: PlanOptions | None = None, *,
              progress: Progress | None = None) -> PlanningResult:
     """Plan ``job`` for ``cluster`` (default: ``spec.cluster`` with ``options``'
     overrides); ``graph``: its op graph when the caller has traced it already."""
-    given = planning_inputs(job, options or PlanOptions(), cluster, graph, progress)
-    return make_plan(given.graph, given.cluster, given.search, progress=progress,
-                     extract_seconds=given.traced_seconds)
+    options = options or PlanOptions()
+    with Deadline(options.time_limit, "time_limit", lambda: "planning"):
+        given = planning_inputs(job, options, cluster, graph, progress)
+        return make_plan(given.graph, given.cluster, given.search, progress=progress,
+                         extract_seconds=given.traced_seconds)
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,20 @@ def plan_or_cached(job: AlpaJob, options: PlanOptions | None = None, *,
     it holds one for this graph, cluster, search and planner, else planned and stored
     there (``warn`` hears about an entry ignored or a cache not written)."""
     options = options or PlanOptions()
+    doing = ["tracing the model"]
+
+    def watched(what: str, done: int, total: int | None) -> None:
+        doing[0] = what
+        if progress:
+            progress(what, done, total)
+
+    with Deadline(options.time_limit, "--plan-time-limit", lambda: doing[0]):
+        return _plan_or_cached(job, options, cluster, graph, watched, warn)
+
+
+def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | None,
+                    graph: OpGraph | None, progress: Progress,
+                    warn: Callable[[str], None]) -> JobPlan:
     given = planning_inputs(job, options, cluster, graph, progress)
     if options.cache_dir is None:
         return JobPlan(make_plan(given.graph, given.cluster, given.search, progress=progress,

@@ -26,7 +26,7 @@ from alpajob.api.errors import ManifestError
 from alpajob.api.plan import path_name
 from alpajob.api.spec import LRSchedule, Optimizer, OptimizerSpec, TrainingSpec
 from alpajob.planner.graph.extract import TracedStep, extract_graph
-from alpajob.planner.graph.opgraph import OpGraph
+from alpajob.planner.graph.opgraph import OpGraph, with_batch_size
 from alpajob.trainer_image.precision import all_finite
 
 
@@ -176,7 +176,15 @@ def trace_step(model: TrainableModel, batch_size: int,
 def graph_of(model: TrainableModel, batch_size: int,
              optimizer: optax.GradientTransformation | Optimizer | str | None = None) -> OpGraph:
     """The planner's op graph of ``model``'s training step at ``batch_size``
-    (``optimizer``: a transformation, or an optimizer's name; default Adam)."""
+    (``optimizer``: a transformation, or an optimizer's name; default Adam).
+
+    A batch of one is traced at 2 (and 4) and rescaled to 1: at batch 1 JAX writes
+    some sums over the batch as broadcasts and reshapes instead (GPT-tiny: one
+    ``reduce_sum`` and one ``reshape`` fewer, three ``broadcast_in_dim`` more), so the
+    traces at 1 and 2 are different programs, while from 2 on they are one program
+    with other shapes."""
     if isinstance(optimizer, str):
         optimizer = named_optimizer(optimizer)
+    if batch_size == 1:
+        return with_batch_size(extract_graph(trace_step(model, 2, optimizer)), 1)
     return extract_graph(trace_step(model, batch_size, optimizer))

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
+
+from alpajob.api.errors import TimeLimitError
 
 #: The exit status of a run stopped by a signal (128 + SIGTERM), as a shell reports it.
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM
@@ -96,6 +99,35 @@ class SignalsRaise:
                  trace: TracebackType | None) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+class Deadline:
+    """A block that stops with :class:`~alpajob.api.errors.TimeLimitError` once
+    ``seconds`` have passed (an interval timer's SIGALRM raises it in the main thread,
+    which unwinds the block as SIGTERM does: the planner's pool is closed on the way).
+    ``doing()`` says what was running then. Outside the main thread, or with ``seconds``
+    None, it sets no timer."""
+
+    def __init__(self, seconds: float | None, flag: str, doing: Callable[[], str]) -> None:
+        self.seconds, self.flag, self.doing = seconds, flag, doing
+        self._previous: Any = None
+
+    def _raise(self, _signum: int, _frame: FrameType | None) -> None:
+        raise TimeLimitError(f"planning did not end within {self.flag} {self.seconds:g} s (last progress: "
+                             f"{self.doing()}); plan a smaller model or pool, or raise {self.flag}")
+
+    def __enter__(self) -> Deadline:
+        if self.seconds is not None and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGALRM, self._raise)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if self._previous is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous)
             self._previous = None
 
 

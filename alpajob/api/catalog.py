@@ -1,14 +1,13 @@
-"""What a spec may name: the zoo's models and the device presets.
+"""What a spec may name of the hardware: the device presets.
 
-Both are part of the AlpaJob contract (``spec.model.zoo``, ``spec.cluster.gpu``), so
-they live here, without JAX: the zoo itself (:mod:`alpajob.trainer_image.zoo`) and the
-planner's device data (``planner/cost/data/presets.json``) are checked against this
-catalogue by the tests, so the three never drift apart.
+They are part of the AlpaJob contract (``spec.cluster.gpu``), so they live here,
+without JAX; the planner's device data (``planner/cost/data/presets.json``) is checked
+against this catalogue by the tests, so the two never drift apart. The zoo's models
+have their own contract (:mod:`alpajob.api.zoo`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -34,32 +33,13 @@ GPU_PRODUCT_PRESETS: dict[str, DevicePreset] = {
 }
 
 
-@dataclass(frozen=True)
-class ZooFamily:
-    """A zoo family as a spec sees it: its named sizes and its config keys."""
-
-    sizes: tuple[str, ...]
-    int_keys: frozenset[str]
-    float_keys: frozenset[str] = frozenset()
-
-    @property
-    def keys(self) -> frozenset[str]:
-        return self.int_keys | self.float_keys
-
-
-_GPT_KEYS = frozenset({"hidden", "layers", "heads", "seqLen", "vocab"})
-
-#: The zoo (``alpajob models``): family name -> sizes and config keys.
-ZOO: dict[str, ZooFamily] = {
-    "gpt": ZooFamily(("tiny", "350m", "1.3b", "2.6b", "6.7b", "15b", "39b"), _GPT_KEYS),
-    "moe": ZooFamily(
-        ("tiny", "380m", "690m", "1.3b", "2.4b", "10b", "27b", "70b"),
-        _GPT_KEYS | {"experts", "expertGroupSize"},
-        frozenset({"capacityFactor"}),
-    ),
-    "wresnet": ZooFamily(
-        ("tiny", "250m", "500m", "1b", "2b", "4b", "6.8b", "13b"),
-        frozenset({"layers", "channels", "widthFactor", "imageSize", "numClasses"}),
-    ),
-    "mlp": ZooFamily(("tiny",), frozenset({"hidden", "layers", "inputDim", "outputDim"})),
+#: Each preset's device memory in bytes (the planner's presets hold the same numbers,
+#: which the tests check), for the checks that bound a spec's memory before planning.
+DEVICE_MEMORY_BYTES: dict[DevicePreset, int] = {
+    DevicePreset.V100_16GB: 16 * 2**30,
+    DevicePreset.A100_40GB: 40 * 2**30,
+    DevicePreset.A100_80GB: 80 * 2**30,
+    DevicePreset.H100_80GB: 80 * 2**30,
+    DevicePreset.H200_141GB: 150754820096,
+    DevicePreset.CPU: 2 * 2**30,
 }

@@ -96,19 +96,10 @@ class DataCache(Contract):
     cache holds fixed-size blocks of the shards and drops the least recently used ones
     beyond ``size``; local files are read in place and never cached."""
 
-    size: Quantity = Field(DEFAULT_CACHE_SIZE, json_schema_extra=k8s(
-        cel("type(self) == int ? self >= 0 : !self.startsWith('-')",
-            "spec.data.cache.size is negative; give a size such as 8Gi, or 0 to turn the cache off")),
-        description="Bytes of local disk the cache may hold (default 4Gi; 0 turns it off).")
+    size: Quantity = Field(DEFAULT_CACHE_SIZE, description=(
+        "Bytes of local disk the cache may hold (default 4Gi; 0 turns it off)."))
     path: str = Field(DEFAULT_CACHE_PATH, min_length=1, max_length=1024, description=(
         "The cache's folder on each host (default /tmp/alpajob-data-cache); mount a volume there for a large cache."))
-
-    @field_validator("size")
-    @classmethod
-    def _not_negative(cls, value: int | str) -> int | str:
-        if (isinstance(value, int) and value < 0) or (isinstance(value, str) and value.startswith("-")):
-            raise ValueError(f"{value!r} is negative; give a size such as 8Gi, or 0 to turn the cache off")
-        return value
 
 
 class DataSpec(Contract):

@@ -7,7 +7,17 @@ and exits with :attr:`AlpaJobError.exit_code`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class Problem(NamedTuple):
+    """One thing wrong with a document: where (``spec.cluster.gpu``) and how to fix it."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
 
 
 class AlpaJobError(Exception):
@@ -65,6 +75,10 @@ class InfeasibleError(AlpaJobError):
 
 class PlanFormatError(AlpaJobError):
     """A Plan document could not be read (bad JSON, wrong version, missing field)."""
+
+
+class TimeLimitError(AlpaJobError):
+    """Planning (tracing included) went past its time limit (``--plan-time-limit``)."""
 
 
 class SolverError(AlpaJobError):

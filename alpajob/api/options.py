@@ -10,25 +10,30 @@ build them directly. The planner and the trainer take them as they are.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_snake
 
 from alpajob.api.catalog import DevicePreset
 from alpajob.api.errors import ManifestError
-from alpajob.api.schema import Contract
+from alpajob.api.limits import GPUS_PER_NODE, LOCAL_DEVICES, NODES, STEPS
+from alpajob.api.schema import INT64_MAX, Contract
 from alpajob.api.spec import Method
 
 
 class PlanOptions(Contract):
     """How to plan: overrides of ``spec.cluster`` and ``spec.parallelism``, solver knobs."""
 
-    nodes: int | None = Field(None, ge=1, description="override spec.cluster.nodes")
-    gpus_per_node: int | None = Field(None, ge=1, description="override spec.cluster.gpusPerNode")
+    nodes: Annotated[int, NODES.validator] | None = Field(None, ge=1, description="override spec.cluster.nodes")
+    gpus_per_node: Annotated[int, GPUS_PER_NODE.validator] | None = Field(
+        None, ge=1, description="override spec.cluster.gpusPerNode")
     gpu: DevicePreset | None = Field(None, description="override the device preset")
     method: Method | None = Field(None, description="override spec.parallelism.method")
     ilp_time_limit: float = Field(10.0, gt=0, description="seconds allowed to each ILP solve")
+    time_limit: float | None = Field(1800.0, gt=0, allow_inf_nan=False, description=(
+        "seconds tracing and planning may take in all before they stop with an error (None: "
+        "no limit; kept only in a process's main thread)"))
     baselines: bool = Field(False, description="also cost the baselines (never changes the plan)")
     all_devices: bool = Field(False, description=(
         "plan on every device offered, even on forced CPU devices where one is predicted "
@@ -53,17 +58,20 @@ class PrepareOptions(Contract):
 class TrainOptions(Contract):
     """How to train on this machine (``alpajob run``)."""
 
-    steps: int | None = Field(None, ge=1, description="steps to train (default spec.training.steps)")
-    seed: int | None = Field(None, description="parameter and data seed (default spec.training.seed)")
-    devices: int | None = Field(None, ge=1, description="local devices to use (CPU: forced count)")
+    steps: Annotated[int, STEPS.validator] | None = Field(None, ge=1, description=(
+        "steps to train (default spec.training.steps)"))
+    seed: int | None = Field(None, ge=0, le=INT64_MAX, description=(
+        "parameter and data seed (default spec.training.seed)"))
+    devices: Annotated[int, LOCAL_DEVICES.validator] | None = Field(None, ge=1, description=(
+        "local devices to use (CPU: forced count)"))
     serial: bool = Field(False, description="the whole step on one device: the reference run")
     plan_file: str | None = Field(None, description="run this Plan document instead of planning")
     planning: PlanOptions = Field(default_factory=PlanOptions, description="how to plan, if planning")
     metrics_out: str | None = Field(None, description="write per-step metrics (JSON) here")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus /metrics here")
     checkpoint_dir: str | None = Field(None, description="save sharded checkpoints here")
-    checkpoint_every: int | None = Field(None, ge=1, description="checkpoint every N steps and at the end")
-    keep_last: int | None = Field(None, ge=1, description=(
+    checkpoint_every: Annotated[int, STEPS.validator] | None = Field(None, ge=1, description="checkpoint every N steps and at the end")
+    keep_last: int | None = Field(None, ge=1, le=1000, description=(
         "complete checkpoints kept (default spec.checkpoint.keepLast, else 3)"))
     sync_checkpoints: bool = Field(False, description=(
         "training waits for every checkpoint save (default: saved in the background)"))

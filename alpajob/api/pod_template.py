@@ -30,28 +30,54 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints, field_validator
 
 from alpajob.api.names import ANNOTATION_PREFIX
 from alpajob.api.runtime import ENV_PREFIX
 from alpajob.api.schema import INT64, INT64_MAX, Contract, k8s
 
-#: A Kubernetes resource quantity (``2``, ``500m``, ``16Gi``), as the API server checks it.
-QUANTITY = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+#: A Kubernetes resource quantity of 0 or more (``2``, ``500m``, ``16Gi``): the API
+#: server's grammar without the minus sign, since every size and count of a job (a
+#: request, a limit, /dev/shm, a claim, a cache) is refused negative by a pod or a claim.
+QUANTITY = (r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
             r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+#: A label's or annotation's key: an optional DNS-subdomain prefix and ``/``, then a name
+#: of at most 63 letters, digits, ``-``, ``_`` and ``.`` that starts and ends alphanumeric.
+QUALIFIED_NAME = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                  r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+#: A label's value: empty, or like a key's name part.
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 
 
 def _quantity(value: Any) -> Any:
+    negative = (isinstance(value, int) and not isinstance(value, bool) and value < 0) or (
+        isinstance(value, str) and value.startswith("-"))
+    if negative:
+        raise ValueError(f"{value!r} is negative; a size or a count is 0 or more")
     if isinstance(value, bool) or not isinstance(value, int | str) or (
             isinstance(value, str) and not re.fullmatch(QUANTITY, value)):
         raise ValueError(f"{value!r} is not a Kubernetes quantity; write e.g. 2, 500m or 16Gi")
     return value
 
 
+def _keys(value: dict[str, Any]) -> dict[str, Any]:
+    """Every key a qualified name (a label's or an annotation's key), as the API server
+    requires of the pods these keys end up on."""
+    for key in value:
+        prefix, _, name = key.rpartition("/")
+        if not re.fullmatch(QUALIFIED_NAME, key) or len(name) > 63 or len(prefix) > 253:
+            raise ValueError(f"{key!r} is not a valid label key: an optional DNS prefix and '/', then at "
+                             "most 63 letters, digits, '-', '_' or '.', starting and ending with a letter "
+                             "or digit (e.g. example.com/team)")
+    return value
+
+
 Quantity = Annotated[int | str, BeforeValidator(_quantity),
                      Field(json_schema_extra=k8s(x_kubernetes_int_or_string=True, pattern=QUANTITY))]
-LabelValue = Annotated[str, StringConstraints(max_length=63)]
+LabelValue = Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]
 AnnotationValue = Annotated[str, StringConstraints(max_length=65536)]
+#: Labels (a node selector, a pod's labels): qualified keys, label values.
+Labels = Annotated[dict[str, LabelValue], AfterValidator(_keys)]
 
 #: Volumes the operator mounts itself: a template's volume may not take these names.
 RESERVED_VOLUMES = frozenset({"config", "plan", "checkpoints", "dshm"})
@@ -63,9 +89,10 @@ RESTRICTED_VOLUME_SOURCES = ("configMap", "csi", "downwardAPI", "emptyDir", "eph
 class PodMetadata(Contract):
     """Labels and annotations added to the pods (the operator's own win)."""
 
-    labels: dict[str, LabelValue] = Field(default_factory=dict, max_length=64,
-                                          description="Labels added to the pods (not under alpajob.io/).")
-    annotations: dict[str, AnnotationValue] = Field(default_factory=dict, max_length=64, description=(
+    labels: Labels = Field(default_factory=dict, max_length=64,
+                           description="Labels added to the pods (not under alpajob.io/).")
+    annotations: Annotated[dict[str, AnnotationValue], AfterValidator(_keys)] = Field(
+        default_factory=dict, max_length=64, description=(
         "Annotations added to the pods (not under alpajob.io/)."))
 
     @field_validator("labels", "annotations")
@@ -128,6 +155,13 @@ class VolumeMount(Contract):
     read_only: bool = Field(False, description="Mount it read-only.")
     sub_path: str | None = Field(None, max_length=1024, description="A path inside the volume to mount instead of its root.")
 
+    @field_validator("sub_path")
+    @classmethod
+    def _inside(cls, value: str | None) -> str | None:
+        if value is not None and (value.startswith("/") or ".." in value.split("/")):
+            raise ValueError(f"subPath {value!r} must be a relative path inside the volume, without '..'")
+        return value
+
 
 class PodSecurity(Contract):
     """Pod-level security settings a user may choose (the rest stays "restricted")."""
@@ -151,7 +185,7 @@ class PodOverrides(Contract):
     metadata: PodMetadata | None = Field(None, description="Labels and annotations added to the pods.")
     resources: Resources | None = Field(None, description=(
         "The container's requests and limits; a key set here replaces the operator's, sized from the plan."))
-    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32, description=(
+    node_selector: Labels = Field(default_factory=dict, max_length=32, description=(
         "Node labels the pods must match, added to the operator's."))
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32,
                                           description="Taints the pods tolerate, as in a pod spec.")

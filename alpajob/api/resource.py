@@ -29,8 +29,9 @@ from pydantic.alias_generators import to_camel
 from alpajob.api.documents import load_documents, read_text
 from alpajob.api.errors import ManifestError
 from alpajob.api.names import API_VERSION, KIND
+from alpajob.api.pod_template import LABEL_VALUE
 from alpajob.api.schema import Contract
-from alpajob.api.spec import Spec
+from alpajob.api.spec import DNS_SUBDOMAIN, IMAGE_REFERENCE, Spec
 from alpajob.api.status import Status
 from alpajob.api.validation import Problem, immutable_problems, spec_problems
 
@@ -73,6 +74,17 @@ class AlpaJob(Contract):
         return self.metadata.name
 
 
+#: What a pattern of the typed spec asks for, in words (pydantic would print the pattern).
+PATTERN_WORDS = {
+    IMAGE_REFERENCE: "is not an image reference: [registry[:port]/]path[:tag][@digest], the path in "
+                     "lowercase (e.g. ghcr.io/team/trainer:1.2)",
+    LABEL_VALUE: "is not a label value: empty, or at most 63 letters, digits, '-', '_' or '.', "
+                 "starting and ending with a letter or digit",
+    DNS_SUBDOMAIN: "is not a Kubernetes object name: lowercase letters, digits, '-' and '.', "
+                   "starting and ending with a letter or digit",
+}
+
+
 def _field_path(loc: tuple[Any, ...]) -> str:
     """``('spec', 'training', 'global_batch_size')`` -> ``spec.training.globalBatchSize``.
 
@@ -112,7 +124,10 @@ def _validation_problems(error: ValidationError) -> list[Problem]:
             message = f"must be {KIND}"
         elif entry["type"] == "missing":
             message = "is required"
-        if field.endswith(("numMicroBatches", "numLayers")):
+        elif entry["type"] == "string_pattern_mismatch":
+            words = PATTERN_WORDS.get(str((entry.get("ctx") or {}).get("pattern")))
+            message = f"{entry['input']!r} {words}" if words else message
+        if field.endswith(("numMicroBatches", "numLayers")) and "the most AlpaJob takes" not in message:
             message = "must be 'auto' or a positive integer"
         parent = next((f for f in by_field if f.startswith(field + ".") or f.startswith(field + "[")),
                       None)
@@ -125,6 +140,10 @@ def document_problems(data: Any, old: Any = None) -> list[Problem]:
     """Every problem of the AlpaJob ``data`` (``old``: the stored object, on an update)."""
     if not isinstance(data, dict):
         return [Problem("manifest", "must be a YAML mapping with apiVersion, kind and spec")]
+    missing = [Problem(key, f"is required; add {key}: {value}") for key, value in
+               (("apiVersion", API_VERSION), ("kind", KIND)) if key not in data]
+    if missing:
+        return missing
     try:
         job = AlpaJob.model_validate({k: v for k, v in data.items() if k != "status"})
     except ValidationError as error:

@@ -29,18 +29,37 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints, field_validator, model_validator
+from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from alpajob.api.catalog import GPU_PRODUCT_PRESETS, DevicePreset
 from alpajob.api.data import DataSpec
+from alpajob.api.limits import (
+    EVAL_STEPS,
+    GLOBAL_BATCH_SIZE,
+    GPUS_PER_NODE,
+    LAYERS,
+    MICRO_BATCHES,
+    NODES,
+    STEPS,
+    Limit,
+)
 from alpajob.api.names import GPU_PRODUCT_LABEL
-from alpajob.api.pod_template import PodTemplates, Quantity
+from alpajob.api.pod_template import Labels, PodTemplates, Quantity
 from alpajob.api.run_policy import RunPolicy
-from alpajob.api.schema import INT32, INT32_MAX, INT64, INT64_MAX, Contract, cel, k8s, unchanged
+from alpajob.api.schema import INT32, INT64, INT64_MAX, Contract, cel, k8s, unchanged
 
+#: GPUs a node may give a job: submeshes tile a node, so a power of two.
+POWERS_OF_TWO = (1, 2, 4, 8, 16)
 #: A DNS-1123 subdomain (a Kubernetes object name).
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ObjectName = Annotated[str, StringConstraints(max_length=253, pattern=DNS_SUBDOMAIN)]
+#: An image reference: ``[registry[:port]/]path[:tag][@digest]``, the path of lowercase
+#: components separated by ``/``, as a container runtime parses it
+#: (``ghcr.io/team/trainer:1.2``, ``trainer@sha256:...``).
+_COMPONENT = r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*"
+_REGISTRY = r"([A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*(:[0-9]+)?/)"
+IMAGE_REFERENCE = (rf"^{_REGISTRY}?{_COMPONENT}(/{_COMPONENT})*(:[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
+                   r"(@[A-Za-z][A-Za-z0-9]*([-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$")
 #: ``package.module:function``.
 ENTRYPOINT = r"[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
 
@@ -151,7 +170,7 @@ class OptimizerSpec(Contract):
     name: Optimizer = Optimizer.ADAMW
     learning_rate: float | None = Field(None, gt=0, allow_inf_nan=False)
     schedule: LRSchedule = LRSchedule.CONSTANT
-    warmup_steps: int = Field(0, ge=0, le=INT64_MAX)
+    warmup_steps: Annotated[int, STEPS.validator, STEPS.schema] = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     clip_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
     b1: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False)
@@ -165,9 +184,10 @@ class TrainingSpec(Contract):
         cel("self == oldSelf", "spec.training is immutable once the AlpaJob exists; create a new "
             "AlpaJob to change it"))}
 
-    global_batch_size: int = Field(1024, ge=1, le=INT64_MAX, json_schema_extra=INT64,
-                                   description="Samples per step, over all devices.")
-    steps: int = Field(1000, ge=1, le=INT64_MAX, json_schema_extra=INT64, description="Training steps.")
+    global_batch_size: Annotated[int, GLOBAL_BATCH_SIZE.validator, GLOBAL_BATCH_SIZE.schema] = Field(
+        1024, ge=1, json_schema_extra=INT64, description="Samples per step, over all devices.")
+    steps: Annotated[int, STEPS.validator, STEPS.schema] = Field(
+        1000, ge=1, json_schema_extra=INT64, description="Training steps.")
     dtype: DType = Field(DType.FLOAT32, description="Parameter and compute dtype.")
     optimizer: Optimizer | OptimizerSpec = Field(
         Optimizer.ADAM, json_schema_extra=k8s(x_kubernetes_preserve_unknown_fields=True),
@@ -179,10 +199,11 @@ class TrainingSpec(Contract):
         "The peak learning rate (unless spec.training.optimizer.learningRate is set)."))
     seed: int = Field(0, ge=0, le=INT64_MAX, json_schema_extra=INT64,
                       description="Seed of the parameters' and the data's random numbers (0 or more).")
-    eval_every: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=INT64, description=(
+    eval_every: Annotated[int, Field(ge=1), STEPS.validator, STEPS.schema] | None = Field(
+        None, json_schema_extra=INT64, description=(
         "Evaluate on spec.data.eval every this many steps and after the last step; "
         "unset, a job with spec.data.eval evaluates once, after the last step."))
-    eval_steps: int = Field(8, ge=1, le=INT64_MAX, json_schema_extra=INT64, description=(
+    eval_steps: Annotated[int, EVAL_STEPS.validator, EVAL_STEPS.schema] = Field(8, ge=1, json_schema_extra=INT64, description=(
         "Batches of spec.data.eval each evaluation averages over."))
 
     @property
@@ -206,17 +227,27 @@ class NodePoolSpec(Contract):
         cel("self == oldSelf", "spec.cluster is immutable once the AlpaJob exists; create a new "
             "AlpaJob for another node pool"))}
 
-    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] = Field(
+    node_selector: Labels = Field(
         default_factory=dict, max_length=32,
         description="Labels of the pool's nodes; nvidia.com/gpu.product also names the device "
                     "preset when gpu is not set.")
-    nodes: int = Field(1, ge=1, le=INT32_MAX, json_schema_extra=INT32,
-                       description="Nodes of the pool the job may use.")
-    gpus_per_node: int = Field(8, ge=1, le=INT32_MAX, json_schema_extra=INT32,
-                               description="GPUs of each node the job may use.")
+    nodes: Annotated[int, NODES.validator, NODES.schema] = Field(
+        1, ge=1, json_schema_extra=INT32, description="Nodes of the pool the job may use.")
+    gpus_per_node: Annotated[int, GPUS_PER_NODE.validator, GPUS_PER_NODE.schema] = Field(
+        8, ge=1, json_schema_extra=INT32 | k8s(cel(
+            f"self in {list(POWERS_OF_TWO)}",
+            "spec.cluster.gpusPerNode must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node")),
+        description="GPUs of each node the job may use: 1, 2, 4, 8 or 16.")
     gpu: DevicePreset | None = Field(
         None, description="A device preset; default: the preset of the nodeSelector's "
                           "nvidia.com/gpu.product.")
+
+    @field_validator("gpus_per_node")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value not in POWERS_OF_TWO:
+            raise ValueError(f"must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node, got {value}")
+        return value
 
     def preset(self) -> DevicePreset | None:
         """The device preset: ``gpu``, else the one the node selector's product maps to."""
@@ -238,6 +269,8 @@ class ManualStage(Contract):
     def _range(cls, value: tuple[int, int]) -> tuple[int, int]:
         if not 0 <= value[0] < value[1]:
             raise ValueError(f"layers must be [first, end) with first < end, got {list(value)}")
+        if value[1] > LAYERS.most:
+            raise ValueError(f"layers: {LAYERS.message(value[1])}")
         return value
 
     @property
@@ -249,8 +282,9 @@ class ManualStage(Contract):
         return self.layers[1]
 
 
-#: ``'auto'`` or a positive integer, as CEL checks it.
-_AUTO_OR_COUNT = "type(self) == int ? self >= 1 : self == 'auto'"
+def _auto_or_count(limit: Limit) -> str:
+    """``'auto'`` or a positive integer up to ``limit``, as CEL checks it."""
+    return f"type(self) == int ? self >= 1 && self <= {limit.most} : self == 'auto'"
 
 
 class ParallelismSpec(Contract):
@@ -265,8 +299,8 @@ class ParallelismSpec(Contract):
         "(spec.parallelism.stages)."))
     num_micro_batches: int | Literal["auto"] = Field(
         "auto", json_schema_extra=k8s(
-            cel(_AUTO_OR_COUNT,
-                "spec.parallelism.numMicroBatches must be 'auto' or a positive integer"),
+            cel(_auto_or_count(MICRO_BATCHES),
+                f"spec.parallelism.numMicroBatches must be 'auto' or a positive integer up to {MICRO_BATCHES.most}"),
             x_kubernetes_int_or_string=True),
         description="Micro-batches per step: 'auto' (the planner chooses) or a positive "
                     "integer that divides the global batch.")
@@ -279,15 +313,19 @@ class ParallelismSpec(Contract):
                     "list); the admission webhook checks it.")
     num_layers: int | Literal["auto"] = Field(
         "auto", json_schema_extra=k8s(
-            cel(_AUTO_OR_COUNT, "spec.parallelism.numLayers must be 'auto' or a positive integer"),
+            cel(_auto_or_count(LAYERS),
+                f"spec.parallelism.numLayers must be 'auto' or a positive integer up to {LAYERS.most}"),
             x_kubernetes_int_or_string=True),
         description="Layers the planner clusters the model into: 'auto' or a positive integer.")
 
     @field_validator("num_micro_batches", "num_layers")
     @classmethod
-    def _positive(cls, value: int | str) -> int | str:
+    def _positive(cls, value: int | str, info: ValidationInfo) -> int | str:
         if isinstance(value, int) and value < 1:
             raise ValueError("must be 'auto' or a positive integer")
+        limit = MICRO_BATCHES if info.field_name == "num_micro_batches" else LAYERS
+        if isinstance(value, int) and value > limit.most:
+            raise ValueError(limit.message(value))
         return value
 
     @property
@@ -332,7 +370,7 @@ class CheckpointSpec(Contract):
     volume_claim_template: VolumeClaimTemplate | None = Field(None, description=(
         "A claim the operator makes for the job (<job>-checkpoints): size, storageClassName, "
         "accessModes, retain."))
-    interval_steps: int = Field(500, ge=1, le=INT64_MAX, json_schema_extra=INT64,
+    interval_steps: Annotated[int, STEPS.validator, STEPS.schema] = Field(500, ge=1, json_schema_extra=INT64,
                                 description="Steps between two checkpoints.")
     path: str | None = Field(
         None, max_length=1024, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$",
@@ -410,7 +448,7 @@ class Spec(Contract):
     data: DataSpec | None = Field(None, description=(
         "What to train and evaluate on; without it the job trains on synthetic tokens (and "
         "says so)."))
-    image: str | None = Field(None, min_length=1, max_length=512, description=(
+    image: str | None = Field(None, min_length=1, max_length=512, pattern=IMAGE_REFERENCE, description=(
         "The trainer image of the planner, head and mesh pods (default: the operator's)."))
     service_account_name: ObjectName | None = Field(None, description=(
         "The service account of the job's pods (default: the job's own <job>-trainer, which "

@@ -11,15 +11,19 @@ manifest's camelCase spelling and a message that says how to fix it::
 
 Checked, in order:
 
-1. the model: a known zoo family and size, known config keys with positive values
-   (:data:`~alpajob.api.catalog.ZOO`);
+1. the model: a known zoo family and size, known config keys inside their ranges, the
+   family's rules (:mod:`alpajob.api.zoo`);
 2. the cluster: the ``nvidia.com/gpu.product`` node selector names a known preset,
    and agrees with ``gpu`` when both are set;
 3. the plan options: micro-batches that divide the global batch; ``method: manual`` if
    and only if ``stages`` is a list; manual stages that cover layers 0..numLayers-1
    contiguously on Alpa's submesh shapes ([1, m] with m dividing gpusPerNode, or
    [n, gpusPerNode] with n <= nodes), logical meshes of the submesh's size, and no more
-   devices than the cluster has.
+   devices than the cluster has;
+4. the training run: evaluation with something to evaluate on, a warm-up no longer
+   than the run;
+5. when all of that holds, memory: a zoo model whose weights, gradients and optimizer
+   state alone exceed the whole pool's memory is refused before anything is traced.
 
 :func:`immutable_problems` compares two specs on an update: every field but those of
 :data:`~alpajob.api.spec.MUTABLE` is fixed once the job exists.
@@ -27,22 +31,15 @@ Checked, in order:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from alpajob.api.catalog import GPU_PRODUCT_PRESETS, ZOO, DevicePreset
+from alpajob.api.catalog import DEVICE_MEMORY_BYTES, GPU_PRODUCT_PRESETS, DevicePreset
+from alpajob.api.errors import Problem
 from alpajob.api.names import GPU_PRODUCT_LABEL
-from alpajob.api.spec import MUTABLE, ManualStage, Method, ModelSpec, NodePoolSpec, Spec
-
-
-class Problem(NamedTuple):
-    """One thing wrong with a document: where (``spec.cluster.gpu``) and how to fix it."""
-
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
+from alpajob.api.spec import MUTABLE, ManualStage, Method, ModelSpec, NodePoolSpec, Optimizer, Spec
+from alpajob.api.zoo import zoo_problems
 
 
 def _choices(values: Sequence[str] | Mapping[str, Any]) -> str:
@@ -51,8 +48,9 @@ def _choices(values: Sequence[str] | Mapping[str, Any]) -> str:
 
 def spec_problems(spec: Spec) -> list[Problem]:
     """Every problem of a parsed ``spec`` that its types cannot catch (module docstring)."""
-    return [*_model_problems(spec.model), *_cluster_problems(spec.cluster),
-            *_parallelism_problems(spec), *_data_problems(spec)]
+    problems = [*_model_problems(spec.model), *_cluster_problems(spec.cluster),
+                *_parallelism_problems(spec), *_data_problems(spec), *_training_problems(spec)]
+    return problems or _memory_problems(spec)
 
 
 def _data_problems(spec: Spec) -> list[Problem]:
@@ -64,40 +62,56 @@ def _data_problems(spec: Spec) -> list[Problem]:
 
 
 def _model_problems(model: ModelSpec) -> list[Problem]:
-    """A known zoo family and size, and known config keys with positive values."""
+    """A known zoo family and size, known config keys inside their ranges, the family's
+    rules (:func:`~alpajob.api.zoo.zoo_problems`)."""
     if model.zoo is None:
         return []
-    family_name, _, size = model.zoo.strip().lower().partition("-")
-    family = ZOO.get(family_name)
-    if family is None:
-        return [Problem("spec.model.zoo", f"unknown model family {family_name!r}; choose one "
-                                          f"of {_choices(ZOO)}")]
-    config = model.config
-    if size:
-        if size not in family.sizes:
-            return [Problem("spec.model.zoo", f"unknown {family_name} size {size!r}; choose "
-                                              f"one of {_choices(family.sizes)}")]
-        if isinstance(config, str):
-            return [Problem("spec.model.config", f"zoo {model.zoo!r} already names a size; "
-                                                 f"drop config {config!r} or set zoo to "
-                                                 f"{family_name!r}")]
-    if isinstance(config, str):
-        if config.strip().lower() not in family.sizes:
-            return [Problem("spec.model.config", f"unknown {family_name} size {config!r}; "
-                                                 f"choose one of {_choices(family.sizes)}")]
+    return zoo_problems(model.zoo, model.config)[1]
+
+
+#: Bytes every parameter takes somewhere on the pool, by optimizer: float32 weights and
+#: gradients (compute in float16/bfloat16 keeps float32 master weights), and Adam's two
+#: float32 moments.
+BYTES_PER_PARAMETER = {Optimizer.SGD: 8, Optimizer.ADAM: 16, Optimizer.ADAMW: 16}
+
+
+def _memory_problems(spec: Spec) -> list[Problem]:
+    """A zoo model whose weights, gradients and optimizer state alone, spread evenly over
+    every device of the pool, exceed one device's memory: no plan can fit it.
+
+    This is a lower bound on what the planner finds (activations, buffers and the
+    memory fraction only add to it), so it refuses nothing the planner would have
+    planned; it answers in microseconds what the planner says after tracing.
+    """
+    preset = spec.cluster.preset()
+    zoo = zoo_problems(spec.model.zoo, spec.model.config)[0] if spec.model.zoo else None
+    if preset is None or zoo is None:
         return []
-    problems = []
-    for key, value in (config or {}).items():
-        field = f"spec.model.config.{key}"
-        positive = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-        if key not in family.keys:
-            problems.append(Problem(field, f"unknown {family_name} config key; valid keys: "
-                                           f"{_choices(sorted(family.keys))}"))
-        elif key in family.float_keys and not positive:
-            problems.append(Problem(field, f"must be a positive number, got {value!r}"))
-        elif key in family.int_keys and not (positive and isinstance(value, int)):
-            problems.append(Problem(field, f"must be a positive integer, got {value!r}"))
-    return problems
+    optimizer = spec.training.optimizer_spec.name
+    devices = spec.cluster.nodes * spec.cluster.gpus_per_node
+    total = zoo.parameters * BYTES_PER_PARAMETER[optimizer]
+    per_device, memory = total / devices, DEVICE_MEMORY_BYTES[preset]
+    if per_device <= memory:
+        return []
+    return [Problem("spec.cluster", (
+        f"{zoo.name} cannot fit: its {zoo.parameters / 1e9:.3g} billion parameters need "
+        f"{BYTES_PER_PARAMETER[optimizer]} bytes each with {optimizer.value} (float32 weights, "
+        f"gradients{' and two moments' if optimizer is not Optimizer.SGD else ''}), "
+        f"{total / 2**30:,.1f} GiB in all, {per_device / 2**30:,.1f} GiB per device even spread "
+        f"over all {devices} devices, and a {preset.value} device has {memory / 2**30:,.1f} GiB; "
+        f"use at least {math.ceil(total / memory)} devices (spec.cluster.nodes, gpusPerNode), "
+        "larger GPUs (spec.cluster.gpu) or a smaller model"))]
+
+
+def _training_problems(spec: Spec) -> list[Problem]:
+    """A warm-up no longer than the run."""
+    training = spec.training
+    warmup = training.optimizer_spec.warmup_steps
+    if warmup > training.steps:
+        return [Problem("spec.training.optimizer.warmupSteps",
+                        f"{warmup} warm-up steps but spec.training.steps is {training.steps}: the "
+                        "learning rate would never reach its peak; warm up for fewer steps than the run")]
+    return []
 
 
 def _cluster_problems(cluster: NodePoolSpec) -> list[Problem]:

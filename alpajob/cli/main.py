@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 from rich.console import Console
 from rich.text import Text
@@ -41,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
         prog="alpajob",
         description="Alpa's automatic inter- and intra-operator parallelism on stock JAX.",
     )
+    root.add_argument("--version", action="version", version=f"alpajob {metadata.version('alpajob')}",
+                      help="print the installed version and exit")
     sub = root.add_subparsers(dest="command", required=True)
     planning.add_parser(sub)
     training.add_parser(sub)

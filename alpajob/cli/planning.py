@@ -23,7 +23,7 @@ from alpajob.api.catalog import DevicePreset
 from alpajob.api.errors import ManifestError
 from alpajob.api.options import PlanOptions, from_flags
 from alpajob.api.plan import write_plan
-from alpajob.api.resource import load_job
+from alpajob.api.resource import AlpaJob, load_job
 from alpajob.api.runtime import TrainerRuntime
 from alpajob.cli.paths import add_plan_cache_flags, existing_file, plan_cache_dir, writable_file
 from alpajob.cli.tables import baseline_table, plan_summary, plan_table, schedule_table
@@ -55,6 +55,9 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--calibration", metavar="FILE",
                       help="plan with the constants `alpajob calibrate` measured (default: the "
                            "preset's stored ones)")
+    plan.add_argument("--plan-time-limit", type=float, default=1800.0, metavar="S",
+                      help="seconds tracing and planning may take before they stop with an error "
+                           "(default 1800)")
     plan.add_argument("--ilp-time-limit", type=float, default=10.0,
                       help="seconds allowed to each intra-op ILP solve (default 10)")
     add_plan_cache_flags(plan)
@@ -66,13 +69,28 @@ def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptio
         "nodes": args.nodes if args.nodes is not None else runtime.nodes,
         "gpus_per_node": args.gpus_per_node if args.gpus_per_node is not None else runtime.gpus_per_node,
         "gpu": args.gpu or runtime.gpu,
-        "ilp_time_limit": args.ilp_time_limit,
+        "ilp_time_limit": args.ilp_time_limit, "time_limit": args.plan_time_limit,
         "baselines": args.baselines or None,
         "all_devices": args.all_devices or None,
         "calibration": str(existing_file(args.calibration, "--calibration"))
         if args.calibration else None,
         "cache_dir": plan_cache_dir(args, runtime.plan_cache),
     })
+
+
+def pod_template_check(job: AlpaJob) -> None:
+    """The webhook's check of ``spec.podTemplate``'s free-form parts against Kubernetes'
+    types (:mod:`alpajob.operator.pod_shapes`), so ``alpajob plan`` refuses what
+    ``kubectl apply`` would."""
+    templates = job.spec.pod_template
+    if templates.planner is None and templates.head is None and templates.mesh is None:
+        return
+    from alpajob.operator.pod_shapes import template_problems
+
+    problems = template_problems(job.model_dump(mode="json", by_alias=True, exclude_none=True))
+    if problems:
+        field, _, message = problems[0].partition(": ")
+        raise ManifestError(field, message)
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -84,6 +102,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if not manifest:
         raise ManifestError("manifest", "give the AlpaJob manifest to plan (or set $ALPAJOB_MANIFEST)")
     job = load_job(manifest)
+    pod_template_check(job)
     options = plan_options(args, runtime)
     if args.output:
         writable_file(args.output, "--output")

@@ -96,6 +96,9 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--calibration", metavar="FILE",
                       help="plan with the constants `alpajob calibrate` measured (default: the "
                            "preset's stored ones)")
+    run.add_argument("--plan-time-limit", type=float, default=1800.0, metavar="S",
+                      help="seconds tracing and planning may take before they stop with an error "
+                           "(default 1800)")
     run.add_argument("--ilp-time-limit", type=float, default=10.0,
                      help="seconds allowed to each intra-op ILP solve (default 10)")
     add_plan_cache_flags(run)
@@ -118,6 +121,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
     serial = args.method == SERIAL
     planning = from_flags(PlanOptions, {
         "method": None if serial else args.method, "ilp_time_limit": args.ilp_time_limit,
+        "time_limit": args.plan_time_limit,
         "all_devices": args.all_devices or None,
         "calibration": str(existing_file(args.calibration, "--calibration"))
         if args.calibration else None,

@@ -14,8 +14,10 @@ that does not exist, credentials it refuses, a backend that is not installed.
 
 from __future__ import annotations
 
+import glob
 import json
 import sysconfig
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,7 @@ from fsspec.core import url_to_fs
 
 from alpajob.api.data import DataFormat
 from alpajob.api.errors import ManifestError
+from alpajob.api.limits import GLOB_FILES
 from alpajob.trainer_image.data.remote import DataReadError, Retry, retried
 
 #: What a pattern may say for the Python standard library's folder.
@@ -79,6 +82,23 @@ def describe_remote_error(error: BaseException, what: str) -> str:
     return f"cannot read {what} ({name}: {text})"
 
 
+#: Seconds a local pattern may take to list before it is refused as too wide.
+GLOB_SECONDS = 30.0
+
+
+def bounded_walk(path: str, pattern: str, field: str) -> None:
+    """Refuse a local glob that matches more than :data:`~alpajob.api.limits.GLOB_FILES`
+    paths or takes more than :data:`GLOB_SECONDS` to list, before fsspec lists it whole:
+    ``/**/*`` walked the whole filesystem. Python's ``iglob`` yields lazily, so the walk
+    stops at the bound."""
+    start = time.monotonic()
+    for count, _ in enumerate(glob.iglob(path, recursive=True), 1):
+        if count > GLOB_FILES.most or time.monotonic() - start > GLOB_SECONDS:
+            raise ManifestError(field, f"{pattern!r} matches more than {count - 1:,} paths in "
+                                       f"{time.monotonic() - start:.0f} s; narrow it, e.g. corpus/*.bin: "
+                                       f"{GLOB_FILES.why}")
+
+
 def listing(pattern: str, field: str) -> Listing:
     """The files and folders ``pattern`` names (a glob: its matches; a path: itself)."""
     resolved = resolve(pattern)
@@ -95,6 +115,8 @@ def listing(pattern: str, field: str) -> Listing:
 
     def matches() -> dict[str, Any]:
         if any(c in path for c in GLOB_CHARACTERS):
+            if protocol == "file":
+                bounded_walk(path, pattern, field)
             return dict(fs.glob(path, detail=True))
         return {path: fs.info(path)} if fs.exists(path) else {}
 
@@ -102,7 +124,7 @@ def listing(pattern: str, field: str) -> Listing:
         entries = matches() if protocol in ("file", "memory") else retried(matches, repr(pattern), Retry())
     except FileNotFoundError:
         entries = {}
-    except DataReadError:
+    except (DataReadError, ManifestError):
         raise
     except Exception as error:  # noqa: BLE001 - every backend raises its own; each gets one line
         raise ManifestError(field, describe_remote_error(error, repr(pattern))) from None

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from alpajob.api.errors import ManifestError
+from alpajob.api.zoo import GPT_MLP_FACTOR
 from alpajob.trainer_image.zoo.model import (
     Batch,
     ModelDef,
@@ -37,33 +37,8 @@ from alpajob.trainer_image.zoo.model import (
     softmax_cross_entropy,
 )
 
-_COMMON = {"seqLen": 1024, "vocab": 51200}
-
-#: The family default (and the ``tiny`` config): a model that runs on CPU in seconds.
-TINY: dict[str, Any] = {"hidden": 64, "layers": 2, "heads": 4, "seqLen": 32, "vocab": 256}
-
-#: The Alpa paper's GPT configurations (seq 1024, vocab 51200).
-SIZES: dict[str, dict[str, Any]] = {
-    "tiny": TINY,
-    "350m": {"hidden": 1024, "layers": 24, "heads": 16, **_COMMON},
-    "1.3b": {"hidden": 2048, "layers": 24, "heads": 32, **_COMMON},
-    "2.6b": {"hidden": 2560, "layers": 32, "heads": 32, **_COMMON},
-    "6.7b": {"hidden": 4096, "layers": 32, "heads": 32, **_COMMON},
-    "15b": {"hidden": 5120, "layers": 48, "heads": 40, **_COMMON},
-    "39b": {"hidden": 8192, "layers": 48, "heads": 64, **_COMMON},
-}
-
 #: Ratio of the MLP's inner width to ``hidden``.
-MLP_FACTOR = 4
-
-
-def check(config: dict[str, Any]) -> None:
-    """Refuse a ``hidden`` that ``heads`` does not divide."""
-    if config["hidden"] % config["heads"]:
-        raise ManifestError(
-            "spec.model.config.heads",
-            f"heads={config['heads']} must divide hidden={config['hidden']}",
-        )
+MLP_FACTOR = GPT_MLP_FACTOR
 
 
 def embed_init(key: jax.Array, vocab: int, seq_len: int, hidden: int, dtype: str) -> Params:

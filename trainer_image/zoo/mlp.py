@@ -12,28 +12,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from alpajob.api.zoo import mlp_layer_dims
 from alpajob.trainer_image.zoo.model import Batch, ModelDef, Params, dense, dense_init
-
-#: The family default (and the ``tiny`` config).
-TINY: dict[str, Any] = {"hidden": 32, "layers": 4, "inputDim": 16, "outputDim": 8}
-#: Named sizes; the MLP only has ``tiny``.
-SIZES: dict[str, dict[str, Any]] = {"tiny": TINY}
-
-
-def layer_dims(config: dict[str, Any]) -> list[tuple[int, int]]:
-    """The ``(d_in, d_out)`` of each dense layer."""
-    widths = [config["inputDim"]] + [config["hidden"]] * (config["layers"] - 1)
-    widths.append(config["outputDim"])
-    return list(zip(widths[:-1], widths[1:], strict=True))
-
-
-def check(config: dict[str, Any]) -> None:
-    """Family-specific checks (none beyond positive integers)."""
 
 
 def build(name: str, config: dict[str, Any], dtype: str) -> ModelDef:
     """The MLP :class:`ModelDef` for a resolved ``config``."""
-    dims = layer_dims(config)
+    dims = mlp_layer_dims(config)
 
     def init(key: jax.Array) -> Params:
         keys = jax.random.split(key, len(dims))

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from alpajob.api.errors import ManifestError
+from alpajob.api.zoo import MOE_MLP_FACTOR
 from alpajob.trainer_image.zoo import gpt
 from alpajob.trainer_image.zoo.model import (
     Batch,
@@ -44,50 +44,10 @@ from alpajob.trainer_image.zoo.model import (
     per_part_init,
 )
 
-_COMMON = {
-    "seqLen": 1024,
-    "vocab": 32000,
-    "heads": 16,
-    "expertGroupSize": 2048,
-    "capacityFactor": 2.0,
-}
-
-#: The family default (and the ``tiny`` config).
-TINY: dict[str, Any] = {
-    "hidden": 64,
-    "layers": 2,
-    "heads": 4,
-    "seqLen": 32,
-    "vocab": 256,
-    "experts": 4,
-    "expertGroupSize": 32,
-    "capacityFactor": 2.0,
-}
-
-#: The Alpa paper's MoE configurations (seq 1024, vocab 32000, 16 heads, group 2048).
-SIZES: dict[str, dict[str, Any]] = {
-    "tiny": TINY,
-    "380m": {"hidden": 768, "layers": 8, "experts": 8, **_COMMON},
-    "690m": {"hidden": 768, "layers": 8, "experts": 16, **_COMMON},
-    "1.3b": {"hidden": 768, "layers": 16, "experts": 16, **_COMMON},
-    "2.4b": {"hidden": 1024, "layers": 16, "experts": 16, **_COMMON},
-    "10b": {"hidden": 1536, "layers": 16, "experts": 32, **_COMMON},
-    "27b": {"hidden": 2048, "layers": 16, "experts": 48, **_COMMON},
-    "70b": {"hidden": 2048, "layers": 32, "experts": 64, **_COMMON},
-}
 #: Ratio of the (dense and expert) MLP's inner width to ``hidden``, as in Alpa's suite.
-MLP_FACTOR = 8
+MLP_FACTOR = MOE_MLP_FACTOR
 #: Weight of the auxiliary load-balancing loss.
 AUX_LOSS_WEIGHT = 0.01
-
-
-def check(config: dict[str, Any]) -> None:
-    """Refuse heads that do not divide hidden, and a single expert."""
-    gpt.check(config)
-    if config["experts"] < 2:
-        raise ManifestError(
-            "spec.model.config.experts", f"top-2 gating needs experts >= 2, got {config['experts']}"
-        )
 
 
 def capacity(config: dict[str, Any]) -> int:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from alpajob.api.errors import ManifestError
+from alpajob.api.zoo import block_specs
 from alpajob.trainer_image.zoo.model import (
     Batch,
     ModelDef,
@@ -42,54 +42,6 @@ from alpajob.trainer_image.zoo.model import (
     relu,
     softmax_cross_entropy,
 )
-
-#: Blocks per stage for each supported depth.
-STAGE_BLOCKS: dict[int, tuple[int, int, int, int]] = {
-    14: (1, 1, 1, 1),
-    26: (2, 2, 2, 2),
-    38: (3, 3, 3, 3),
-    50: (3, 4, 6, 3),
-    101: (3, 4, 23, 3),
-    152: (3, 8, 36, 3),
-    200: (3, 24, 36, 3),
-}
-
-_COMMON = {"imageSize": 224, "numClasses": 1024}
-
-#: The family default (and the ``tiny`` config).
-TINY: dict[str, Any] = {
-    "layers": 14,
-    "channels": 8,
-    "widthFactor": 2,
-    "imageSize": 32,
-    "numClasses": 10,
-}
-
-#: The Alpa paper's Wide-ResNet configurations (224x224 images, fp32).
-SIZES: dict[str, dict[str, Any]] = {
-    "tiny": TINY,
-    "250m": {"layers": 50, "channels": 160, "widthFactor": 2, **_COMMON},
-    "500m": {"layers": 50, "channels": 224, "widthFactor": 2, **_COMMON},
-    "1b": {"layers": 50, "channels": 320, "widthFactor": 2, **_COMMON},
-    "2b": {"layers": 50, "channels": 448, "widthFactor": 2, **_COMMON},
-    "4b": {"layers": 50, "channels": 640, "widthFactor": 2, **_COMMON},
-    "6.8b": {"layers": 50, "channels": 320, "widthFactor": 16, **_COMMON},
-    "13b": {"layers": 101, "channels": 320, "widthFactor": 16, **_COMMON},
-}
-
-
-def check(config: dict[str, Any]) -> None:
-    """Refuse an unsupported depth and an image too small for the 32x downsampling."""
-    if config["layers"] not in STAGE_BLOCKS:
-        raise ManifestError(
-            "spec.model.config.layers",
-            f"unsupported depth {config['layers']}; choose one of {sorted(STAGE_BLOCKS)}",
-        )
-    if config["imageSize"] < 32:
-        raise ManifestError(
-            "spec.model.config.imageSize",
-            f"imageSize={config['imageSize']} is below 32, the network's total stride",
-        )
 
 
 def conv_init(key: jax.Array, size: int, c_in: int, c_out: int, dtype: str) -> jax.Array:
@@ -107,18 +59,6 @@ def conv(x: jax.Array, kernel: jax.Array, stride: int = 1) -> jax.Array:
 def feature_norm(params: Params, x: jax.Array) -> jax.Array:
     """Per-example normalization over H, W and C (see the module docstring)."""
     return layer_norm(params, x, axes=(1, 2, 3))
-
-
-def block_specs(config: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """``(in_channels, filters, stride)`` of every bottleneck block, in order."""
-    specs = []
-    c_in = config["channels"]
-    for stage, blocks in enumerate(STAGE_BLOCKS[config["layers"]]):
-        filters = config["channels"] * 2**stage
-        for j in range(blocks):
-            specs.append((c_in, filters, 2 if stage > 0 and j == 0 else 1))
-            c_in = 4 * filters
-    return specs
 
 
 def block_init(key: jax.Array, c_in: int, filters: int, width: int, dtype: str) -> Params:
