@@ -89,6 +89,13 @@ def test_a_manifest_without_kind_or_api_version_is_refused() -> None:
         assert [str(p) for p in document_problems(body)] == [says]
 
 
+def test_a_malformed_status_is_one_line_naming_its_field() -> None:
+    body = copy.deepcopy(BASE)
+    body["status"] = {"phase": "Running", "conditions": 7}
+    with pytest.raises(ManifestError, match=r"^status.conditions: Input should be a valid list \(the status"):
+        parse_job(body)
+
+
 def test_a_model_that_cannot_fit_the_pool_is_refused_before_tracing() -> None:
     problem = one_problem(with_spec(model={"zoo": "gpt-39b"}, cluster={"gpu": "v100-16gb", "nodes": 1}))
     assert problem.startswith("spec.cluster: gpt-39b cannot fit") and "at least 37 devices" in problem, problem
@@ -277,3 +284,14 @@ def test_cli_counts_past_their_range_are_one_line_and_exit_2(tmp_path: Path, arg
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1 and "the most AlpaJob takes" in lines[0], done.stderr
 
+
+
+@pytest.mark.parametrize("where", ["/proc/alpajob-checkpoints", "{file}/checkpoints"])
+def test_a_checkpoint_folder_that_cannot_be_made_is_one_line(tmp_path: Path, where: str) -> None:
+    """Under /proc or under a file, the run trained and then died in orbax's save."""
+    from alpajob.cli.paths import directory
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ManifestError, match=r"^--checkpoint-dir: cannot make the directory"):
+        directory(where.format(file=tmp_path / "file"), "--checkpoint-dir")
+    assert directory(str(tmp_path / "a" / "b"), "--checkpoint-dir").is_dir()

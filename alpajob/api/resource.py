@@ -162,7 +162,12 @@ def parse_job(data: Any, source: str = "manifest") -> AlpaJob:
         first = problems[0]
         field = source if first.field == "manifest" else first.field
         raise ManifestError(field, first.message)
-    return AlpaJob.model_validate(data)
+    try:
+        return AlpaJob.model_validate(data)
+    except ValidationError as error:  # the spec is sound: only the status can be wrong
+        first = _validation_problems(error)[0]
+        raise ManifestError(first.field, f"{first.message} (the status is the operator's: drop it "
+                                         "from a manifest you write)") from None
 
 
 def load_job(path: str | Path) -> AlpaJob:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,11 +22,19 @@ def writable_file(path: str, flag: str) -> Path:
 
 
 def directory(path: str, flag: str) -> Path:
-    """``path`` as a directory to write into: it may not exist yet, but it may not be a
-    file; else a :class:`ManifestError` naming ``flag``."""
+    """``path`` as a directory to write into, made if it does not exist yet (with its
+    parents) and writable; else a :class:`ManifestError` naming ``flag``: a file, a
+    folder under a file, a place such as ``/proc`` where nothing can be made."""
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise ManifestError(flag, f"{path} is a file, not a directory")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ManifestError(flag, f"cannot make the directory {path} ({error.strerror or error}); "
+                                  "give a folder you may write") from None
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ManifestError(flag, f"{path} is not writable by this user; give a folder you may write")
     return target
 
 
