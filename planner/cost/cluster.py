@@ -131,7 +131,8 @@ def cluster_for(pool: NodePoolSpec, options: PlanOptions | None = None) -> Clust
         raise ClusterError(
             "spec.cluster.gpu",
             "not set, and spec.cluster.nodeSelector has no known nvidia.com/gpu.product; "
-            f"set it (or pass --gpu) to one of: {', '.join(p.value for p in DevicePreset)}",
+            f"set it to one of: {', '.join(p.value for p in DevicePreset)} (cpu: this machine's "
+            "CPU devices; `alpajob plan --gpu` also overrides it)",
         )
     nodes = options.nodes if options.nodes is not None else pool.nodes
     per_node = options.gpus_per_node if options.gpus_per_node is not None else pool.gpus_per_node
