@@ -4,6 +4,8 @@ options; mistakes are errors that name the field."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,21 @@ def test_counts_in_messages_agree_with_their_number() -> None:
     assert counted(0, "restart") == "0 restarts"
     assert counted(1, "micro-batch", "micro-batches") == "1 micro-batch"
     assert counted(4, "micro-batch", "micro-batches") == "4 micro-batches"
+
+
+def test_the_python_api_plans_from_a_plain_script_without_a_main_guard(tmp_path: Path) -> None:
+    """The planner's workers ran such a script again (a BrokenPipeError each); now they
+    start without the caller's __main__, so its body runs once."""
+    script = tmp_path / "plan_it.py"
+    script.write_text(
+        "import alpajob\n"
+        "print('body ran')\n"
+        "plan = alpajob.plan({'apiVersion': 'alpajob.io/v1alpha1', 'kind': 'AlpaJob', 'metadata': {'name': 's'},\n"
+        "                     'spec': {'model': {'zoo': 'mlp'}, 'training': {'globalBatchSize': 16},\n"
+        "                              'cluster': {'gpu': 'cpu', 'nodes': 1, 'gpusPerNode': 2}}})\n"
+        "print('planned', len(plan.stages))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("body ran") == 1 and "planned" in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr

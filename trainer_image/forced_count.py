@@ -44,6 +44,7 @@ from alpajob.api.options import TrainOptions
 from alpajob.api.resource import AlpaJob
 from alpajob.api.spec import Method
 from alpajob.planner.cost.cluster import ClusterSpec, cluster_for, cluster_from_preset
+from alpajob.planner.plan.workers import main_module_hidden
 from alpajob.trainer_image.devices import DEFAULT_DEVICES, FLAG, with_host_devices
 
 #: Distributions whose presence means JAX may run on an accelerator, not forced devices.
@@ -185,7 +186,8 @@ def choose_in_child(job: AlpaJob, options: TrainOptions) -> ForcedCount:
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(job, options, host_cores(), send))
-    child.start()
+    with main_module_hidden():  # a script calling alpajob.train is not run again in the child
+        child.start()
     send.close()
     try:
         outcome = receive.recv()
