@@ -255,8 +255,8 @@ def test_planning_past_its_time_limit_stops_with_one_line_and_plans_again_after(
     import alpajob
 
     with pytest.raises(TimeLimitError) as stopped:
-        alpajob.plan(with_spec(), time_limit=0.05)
-    assert "did not end within time_limit 0.05 s" in str(stopped.value)
+        alpajob.plan(with_spec(), plan_time_limit=0.05)
+    assert "did not end within plan_time_limit 0.05 s" in str(stopped.value)
     assert alpajob.plan(with_spec(model={"zoo": "mlp"})).stages  # the pool and the timer are gone
 
 
@@ -272,17 +272,19 @@ def test_a_glob_that_walks_too_far_is_refused_naming_the_pattern(tmp_path: Path,
     assert len(sources.expand([str(tmp_path / "1*.txt")], "spec.data.train")) == 3
 
 
-@pytest.mark.parametrize("argv", [
-    ["plan", "{job}", "--nodes", "99999999999999999999"],
-    ["run", "{job}", "--devices", "100000"],
+@pytest.mark.parametrize(("argv", "says"), [
+    (["plan", "{job}", "--nodes", "99999999999999999999"], "--nodes: 99999999999999999999 is above 1,024"),
+    (["run", "{job}", "--devices", "100000"], "--devices: 100000 is above 256"),
+    (["plan", "{job}", "--plan-time-limit=-1"], "--plan-time-limit: Input should be greater than 0"),
+    (["run", "{job}", "--plan-time-limit", "nan"], "--plan-time-limit: Input should be a finite number"),
 ])
-def test_cli_counts_past_their_range_are_one_line_and_exit_2(tmp_path: Path, argv: list[str]) -> None:
+def test_cli_counts_past_their_range_are_one_line_and_exit_2(tmp_path: Path, argv: list[str], says: str) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(BASE))
     done = subprocess.run([sys.executable, "-m", "alpajob", *[a.format(job=job) for a in argv]],
                           capture_output=True, text=True, timeout=120)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2 and len(lines) == 1 and "the most AlpaJob takes" in lines[0], done.stderr
+    assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
 
 
 

@@ -90,7 +90,7 @@ def plan_job(job: AlpaJob, options: PlanOptions | None = None, *,
     """Plan ``job`` for ``cluster`` (default: ``spec.cluster`` with ``options``'
     overrides); ``graph``: its op graph when the caller has traced it already."""
     options = options or PlanOptions()
-    with Deadline(options.time_limit, "time_limit", lambda: "planning"):
+    with Deadline(options.plan_time_limit, "plan_time_limit", lambda: "planning"):
         given = planning_inputs(job, options, cluster, graph, progress)
         return make_plan(given.graph, given.cluster, given.search, progress=progress,
                          extract_seconds=given.traced_seconds)
@@ -121,7 +121,7 @@ def plan_or_cached(job: AlpaJob, options: PlanOptions | None = None, *,
         if progress:
             progress(what, done, total)
 
-    with Deadline(options.time_limit, "--plan-time-limit", lambda: doing[0]):
+    with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: doing[0]):
         return _plan_or_cached(job, options, cluster, graph, watched, warn)
 
 

@@ -31,7 +31,7 @@ class PlanOptions(Contract):
     gpu: DevicePreset | None = Field(None, description="override the device preset")
     method: Method | None = Field(None, description="override spec.parallelism.method")
     ilp_time_limit: float = Field(10.0, gt=0, description="seconds allowed to each ILP solve")
-    time_limit: float | None = Field(1800.0, gt=0, allow_inf_nan=False, description=(
+    plan_time_limit: float | None = Field(1800.0, gt=0, allow_inf_nan=False, description=(
         "seconds tracing and planning may take in all before they stop with an error (None: "
         "no limit; kept only in a process's main thread)"))
     baselines: bool = Field(False, description="also cost the baselines (never changes the plan)")

@@ -121,7 +121,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
     serial = args.method == SERIAL
     planning = from_flags(PlanOptions, {
         "method": None if serial else args.method, "ilp_time_limit": args.ilp_time_limit,
-        "time_limit": args.plan_time_limit,
+        "plan_time_limit": args.plan_time_limit,
         "all_devices": args.all_devices or None,
         "calibration": str(existing_file(args.calibration, "--calibration"))
         if args.calibration else None,
