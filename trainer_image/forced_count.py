@@ -44,7 +44,7 @@ from alpajob.api.options import TrainOptions
 from alpajob.api.resource import AlpaJob
 from alpajob.api.spec import Method
 from alpajob.planner.cost.cluster import ClusterSpec, cluster_for, cluster_from_preset
-from alpajob.planner.plan.workers import main_module_hidden
+from alpajob.planner.plan.processes import main_module_hidden
 from alpajob.trainer_image.devices import DEFAULT_DEVICES, FLAG, with_host_devices
 
 #: Distributions whose presence means JAX may run on an accelerator, not forced devices.

@@ -26,7 +26,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
@@ -51,6 +50,7 @@ from alpajob.planner.plan.baselines import (
     megatron_own_grids,
     whole_cluster,
 )
+from alpajob.planner.plan.processes import main_module_hidden
 
 #: One process's share of the search: a micro-batch count and the submeshes whose DP
 #: tables it solves, or no submeshes: all the count's candidates but the DP's.
@@ -291,32 +291,6 @@ def _signals_held() -> Iterator[None]:
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         for signum in held:
             signal.raise_signal(signum)
-
-
-@contextlib.contextmanager
-def main_module_hidden() -> Iterator[None]:
-    """Start processes inside the block without the caller's ``__main__``.
-
-    A new multiprocessing child first runs the parent's main module again (as
-    ``__mp_main__``) so that functions defined there can be unpickled: for a plain
-    script that calls ``alpajob.plan`` at its top level, without ``if __name__ ==
-    "__main__":``, every worker would plan again, and start workers of its own, which
-    multiprocessing refuses (a ``BrokenPipeError`` per worker). The workers run only
-    this module's functions, so they need nothing of ``__main__``: for the block, the
-    main module shows neither a spec nor a file, which is what multiprocessing reads
-    to find it (a notebook's or ``python -``'s main has neither anyway)."""
-    main = sys.modules.get("__main__")
-    keys: tuple[str, ...] = ("__spec__", "__file__")
-    saved: dict[str, object] = {key: main.__dict__[key] for key in keys if main and key in main.__dict__}
-    try:
-        if main is not None:
-            main.__dict__.pop("__file__", None)
-            main.__dict__["__spec__"] = None
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.pop("__spec__", None)
-            main.__dict__.update(saved)
 
 
 def _start_worker(
