@@ -1,32 +1,37 @@
-"""SIGTERM (how Kubernetes stops a pod) and Ctrl-C outside the training loop: the
+"""SIGTERM (how Kubernetes stops a pod) and Ctrl-C: outside the training loop the
 command stops its worker pool and children, says in one line what it was doing and
-that nothing was saved, and exits 143 (130 for Ctrl-C); no traceback, no leaked
-semaphore. (A stop inside the training loop saves a checkpoint first:
-test_trainer_runtime.py.)"""
+that nothing was saved; inside it, it saves the step it finished and names it. Either
+way it exits 143 (130 for Ctrl-C), with no traceback and no leaked semaphore, whether
+its output goes to a file or a pipe (a pod's log) or to a terminal (a progress bar)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
+from alpajob.api.progress import Progress
+
 EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
 README_JOB = str(EXAMPLES / "text-gpt.yaml")
 
 
-def _start(*args: str, cwd: Path) -> subprocess.Popen[str]:
+def _start(*args: str, cwd: Path, log: Path | None = None) -> subprocess.Popen[str]:
+    """The command, its stderr a pipe, or the file ``log`` (as a pod's log is)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)  # the command makes its own forced devices
     # A shell starts a background job with Ctrl-C ignored, and a child inherits that:
     # this one gets Ctrl-C as a terminal's foreground command does.
     return subprocess.Popen([sys.executable, "-m", "alpajob", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log.open("w") if log else subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
@@ -55,16 +60,25 @@ def _stop(process: subprocess.Popen[str], signum: int) -> tuple[int, str]:
     return process.returncode, err
 
 
+def _last_line(err: str) -> str:
+    """The last line a reader sees: a terminal's progress bar draws with escape codes
+    and carriage returns, which are taken out."""
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", err).strip()
+    return re.split(r"[\r\n]", shown)[-1]
+
+
 def _assert_one_line(err: str, during: str, signal_name: str) -> None:
     assert "Traceback" not in err and "leaked" not in err and "BrokenPipe" not in err, err
-    last = err.strip().splitlines()[-1]
+    last = _last_line(err)
     assert last.startswith(f"stopped by {signal_name} while {during}") and last.endswith("nothing was saved"), err
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143),
                                               pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_alpajob_plan_stopped_while_planning(tmp_path: Path, signum: int, code: int) -> None:
-    process = _start("plan", README_JOB, "--no-plan-cache", cwd=tmp_path)
+    """SIGTERM with stderr a file, as a planner pod's log; Ctrl-C with it a pipe."""
+    log = tmp_path / "planner.log" if signum == signal.SIGTERM else None
+    process = _start("plan", README_JOB, "--no-plan-cache", cwd=tmp_path, log=log)
     parent = psutil.Process(process.pid)
     # The fork server starts while the model is traced; planning has begun once it has
     # forked the pool's workers (grandchildren of the command).
@@ -73,7 +87,7 @@ def test_alpajob_plan_stopped_while_planning(tmp_path: Path, signum: int, code: 
         time.sleep(0.1)
     returned, err = _stop(process, signum)
     assert returned == code
-    _assert_one_line(err, "planning", signal.Signals(signum).name)
+    _assert_one_line(log.read_text() if log else err, "planning", signal.Signals(signum).name)
 
 
 @pytest.mark.slow
@@ -116,13 +130,29 @@ def _signal_at(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, signum
     monkeypatch.setattr(owner, name, interrupted)
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def _output(monkeypatch: pytest.MonkeyPatch, output: str) -> None:
+    """``terminal``: the command's consoles act as a terminal's (a progress bar);
+    ``file``: plain lines, as in a pod's log or a pipe."""
+    if output == "terminal":
+        monkeypatch.setenv("FORCE_COLOR", "1")  # rich: stdout and stderr are terminals
+    else:
+        monkeypatch.delenv("FORCE_COLOR", raising=False)
+
+
+STOPS = [(signal.SIGTERM, 143, "file"), (signal.SIGINT, 130, "terminal"),
+         pytest.param(signal.SIGTERM, 143, "terminal", marks=pytest.mark.slow),
+         pytest.param(signal.SIGINT, 130, "file", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize(("signum", "code", "output"), STOPS)
 def test_alpajob_run_stopped_while_reading_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str], signum: int, code: int) -> None:
+                                                capsys: pytest.CaptureFixture[str], signum: int, code: int,
+                                                output: str) -> None:
     from alpajob.cli.main import main
     from alpajob.trainer_image import local_run
 
     _signal_at(monkeypatch, local_run, "open_feed", signum)
+    _output(monkeypatch, output)
     # Under a shell's background job (CI) Ctrl-C is ignored from the start: a terminal's
     # foreground command gets Python's own handler.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -150,3 +180,40 @@ def test_alpajob_run_stopped_while_restoring_keeps_the_checkpoint(
     _assert_one_line(capsys.readouterr().err, "restoring step 1", "SIGTERM")
     assert main([*run, "--steps", "2", "--resume", "--log-every", "1"]) == 0
     assert "step 2/2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("signum", "code", "output"), STOPS)
+def test_alpajob_run_stopped_while_training_saves_the_step_it_finished(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        signum: int, code: int, output: str) -> None:
+    """A stop during training lets the step in progress finish, saves it, says so in
+    one line (whatever the folder's path length: a pod's log does not wrap it) and
+    exits with the signal's status: 130 for Ctrl-C, as a shell reports it, not 143."""
+    from alpajob.cli.main import main
+    from alpajob.trainer_image import local_run
+
+    original = local_run.run
+
+    def run(*args: object, on_step: Callable[[Progress], None], **kwargs: object) -> object:
+        def step(report: Progress) -> None:
+            if report.step == 2:
+                os.kill(os.getpid(), signum)
+            on_step(report)
+
+        return original(*args, on_step=step, **kwargs)
+
+    monkeypatch.setattr(local_run, "run", run)
+    _output(monkeypatch, output)
+    folder = tmp_path / ("a-checkpoint-folder-with-a-long-name-" * 3)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        returned = main(["run", str(EXAMPLES / "local-gpt.yaml"), "--method", "serial", "--steps", "5",
+                         "--checkpoint-dir", str(folder)])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err
+    assert returned == code, err
+    assert "Traceback" not in err, err
+    name = signal.Signals(signum).name
+    assert _last_line(err) == f"stopped by {name} after step 2: checkpoint of step 2 in {folder}; continue with --resume"
+    assert sorted(p.name for p in (folder / "local").iterdir() if p.name.isdigit()) == ["2"]

@@ -4,7 +4,7 @@ Kubernetes sends SIGTERM and waits ``terminationGracePeriodSeconds`` (30 s by de
 before SIGKILL. Dying at once would lose every step since the last checkpoint, so
 inside a :class:`StopRequest` block the signal only raises a flag; the training loop
 reads it after each step, saves a checkpoint, waits for it, and exits with status 143
-(128 + SIGTERM), which a pod's restart policy and the operator read as "stopped,
+(128 + SIGTERM; 130, 128 + SIGINT, for Ctrl-C), which a pod's restart policy and the operator read as "stopped,
 resume me". A second Ctrl-C gives up at once (``KeyboardInterrupt``).
 
 Signal handlers belong to the main thread: elsewhere (a test's thread, a notebook's
@@ -31,8 +31,11 @@ from typing import Any
 
 from alpajob.api.errors import TimeLimitError
 
-#: The exit status of a run stopped by a signal (128 + SIGTERM), as a shell reports it.
-STOPPED_EXIT_CODE = 128 + signal.SIGTERM
+
+def exit_code(signal_name: str) -> int:
+    """128 + the signal's number, as a shell reports a process the signal stopped:
+    143 for ``SIGTERM``, 130 for ``SIGINT`` (Ctrl-C)."""
+    return 128 + signal.Signals[signal_name].value
 
 
 class StopRequest:
@@ -71,7 +74,7 @@ class Interrupted(BaseException):
     @property
     def exit_code(self) -> int:
         """128 + the signal's number, as a shell reports a process it stopped."""
-        return 128 + signal.Signals[self.signal_name].value
+        return exit_code(self.signal_name)
 
     def line(self) -> str:
         """The one line the command ends with."""

@@ -125,13 +125,13 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         try:
             planned = plan_or_cached(job, options, progress=progress,
-                                     warn=lambda line: err.print(line, highlight=False))
+                                     warn=lambda line: err.print(line, highlight=False, soft_wrap=True))
         except (Interrupted, KeyboardInterrupt) as error:
             raise interrupted(error, doing[0]) from None
     plan = planned.plan
     if planned.cached:
         err.print(f"plan: cached ({plan.content_hash()}) in {options.cache_dir}; --no-plan-cache plans again",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     out.print(plan_table(plan))
     out.print(plan_summary(plan))
     if devices_line:
@@ -152,10 +152,10 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         with open(args.svg, "w", encoding="utf-8") as f:
             f.write(plan_svg(plan, predicted_timeline(plan)))
-        out.print(f"picture written to {args.svg}")
+        out.print(f"picture written to {args.svg}", soft_wrap=True)
     if args.output:
         write_plan(plan, args.output)
-        out.print(f"plan written to {args.output}")
+        out.print(f"plan written to {args.output}", soft_wrap=True)
     if target:
         from alpajob.trainer_image.publish import write_plan_configmap
 

@@ -242,7 +242,7 @@ def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
 
 def cmd_driver(args: argparse.Namespace, out: Console) -> int:
     from alpajob.trainer_image.distributed.driver import drive
-    from alpajob.trainer_image.stopping import STOPPED_EXIT_CODE
+    from alpajob.trainer_image.stopping import exit_code
 
     run = driver_run(args, _runtime())
     plan, options = run.plan, run.options
@@ -269,7 +269,7 @@ def cmd_driver(args: argparse.Namespace, out: Console) -> int:
     if result.stopped:
         out.print(f"stopped by {result.stopped} after {counted(result.step, 'step')}; last checkpoint step "
                   f"{result.checkpoint_step} (a restart resumes from it)")
-        return STOPPED_EXIT_CODE
+        return exit_code(result.stopped)
     out.print(f"done: {counted(result.step, 'step')}, final loss {result.losses[-1]:.4f}, "
               f"{counted(result.restarts, 'restart')}, last checkpoint step {result.checkpoint_step}")
     return 0

@@ -155,15 +155,15 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     options = train_options(args)
     if args.log_every < 1:
         raise ManifestError("--log-every", f"must be at least 1, got {args.log_every}")
-    from alpajob.trainer_image.stopping import STOPPED_EXIT_CODE, Interrupted, interrupted
+    from alpajob.trainer_image.stopping import Interrupted, exit_code, interrupted
 
     if may_choose(job, options):  # forced CPU devices: as many as plan fastest
         try:
-            choice = choose_cached(job, options, warn=lambda line: err.print(line, highlight=False))
+            choice = choose_cached(job, options, warn=lambda line: err.print(line, highlight=False, soft_wrap=True))
         except (Interrupted, KeyboardInterrupt) as error:
             raise interrupted(error, "choosing the forced device count") from None
         make_forced_devices(choice.devices)
-        out.print(choice.line(), highlight=False)
+        out.print(choice.line(), highlight=False, soft_wrap=True)
     force_host_devices(options.devices)  # before JAX is imported (else a no-op)
     from alpajob.trainer_image.local_run import run as train
 
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
             def on_phase(what: str) -> None:
                 if what.startswith("data: "):  # what the run trains on stays on the screen
-                    bar.console.print(what, highlight=False)
+                    bar.console.print(what, highlight=False, soft_wrap=True)
                 bar.update(task, description=what)
 
             def on_step(report: Progress) -> None:
@@ -214,8 +214,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         saved = (f"checkpoint of step {result.last_checkpoint_step} in {options.checkpoint_dir}; continue "
                  "with --resume" if result.last_checkpoint_step else "no --checkpoint-dir, nothing saved")
         err.print(f"stopped by {result.stopped} after step {result.start_step + len(result.losses)}: {saved}",
-                  highlight=False)
-        return STOPPED_EXIT_CODE
+                  highlight=False, soft_wrap=True)
+        return exit_code(result.stopped)
     return 0
 
 

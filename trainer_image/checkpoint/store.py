@@ -68,46 +68,61 @@ def _processes() -> ocp.options.MultiprocessingOptions:
 
 
 class PartWriter:
-    """Writes one part's steps; every process of the part calls it at once."""
+    """Writes one part's steps; every process of the part calls it at once.
+
+    Orbax's manager is made at the first save, not before: a new manager starts a
+    background clean-up of temporary folders that only a save waits for, so a run
+    that ends before it saves (``--resume`` of an empty folder, a bad flag, a stop)
+    would leave that thread running into interpreter shutdown, which then logs a
+    page of orbax tracebacks on the way out."""
 
     def __init__(self, root: str | Path, part: str, asynchronous: bool = True) -> None:
-        processes = _processes()
-        folder = Path(root).absolute() / part
-        folder.mkdir(parents=True, exist_ok=True)  # orbax creates it only without active_processes
-        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=False, cleanup_tmp_directories=True,
-                                               enable_async_checkpointing=asynchronous,
-                                               multiprocessing_options=processes)
         self.part = part
-        self._manager = ocp.CheckpointManager(folder, options=options, item_names=(ARRAYS, META))
+        self._folder = Path(root).absolute() / part
+        self._asynchronous = asynchronous
+        self._manager: ocp.CheckpointManager | None = None
+
+    def _opened(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            self._folder.mkdir(parents=True, exist_ok=True)  # orbax creates it only without active_processes
+            options = ocp.CheckpointManagerOptions(max_to_keep=None, create=False, cleanup_tmp_directories=True,
+                                                   enable_async_checkpointing=self._asynchronous,
+                                                   multiprocessing_options=_processes())
+            self._manager = ocp.CheckpointManager(self._folder, options=options, item_names=(ARRAYS, META))
+        return self._manager
 
     def save(self, step: int, arrays: Mapping[str, jax.Array], parts: Sequence[str],
              run: Mapping[str, Any]) -> None:
         """Save ``arrays`` as this part's step ``step``; ``parts`` names every part of
         the checkpoint, ``run`` is the run's own meta (model, plan hash, data). Returns
         once the arrays are in host memory; async writers finish in the background."""
-        self._manager.wait_until_finished()
-        self._manager.reload()
-        if step in self._manager.all_steps():
-            self._manager.delete(step)  # an incomplete earlier attempt at this step
+        manager = self._opened()
+        manager.wait_until_finished()
+        manager.reload()
+        if step in manager.all_steps():
+            manager.delete(step)  # an incomplete earlier attempt at this step
         prints = fingerprints(arrays)
         meta = {
             "step": step, "parts": list(parts), "run": dict(run),
             "arrays": {name: {"shape": list(a.shape), "dtype": str(a.dtype), "fingerprint": prints[name]}
                        for name, a in arrays.items()},
         }
-        self._manager.save(step, force=True, args=ocp.args.Composite(
+        manager.save(step, force=True, args=ocp.args.Composite(
             **{ARRAYS: ocp.args.PyTreeSave(nest(arrays)), META: ocp.args.JsonSave(meta)}))
 
     def saving(self) -> bool:
         """Whether a background save is still being written."""
-        return bool(self._manager.is_saving_in_progress())
+        return self._manager is not None and bool(self._manager.is_saving_in_progress())
 
     def wait(self) -> None:
         """Block until the last save is finalized (and raise its error, if any)."""
-        self._manager.wait_until_finished()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.close()
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
 
 
 def _parts(root: Path) -> list[str]:
