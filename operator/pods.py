@@ -10,6 +10,7 @@ scheduler could not place it (:func:`unschedulable`).
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -73,35 +74,63 @@ def ending(name: str, pod: Mapping[str, Any]) -> str:
 _TRACEBACK = "Traceback (most recent call last):"
 
 
-def cause_line(text: str) -> str:
-    """The line of a container's termination message that says why it failed. The
-    message is the line our command wrote to the termination log, or (under
+def stated_cause(text: str) -> str | None:
+    """The line of a container's termination message that says why it failed, when one
+    does. The message is the line our command wrote to the termination log, or (under
     FallbackToLogsOnError, when it wrote none) the log's tail, where the cause is
-    buried in Ray's shutdown noise: there, the last ``error: ...`` line our CLI printed;
-    else the exception line that ends the last Python traceback (its last line, not
-    its middle); else the last line."""
+    buried in Ray's shutdown noise: there, the last ``error: ...`` or ``stopped by
+    ...`` line our CLI printed; else the exception line that ends the last Python
+    traceback (its last line, not its middle); else None."""
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
-    if not lines:
-        return ""
-    errors = [line for line in lines if line.lstrip().startswith("error:")]
-    if errors:
-        return errors[-1].strip()
+    ours = [line for line in lines if line.lstrip().startswith(("error:", "stopped by "))]
+    if ours:
+        return ours[-1].strip()
     starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
     if starts:
         for line in lines[starts[-1] + 1:]:
             if not line[:1].isspace():  # frames are indented; the exception's line is not
                 return line.strip()
-    return lines[-1].strip()
+    return None
+
+
+def cause_line(text: str) -> str:
+    """:func:`stated_cause`, else the message's last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return stated_cause(text) or (lines[-1] if lines else "")
+
+
+def _killed_by(terminated: Mapping[str, Any]) -> str | None:
+    """``killed by SIGABRT (exit code 134)`` for a container a signal ended (exit code
+    128 + N), with Kubernetes' reason when it has one (``OOMKilled``), else None."""
+    code = terminated.get("exitCode")
+    if not isinstance(code, int) or not 128 < code < 128 + 65:
+        return None
+    try:
+        name = signal.Signals(code - 128).name
+    except ValueError:
+        name = f"signal {code - 128}"
+    reason = terminated.get("reason")
+    said = f", {reason}" if reason and reason not in ("Error", "Completed") else ""
+    return f"killed by {name} (exit code {code}{said})"
 
 
 def pod_message(pod: Mapping[str, Any]) -> str:
-    """The reason a pod failed, in one line: its container's termination message
-    (:func:`cause_line`), else its status."""
+    """The reason a pod failed, in one line: the cause its container's termination
+    message states (:func:`stated_cause`); else, for a container a signal ended (an
+    ``os.abort()`` in a model's code, the kernel's OOM killer), which signal and the
+    log's last line, what it was doing; else that last line, or its status."""
     status = pod.get("status") or {}
     for container in status.get("containerStatuses") or []:
         terminated = (container.get("state") or {}).get("terminated") or {}
-        if terminated.get("message"):
-            return cause_line(str(terminated["message"]))[:1000]
+        message = str(terminated.get("message") or "")
+        stated, killed = stated_cause(message), _killed_by(terminated)
+        if stated:
+            return stated[:1000]
+        if killed:
+            last = cause_line(message)
+            return (f"{killed}, its last line: {last}" if last else killed)[:1000]
+        if message.strip():
+            return cause_line(message)[:1000]
         if terminated.get("reason"):
             return f"{terminated['reason']} (exit code {terminated.get('exitCode')})"
     return str(status.get("message") or status.get("reason") or "the pod failed")

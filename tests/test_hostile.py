@@ -54,6 +54,8 @@ def one_problem(body: dict[str, Any]) -> str:
     ("model", {"zoo": "moe", "config": {"experts": 1}}, "spec.model.config.experts", "top-2 gating"),
     ("model", {"zoo": "moe", "config": {"capacityFactor": float("inf")}}, "spec.model.config.capacityFactor",
      "positive number"),
+    ("model", {"zoo": "moe", "config": {"expertGroupSize": 3000}}, "spec.training.globalBatchSize",
+     "do not fill whole expert groups of expertGroupSize=3000; make the batch a multiple of 375"),
     ("model", {"zoo": "wresnet", "config": {"imageSize": 16}}, "spec.model.config.imageSize", "stride is 32"),
     ("model", {"zoo": "wresnet", "config": {"layers": 51}}, "spec.model.config.layers", "unsupported depth"),
     ("training", {"globalBatchSize": 10**12}, "spec.training.globalBatchSize", "above 16,777,216"),

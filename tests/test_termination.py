@@ -135,3 +135,19 @@ def test_a_middle_stage_reads_no_data_and_checks_none(three_stages: tuple[Path, 
     check_mesh_data(runtime, 1, Console())  # no error: mesh 1 reads nothing
     with pytest.raises(ManifestError, match="spec.data.train"):
         check_mesh_data(runtime, 2, Console())
+
+
+def test_a_container_a_signal_ended_says_which_and_what_it_was_doing() -> None:
+    """An ``os.abort()`` in a model's code (SIGABRT) or the OOM killer (SIGKILL) leaves
+    no error line: the last line of the log is what the planner was doing, not why."""
+    aborted = {"exitCode": 134, "reason": "Error", "message": "reading data\ntracing my-model\n"}
+    oom = {"exitCode": 137, "reason": "OOMKilled", "message": RAY_NOISE + "planning (3/20 parts)\n"}
+    pods = [{"status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": t}}]}}
+            for t in (aborted, oom, {"exitCode": 137, "reason": "OOMKilled"})]
+    assert ending("j-planner", pods[0]) == "j-planner failed: killed by SIGABRT (exit code 134), its last line: tracing my-model"
+    assert ending("j-planner", pods[1]) == ("j-planner failed: killed by SIGKILL (exit code 137, OOMKilled), its last "
+                                            "line: planning (3/20 parts)")
+    assert ending("j-planner", pods[2]) == "j-planner failed: killed by SIGKILL (exit code 137, OOMKilled)"
+    stopped = {"exitCode": 143, "message": "tracing\nstopped by SIGTERM while planning: nothing was saved\n" + RAY_NOISE}
+    pod = {"status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": stopped}}]}}
+    assert ending("j-planner", pod) == "j-planner failed: stopped by SIGTERM while planning: nothing was saved"

@@ -39,7 +39,7 @@ from alpajob.api.catalog import DEVICE_MEMORY_BYTES, GPU_PRODUCT_PRESETS, Device
 from alpajob.api.errors import Problem
 from alpajob.api.names import GPU_PRODUCT_LABEL
 from alpajob.api.spec import MUTABLE, ManualStage, Method, ModelSpec, NodePoolSpec, Optimizer, Spec
-from alpajob.api.zoo import zoo_problems
+from alpajob.api.zoo import batch_problems, zoo_problems
 
 
 def _choices(values: Sequence[str] | Mapping[str, Any]) -> str:
@@ -48,7 +48,7 @@ def _choices(values: Sequence[str] | Mapping[str, Any]) -> str:
 
 def spec_problems(spec: Spec) -> list[Problem]:
     """Every problem of a parsed ``spec`` that its types cannot catch (module docstring)."""
-    problems = [*_model_problems(spec.model), *_cluster_problems(spec.cluster),
+    problems = [*_model_problems(spec.model, spec.training.global_batch_size), *_cluster_problems(spec.cluster),
                 *_parallelism_problems(spec), *_data_problems(spec), *_training_problems(spec)]
     return problems or _memory_problems(spec)
 
@@ -61,12 +61,14 @@ def _data_problems(spec: Spec) -> list[Problem]:
     return []
 
 
-def _model_problems(model: ModelSpec) -> list[Problem]:
+def _model_problems(model: ModelSpec, global_batch_size: int) -> list[Problem]:
     """A known zoo family and size, known config keys inside their ranges, the family's
-    rules (:func:`~alpajob.api.zoo.zoo_problems`)."""
+    rules (:func:`~alpajob.api.zoo.zoo_problems`), and a batch the model can take
+    (:func:`~alpajob.api.zoo.batch_problems`)."""
     if model.zoo is None:
         return []
-    return zoo_problems(model.zoo, model.config)[1]
+    zoo, problems = zoo_problems(model.zoo, model.config)
+    return batch_problems(zoo, global_batch_size) if zoo is not None else problems
 
 
 #: Bytes every parameter takes somewhere on the pool, by optimizer: float32 weights and

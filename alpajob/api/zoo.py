@@ -320,3 +320,21 @@ def resolve_zoo(zoo: Any, config: Any = None) -> ZooModel:
     if model is None:
         raise ManifestError(problems[0].field, problems[0].message)
     return model
+
+
+def batch_problems(model: ZooModel, global_batch_size: int) -> list[Problem]:
+    """What keeps ``model`` from a batch of ``global_batch_size``: a mixture of experts
+    routes its tokens in groups of ``expertGroupSize``, so the batch's tokens (batch x
+    seqLen) must fill whole groups. (The planner keeps only micro-batch counts whose
+    micro-batches fill whole groups too; the whole batch is the one it cannot change.)"""
+    group = model.config.get("expertGroupSize")
+    if group is None:
+        return []
+    tokens = global_batch_size * model.config["seqLen"]
+    if tokens % group == 0:
+        return []
+    fitting = group // math.gcd(group, model.config["seqLen"])  # the smallest batch that fills whole groups
+    return [Problem("spec.training.globalBatchSize", (
+        f"{global_batch_size} x seqLen {model.config['seqLen']} = {tokens:,} tokens do not fill whole "
+        f"expert groups of expertGroupSize={group}; make the batch a multiple of {fitting}, or "
+        "choose an expertGroupSize that divides the batch's tokens"))]
