@@ -146,7 +146,10 @@ def load_documents(text: str, source: str = "manifest") -> list[Any]:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
         raise ManifestError(source, f"is larger than {MAX_BYTES // 2**20} MiB, the most the "
                                     "Kubernetes API server takes")
-    loader = _BoundedLoader(text)
+    try:
+        loader = _BoundedLoader(text)  # its reader checks the first characters at once
+    except yaml.YAMLError as error:
+        raise ManifestError(source, f"is not valid YAML: {_reader_problem(error)}") from None
     documents: list[Any] = []
     try:
         while loader.check_data():
@@ -161,7 +164,15 @@ def load_documents(text: str, source: str = "manifest") -> list[Any]:
         context = f" ({error.context})" if error.context else ""
         raise ManifestError(where, f"is not valid YAML: {error.problem}{context}") from None
     except yaml.YAMLError as error:  # the reader's: a character YAML does not allow
-        raise ManifestError(source, f"is not valid YAML: {' '.join(str(error).split())}") from None
+        raise ManifestError(source, f"is not valid YAML: {_reader_problem(error)}") from None
     finally:
         loader.dispose()
     return documents
+
+
+def _reader_problem(error: yaml.YAMLError) -> str:
+    """A reader's error (a character YAML does not allow, such as NUL), in words."""
+    if isinstance(error, yaml.reader.ReaderError):
+        return (f"character {error.character:#06x} at character {error.position + 1:,} is not allowed "
+                "(YAML takes printable Unicode only)")
+    return " ".join(str(error).split())

@@ -18,6 +18,7 @@ problem (what the CLI prints before it exits with status 2).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -85,20 +86,28 @@ PATTERN_WORDS = {
 }
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_UNION_TAGS = ("literal[", "function-", "lax-", "json-")
+
+
 def _field_path(loc: tuple[Any, ...]) -> str:
     """``('spec', 'training', 'global_batch_size')`` -> ``spec.training.globalBatchSize``.
 
     Pydantic puts union-member tags (``int``, ``list[ManualStage]``, a model's class
     name such as ``OptimizerSpec``) into the location; they are not fields (fields are
-    camelCase, classes CamelCase) and are dropped.
+    camelCase, classes CamelCase) and are dropped. A map's key that is not a name
+    (``nodeSelector``'s ``kubernetes.io/arch``, a key with a newline) is quoted:
+    ``spec.cluster.nodeSelector["kubernetes.io/arch"]``, so the path stays one line.
     """
     parts: list[str] = []
     for part in loc:
         text = str(part)
         if isinstance(part, int):
             parts.append(f"[{part}]")
+        elif not _NAME.fullmatch(text) and not text.startswith(_UNION_TAGS) and "[" not in text:
+            parts.append(f"[{json.dumps(text)}]")
         elif ("[" in text or text in {"int", "str", "dict", "list"} or text[:1].isupper()
-              or text.startswith(("literal[", "function-", "lax-", "json-"))):
+              or text.startswith(_UNION_TAGS)):
             continue
         else:
             parts.append(("." if parts else "") + to_camel(text))
