@@ -219,3 +219,25 @@ def test_a_pages_local_command_runs(tmp_path: Path, caches: Path, page: str, arg
     done = subprocess.run([sys.executable, "-m", "alpajob", *args], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, **env, "XDG_CACHE_HOME": str(caches)}, timeout=600)
     assert done.returncode == 0, f"{page}: alpajob {' '.join(args)}\n{done.stderr[-2000:]}"
+
+
+def test_the_image_story_is_the_same_true_sentence_wherever_it_is_told() -> None:
+    """The default images are named, and said to be unpublished, in the same words on
+    every page, and they are the images the operator, the manifests and the chart use."""
+    from alpajob.operator.children import DEFAULT_IMAGE
+
+    deployment = next(document for document in yaml.safe_load_all((ROOT / "manifests/operator.yaml").read_text())
+                      if document and document.get("kind") == "Deployment")
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    chart = yaml.safe_load((ROOT / "charts/alpajob/Chart.yaml").read_text())
+    values = yaml.safe_load((ROOT / "charts/alpajob/values.yaml").read_text())
+    operator = f"{values['image']['repository']}:{chart['appVersion']}"
+    assert containers[0]["image"] == operator
+    sentence = (f"The manifests, the chart and the operator name the images `{DEFAULT_IMAGE}` (trainer) and "
+                f"`{operator}` (operator), which are not published yet: build and push your own, and point "
+                "the operator at them")
+    told = [page for page in PAGES if sentence in " ".join(page.read_text().split())]
+    assert told == [ROOT / "docs/guides/kubernetes.md"], told
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        assert not re.search(r"publishes no image|No image is published|image is published", text), page
