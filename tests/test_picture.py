@@ -225,18 +225,33 @@ def test_trace_and_serial_are_refused_together(tmp_path, capsys):
 
 
 def test_svg_of_many_micro_batches_merges_narrow_boxes(manual_plan):
-    """1024 micro-batches: boxes narrower than a pixel and a half are merged per pixel
-    column, drawn as high as the stage is busy there; the file stays small."""
+    """1024 micro-batches: boxes narrower than four pixels are merged into
+    columns, drawn as high as the stage is busy there; the steady state, where forwards
+    and backwards interleave, is one even bar (not a barcode of alternating passes, nor
+    of 90% and 100% columns) as high as the stage's busy share; the heading gives the
+    bubble the plan summary gives, and the legend says what merged bars mean; the file
+    stays small."""
     plan, _ = manual_plan
-    many = plan.model_copy(update={"num_micro_batches": 1024})
+    many = plan.model_copy(update={"num_micro_batches": 1024,
+                                   "bubble_fraction": bubble_fraction(len(plan.stages), 1024)})
     timeline = predicted_timeline(many)
     text = plan_svg(many, timeline)
     assert len(text) < 200_000
     root = ET.fromstring(text)
     rows = [g for g in root.iter(f"{SVG}g") if g.get("class") == "stage-row"]
     assert len(rows) == len(plan.stages)
+    words = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert f"pipeline bubble {many.bubble_fraction:.1%}" in words
+    assert "computing (merged)" in words and "a bar's height is the share of the time the stage is busy" in words
     for g in rows:
-        swatch, background = [r for r in g.iter(f"{SVG}rect") if r.get("class") is None]
+        (steady,) = [r for r in g.iter(f"{SVG}rect") if r.get("class") == "span merged"
+                     and float(r.get("width")) > 0.8 * (1200 - 190 - 20)]
+        (back,) = [r for r in g.iter(f"{SVG}rect") if r.get("class") == "idle"]
+        busy = 1 - float(back.get("data-idle"))
+        assert (float(steady.get("height")) - 1) / (float(back.get("height")) - 1) == pytest.approx(busy, abs=0.1)
+    for g in rows:
+        (swatch,) = [r for r in g.iter(f"{SVG}rect") if r.get("class") is None]
+        (background,) = [r for r in g.iter(f"{SVG}rect") if r.get("class") == "idle"]
         spans = [r for r in g.iter(f"{SVG}rect") if (r.get("class") or "").startswith("span")]
         assert 0 < len(spans) < 300
         assert any("merged" in (r.findtext(f"{SVG}title") or "") for r in spans)

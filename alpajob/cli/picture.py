@@ -7,8 +7,17 @@ One SVG with two panels, drawn from the Plan document and its predicted timeline
   that owns it (which GPUs of which node each stage gets);
 - **timeline of one step**: one row per stage, one box per forward (``F``),
   backward (``B``), the communication the plan predicts at the end of each pass,
-  and the update (``U``); the grey behind the boxes is the bubble, and each row's
-  label gives its share of the step.
+  and the update (``U``); the grey behind the boxes is idle time, and each row's
+  label gives its share of the step. The heading gives the pipeline bubble the plan
+  summary reports, ``(p - 1) / (m + p - 1)``: what every stage would idle were the
+  stages equal. A row idles that much in filling and draining the pipeline, and the
+  rest of its idle share waiting for slower stages (its tooltip gives the split).
+
+With many micro-batches (a 64-stage, 1,024-micro-batch step has 200,000 spans) the
+boxes would be narrower than a pixel and draw as a barcode: they are merged into
+columns a few pixels wide, one colour per column (``computing``, brown, where forwards
+and backwards interleave, as in 1F1B's steady state) and a bar whose height is the
+share of that column the stage is busy, so a stage that waits draws lower.
 
 Every cell and box carries a ``<title>`` (the browser's tooltip) with the exact
 figures; rows carry ``class="stage-row"`` and ``data-stage`` so tests and scripts
@@ -36,6 +45,8 @@ KIND_COLOURS = {SpanKind.FORWARD: "#4e79a7", SpanKind.BACKWARD: "#f28e2b",
                 SpanKind.COMMUNICATION: "#e15759", SpanKind.UPDATE: "#59a14f",
                 SpanKind.STEP: "#76b7b2", SpanKind.FORWARD_BACKWARD: "#b07aa1"}
 BUBBLE = "#e6e6e6"
+#: Columns where forwards and backwards interleave, too narrow to draw one by one.
+MERGED = "#9c755f"
 
 
 def _seconds(value: float, unit_of: float | None = None) -> str:
@@ -97,8 +108,8 @@ def _timeline(svg: ET.Element, plan: Plan, timeline: Timeline, top: float) -> fl
     span = timeline.seconds or 1.0
     scale = (WIDTH - LEFT - RIGHT) / span
     _el(svg, "text", f"timeline of one step ({plan.schedule}, {plan.num_micro_batches} "
-        f"micro-batches): predicted {_seconds(plan.predicted_step_seconds)}",
-        x=10, y=top + 14, font_weight="bold")
+        f"micro-batches): predicted {_seconds(plan.predicted_step_seconds)}, pipeline bubble "
+        f"{_share(plan.bubble_fraction)}", x=10, y=top + 14, font_weight="bold")
     top += 24
     by_stage: dict[int, list[Span]] = {i: [] for i in range(p)}
     for s in timeline.spans:
@@ -107,18 +118,22 @@ def _timeline(svg: ET.Element, plan: Plan, timeline: Timeline, top: float) -> fl
         stage = plan.stages[i]
         y = top + i * row
         group = _el(svg, "g", class_="stage-row", data_stage=i)
-        bubble = timeline.bubble(i) / span
+        spans = by_stage[i]
+        idle = timeline.bubble(i) / span
+        bubble = min(idle, plan.bubble_fraction)
         _el(group, "rect", x=LEFT - 6, y=y, width=5, height=row - 1,
             fill=STAGE_COLOURS[i % len(STAGE_COLOURS)])
         if row >= 9:
             _el(group, "text", f"stage {i} ({stage.submesh_shape[0]}x{stage.submesh_shape[1]}) "
-                f"idle {bubble:.0%}", x=LEFT - 10, y=y + row * 0.7, text_anchor="end",
+                f"idle {_share(idle)}", x=LEFT - 10, y=y + row * 0.7, text_anchor="end",
                 font_size=min(12.0, row * 0.7))
-        back = _el(group, "rect", x=LEFT, y=y, width=span * scale, height=row - 1, fill=BUBBLE)
+        back = _el(group, "rect", x=LEFT, y=y, width=span * scale, height=row - 1, fill=BUBBLE,
+                   class_="idle", data_idle=f"{idle:.6f}")
         _tip(back, f"stage {i}: layers [{stage.layers[0]}, {stage.layers[1]}), idle "
-             f"{_seconds(timeline.bubble(i))} of {_seconds(span)} ({bubble:.1%})")
-        spans = by_stage[i]
-        if all((s.end - s.start) * scale >= MIN_BOX_PX for s in spans):
+             f"{_seconds(timeline.bubble(i))} of {_seconds(span)} ({idle:.1%}): about {bubble:.1%} "
+             f"the pipeline's bubble, {idle - bubble:.1%} waiting for slower stages")
+        passes = [s for s in spans if s.kind is not SpanKind.COMMUNICATION]  # a thin one draws thin
+        if all((s.end - s.start) * scale >= MIN_BOX_PX for s in passes):
             for s in spans:
                 _box(group, s.kind, s.start, s.end, scale, row, y,
                      f"stage {i} {s.kind.value}"
@@ -127,10 +142,11 @@ def _timeline(svg: ET.Element, plan: Plan, timeline: Timeline, top: float) -> fl
         else:
             for kind, start, end, count, busy in _pixel_runs(spans, scale, span):
                 height = (row - 1) * busy
+                doing = "computing (forwards and backwards)" if kind is None else kind.value
                 _box(group, kind, start, end, scale, height + 1, y + (row - 1) - height,
-                     f"stage {i} mostly {kind.value}, busy {busy:.0%}: {count} spans from "
-                     f"{_seconds(start)} to {_seconds(end)} (merged per pixel: boxes this "
-                     "narrow would not show)", None)
+                     f"stage {i} {doing}, busy {busy:.0%}: {count} spans from "
+                     f"{_seconds(start)} to {_seconds(end)} (merged: boxes this narrow "
+                     "would not show)", None)
     axis_y = top + p * row + 4
     _el(svg, "line", x1=LEFT, y1=axis_y, x2=LEFT + span * scale, y2=axis_y, stroke="#333333")
     for k in range(6):
@@ -141,24 +157,42 @@ def _timeline(svg: ET.Element, plan: Plan, timeline: Timeline, top: float) -> fl
             font_size=11)
     legend_y = axis_y + 34
     x = LEFT
-    legend = [(kind.value, colour) for kind, colour in KIND_COLOURS.items()]
-    for name, colour in (*legend, ("bubble (idle)", BUBBLE)):
+    drawn = {s.kind for s in timeline.spans}
+    legend = [(kind.value, colour) for kind, colour in KIND_COLOURS.items() if kind in drawn]
+    merged = svg.find(f".//*[@fill='{MERGED}']") is not None
+    for name, colour in (*legend, *([("computing (merged)", MERGED)] if merged else []), ("idle", BUBBLE)):
         _el(svg, "rect", x=x, y=legend_y - 10, width=12, height=12, fill=colour)
         _el(svg, "text", name, x=x + 16, y=legend_y, font_size=12)
-        x += 24 + 8 * len(name)
-    return legend_y + 16
+        x += 24 + 7 * len(name)
+    notes = [f"Idle: the pipeline bubble, {_share(plan.bubble_fraction)} of the step for every stage "
+             "(what equal stages would idle), plus waiting for slower stages; hover a row for the split."]
+    if merged:
+        notes.append("Micro-batches too narrow to draw one by one are merged: a bar's height is "
+                     "the share of the time the stage is busy.")
+    for k, note in enumerate(notes):
+        _el(svg, "text", note, x=LEFT, y=legend_y + 20 + 16 * k, font_size=11, fill="#555555")
+    return legend_y + 20 + 16 * len(notes)
 
 
-#: Narrower spans are merged per pixel column (a 64-stage, 1024-micro-batch step has
-#: 200,000 spans; drawn one by one the file would be tens of megabytes).
-MIN_BOX_PX = 1.5
+def _share(fraction: float) -> str:
+    """A share of the step: ``31%``, or ``0.6%`` below 10% (so a small bubble is not 1%)."""
+    return f"{fraction:.0%}" if fraction >= 0.1 else f"{fraction:.1%}"
 
 
-def _box(group: ET.Element, kind: SpanKind, start: float, end: float, scale: float, row: float,
+#: Spans narrower (in pixels) are merged into columns (module docstring; drawn one by one, a
+#: 200,000-span step would be a file of tens of megabytes).
+MIN_BOX_PX = 4.0
+#: The merged columns' width in pixels.
+COLUMN_PX = 3
+
+
+def _box(group: ET.Element, kind: SpanKind | None, start: float, end: float, scale: float, row: float,
          y: float, tip: str, label: str | None) -> None:
+    """One span's box, or (``kind`` None) a merged run of interleaved passes."""
     width = max(0.5, (end - start) * scale)
     box = _el(group, "rect", x=LEFT + start * scale, y=y, width=width, height=row - 1,
-              fill=KIND_COLOURS[kind], class_=f"span {kind.value}")
+              fill=MERGED if kind is None else KIND_COLOURS[kind],
+              class_=f"span {'merged' if kind is None else kind.value}")
     _tip(box, tip)
     if label and width >= 22 and row >= 12 and kind is not SpanKind.COMMUNICATION:
         _el(group, "text", label, x=LEFT + start * scale + width / 2, y=y + row * 0.7,
@@ -166,34 +200,47 @@ def _box(group: ET.Element, kind: SpanKind, start: float, end: float, scale: flo
 
 
 def _pixel_runs(spans: Sequence[Span], scale: float,
-                total: float) -> list[tuple[SpanKind, float, float, int, float]]:
-    """Spans merged per pixel column: a column takes the kind that covers most of it
-    and the share of it that spans cover (to a tenth; under a twentieth it shows the
-    bubble), and equal neighbouring columns join into one run ``(kind, start, end,
-    spans starting in it, busy share)``: a stage busy 58% of the time draws 58% high."""
-    columns = max(1, int(total * scale) + 1)
+                total: float) -> list[tuple[SpanKind | None, float, float, int, float]]:
+    """Spans merged into columns :data:`COLUMN_PX` wide, or two passes wide where a
+    pass is wider (so that every column holds whole passes and their gaps, and its
+    share does not swing with where a gap falls): a column takes the kind that
+    covers it, or None where forwards and backwards both do (1F1B's steady state
+    alternates them faster than a pixel), and the share of it that spans cover (to a
+    tenth; under a twentieth it shows as idle); neighbouring columns of one kind whose
+    shares differ by at most a tenth join into one run ``(kind, start, end, spans
+    starting in it, busy share)``, its share their mean (a steady 95% would otherwise
+    flicker between 90% and 100%): a stage busy 58% of the time draws 58% high."""
+    passes = sorted(s.end - s.start for s in spans if s.kind is not SpanKind.COMMUNICATION)
+    width = max(COLUMN_PX / scale, 2 * passes[len(passes) // 2] if passes else 0.0)
+    columns = max(1, int(total / width) + 1)
     cover = [dict.fromkeys(SpanKind, 0.0) for _ in range(columns)]
     starts = [0] * columns
-    pixel = 1.0 / scale
     for s in spans:
-        first, last = int(s.start * scale), min(columns - 1, int(s.end * scale))
-        starts[first] += 1
+        first, last = int(s.start / width), min(columns - 1, int(s.end / width))
+        starts[min(first, columns - 1)] += 1
         for c in range(first, last + 1):
-            overlap = min(s.end, (c + 1) * pixel) - max(s.start, c * pixel)
+            overlap = min(s.end, (c + 1) * width) - max(s.start, c * width)
             if overlap > 0:
                 cover[c][s.kind] += overlap
-    runs: list[tuple[SpanKind, float, float, int, float]] = []
+    runs: list[tuple[SpanKind | None, float, float, int, float]] = []
     for c in range(columns):
-        busy = round(min(1.0, sum(cover[c].values()) / pixel), 1)
+        covered = sum(cover[c].values())
+        busy = round(min(1.0, covered / width), 1)
         if busy < 0.05:
             continue
-        kind, _ = max(cover[c].items(), key=lambda item: item[1])
-        if (runs and runs[-1][0] is kind and runs[-1][4] == busy
-                and abs(runs[-1][2] - c * pixel) < pixel / 2):
-            k, start, _, count, share = runs[-1]
-            runs[-1] = (k, start, (c + 1) * pixel, count + starts[c], share)
+        both = cover[c][SpanKind.FORWARD], cover[c][SpanKind.BACKWARD]
+        kind: SpanKind | None
+        if min(both) > 0.1 * covered:
+            kind = None
         else:
-            runs.append((kind, c * pixel, (c + 1) * pixel, starts[c], busy))
+            kind = max(cover[c].items(), key=lambda item: item[1])[0]
+        if (runs and runs[-1][0] is kind and abs(runs[-1][4] - busy) <= 0.1 + 1e-9
+                and abs(runs[-1][2] - c * width) < width / 2):
+            k, start, end, count, share = runs[-1]
+            joined = (end - start) / width
+            runs[-1] = (k, start, (c + 1) * width, count + starts[c], (share * joined + busy) / (joined + 1))
+        else:
+            runs.append((kind, c * width, (c + 1) * width, starts[c], busy))
     return runs
 
 
