@@ -70,18 +70,24 @@ def test_counts_in_messages_agree_with_their_number() -> None:
     assert counted(4, "micro-batch", "micro-batches") == "4 micro-batches"
 
 
-def test_the_python_api_plans_from_a_plain_script_without_a_main_guard(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["a script file", "python -", pytest.param("python -c", marks=pytest.mark.slow)])
+def test_the_python_api_plans_from_a_plain_script_without_a_main_guard(tmp_path: Path, how: str) -> None:
     """The planner's workers ran such a script again (a BrokenPipeError each); now they
-    start without the caller's __main__, so its body runs once."""
-    script = tmp_path / "plan_it.py"
-    script.write_text(
+    start without the caller's __main__, so its body runs once, whether the script is a
+    file, read from stdin (``python -``) or given with ``-c`` (whose main module, like a
+    notebook's, has no file)."""
+    code = (
         "import alpajob\n"
         "print('body ran')\n"
         "plan = alpajob.plan({'apiVersion': 'alpajob.io/v1alpha1', 'kind': 'AlpaJob', 'metadata': {'name': 's'},\n"
         "                     'spec': {'model': {'zoo': 'mlp'}, 'training': {'globalBatchSize': 16},\n"
         "                              'cluster': {'gpu': 'cpu', 'nodes': 1, 'gpusPerNode': 2}}})\n"
         "print('planned', len(plan.stages))\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+    script = tmp_path / "plan_it.py"
+    script.write_text(code)
+    argv, stdin = {"a script file": ([str(script)], None), "python -": (["-"], code),
+                   "python -c": (["-c", code], None)}[how]
+    done = subprocess.run([sys.executable, *argv], input=stdin, capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("body ran") == 1 and "planned" in done.stdout, done.stdout

@@ -207,8 +207,18 @@ def caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+def _run_ids() -> list[str]:
+    """``own-model.md:1``: the page and the command's place among the page's runs."""
+    ids, counts = [], dict[str, int]()
+    for page, _ in _runnable():
+        name = Path(page).name
+        counts[name] = counts.get(name, 0) + 1
+        ids.append(f"{name}:{counts[name]}")
+    return ids
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("page", "argv"), _runnable(), ids=lambda v: v if isinstance(v, str) else " ".join(v)[:60])
+@pytest.mark.parametrize(("page", "argv"), _runnable(), ids=_run_ids())
 def test_a_pages_local_command_runs(tmp_path: Path, caches: Path, page: str, argv: list[str]) -> None:
     """Run in a scratch folder holding the repository's manifests, as a reader would from
     a checkout; ``PYTHONPATH=...`` settings are kept."""
