@@ -43,6 +43,7 @@ class Observed:
     now: datetime
     manifest_yaml: str
     pool: Sequence[PoolNode] = ()
+    left_out: Sequence[tuple[str, str]] = ()  # matching nodes not in the pool, and why
     configmaps: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # the job's pods, by name
     services: frozenset[str] = frozenset()

@@ -21,12 +21,14 @@ from typing import Any
 
 import yaml
 from kubernetes import client
+from pydantic import ValidationError
 
 from alpajob.api.names import API_VERSION, GROUP, KIND, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
+from alpajob.api.pod_template import PodTemplates
 from alpajob.api.status import ConditionType, Status
 from alpajob.operator.names import ChildNames
 from alpajob.operator.network import NetworkSettings
-from alpajob.operator.pool import pool_nodes
+from alpajob.operator.pool import EVERY_TAINT, read_pool
 from alpajob.operator.reconcile import Decision, Observed
 from alpajob.operator.status import set_condition
 from alpajob.operator.world import World
@@ -208,12 +210,17 @@ class Kube:
         nodes = world.nodes
         spec = job.get("spec") or {}
         cluster = spec.get("cluster") or {}
-        pool = pool_nodes(nodes, cluster.get("nodeSelector") or {}, cpu=cluster.get("gpu") == "cpu")
-        ready = frozenset(n.name for n in pool_nodes(nodes, {}, cpu=True))
+        try:
+            tolerations = PodTemplates.model_validate(spec.get("podTemplate") or {}).of("mesh").tolerations
+        except ValidationError:
+            tolerations = []  # the pass fails the job naming the field (decision.PassState)
+        pool = read_pool(nodes, cluster.get("nodeSelector") or {}, tolerations,
+                         cpu=cluster.get("gpu") == "cpu")
+        ready = frozenset(n.name for n in read_pool(nodes, {}, [EVERY_TAINT], cpu=True).nodes)
         manifest = {"apiVersion": API_VERSION, "kind": KIND,
                     "metadata": {"name": name, "namespace": namespace}, "spec": spec}
         return Observed(job=job, now=now, manifest_yaml=yaml.safe_dump(manifest, sort_keys=False),
-                        pool=pool, configmaps=configmaps, pods=pods, services=services, claims=claims,
+                        pool=pool.nodes, left_out=pool.left_out, configmaps=configmaps, pods=pods, services=services, claims=claims,
                         pod_groups=groups, gang=gang, ready_nodes=ready,
                         network=self.network,
                         **({"default_image": self.default_image} if self.default_image else {}))

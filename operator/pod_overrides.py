@@ -14,7 +14,9 @@ command, env, mounts, labels, Pod Security "restricted") and adds, in one pass:
 4. the rest of the **overrides**: labels and annotations (the operator's own keys
    win), env after the contract's, volumes and mounts, node selector, tolerations,
    affinity (a mesh pod's node pin is added to every required node term),
-   priorityClassName, image pull policy and secrets, termination grace period;
+   priorityClassName, image pull policy and secrets, termination grace period; a
+   mesh pod that requests GPUs also tolerates the ``nvidia.com/gpu:NoSchedule``
+   taint of GPU node pools (:data:`~.pool.GPU_TOLERATION`);
 5. the annotation :data:`TEMPLATE_ANNOTATION`: a hash of the role's overrides, so a
    pod made before ``spec.podTemplate`` changed can be told apart.
 """
@@ -28,8 +30,9 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from alpajob.api.names import GROUP, HOSTNAME_LABEL
+from alpajob.api.names import GPU_RESOURCE, GROUP, HOSTNAME_LABEL
 from alpajob.api.pod_template import PodOverrides
+from alpajob.operator.pool import GPU_TOLERATION, tolerates
 from alpajob.operator.sizing import MI, PodSize
 
 #: Annotation on every pod: the hash of its role's ``spec.podTemplate`` overrides.
@@ -82,9 +85,13 @@ def finish(pod: dict[str, Any], overrides: PodOverrides, size: PodSize, node: st
                                    for m in overrides.volume_mounts)]
     if overrides.node_selector:
         spec["nodeSelector"] = dict(overrides.node_selector)
-    if overrides.tolerations:
-        spec["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True)
-                               for t in overrides.tolerations]
+    tolerations = list(overrides.tolerations)
+    gpu_taint = {"key": GPU_TOLERATION.key, "effect": GPU_TOLERATION.effect}
+    if node is not None and container["resources"].get("limits", {}).get(GPU_RESOURCE) not in (None, 0, "0") \
+            and not any(tolerates(t, gpu_taint) for t in tolerations):
+        tolerations.append(GPU_TOLERATION)  # the pool counts nodes tainted for GPU pods (pool.GPU_TOLERATION)
+    if tolerations:
+        spec["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tolerations]
     affinity = copy.deepcopy(overrides.affinity) if overrides.affinity else None
     if node is not None:
         affinity = _pinned(affinity or {}, node)

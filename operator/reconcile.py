@@ -209,6 +209,8 @@ class _Pass(PassState):
             return False
         planner = self.seen.pods.get(names.planner)
         if planner is None:
+            if self.pool_short():
+                return True
             try:
                 cluster = pool_cluster(self.spec.get("cluster") or {}, self.seen.pool)
             except PoolError as error:
@@ -225,6 +227,50 @@ class _Pass(PassState):
             self.planner_ended_without_plan(planner)
         elif self.status.phase is not Phase.PLANNING:
             self.phase(Phase.PLANNING, "Planning", "the planner pod is running")
+        return True
+
+    def pool_short(self) -> bool:
+        """Before planning: say whether the pool has fewer usable nodes than
+        ``spec.cluster.nodes`` (condition NodesAvailable, with the nodes left out and
+        why, and an event when it turns False), and True while the job waits for them
+        (``spec.cluster.whenFewerNodes: Wait``; at most
+        ``runPolicy.schedulingTimeoutSeconds``, when set, counted from when the
+        condition turned False)."""
+        cluster = self.spec.get("cluster") or {}
+        wanted, have = int(cluster.get("nodes", 1)), len(self.seen.pool)
+        before = next((c for c in self.status.conditions if c.type is ConditionType.NODES_AVAILABLE), None)
+        if have >= wanted:
+            if before is not None and before.status is ConditionStatus.FALSE:
+                message = f"the pool has the {wording.counted(wanted, 'node')} spec.cluster.nodes asks for"
+                set_condition(self.status, ConditionType.NODES_AVAILABLE, True, "AllNodes", message,
+                              self.generation, self.now)
+                self.decision.events.append(("Normal", "NodesAvailable", message))
+            return False
+        wait = cluster.get("whenFewerNodes", "Plan") == "Wait"
+        left_out = list(self.seen.left_out)
+        shown = "; ".join(f"{name} {why}" for name, why in left_out[:4])
+        if len(left_out) > 4:
+            shown += f"; {wording.counted(len(left_out) - 4, 'more node')} left out"
+        message = (f"the pool has {have} of the {wording.counted(wanted, 'node')} spec.cluster.nodes asks for"
+                   + (f" ({shown})" if shown else " (no more nodes match spec.cluster.nodeSelector)")
+                   + (": waiting for the rest (spec.cluster.whenFewerNodes: Wait)" if wait else
+                      f": planning for {have} (spec.cluster.whenFewerNodes: Plan; Wait would wait for the rest)"))
+        if before is None or before.status is ConditionStatus.TRUE:
+            self.decision.events.append(("Warning", "FewerNodes", message))
+        set_condition(self.status, ConditionType.NODES_AVAILABLE, False, "FewerNodes", message,
+                      self.generation, self.now)
+        if not wait:
+            return False
+        since = parse_time(next(c for c in self.status.conditions
+                                if c.type is ConditionType.NODES_AVAILABLE).last_transition_time)
+        waited = (self.seen.now.replace(tzinfo=None) - since).total_seconds() if since is not None else 0.0
+        limit = self.run_policy.get("schedulingTimeoutSeconds")
+        if limit is not None and waited >= limit:
+            self.phase(Phase.FAILED, "NodesTimeout", f"{message}; schedulingTimeoutSeconds {limit} passed")
+            return True
+        if limit is not None:
+            self.decision.wake(limit - waited)
+        self.phase(Phase.PENDING if self.status.phase is Phase.PENDING else Phase.PLANNING, "WaitingForNodes", message)
         return True
 
     def planner_ended_without_plan(self, planner: Mapping[str, Any]) -> None:

@@ -60,12 +60,14 @@ class World:
 
 
 def slim_node(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The parts of a Node the pool is made of (name, labels, schedulability,
+    """The parts of a Node the pool is made of (name, labels, schedulability, taints,
     allocatable resources, the Ready condition): nodes carry image lists and more
     that the operator has no use to keep in memory."""
     meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     return {"metadata": {"name": meta.get("name"), "labels": dict(meta.get("labels") or {})},
-            "spec": {"unschedulable": bool(spec.get("unschedulable"))},
+            "spec": {"unschedulable": bool(spec.get("unschedulable")),
+                     "taints": [{k: t[k] for k in ("key", "value", "effect") if t.get(k) is not None}
+                                for t in spec.get("taints") or []]},
             "status": {"allocatable": dict(status.get("allocatable") or {}),
                        "conditions": [dict(c) for c in status.get("conditions") or [] if c.get("type") == "Ready"]}}
 
@@ -74,7 +76,8 @@ def node_signature(node: Mapping[str, Any]) -> tuple[Any, ...]:
     """What of a (slim) Node can change a job's pool: a change of it wakes every job."""
     status = node["status"]
     ready = [c.get("status") for c in status["conditions"]]
-    return (tuple(sorted(node["metadata"]["labels"].items())), node["spec"]["unschedulable"], tuple(ready),
+    taints = tuple(tuple(sorted(t.items())) for t in node["spec"].get("taints") or [])
+    return (tuple(sorted(node["metadata"]["labels"].items())), node["spec"]["unschedulable"], taints, tuple(ready),
             status["allocatable"].get(GPU_RESOURCE))
 
 

@@ -262,6 +262,27 @@ def test_planning_past_its_time_limit_stops_with_one_line_and_plans_again_after(
     assert alpajob.plan(with_spec(model={"zoo": "mlp"})).stages  # the pool and the timer are gone
 
 
+def test_a_time_limit_never_stops_an_import_half_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deadline that falls while a module is being imported waits for the import to
+    end, then stops the block: a half-executed module would stay broken in a process
+    that lives on (the Python API), as JAX's MLIR dialects were."""
+    import importlib
+    import time
+
+    from alpajob.trainer_image.stopping import Deadline
+
+    (tmp_path / "slow_module_for_deadline.py").write_text(
+        "import time\nstarted = time.monotonic()\nwhile time.monotonic() - started < 0.3:\n    pass\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    began = time.monotonic()
+    with pytest.raises(TimeLimitError), Deadline(0.05, "--plan-time-limit", lambda: "importing"):
+        importlib.import_module("slow_module_for_deadline")
+        while True:  # the deadline, tried again after the import, ends this
+            time.sleep(0.01)
+    assert 0.3 <= time.monotonic() - began < 2.0
+    assert sys.modules["slow_module_for_deadline"].DONE
+
+
 def test_a_glob_that_walks_too_far_is_refused_naming_the_pattern(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from alpajob.trainer_image.data import sources

@@ -375,6 +375,52 @@ def test_a_smaller_pool_plans_the_job_again_under_the_shipped_rbac(
     assert emulator.forbidden == []
 
 
+def test_the_pool_is_the_nodes_a_mesh_pod_may_use_and_a_short_one_waits_saying_why(
+        cluster: Cluster, operator: Operator) -> None:
+    """Of four nodes that match the job's selector one is cordoned, one NotReady and one
+    tainted: with ``whenFewerNodes: Wait`` the job waits, no planner pod, the condition
+    NodesAvailable=False names each node left out and why, and a Warning event says so;
+    a toleration added to ``spec.podTemplate.mesh`` brings the tainted node back and the
+    job is planned for the two nodes it asked for."""
+    emulator_only(cluster.emu, "its nodes have no kubelet to keep them Ready")
+    from alpajob.api.names import GPU_RESOURCE
+
+    label = {"alpajob.io/test-pool": cluster.ns}
+    ready = [{"type": "Ready", "status": "True"}]
+    nodes = {"pool-ok": ({}, ready), "pool-cordoned": ({"unschedulable": True}, ready),
+             "pool-down": ({}, [{"type": "Ready", "status": "False"}]),
+             "pool-tainted": ({"taints": [{"key": "dedicated", "value": "infer", "effect": "NoSchedule"}]}, ready)}
+    names = {name: f"{name}-{cluster.ns}" for name in nodes}
+    for name, (spec, conditions) in nodes.items():
+        cluster.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": names[name], "labels": label},
+                                  "spec": spec, "status": {"allocatable": {GPU_RESOURCE: "8"}, "conditions": conditions}})
+    try:
+        cluster.create_job("gpt-n", cluster={"gpu": "cpu", "nodes": 2, "gpusPerNode": 8, "nodeSelector": label,
+                                             "whenFewerNodes": "Wait"})
+
+        def short() -> dict[str, Any] | None:
+            conditions = (cluster.job("gpt-n").get("status") or {}).get("conditions") or []
+            return next((c for c in conditions if c["type"] == "NodesAvailable" and c["status"] == "False"), None)
+
+        condition = _wait("NodesAvailable=False", short, op=operator)
+        assert condition["message"].startswith("the pool has 1 of the 2 nodes spec.cluster.nodes asks for")
+        for name, why in (("pool-cordoned", "cordoned"), ("pool-down", "not Ready"),
+                          ("pool-tainted", "tainted dedicated=infer:NoSchedule")):
+            assert f"{names[name]} {why}" in condition["message"]
+        assert cluster.phase("gpt-n") == "Pending" and "gpt-n-planner" not in cluster.pods("gpt-n")
+        _wait("the Warning event", lambda: any(
+            e.reason == "FewerNodes" and e.type == "Warning" for e in cluster.core.list_namespaced_event(cluster.ns).items
+            if e.involved_object.name == "gpt-n"), op=operator)
+        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "gpt-n", {"spec": {
+            "podTemplate": {"mesh": {"tolerations": [{"key": "dedicated", "operator": "Exists"}]}}}})
+        _wait("the planner pod", lambda: "gpt-n-planner" in cluster.pods("gpt-n"), op=operator)
+        assert _condition(cluster, "gpt-n", "NodesAvailable")["status"] == "True"
+        assert "planning for 2 x 8 cpu" in _condition(cluster, "gpt-n", "Reconciling")["message"]
+    finally:
+        for name in names.values():
+            cluster.core.delete_node(name)
+
+
 def test_each_job_runs_as_its_own_identity_that_reaches_only_its_own_configmaps(
         emulator: Emulator, cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
     """With no ``spec.serviceAccountName``, the operator (under the shipped RBAC,

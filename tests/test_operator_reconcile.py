@@ -8,6 +8,7 @@ by moving pods through their phases.
 from __future__ import annotations
 
 import copy
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ class World:
         self.now = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
         self.pool = [PoolNode(f"node-{i}", 8, None) for i in range(nodes)]
         self.ready = frozenset(n.name for n in self.pool)
+        self.left_out: list[tuple[str, str]] = []  # nodes of the selector not in the pool, and why
         self.gang: str | None = None
         self.events: list[tuple[str, str, str]] = []
         self.deleted_job = False
@@ -75,7 +77,7 @@ class World:
         self.now += timedelta(seconds=seconds)
         seen = Observed(
             job=copy.deepcopy(self.job), now=self.now, manifest_yaml=yaml.safe_dump(self.job),
-            pool=self.pool,
+            pool=self.pool, left_out=self.left_out,
             configmaps={n: o for (k, n), o in self.objects.items() if k == "ConfigMap"},
             pods=self.pods(),
             services=frozenset(n for k, n in self.objects if k == "Service"),
@@ -502,6 +504,58 @@ def test_no_matching_nodes_fails_naming_the_selector() -> None:
     assert failed["reason"] == "NoNodePool" and "spec.cluster.nodeSelector" in failed["message"]
 
 
+def _nodes_available(world: World) -> dict[str, Any]:
+    return next(c for c in world.status["conditions"] if c["type"] == "NodesAvailable")
+
+
+def test_a_short_pool_is_planned_as_it_is_with_a_condition_and_an_event() -> None:
+    """By default (``whenFewerNodes: Plan``) a pool short of ``spec.cluster.nodes`` is
+    planned as it is; the condition and one Warning event name the nodes left out."""
+    world = World({"cluster": {"gpu": "cpu", "nodes": 3, "gpusPerNode": 8}}, nodes=2)
+    world.left_out = [("node-7", "cordoned"), ("node-8", "tainted dedicated=infer:NoSchedule, which "
+                                              "spec.podTemplate.mesh.tolerations does not tolerate")]
+    world.step()
+    assert runtime_of(world.objects["Pod", "manual-gpt-planner"]).nodes == 2
+    condition = _nodes_available(world)
+    assert condition["status"] == "False" and condition["reason"] == "FewerNodes"
+    assert condition["message"].startswith("the pool has 2 of the 3 nodes spec.cluster.nodes asks for (node-7 cordoned; "
+                                           "node-8 tainted dedicated=infer:NoSchedule")
+    assert "planning for 2" in condition["message"] and world.status["phase"] == "Planning"
+    world.step()
+    assert [e for e in world.events if e[1] == "FewerNodes"] == [("Warning", "FewerNodes", condition["message"])]
+
+
+def test_with_when_fewer_nodes_wait_the_job_waits_for_the_pool_then_plans_for_all_of_it() -> None:
+    world = World({"cluster": {"gpu": "cpu", "nodes": 2, "gpusPerNode": 8, "whenFewerNodes": "Wait"},
+                   "runPolicy": {"schedulingTimeoutSeconds": 600}}, nodes=1)
+    world.left_out = [("node-1", "not Ready")]
+    decision = world.step()
+    assert ("Pod", "manual-gpt-planner") not in world.objects
+    assert world.status["phase"] == "Pending"
+    reconciling = next(c for c in world.status["conditions"] if c["type"] == "Reconciling")
+    assert reconciling["reason"] == "WaitingForNodes" and "node-1 not Ready" in reconciling["message"]
+    assert "waiting for the rest (spec.cluster.whenFewerNodes: Wait)" in _nodes_available(world)["message"]
+    assert decision.wake_after == pytest.approx(600)
+    assert world.step(100).wake_after == pytest.approx(500)
+    world.pool, world.left_out = [PoolNode("node-0", 8, None), PoolNode("node-1", 8, None)], []
+    world.step()
+    assert runtime_of(world.objects["Pod", "manual-gpt-planner"]).nodes == 2
+    assert _nodes_available(world)["status"] == "True" and world.status["phase"] == "Planning"
+    assert [e[:2] for e in world.events if e[1] in ("FewerNodes", "NodesAvailable")] == [
+        ("Warning", "FewerNodes"), ("Normal", "NodesAvailable")]
+
+
+def test_waiting_for_nodes_ends_at_the_scheduling_timeout() -> None:
+    world = World({"cluster": {"gpu": "cpu", "nodes": 2, "gpusPerNode": 8, "whenFewerNodes": "Wait"},
+                   "runPolicy": {"schedulingTimeoutSeconds": 60}}, nodes=0)
+    world.step()
+    assert world.status["phase"] == "Pending"  # an empty pool waits too
+    world.step(61)
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert world.status["phase"] == "Failed" and failed["reason"] == "NodesTimeout"
+    assert "the pool has 0 of the 2 nodes" in failed["message"] and "schedulingTimeoutSeconds 60" in failed["message"]
+
+
 def test_a_failed_planner_fails_the_job_with_its_message() -> None:
     world = World()
     world.step()
@@ -885,6 +939,29 @@ def test_a_gpu_mesh_pod_asks_a_core_per_gpu_and_keeps_its_gpu_limit(plan_json: s
     plan = plan_from_json(plan_json)
     size = sizing.mesh_size(plan, plan.stages[1], 4, cpu=False)
     assert size.cpu == "4" and _quantity(size.memory) >= 4 * 2**30 + size.shm
+
+
+@pytest.mark.parametrize("own", [[], [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                                 [{"key": "dedicated", "value": "train", "effect": "NoSchedule"}]],
+                         ids=["none", "gpu-already", "another"])
+def test_a_gpu_mesh_pod_tolerates_the_gpu_taint_the_pool_counts_it_through(plan_json: str,
+                                                                           own: list[dict[str, Any]]) -> None:
+    """GPU node pools are often tainted ``nvidia.com/gpu:NoSchedule``; the pool keeps
+    such nodes (operator/pool.py), so every GPU mesh pod tolerates that taint, once,
+    beside the user's tolerations. The head, which asks for no GPU, does not."""
+    world = World({"cluster": {"gpu": "v100-16gb", "nodes": 1, "gpusPerNode": 8},
+                   "podTemplate": {"mesh": {"tolerations": own}}})
+    world.step()
+    plan = json.loads(plan_json)
+    plan["cluster"]["preset"] = plan["cluster"]["device"]["name"] = "v100-16gb"  # a GPU plan
+    del plan["hash"]
+    world.planned(json.dumps(plan))
+    pods = {o["metadata"]["name"]: o for o in world.step().create if o["kind"] == "Pod"}
+    mesh, head = pods["manual-gpt-0-m1-h0"], pods["manual-gpt-0-head"]
+    assert mesh["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert mesh["spec"]["tolerations"] == (own if own and own[0]["key"] == "nvidia.com/gpu" else [*own, gpu])
+    assert "tolerations" not in head["spec"]
 
 
 def test_pod_template_overrides_reach_each_roles_pods_and_pod_security_still_holds(plan_json: str) -> None:

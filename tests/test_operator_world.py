@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from alpajob.api.names import GPU_RESOURCE
-from alpajob.operator.pool import pool_nodes
+from alpajob.api.pod_template import Toleration
+from alpajob.operator.pool import read_pool, tolerates
 from alpajob.operator.world import NODES, Wakers, World, node_signature, slim_node
 
 NODE: dict[str, Any] = {
@@ -31,11 +32,67 @@ NODE: dict[str, Any] = {
 
 def test_a_slim_node_keeps_what_the_pool_is_made_of() -> None:
     slim = slim_node(NODE)
-    assert pool_nodes([slim], {}) == pool_nodes([NODE], {})
+    tainted = copy.deepcopy(NODE)
+    tainted["spec"]["taints"] = [{"key": "dedicated", "value": "infer", "effect": "NoSchedule",
+                                  "timeAdded": "2026-11-26T10:00:00Z"}]
+    for node in (NODE, tainted):
+        assert read_pool([slim_node(node)], {}) == read_pool([node], {})
     assert "images" not in slim["status"] and "managedFields" not in slim["metadata"]
 
 
-def test_a_heartbeat_wakes_no_job_but_readiness_gpus_labels_and_cordoning_do() -> None:
+def _node(name: str, **changes: Any) -> dict[str, Any]:
+    node = copy.deepcopy(NODE)
+    node["metadata"]["name"] = name
+    node["metadata"]["labels"]["pool"] = "a"
+    for part, fields in changes.items():
+        node[part].update(fields)
+    return node
+
+
+NOT_READY = {"conditions": [{"type": "Ready", "status": "False"}], "allocatable": {GPU_RESOURCE: "8"}}
+
+
+def test_the_pool_leaves_out_cordoned_not_ready_and_tainted_nodes_and_says_why() -> None:
+    """The pool is the nodes the scheduler would give a mesh pod; each node of the
+    selector left out is named with its reason."""
+    nodes = [_node("a-ok"), _node("b-cordoned", spec={"unschedulable": True}), _node("c-down", status=NOT_READY),
+             _node("d-tainted", spec={"taints": [{"key": "dedicated", "value": "infer", "effect": "NoSchedule"}]}),
+             _node("e-evicting", spec={"taints": [{"key": "maintenance", "effect": "NoExecute"}]}),
+             _node("f-prefer", spec={"taints": [{"key": "spot", "effect": "PreferNoSchedule"}]}),
+             _node("g-gpu-tainted", spec={"taints": [{"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}]}),
+             _node("h-no-gpu", status={"allocatable": {"cpu": "8"}})]
+    other = copy.deepcopy(NODE)
+    other["metadata"]["labels"]["pool"] = "b"
+    pool = read_pool([*nodes, other], {"pool": "a"})
+    assert [n.name for n in pool.nodes] == ["a-ok", "f-prefer", "g-gpu-tainted"]
+    assert dict(pool.left_out) == {
+        "b-cordoned": "cordoned", "c-down": "not Ready",
+        "d-tainted": "tainted dedicated=infer:NoSchedule, which spec.podTemplate.mesh.tolerations does not tolerate",
+        "e-evicting": "tainted maintenance:NoExecute, which spec.podTemplate.mesh.tolerations does not tolerate",
+        "h-no-gpu": f"no {GPU_RESOURCE}"}
+    tolerating = read_pool(nodes, {"pool": "a"}, [Toleration(key="dedicated", operator="Equal", value="infer"),
+                                                  Toleration(key="maintenance", operator="Exists", effect="NoExecute")])
+    assert {"d-tainted", "e-evicting"} <= {n.name for n in tolerating.nodes}
+    # a CPU pool's pods request no GPUs, so a GPU taint keeps them off (and no GPUs are needed)
+    cpu = read_pool(nodes, {"pool": "a"}, cpu=True)
+    assert "g-gpu-tainted" in dict(cpu.left_out) and "h-no-gpu" in {n.name for n in cpu.nodes}
+
+
+@pytest.mark.parametrize(("toleration", "taint", "matches"), [
+    ({"operator": "Exists"}, {"key": "a", "value": "x", "effect": "NoSchedule"}, True),
+    ({"key": "a", "operator": "Exists"}, {"key": "a", "value": "x", "effect": "NoExecute"}, True),
+    ({"key": "a", "operator": "Exists", "effect": "NoSchedule"}, {"key": "a", "effect": "NoExecute"}, False),
+    ({"key": "a", "value": "x"}, {"key": "a", "value": "x", "effect": "NoSchedule"}, True),
+    ({"key": "a", "value": "y"}, {"key": "a", "value": "x", "effect": "NoSchedule"}, False),
+    ({"key": "a"}, {"key": "a", "effect": "NoSchedule"}, True),  # Equal, both values empty
+    ({"key": "b", "operator": "Exists"}, {"key": "a", "effect": "NoSchedule"}, False),
+])
+def test_a_toleration_matches_a_taint_as_kubernetes_matches_it(toleration: dict[str, Any], taint: dict[str, Any],
+                                                               matches: bool) -> None:
+    assert tolerates(Toleration.model_validate(toleration), taint) is matches
+
+
+def test_a_heartbeat_wakes_no_job_but_readiness_gpus_labels_cordoning_and_taints_do() -> None:
     before = node_signature(slim_node(NODE))
     beat = copy.deepcopy(NODE)
     beat["metadata"]["resourceVersion"] = "42"
@@ -44,7 +101,8 @@ def test_a_heartbeat_wakes_no_job_but_readiness_gpus_labels_and_cordoning_do() -
     for change in ({"status": {"conditions": [{"type": "Ready", "status": "False"}]}},
                    {"status": {"allocatable": {GPU_RESOURCE: "7"}}},
                    {"metadata": {"labels": {"pool": "b"}}},
-                   {"spec": {"unschedulable": True}}):
+                   {"spec": {"unschedulable": True}},
+                   {"spec": {"taints": [{"key": "dedicated", "effect": "NoSchedule"}]}}):
         changed = copy.deepcopy(NODE)
         for part, fields in change.items():
             changed[part].update(fields)

@@ -105,18 +105,33 @@ class SignalsRaise:
             self._previous = None
 
 
+#: How soon a deadline that fell inside an import is tried again.
+IMPORT_RETRY_SECONDS = 0.05
+
+
 class Deadline:
     """A block that stops with :class:`~alpajob.api.errors.TimeLimitError` once
     ``seconds`` have passed (an interval timer's SIGALRM raises it in the main thread,
     which unwinds the block as SIGTERM does: the planner's pool is closed on the way).
     ``doing()`` says what was running then. Outside the main thread, or with ``seconds``
-    None, it sets no timer."""
+    None, it sets no timer.
+
+    It never stops an import half-way: a module left half-executed stays broken for
+    the rest of the process (JAX's lazily imported MLIR dialects then refuse to
+    register again), which matters where the process lives on, as with the Python
+    API. A deadline that falls inside an import (a frame of ``importlib._bootstrap``
+    on the stack) is tried again :data:`IMPORT_RETRY_SECONDS` later."""
 
     def __init__(self, seconds: float | None, flag: str, doing: Callable[[], str]) -> None:
         self.seconds, self.flag, self.doing = seconds, flag, doing
         self._previous: Any = None
 
-    def _raise(self, _signum: int, _frame: FrameType | None) -> None:
+    def _raise(self, _signum: int, frame: FrameType | None) -> None:
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib."):
+                signal.setitimer(signal.ITIMER_REAL, IMPORT_RETRY_SECONDS)
+                return
+            frame = frame.f_back
         raise TimeLimitError(f"planning did not end within {self.flag} {self.seconds:g} s (last progress: "
                              f"{self.doing()}); plan a smaller model or pool, or raise {self.flag}")
 

@@ -241,6 +241,11 @@ class NodePoolSpec(Contract):
     gpu: DevicePreset | None = Field(
         None, description="A device preset; default: the preset of the nodeSelector's "
                           "nvidia.com/gpu.product.")
+    when_fewer_nodes: Literal["Plan", "Wait"] = Field("Plan", description=(
+        "When the pool has fewer usable nodes than nodes (some cordoned, not Ready, or "
+        "tainted against spec.podTemplate.mesh.tolerations): Plan plans for the nodes there "
+        "are; Wait waits until there are enough (at most runPolicy.schedulingTimeoutSeconds, "
+        "when set). Either way the condition NodesAvailable=False and an event say so."))
 
     @field_validator("gpus_per_node")
     @classmethod

@@ -25,6 +25,7 @@ Ready          True while Running and once Succeeded (for kstatus and Argo CD)
 Reconciling    True while Pending, Planning, Starting or Restarting (kstatus)
 Stalled        True once Failed, with the failure's reason and message (kstatus)
 PodsScheduled  False while a pod is unschedulable, with the scheduler's message
+NodesAvailable False while the pool has fewer nodes than ``spec.cluster.nodes``
 =============  =======================================================
 
 kstatus (Flux's ``wait``/``healthChecks``, kpt) reads a custom resource from
@@ -79,6 +80,11 @@ class ConditionType(StrEnum):
     #: scheduler's message: insufficient CPU, no node matches); True once every pod
     #: is placed again. Absent until a pod was first unschedulable.
     PODS_SCHEDULED = "PodsScheduled"
+    #: False when the job was planned, or waits, with fewer usable nodes than
+    #: ``spec.cluster.nodes`` (the nodes left out are named, each with why: cordoned,
+    #: not Ready, a taint the mesh pods do not tolerate); True once the pool has them
+    #: all again. Absent until the pool was first short.
+    NODES_AVAILABLE = "NodesAvailable"
     #: kstatus's "abnormal-true" pair, which Flux and kpt read: True while the job is
     #: on its way (Pending, Planning, Starting, Restarting) ...
     RECONCILING = "Reconciling"
@@ -185,7 +191,7 @@ class Status(_Status):
     conditions: list[Condition] = Field(
         default_factory=list, max_length=32,
         description=("Planned, MeshesReady, Running, Succeeded, Failed, Suspended, Ready, "
-                     "ChildrenCreated, PodsScheduled, and kstatus's Reconciling and Stalled."),
+                     "ChildrenCreated, PodsScheduled, NodesAvailable, and kstatus's Reconciling and Stalled."),
         json_schema_extra=k8s(x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["type"]))
     plan: PlanSummary | None = Field(
         None, description="Summary of the plan; the whole plan is in the ConfigMap configMap.")
