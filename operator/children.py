@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
+from pathlib import PurePosixPath
 from typing import Any
 
 from alpajob.api.names import (
@@ -38,6 +39,8 @@ from alpajob.api.names import (
 from alpajob.api.pod_template import PodTemplates
 from alpajob.api.run_policy import RestartScope
 from alpajob.api.runtime import (
+    CALIBRATION_DIR,
+    CALIBRATION_PATH,
     CHECKPOINT_DIR,
     COMPILE_CACHE_DIR,
     CONFIG_DIR,
@@ -55,7 +58,7 @@ from alpajob.api.runtime import (
     TERMINATION_LOG,
     TrainerRuntime,
 )
-from alpajob.api.spec import CHECKPOINT_CLAIM_SUFFIX
+from alpajob.api.spec import CHECKPOINT_CLAIM_SUFFIX, PlannerSpec
 from alpajob.operator import sizing
 from alpajob.operator.names import ChildNames
 from alpajob.operator.network import NetworkSettings, job_network_policy
@@ -244,9 +247,18 @@ def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster,
     volumes, mounts = _volumes(names, False, job)
     # With a checkpoint volume, plans are cached there: a later attempt or a job applied
     # again on the same claim and an unchanged pool reads its plan back.
+    calibration = PlannerSpec.model_validate(job["spec"].get("planner") or {}).calibration
+    if calibration is not None:
+        # optional: a missing ConfigMap or key is the planner's one-line error naming
+        # spec.planner.calibration, not a pod stuck in ContainerCreating
+        volumes.append({"name": "calibration", "configMap": {
+            "name": calibration.config_map, "optional": True,
+            "items": [{"key": calibration.key, "path": PurePosixPath(CALIBRATION_PATH).name}]}})
+        mounts.append({"name": "calibration", "mountPath": CALIBRATION_DIR, "readOnly": True})
     runtime = _runtime(job, names, Role.PLANNER, plan_configmap=f"{namespace}/{names.plan}",
                        gpu=cluster.preset, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
-                       plan_cache=PLAN_CACHE_DIR if checkpoint_claim(job) else None)
+                       plan_cache=PLAN_CACHE_DIR if checkpoint_claim(job) else None,
+                       calibration=CALIBRATION_PATH if calibration is not None else None)
     pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": _meta(job, names.planner, Role.PLANNER),
         "spec": {

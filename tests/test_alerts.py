@@ -128,7 +128,9 @@ def test_a_stage_idle_most_of_the_time_for_15_minutes_fires(rules: Path) -> None
                      "summary": "AlpaJob ml/gpt: stage 0 idle 66.67% of its time",
                      "description": "The pipeline's bubble is far above the plan's "
                                     "(alpajob_stage_predicted_idle_share): the plan is off for this cluster. "
-                                    "Re-plan with alpajob plan --calibration, or check for a slow node."}}]
+                                    "Calibrate (alpajob calibrate) and re-plan with the constants: "
+                                    "spec.planner.calibration on Kubernetes, alpajob plan --calibration on a "
+                                    "machine; or check for a slow node."}}]
     promtool_test(rules, series, [
         {"eval_time": "15m", "alertname": "AlpaJobStageIdle", "exp_alerts": []},
         {"eval_time": "25m", "alertname": "AlpaJobStageIdle", "exp_alerts": expected},

@@ -178,7 +178,7 @@ def test_a_full_runtime_goes_through_the_environment_unchanged() -> None:
     runtime = TrainerRuntime(
         role=Role.MESH, job="j", namespace="n", attempt=3, manifest="/m", plan="/p",
         plan_configmap="n/p", progress_configmap="n/q", gpu="a100-80gb", nodes=2, gpus_per_node=4,
-        plan_cache="/c/.alpajob/plans",
+        plan_cache="/c/.alpajob/plans", calibration="/etc/alpajob/calibration/calibration.json",
         ray_address="h:1", ray_port=2, metrics_port=3, mesh=1, host=0, process_id=0,
         process_count=2, coordinator="c:4", devices=4, checkpoint_dir="/c", checkpoint_every=7,
         checkpoint_volume="PersistentVolumeClaim c at /c", object_store_bytes=2**28,

@@ -72,7 +72,7 @@ def planning_inputs(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | N
     and graph (traced unless the caller has it), with ``--calibration`` applied."""
     if cluster is None:
         cluster = cluster_for(job.spec.cluster, options)
-    search = search_options(job.spec.parallelism, options)
+    search = search_options(job.spec.parallelism, options, job.spec.planner)
     if options.calibration:
         cluster, search = measured_constants(options.calibration, cluster, search)
     start = time.perf_counter()

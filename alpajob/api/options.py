@@ -30,7 +30,8 @@ class PlanOptions(Contract):
         None, ge=1, description="override spec.cluster.gpusPerNode")
     gpu: DevicePreset | None = Field(None, description="override the device preset")
     method: Method | None = Field(None, description="override spec.parallelism.method")
-    ilp_time_limit: float = Field(10.0, gt=0, description="seconds allowed to each ILP solve")
+    ilp_time_limit: float | None = Field(None, gt=0, allow_inf_nan=False, description=(
+        "seconds allowed to each ILP solve (None: spec.planner.ilpTimeLimitSeconds, 10 by default)"))
     plan_time_limit: float | None = Field(1800.0, gt=0, allow_inf_nan=False, description=(
         "seconds tracing and planning may take in all before they stop with an error (None: "
         "no limit; kept only in a process's main thread)"))

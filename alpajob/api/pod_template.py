@@ -80,7 +80,7 @@ AnnotationValue = Annotated[str, StringConstraints(max_length=65536)]
 Labels = Annotated[dict[str, LabelValue], AfterValidator(_keys)]
 
 #: Volumes the operator mounts itself: a template's volume may not take these names.
-RESERVED_VOLUMES = frozenset({"config", "plan", "checkpoints", "dshm"})
+RESERVED_VOLUMES = frozenset({"config", "plan", "checkpoints", "dshm", "calibration"})
 #: The volume sources Pod Security "restricted" admits.
 RESTRICTED_VOLUME_SOURCES = ("configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
                              "persistentVolumeClaim", "projected", "secret")

@@ -23,6 +23,7 @@ variable                   pods         meaning
 ``ALPAJOB_NODES``          planner      nodes of the pool the plan may use
 ``ALPAJOB_GPUS_PER_NODE``  planner      devices of each of them
 ``ALPAJOB_PLAN_CACHE``     planner      the plan cache's folder (on the checkpoint volume)
+``ALPAJOB_CALIBRATION``    planner      the calibration file mounted from ``spec.planner.calibration``
 ``ALPAJOB_RAY_ADDRESS``    mesh         the Ray head's ``host:port``
 ``ALPAJOB_RAY_PORT``       head         the Ray head's GCS port
 ``ALPAJOB_METRICS_PORT``   head         the driver's Prometheus port
@@ -40,8 +41,9 @@ variable                   pods         meaning
 ``ALPAJOB_TRANSPORT``      head         ``object-store`` or ``collective`` (default by device)
 =========================  ===========  ===========================================
 
-Which transport (:class:`Transport`): ``ALPAJOB_TRANSPORT`` when the operator sets it,
-else :meth:`Transport.default_for` the pool's device: collectives on GPUs (NCCL, device
+Which transport (:class:`Transport`): the driver's ``--transport``, else
+``ALPAJOB_TRANSPORT``, else ``spec.parallelism.transport``, else (``auto``)
+:meth:`Transport.default_for` the pool's device: collectives on GPUs (NCCL, device
 to device), the object store on CPU devices (no slower there, measured). Only the object
 store's per-mesh groups use ``ALPAJOB_COORDINATOR``; the collective transport's
 job-wide group (on mesh 0 host 0) and its checkpoint helpers' per-mesh groups (on each
@@ -95,6 +97,9 @@ PLAN_CACHE_DIR = f"{CHECKPOINT_DIR}/.alpajob/plans"
 #: a replaced mesh pod or a job applied again reads its stage executables back.
 COMPILE_CACHE_DIR = f"{CHECKPOINT_DIR}/.alpajob/xla"
 MANIFEST_PATH = f"{CONFIG_DIR}/manifest.yaml"
+#: Where the planner pod mounts ``spec.planner.calibration``'s ConfigMap key.
+CALIBRATION_DIR = f"{CONFIG_DIR}/calibration"
+CALIBRATION_PATH = f"{CALIBRATION_DIR}/calibration.json"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
 #: The attempt's Ray token (the ``<job>-<a>-ray`` Secret), mounted in the head and mesh
 #: pods only; Ray reads it from ``RAY_AUTH_TOKEN_PATH`` with ``RAY_AUTH_MODE=token``.
@@ -108,6 +113,11 @@ class Transport(StrEnum):
 
     OBJECT_STORE = "object-store"
     COLLECTIVE = "collective"
+
+    @classmethod
+    def from_spec(cls, name: str) -> Transport | None:
+        """``spec.parallelism.transport``'s value (camelCase) as a transport; None for auto."""
+        return {"objectStore": cls.OBJECT_STORE, "collective": cls.COLLECTIVE}.get(name)
 
     @classmethod
     def default_for(cls, gpu: DevicePreset | str) -> Transport:
@@ -135,6 +145,7 @@ class TrainerRuntime(Contract):
     nodes: int | None = Field(None, ge=1)
     gpus_per_node: int | None = Field(None, ge=1)
     plan_cache: str | None = None
+    calibration: str | None = None  # the planner's calibration file (spec.planner.calibration)
     ray_address: str | None = None
     ray_port: int | None = Field(None, ge=1, le=65535)
     metrics_port: int | None = Field(None, ge=1, le=65535)

@@ -316,6 +316,10 @@ class ParallelismSpec(Contract):
                     "[first, end], submeshShape: [n, m], logicalMeshShape: [a, b]} covering "
                     "layers 0..numLayers-1 in order. Free-form to the API server (a string or a "
                     "list); the admission webhook checks it.")
+    transport: Literal["auto", "objectStore", "collective"] = Field("auto", description=(
+        "How activations and gradients cross between meshes on the Ray runtime: auto "
+        "(collectives on GPUs, the object store on CPU devices), objectStore (Ray's object "
+        "store, through host memory) or collective (NCCL on GPUs, gloo on CPUs)."))
     num_layers: int | Literal["auto"] = Field(
         "auto", json_schema_extra=k8s(
             cel(_auto_or_count(LAYERS),
@@ -420,6 +424,34 @@ class SchedulingSpec(Contract):
         None, description="The PriorityClass of the job's pods.")
 
 
+#: A ConfigMap key (as Kubernetes validates one).
+CONFIG_MAP_KEY = r"^[-._a-zA-Z0-9]+$"
+
+
+class CalibrationRef(Contract):
+    """Where a calibration file made by ``alpajob calibrate`` is: a key of a ConfigMap in
+    the job's namespace (``kubectl create configmap NAME --from-file=KEY=FILE``)."""
+
+    config_map: ObjectName = Field(description="The ConfigMap's name.")
+    key: str = Field("calibration.json", min_length=1, max_length=253, pattern=CONFIG_MAP_KEY,
+                     description="The key holding the file (default calibration.json).")
+
+
+class PlannerSpec(Contract):
+    """``spec.planner``: the planner's knobs (``alpajob plan``'s flags, for the planner pod)."""
+
+    model_config = Contract.model_config | {"json_schema_extra": k8s(
+        cel("self == oldSelf", "spec.planner is immutable once the AlpaJob exists; create a new "
+            "AlpaJob to plan it differently"))}
+
+    ilp_time_limit_seconds: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False, description=(
+        "Seconds allowed to each intra-operator ILP solve (alpajob plan --ilp-time-limit); a "
+        "solve cut short keeps its best sharding so far."))
+    calibration: CalibrationRef | None = Field(None, description=(
+        "Cost-model constants measured on your GPUs by alpajob calibrate (alpajob plan "
+        "--calibration), from a ConfigMap key; default: the device preset's stored ones."))
+
+
 def _spec_immutable(key: str, why: str) -> dict[str, Any]:
     return unchanged(key, f"spec.{key} is immutable once the AlpaJob exists{why}")
 
@@ -450,6 +482,8 @@ class Spec(Contract):
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
                                          description="The planner's options; the defaults are "
                                                      "fully automatic.")
+    planner: PlannerSpec = Field(default_factory=PlannerSpec, description=(
+        "The planner's knobs: the ILP time limit and measured cost-model constants."))
     data: DataSpec | None = Field(None, description=(
         "What to train and evaluate on; without it the job trains on synthetic tokens (and "
         "says so)."))

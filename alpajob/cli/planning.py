@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -58,13 +59,39 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--plan-time-limit", type=float, default=1800.0, metavar="S",
                       help="seconds tracing and planning may take before they stop with an error "
                            "(default 1800)")
-    plan.add_argument("--ilp-time-limit", type=float, default=10.0,
-                      help="seconds allowed to each intra-op ILP solve (default 10)")
+    plan.add_argument("--ilp-time-limit", type=float, default=None, metavar="S",
+                      help="seconds allowed to each intra-op ILP solve (default "
+                           "spec.planner.ilpTimeLimitSeconds, 10 unless set)")
     add_plan_cache_flags(plan)
 
 
-def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptions:
-    """The flags (else the runtime contract's pool) as :class:`PlanOptions`."""
+def calibration_file(args: argparse.Namespace, runtime: TrainerRuntime, job: AlpaJob) -> tuple[str | None, str]:
+    """The calibration file to plan with, and a note to print (else ""): ``--calibration``,
+    else in the planner pod the file the operator mounted from
+    ``spec.planner.calibration``'s ConfigMap key (missing: an error naming the field).
+    Outside a pod that ConfigMap is not at hand: the note says so."""
+    if args.calibration:
+        return str(existing_file(args.calibration, "--calibration")), ""
+    ref = job.spec.planner.calibration
+    if runtime.calibration:
+        if not Path(runtime.calibration).is_file():
+            where = f"ConfigMap {ref.config_map} key {ref.key}" if ref else "the calibration ConfigMap"
+            raise ManifestError("spec.planner.calibration", (
+                f"{where} is not there (no such ConfigMap in the job's namespace, or no such key); make it "
+                f"with `kubectl create configmap {ref.config_map if ref else 'NAME'} "
+                f"--from-file={ref.key if ref else 'KEY'}=alpajob-calibration.json` from the file "
+                "`alpajob calibrate` wrote, then apply the job again"))
+        return runtime.calibration, ""
+    if ref is not None:
+        return None, (f"spec.planner.calibration (ConfigMap {ref.config_map}, key {ref.key}) is read in the "
+                      "planner pod on Kubernetes; here the preset's stored constants are used: give "
+                      "--calibration FILE to plan with a file")
+    return None, ""
+
+
+def plan_options(args: argparse.Namespace, runtime: TrainerRuntime, calibration: str | None = None) -> PlanOptions:
+    """The flags (else the runtime contract's pool) as :class:`PlanOptions`;
+    ``calibration``: the file of :func:`calibration_file`."""
     return from_flags(PlanOptions, {
         "nodes": args.nodes if args.nodes is not None else runtime.nodes,
         "gpus_per_node": args.gpus_per_node if args.gpus_per_node is not None else runtime.gpus_per_node,
@@ -72,8 +99,7 @@ def plan_options(args: argparse.Namespace, runtime: TrainerRuntime) -> PlanOptio
         "ilp_time_limit": args.ilp_time_limit, "plan_time_limit": args.plan_time_limit,
         "baselines": args.baselines or None,
         "all_devices": args.all_devices or None,
-        "calibration": str(existing_file(args.calibration, "--calibration"))
-        if args.calibration else None,
+        "calibration": calibration,
         "cache_dir": plan_cache_dir(args, runtime.plan_cache),
     })
 
@@ -103,7 +129,10 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         raise ManifestError("manifest", "give the AlpaJob manifest to plan (or set $ALPAJOB_MANIFEST)")
     job = load_job(manifest)
     pod_template_check(job)
-    options = plan_options(args, runtime)
+    calibration, note = calibration_file(args, runtime, job)
+    if note:
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
+    options = plan_options(args, runtime, calibration)
     if args.output:
         writable_file(args.output, "--output")
     if args.svg:

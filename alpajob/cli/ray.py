@@ -87,8 +87,9 @@ def add_parsers(sub: Any) -> None:
     driver.add_argument("--transport", choices=[t.value for t in Transport],
                         help="how activations and gradients cross between meshes: the Ray object store, or "
                              "XLA collectives over one JAX process group of every mesh host (gloo on CPU, "
-                             f"NCCL on GPU) (default ${_ENV('transport')}, else collective on a GPU pool and "
-                             "object-store on cpu, where collectives make no step faster)")
+                             f"NCCL on GPU) (default ${_ENV('transport')}, else spec.parallelism.transport, else "
+                             "collective on a GPU pool and object-store on cpu, where collectives make no "
+                             "step faster)")
     driver.add_argument("--metrics-port", type=int,
                         help=f"serve Prometheus /metrics here (default ${_ENV('metrics_port')}; none if unset)")
     driver.add_argument("--status-configmap", metavar="NAMESPACE/NAME",
@@ -225,7 +226,7 @@ def driver_run(args: argparse.Namespace, runtime: TrainerRuntime) -> DriverRun:
         metrics_port=args.metrics_port if args.metrics_port is not None else runtime.metrics_port,
         status_file=args.status_file,
         status_configmap=args.status_configmap or runtime.progress_configmap,
-        transport=Transport(args.transport or runtime.transport
+        transport=Transport(args.transport or runtime.transport or Transport.from_spec(job.spec.parallelism.transport)
                             or Transport.default_for(plan.cluster.get("preset") or job.spec.cluster.gpu or "cpu")),
         attempt=runtime.attempt if runtime.role is Role.HEAD else None,
         checkpoint_volume=runtime.checkpoint_volume,

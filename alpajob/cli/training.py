@@ -29,6 +29,7 @@ from alpajob.api.options import PlanOptions, TrainOptions, from_flags
 from alpajob.api.plan import Plan
 from alpajob.api.progress import Progress
 from alpajob.api.resource import load_job
+from alpajob.api.runtime import TrainerRuntime
 from alpajob.api.spec import Method
 from alpajob.cli.paths import (
     add_compile_cache_flags,
@@ -39,6 +40,7 @@ from alpajob.cli.paths import (
     plan_cache_dir,
     writable_file,
 )
+from alpajob.cli.planning import calibration_file
 from alpajob.cli.tables import plan_summary, plan_table, progress_line, run_summary
 from alpajob.trainer_image.devices import force_host_devices
 from alpajob.trainer_image.forced_count import choose_cached, make_forced_devices, may_choose
@@ -99,8 +101,9 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--plan-time-limit", type=float, default=1800.0, metavar="S",
                       help="seconds tracing and planning may take before they stop with an error "
                            "(default 1800)")
-    run.add_argument("--ilp-time-limit", type=float, default=10.0,
-                     help="seconds allowed to each intra-op ILP solve (default 10)")
+    run.add_argument("--ilp-time-limit", type=float, default=None, metavar="S",
+                     help="seconds allowed to each intra-op ILP solve (default "
+                           "spec.planner.ilpTimeLimitSeconds, 10 unless set)")
     add_plan_cache_flags(run)
     add_compile_cache_flags(run)
 
@@ -116,15 +119,15 @@ def metrics_linger(args: argparse.Namespace) -> float | None:
     return 15.0 if args.metrics_linger is None else args.metrics_linger
 
 
-def train_options(args: argparse.Namespace) -> TrainOptions:
-    """The flags as :class:`TrainOptions`; an invalid one is an error naming it."""
+def train_options(args: argparse.Namespace, calibration: str | None = None) -> TrainOptions:
+    """The flags as :class:`TrainOptions`; an invalid one is an error naming it;
+    ``calibration``: the file of :func:`~.planning.calibration_file`."""
     serial = args.method == SERIAL
     planning = from_flags(PlanOptions, {
         "method": None if serial else args.method, "ilp_time_limit": args.ilp_time_limit,
         "plan_time_limit": args.plan_time_limit,
         "all_devices": args.all_devices or None,
-        "calibration": str(existing_file(args.calibration, "--calibration"))
-        if args.calibration else None,
+        "calibration": calibration,
         "cache_dir": plan_cache_dir(args)})
     options = from_flags(TrainOptions, {
         "steps": args.steps, "seed": args.seed, "devices": args.devices, "serial": serial or None,
@@ -152,7 +155,10 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     job = load_job(args.manifest)
-    options = train_options(args)
+    calibration, note = calibration_file(args, TrainerRuntime(), job)
+    if note:
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
+    options = train_options(args, calibration)
     if args.log_every < 1:
         raise ManifestError("--log-every", f"must be at least 1, got {args.log_every}")
     from alpajob.trainer_image.stopping import Interrupted, exit_code, interrupted

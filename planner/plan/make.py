@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from alpajob.api.errors import InfeasibleError, ManifestError
 from alpajob.api.options import PlanOptions
 from alpajob.api.plan import Plan, SolverStats
-from alpajob.api.spec import Method, ParallelismSpec, Schedule
+from alpajob.api.spec import Method, ParallelismSpec, PlannerSpec, Schedule
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import Calibration, load_calibration
 from alpajob.planner.graph.opgraph import OpGraph
@@ -98,10 +98,11 @@ class SearchOptions:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
 
-def search_options(parallelism: ParallelismSpec, options: PlanOptions | None = None) -> SearchOptions:
-    """The search ``spec.parallelism`` asks for, with the overrides of ``options``
-    (``--method``, ``--ilp-time-limit``, ``--baselines``)."""
-    options = options or PlanOptions()
+def search_options(parallelism: ParallelismSpec, options: PlanOptions | None = None,
+                   planner: PlannerSpec | None = None) -> SearchOptions:
+    """The search ``spec.parallelism`` and ``spec.planner`` ask for, with the overrides
+    of ``options`` (``--method``, ``--ilp-time-limit``, ``--baselines``)."""
+    options, planner = options or PlanOptions(), planner or PlannerSpec()
     manual = tuple(ManualStageOption(s.first, s.end, s.submesh_shape, s.logical_mesh_shape)
                    for s in parallelism.manual_stages)
     num_layers = None if parallelism.num_layers == "auto" else int(parallelism.num_layers)
@@ -114,7 +115,8 @@ def search_options(parallelism: ParallelismSpec, options: PlanOptions | None = N
         num_micro_batches=None if count == "auto" else int(count),
         num_layers=num_layers,
         manual_stages=manual,
-        ilp_time_limit_s=options.ilp_time_limit,
+        ilp_time_limit_s=(options.ilp_time_limit if options.ilp_time_limit is not None
+                          else planner.ilp_time_limit_seconds),
         baselines=options.baselines,
         all_devices=options.all_devices,
     )
