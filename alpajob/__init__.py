@@ -38,7 +38,9 @@ if TYPE_CHECKING:
     from alpajob.api.resource import AlpaJob
     from alpajob.trainer_image.local_run import RunResult
 
-__version__ = "0.1.0"
+from alpajob.api.release import VERSION  # noqa: E402  (the one version: alpajob/api/release.py)
+
+__version__ = VERSION
 
 
 def load(manifest: str | Path) -> AlpaJob:

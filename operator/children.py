@@ -37,6 +37,7 @@ from alpajob.api.names import (
     Role,
 )
 from alpajob.api.pod_template import PodTemplates
+from alpajob.api.release import TRAINER_IMAGE
 from alpajob.api.run_policy import RestartScope
 from alpajob.api.runtime import (
     CALIBRATION_DIR,
@@ -65,7 +66,8 @@ from alpajob.operator.network import NetworkSettings, job_network_policy
 from alpajob.operator.pod_overrides import finish, object_store_bytes
 from alpajob.operator.pool import PoolCluster
 
-DEFAULT_IMAGE = "ghcr.io/alpajob/alpajob:0.1.0"
+#: The image of jobs without spec.image (the operator's --default-image replaces it).
+DEFAULT_IMAGE = TRAINER_IMAGE
 
 #: Gang schedulers: the PodGroup's API and the scheduler that honours it.
 GANG = {

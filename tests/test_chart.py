@@ -20,7 +20,6 @@ import json
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -40,6 +39,11 @@ PROMETHEUS_OPERATOR = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 FULL_VALUES: dict[str, Any] = {
     "image": {"repository": "registry.example.com/ml/alpajob", "tag": "0.1.0-rc1",
               "pullPolicy": "Always"},
+    "trainerImage": {"repository": "registry.example.com/ml/alpajob-trainer", "tag": "0.1.0-rc1-cpu"},
+    "resync": 300,
+    "livenessApiTimeout": 90,
+    "verbose": True,
+    "extraArgs": ["--metrics-bind-address", "0.0.0.0"],
     "imagePullSecrets": [{"name": "regcred"}],
     "watchNamespaces": ["ml", "research"],
     "interval": 0.5,
@@ -57,7 +61,7 @@ FULL_VALUES: dict[str, Any] = {
                    "labels": {"release": "kube-prometheus-stack"}},
     "grafanaDashboard": {"enabled": True, "namespace": "monitoring",
                          "annotations": {"grafana_folder": "AlpaJob"}},
-    "webhook": {"enabled": True, "port": 10443, "certSecret": "alpajob-webhook-tls"},
+    "webhook": {"enabled": True, "port": 10443, "certSecret": "alpajob-webhook-tls", "checkCreator": False},
     "argocd": {"healthCheck": {"enabled": True, "namespace": "argocd", "configMapName": "argocd-cm"}},
     "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"},
                        "stalledMinutes": 20, "restartsPerHour": 5, "stageIdleShare": 0.6},
@@ -129,18 +133,14 @@ def operator_args(command: list[str]) -> argparse.Namespace:
 # --- the chart as a whole --------------------------------------------------------------
 
 def test_chart_metadata_matches_the_package(helm: ModuleType) -> None:
-    from alpajob.operator.children import DEFAULT_IMAGE
+    from alpajob.api.release import OPERATOR_IMAGE, VERSION
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     with helm.Chart.load(CHART) as chart:
         meta, values = chart.metadata, chart.values
     assert meta["apiVersion"] == "v2"
-    assert (meta["name"], meta["version"], meta["appVersion"]) == ("alpajob", "0.1.0", "0.1.0")
-    assert meta["appVersion"] == project["version"]
-    # The chart installs the operator's image (trainer_image/Dockerfile, --target operator); the operator's own
-    # default for job pods is the trainer image of the same release.
-    assert f"{values['image']['repository']}:{meta['appVersion']}" == \
-        DEFAULT_IMAGE.replace("/alpajob:", "/alpajob-operator:")
+    assert (meta["name"], meta["version"], meta["appVersion"]) == ("alpajob", VERSION, VERSION)
+    # The chart installs the operator's image of the same release (trainer_image/Dockerfile, --target operator).
+    assert f"{values['image']['repository']}:{meta['appVersion']}" == OPERATOR_IMAGE
 
 
 @pytest.mark.parametrize("values", [None, FULL_VALUES], ids=["default", "full"])
@@ -307,6 +307,10 @@ def test_values_reach_the_operator_deployment(full: list[dict[str, Any]]) -> Non
     assert args.namespace == ["ml", "research"] and not args.all_namespaces
     assert args.no_scanning  # the ClusterRole grants no list on namespaces
     assert args.interval == 0.5
+    assert (args.resync, args.liveness_api_timeout, args.verbose) == (300.0, 90.0, True)
+    assert args.default_image == "registry.example.com/ml/alpajob-trainer:0.1.0-rc1-cpu"
+    assert args.check_creator is False
+    assert operator["command"][-2:] == ["--metrics-bind-address", "0.0.0.0"]  # extraArgs, last
     assert (args.liveness, args.metrics_port) == ("http://0.0.0.0:8080/healthz", 9090)
     assert operator["image"] == "registry.example.com/ml/alpajob:0.1.0-rc1"
     assert operator["imagePullPolicy"] == "Always"
@@ -328,6 +332,25 @@ def test_values_reach_the_operator_deployment(full: list[dict[str, Any]]) -> Non
         operator["volumeMounts"]
     service = find(full, "Service", "alpajob-operator-webhook", NAMESPACE)
     assert service["spec"]["ports"] == [{"name": "webhook", "port": 10443, "targetPort": "webhook"}]
+
+
+def test_the_trainer_image_is_this_release_s_unless_named(helm: ModuleType) -> None:
+    """Unset, the operator keeps its built-in default (this release's trainer image, no
+    flag); a repository alone is tagged with the chart's appVersion; a tag alone is
+    refused naming the missing value."""
+    from alpajob.api.release import TRAINER_IMAGE, VERSION
+
+    def default_image(values: dict[str, Any] | None) -> str | None:
+        deployment = find(render(helm, values), "Deployment", "alpajob-operator", NAMESPACE)
+        return operator_args(container(deployment)["command"]).default_image
+
+    from alpajob.operator.children import DEFAULT_IMAGE
+
+    assert default_image(None) is None and DEFAULT_IMAGE == TRAINER_IMAGE
+    assert default_image({"trainerImage": {"repository": "registry.example.com/ml/alpajob"}}) == \
+        f"registry.example.com/ml/alpajob:{VERSION}"
+    with pytest.raises(Exception, match="trainerImage.repository is empty"):
+        render(helm, {"trainerImage": {"tag": "1.0"}})
 
 
 def test_disabling_the_webhook_drops_its_flags_port_service_and_rules(helm: ModuleType) -> None:

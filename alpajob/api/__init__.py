@@ -17,6 +17,7 @@ runtime        what the operator gives a trainer pod (env, ports, paths)
 options        what the CLI and the Python API pass to planning and training
 names          labels, annotations, ConfigMap keys, the finalizer, the API group
 errors         the error hierarchy (every message names a field and the fix)
+release        the one version, and the image and chart references made from it
 =============  ==============================================================
 
 This package imports nothing else of AlpaJob's (import-linter enforces it).

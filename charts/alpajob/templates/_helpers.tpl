@@ -34,6 +34,21 @@ The operator's image.
 {{- end -}}
 
 {{/*
+The trainer image of jobs without spec.image, when trainerImage names one (else
+empty: the operator's built-in default, this release's trainer image).
+*/}}
+{{- define "alpajob.trainerImage" -}}
+{{- with .Values.trainerImage -}}
+{{- if and .tag (not .repository) -}}
+{{- fail "trainerImage.tag is set but trainerImage.repository is empty: name the trainer image's repository too" -}}
+{{- end -}}
+{{- if .repository -}}
+{{- printf "%s:%s" .repository (.tag | default $.Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 The webhook's Service, and the host name the operator registers its webhook URL
 with (https://<host>:<webhook.port>/validate-alpajob): the Service's DNS name.
 */}}
