@@ -24,7 +24,9 @@ deleted with 403 ``NamespaceTerminating``; a namespace deletion takes
 ``namespace_seconds``, then everything in it goes, as on a real API server. Every AlpaJob
 written (created, patched or replaced, status included) is pruned by the CRD's
 structural schema, as the API server prunes it. A Secret's ``stringData`` is stored
-as ``data`` (base64), as the API server stores it.
+as ``data`` (base64), as the API server stores it. A pod's ``log`` (from :attr:`Emulator.pod_logs`, e.g. the
+test kubelet's files; ``follow`` streams it until the pod ends) and its ``proxy`` (to
+its ``podIP``) are served as the API server serves them from the node.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class _Admitting(kmock.KubernetesEmulator):
     authorize: Any = None  # who may do what (``Emulator._authorize``): the error to answer, or None
     access_review: Any = None  # a SubjectAccessReview's answer (``Emulator._access_review``)
     graceful_pods: bool = False  # a kubelet confirms pod deletions (module docstring of Emulator)
+    pod_logs: Any = None  # (namespace, pod) -> the file holding its log, or None (``pods/log``)
     version: int = 0  # the last resource version given
     deletions: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list)  # version, resource, last state
     tokens: Tokens = attrs.field(factory=Tokens)  # who each bearer token is (:mod:`rbac`)
@@ -90,6 +93,12 @@ class _Admitting(kmock.KubernetesEmulator):
         denied = self.authorize(request) if self.authorize is not None else None
         if denied is not None:
             return await self._render_error(denied)
+        if request.method == kmock.method.GET and request.resource is not None and request.resource.plural == "pods" \
+                and request.resource.group == "" and request.name and request.subresource:
+            if request.subresource == "log":
+                return await self._pod_log(request)
+            if request.subresource.split("/")[0] == "proxy":
+                return await self._pod_proxy(request)
         if request.subresource == "token" and request.method == kmock.method.POST and request.resource is not None \
                 and request.resource.plural == "serviceaccounts":
             return await self._token_request(request)
@@ -140,6 +149,72 @@ class _Admitting(kmock.KubernetesEmulator):
             before["metadata"]["resourceVersion"] = str(self.version)
             self.deletions = [*self.deletions[-9999:], (self.version, request.resource, before)]
         return response
+
+    def _pod(self, namespace: str | None, name: str) -> dict[str, Any] | None:
+        for (resource, ns, key), obj in list(self._objects.items()):
+            if resource.plural == "pods" and resource.group == "" and ns == namespace and key == name \
+                    and not obj.deleted:
+                return dict(obj.raw)
+        return None
+
+    async def _pod_log(self, request: Any) -> Any:
+        """``pods/log``, as the API server serves it from the pod's kubelet: the whole log
+        (``tailLines``: its end), or with ``follow=true`` a stream of what the pod writes
+        until it ends. The text comes from :attr:`pod_logs` (the test kubelet's files)."""
+        pod = self._pod(request.namespace, request.name)
+        if pod is None:
+            return await self._render_error(KubernetesError(
+                status=404, reason="NotFound", message=f'pods "{request.name}" not found'))
+        path = self.pod_logs(request.namespace, request.name) if self.pod_logs is not None else None
+        if path is None or not Path(path).exists():
+            container = ((pod.get("spec") or {}).get("containers") or [{}])[0].get("name", "")
+            return await self._render_error(KubernetesError(status=400, reason="BadRequest", message=(
+                f'container "{container}" in pod "{request.name}" is waiting to start: ContainerCreating')))
+        text = Path(path).read_bytes()
+        tail = request.params.get("tailLines")
+        if tail is not None:
+            text = b"".join(text.splitlines(keepends=True)[-int(tail):]) if int(tail) > 0 else b""
+        if request.params.get("follow") != "true":
+            return aiohttp.web.Response(body=text, content_type="text/plain")
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request._raw_request)
+        await response.write(text)
+        offset = Path(path).stat().st_size
+        while True:
+            await asyncio.sleep(0.2)
+            size = Path(path).stat().st_size
+            if size > offset:
+                with open(path, "rb") as file:
+                    file.seek(offset)
+                    await response.write(file.read(size - offset))
+                offset = size
+                continue
+            now = self._pod(request.namespace, request.name)
+            if now is None or ((now.get("status") or {}).get("phase")) in ("Succeeded", "Failed"):
+                break
+        await response.write_eof()
+        return response
+
+    async def _pod_proxy(self, request: Any) -> Any:
+        """``pods/<name>:<port>/proxy/<path>``: the API server's proxy to the pod's IP (the
+        test kubelet's pods all have 127.0.0.1), answered with what the pod answered."""
+        name, _, port = request.name.partition(":")
+        pod = self._pod(request.namespace, name)
+        ip = ((pod or {}).get("status") or {}).get("podIP")
+        if pod is None or not ip:
+            return await self._render_error(KubernetesError(
+                status=404 if pod is None else 503, reason="NotFound" if pod is None else "ServiceUnavailable",
+                message=f'pods "{name}" not found' if pod is None else f'pod "{name}" has no IP yet'))
+        rest = request.subresource.split("/", 1)[1] if "/" in request.subresource else ""
+        try:
+            async with aiohttp.ClientSession() as session, \
+                    session.get(f"http://{ip}:{port or 80}/{rest}", params=request.params) as answer:
+                body = await answer.read()
+                return aiohttp.web.Response(body=body, status=answer.status,
+                                            content_type=answer.content_type or "text/plain")
+        except aiohttp.ClientError as error:
+            return await self._render_error(KubernetesError(status=503, reason="ServiceUnavailable", message=(
+                f"error trying to reach service: {error}")))
 
     async def _replace(self, request: Any) -> Any:
         """An update (PUT) as the API server answers it: the object must exist (404),
@@ -404,6 +479,9 @@ class Emulator:
         self._counted = 0
         #: Every request that RBAC refused, as its 403 message (:mod:`rbac`).
         self.forbidden: list[str] = []
+        #: ``(namespace, pod) -> Path | None``: where a pod's log is (the test kubelet's
+        #: ``log.txt``), for ``pods/log``; None: no pod has a log.
+        self.pod_logs: Any = None
 
     def _stored_rbac(self, plural: str) -> list[dict[str, Any]]:
         """The stored objects of one RBAC kind (``clusterroles``, ``rolebindings``, ...)."""
@@ -433,7 +511,8 @@ class Emulator:
             return KubernetesError(status=401, reason="Unauthorized", message="Unauthorized")
         if request.resource is None or request.resource.plural is None or user.admin:
             return None  # discovery: open to every authenticated user
-        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        sub = (request.subresource or "").split("/")[0]  # pods/proxy/metrics asks for pods/proxy
+        resource = request.resource.plural + (f"/{sub}" if sub else "")
         ask = Ask(verb_of(request.method.upper(), request.name, request.params), request.resource.group or "",
                   resource, request.namespace, request.name)
 
@@ -455,7 +534,8 @@ class Emulator:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         async with _Admitting(admit=self._admit, authorize=self._authorize, access_review=self._access_review,
-                              graceful_pods=self.graceful_pods) as emulator, \
+                              graceful_pods=self.graceful_pods,
+                              pod_logs=lambda ns, name: self.pod_logs(ns, name) if self.pod_logs else None) as emulator, \
                 kmock.Server(emulator) as server:
             emulator.resources["alpajob.io/v1alpha1/alpajobs"] = kmock.ResourceInfo(
                 kind="AlpaJob", singular="alpajob", namespaced=True, shortnames={"aj"},

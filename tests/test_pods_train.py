@@ -57,6 +57,8 @@ def _world(tmp_path: Path, gate: bool = False) -> Iterator[tuple[Emulator, Kubel
     kubelet = Kubelet(api, ns, tmp_path / "kubelet", env=env, stagger=6.0, nodes=fake_nodes, linger=10.0)
     kubelet.env.pop("XLA_FLAGS", None)  # each pod forces its own device count (ALPAJOB_DEVICES)
     kubelet.start()
+    if isinstance(emu, Emulator):  # pods/log, as an API server serves it from the node's kubelet
+        emu.pod_logs = lambda namespace, name: kubelet.root / "pods" / name / "log.txt"
     log = tmp_path / "operator.log"
     # The operator as its own ServiceAccount, with the shipped RBAC (a missing verb: a 403).
     as_operator = {"KUBECONFIG": str(operator_kubeconfig(emu, tmp_path, ns, base=kubeconfig))}
@@ -279,6 +281,8 @@ def test_deleting_a_mesh_pod_mid_run_never_fails_the_job(world: tuple[Emulator, 
         return progress if (progress.get("lastCheckpointStep") or 0) >= 5 else None
 
     at_deletion = _wait("a checkpoint", saved, kubelet, log, timeout=400)
+    if isinstance(emu, Emulator):
+        _the_plugin_shows_the_running_job(emu, ns, "gpt-del")
     deleted = time.monotonic()
     core.delete_namespaced_pod("gpt-del-0-m1-h0", ns)  # as kubectl does: the pod's grace period
     assert at_deletion["step"] < steps - 20, at_deletion  # mid-run
@@ -308,6 +312,32 @@ def test_deleting_a_mesh_pod_mid_run_never_fails_the_job(world: tuple[Emulator, 
         assert kubelet.finished[mesh_pod] == 0, kubelet.log(mesh_pod)[-2000:]
         assert "released by the driver" in kubelet.log(mesh_pod)
         assert core.read_namespaced_pod(mesh_pod, ns).status.phase == "Succeeded"
+
+
+def _the_plugin_shows_the_running_job(emu: Emulator, ns: str, job: str) -> None:
+    """``kubectl alpajob`` (the installed ``kubectl-alpajob``) on a job the operator's pods
+    train: its plan, its pods, each stage's times from the head's metrics through the
+    API server's pod proxy, and the logs of every pod of the attempt."""
+    import subprocess
+    import sys
+
+    plugin = [str(Path(sys.executable).parent / "kubectl-alpajob"), "--kubeconfig", str(emu.kubeconfig), "-n", ns]
+
+    def run(*argv: str) -> str:
+        done = subprocess.run([*plugin, *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"kubectl alpajob {' '.join(argv)}: {done.stderr}"
+        return done.stdout
+
+    assert "predicted step time" in run("plan", job)
+    pods = run("pods", job)
+    assert f"{ns}/{job}: Running" in pods and f"{job}-0-head *" in pods and f"{job}-0-m1-h0 *" in pods
+    top = run("top", job)
+    stages = [line.split() for line in top.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert len(stages) == 2 and all(float(row[1]) > 0 for row in stages), top  # each stage computed
+    assert "step " in top.splitlines()[0], top
+    logs = run("logs", job, "--tail", "50").splitlines()
+    assert any(line.startswith(f"{job}-0-head ") and "step " in line for line in logs), logs[-20:]
+    assert any(line.startswith(f"{job}-0-m0-h0 ") for line in logs), logs[-20:]
 
 
 #: Seconds the API server is away mid-run (a managed control plane's restart took 90 s
