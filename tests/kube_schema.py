@@ -245,8 +245,9 @@ def schema_violations(document: Any, schema: dict) -> list[Violation]:
 
 # ----------------------------------------------------------------- CEL
 def _cel_value(value: Any, schema: dict | None) -> Any:
-    """``value`` for CEL: an untyped preserve-unknown-fields value becomes its canonical
-    JSON text, which (like the API server's ``unknownPreserved``) supports only equality."""
+    """``value`` for CEL, typed by its schema as the API server types it: an untyped
+    preserve-unknown-fields value becomes its canonical JSON text, which (like the API
+    server's ``unknownPreserved``) supports only equality; a ``number`` is a double."""
     if schema is None:
         return value
     if not schema.get("type") and not schema.get("x-kubernetes-int-or-string"):
@@ -258,6 +259,8 @@ def _cel_value(value: Any, schema: dict | None) -> Any:
         return {k: _cel_value(v, props.get(k, extra)) for k, v in value.items()}
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         return [_cel_value(v, schema["items"]) for v in value]
+    if schema.get("type") == "number" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)  # the API server types a `number` field as CEL double, 30 as 30.0
     return value
 
 

@@ -374,6 +374,12 @@ CRD_REFUSES = [
     ("spec.podTemplate.mesh.imagePullPolicy", "spec.podTemplate.mesh.imagePullPolicy", "Sometimes", True),
     ("spec.podTemplate.workers", "spec.podTemplate.workers", {}, True),
     ("spec.runPolicy.schedulingTimeoutSeconds", "spec.runPolicy.schedulingTimeoutSeconds", 0, True),
+    ("spec.cluster.whenFewerNodes", "spec.cluster.whenFewerNodes", "Shrink", True),
+    ("spec.parallelism.transport", "spec.parallelism.transport", "nccl", True),
+    ("spec.planner.ilpTimeLimitSeconds", "spec.planner.ilpTimeLimitSeconds", 0, True),
+    ("spec.planner.ilpTimeLimitSeconds", "spec.planner.ilpTimeLimitSeconds", 7200, True),
+    ("spec.planner.calibration.configMap", "spec.planner.calibration", {"key": "a.json"}, True),
+    ("spec.planner.calibration.key", "spec.planner.calibration", {"configMap": "c", "key": "a/b.json"}, True),
     ("spec.trainer", "spec.trainer", {"replicas": 2}, True),
     ("metadata.name", "metadata.name", "9-lives", True),
     ("metadata.name", "metadata.name", "a" * 50, True),
@@ -488,6 +494,9 @@ IMMUTABLE = [
     ("spec.scheduling.gang", "spec.scheduling.gang", "none"),
     ("spec.scheduling.schedulerName", "spec.scheduling.schedulerName", "volcano"),
     ("spec.scheduling.priorityClassName", "spec.scheduling.priorityClassName", "high"),
+    ("spec.planner", "spec.planner.ilpTimeLimitSeconds", 30),
+    ("spec.cluster", "spec.cluster.whenFewerNodes", "Wait"),
+    ("spec.parallelism", "spec.parallelism.transport", "collective"),
 ]
 
 
