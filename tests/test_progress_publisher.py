@@ -80,7 +80,9 @@ def test_an_outage_delays_progress_and_never_training(api_behind_gate: tuple[Any
 
     gate.up()  # back: the newest report is written, none of the ones in between
     _until("step 40 written", lambda: _step(direct) == 40)
-    assert any(s.startswith("the API server is back after") for s in said), said
+    # said right after the write returns, in the publisher's thread: a moment after the
+    # server has stored it
+    _until("the return said", lambda: any(s.startswith("the API server is back after") for s in said))
     publisher.publish(Progress(phase=TrainerPhase.SUCCEEDED, step=40))
     assert publisher.close(flush=5.0)
 
