@@ -46,7 +46,7 @@ in order (the first that has something to wait for ends the pass):
 
 Whenever a pass makes a pod, the job's own ServiceAccount, Role and RoleBinding
 (``<job>-trainer``, unless ``spec.serviceAccountName`` names one) are made before it.
-After the steps, **scheduling**: a pod unschedulable for :data:`SCHEDULING_GRACE`
+After the steps, **scheduling**: a pod unschedulable for :data:`~.waiting.SCHEDULING_GRACE`
 seconds shows as ``PodsScheduled=False`` with the scheduler's message (past
 ``schedulingTimeoutSeconds`` the job fails), and ``status.progress.restarts`` is set
 to the job's restarts.
@@ -66,9 +66,8 @@ from typing import Any
 
 from alpajob.api import wording
 from alpajob.api.errors import AlpaJobError, PlanFormatError
-from alpajob.api.names import LABEL_ROLE, PLAN_KEY, PROGRESS_KEY
+from alpajob.api.names import PLAN_KEY, PROGRESS_KEY
 from alpajob.api.plan import plan_from_json
-from alpajob.api.pod_template import PodTemplates
 from alpajob.api.progress import progress_from_json
 from alpajob.api.run_policy import CleanPodPolicy, FailureAction, RestartScope, RunPolicy
 from alpajob.api.status import (
@@ -80,7 +79,6 @@ from alpajob.api.status import (
 )
 from alpajob.operator import children, sizing
 from alpajob.operator.decision import Decision, Observed, PassState
-from alpajob.operator.pod_overrides import TEMPLATE_ANNOTATION, template_hash
 from alpajob.operator.pods import (
     by_finish,
     done,
@@ -93,14 +91,10 @@ from alpajob.operator.pods import (
     pod_message,
     terminating,
     uid,
-    unschedulable,
 )
 from alpajob.operator.pool import PoolError, assign_nodes, pool_cluster
-from alpajob.operator.status import set_condition
+from alpajob.operator.waiting import pool_short, scheduling
 
-#: Seconds a pod may be unschedulable before the job says so (the scheduler retries
-#: at once when the cluster changes; a pod still unplaced after this waits for a change).
-SCHEDULING_GRACE = 5.0
 #: Seconds a Succeeded job's mesh pods have to end on their own before cleanPodPolicy
 #: Running deletes them: the driver released them as it finished and they are
 #: stopping Ray, to end Succeeded with their logs.
@@ -209,7 +203,7 @@ class _Pass(PassState):
             return False
         planner = self.seen.pods.get(names.planner)
         if planner is None:
-            if self.pool_short():
+            if pool_short(self):
                 return True
             try:
                 cluster = pool_cluster(self.spec.get("cluster") or {}, self.seen.pool)
@@ -227,50 +221,6 @@ class _Pass(PassState):
             self.planner_ended_without_plan(planner)
         elif self.status.phase is not Phase.PLANNING:
             self.phase(Phase.PLANNING, "Planning", "the planner pod is running")
-        return True
-
-    def pool_short(self) -> bool:
-        """Before planning: say whether the pool has fewer usable nodes than
-        ``spec.cluster.nodes`` (condition NodesAvailable, with the nodes left out and
-        why, and an event when it turns False), and True while the job waits for them
-        (``spec.cluster.whenFewerNodes: Wait``; at most
-        ``runPolicy.schedulingTimeoutSeconds``, when set, counted from when the
-        condition turned False)."""
-        cluster = self.spec.get("cluster") or {}
-        wanted, have = int(cluster.get("nodes", 1)), len(self.seen.pool)
-        before = next((c for c in self.status.conditions if c.type is ConditionType.NODES_AVAILABLE), None)
-        if have >= wanted:
-            if before is not None and before.status is ConditionStatus.FALSE:
-                message = f"the pool has the {wording.counted(wanted, 'node')} spec.cluster.nodes asks for"
-                set_condition(self.status, ConditionType.NODES_AVAILABLE, True, "AllNodes", message,
-                              self.generation, self.now)
-                self.decision.events.append(("Normal", "NodesAvailable", message))
-            return False
-        wait = cluster.get("whenFewerNodes", "Plan") == "Wait"
-        left_out = list(self.seen.left_out)
-        shown = "; ".join(f"{name} {why}" for name, why in left_out[:4])
-        if len(left_out) > 4:
-            shown += f"; {wording.counted(len(left_out) - 4, 'more node')} left out"
-        message = (f"the pool has {have} of the {wording.counted(wanted, 'node')} spec.cluster.nodes asks for"
-                   + (f" ({shown})" if shown else " (no more nodes match spec.cluster.nodeSelector)")
-                   + (": waiting for the rest (spec.cluster.whenFewerNodes: Wait)" if wait else
-                      f": planning for {have} (spec.cluster.whenFewerNodes: Plan; Wait would wait for the rest)"))
-        if before is None or before.status is ConditionStatus.TRUE:
-            self.decision.events.append(("Warning", "FewerNodes", message))
-        set_condition(self.status, ConditionType.NODES_AVAILABLE, False, "FewerNodes", message,
-                      self.generation, self.now)
-        if not wait:
-            return False
-        since = parse_time(next(c for c in self.status.conditions
-                                if c.type is ConditionType.NODES_AVAILABLE).last_transition_time)
-        waited = (self.seen.now.replace(tzinfo=None) - since).total_seconds() if since is not None else 0.0
-        limit = self.run_policy.get("schedulingTimeoutSeconds")
-        if limit is not None and waited >= limit:
-            self.phase(Phase.FAILED, "NodesTimeout", f"{message}; schedulingTimeoutSeconds {limit} passed")
-            return True
-        if limit is not None:
-            self.decision.wake(limit - waited)
-        self.phase(Phase.PENDING if self.status.phase is Phase.PENDING else Phase.PLANNING, "WaitingForNodes", message)
         return True
 
     def planner_ended_without_plan(self, planner: Mapping[str, Any]) -> None:
@@ -562,60 +512,6 @@ class _Pass(PassState):
         if progress is not None and progress.restarts != total:
             self.status.progress = progress.model_copy(update={"restarts": total})
 
-    def scheduling(self) -> None:
-        """Say why pods wait: a pod unschedulable for :data:`SCHEDULING_GRACE` seconds
-        sets ``PodsScheduled=False`` with the scheduler's message (and the phase's
-        reason Unschedulable, which kstatus, Flux and Argo CD show) and posts a Warning
-        event; past ``runPolicy.schedulingTimeoutSeconds`` the job fails. Once every
-        pod is placed the condition turns True again."""
-        before = next((c for c in self.status.conditions if c.type is ConditionType.PODS_SCHEDULED), None)
-        waiting = unschedulable(self.seen.pods, self.seen.now)
-        for name in list(waiting):
-            pod = self.seen.pods[name]
-            role = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE, "")
-            made_with = ((pod.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_ANNOTATION)
-            if role in PodTemplates.model_fields and made_with != template_hash(self.templates.of(role)):
-                # A pod's spec cannot change; one that never ran is simply made again,
-                # alone: its deletion is not a failure (its uid is judged already) and
-                # its absence until it is made again is not a loss (the attempt's pods
-                # count as created again only once every one is there).
-                self.delete_pods({name: pod})
-                self.judge({name: pod})
-                if self.status.children.created == self.attempt:
-                    self.status.children.created = None
-                self.decision.events.append(("Normal", "PodTemplateChanged", (
-                    f"pod {name} cannot be scheduled and spec.podTemplate.{role} changed: making it again")))
-                del waiting[name]
-        long = {n: w for n, w in waiting.items() if w[0] >= SCHEDULING_GRACE}
-        for age, _ in waiting.values():
-            if age < SCHEDULING_GRACE:
-                self.decision.wake(SCHEDULING_GRACE - age)
-        if not long:
-            if before is not None and before.status is ConditionStatus.FALSE:
-                set_condition(self.status, ConditionType.PODS_SCHEDULED, True, "Scheduled",
-                              "every pod is placed", self.generation, self.now)
-            return
-        name = min(long)
-        age, why = long[name]
-        role = ((self.seen.pods[name].get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE, "mesh")
-        message = (f"pod {name} cannot be scheduled for {age:.0f} s: {why} (its requests come from the plan "
-                   f"and spec.podTemplate.{role}; lower them, or add nodes that fit)")
-        if len(long) > 1:
-            message += f"; {wording.counted(len(long) - 1, 'more pod')} unschedulable"
-        limit = self.run_policy.get("schedulingTimeoutSeconds")
-        if limit is not None and age >= limit:
-            self.stop_pods(self.seen.pods)
-            self.phase(Phase.FAILED, "SchedulingTimeout",
-                       f"{message}; schedulingTimeoutSeconds {limit} passed")
-            return
-        if limit is not None:
-            self.decision.wake(limit - age)
-        if before is None or before.status is ConditionStatus.TRUE:
-            self.decision.events.append(("Warning", "Unschedulable", message))
-        set_condition(self.status, ConditionType.PODS_SCHEDULED, False, "Unschedulable", message,
-                      self.generation, self.now)
-        self.phase(self.status.phase, "Unschedulable", message)
-
     def identity(self) -> None:
         """The job's identity (:func:`.children.identity`) before any pod that runs as
         it: asked again with every pod the pass makes (a 409 keeps it), so a
@@ -628,7 +524,7 @@ class _Pass(PassState):
         self.steps()
         self.identity()
         if not self.status.phase.finished and self.status.phase is not Phase.SUSPENDED:
-            self.scheduling()
+            scheduling(self)
         self.count_restarts()
         return self.decision
 
