@@ -30,7 +30,7 @@ from rich.table import Table
 
 from alpajob.api.names import GROUP, LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, PLAN_KEY, PLURAL, VERSION
 from alpajob.api.runtime import METRICS_PORT
-from alpajob.api.status import Status
+from alpajob.api.status import ConditionStatus, ConditionType, Status
 
 #: The per-stage series of the trainer's metrics (trainer_image/metrics.py) ``top`` shows.
 STAGE_SERIES = {"compute": "alpajob_stage_step_compute_seconds", "idle": "alpajob_stage_step_idle_seconds",
@@ -92,11 +92,11 @@ class JobView:
 
         self.namespace, self.name = namespace, name
         self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-        self.job = self._call(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name,
+        self.job = self.call(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name,
                               missing=f"AlpaJob {namespace}/{name} not found (kubectl get aj -n {namespace})")
         self.status = Status.model_validate(self.job.get("status") or {})
 
-    def _call(self, method: Any, *args: Any, missing: str, **kwargs: Any) -> Any:
+    def call(self, method: Any, *args: Any, missing: str, **kwargs: Any) -> Any:
         from kubernetes import client
         from urllib3.exceptions import HTTPError
 
@@ -112,7 +112,7 @@ class JobView:
             raise PluginError(f"cannot reach the API server: {error}") from None
 
     def pods(self) -> list[Any]:
-        listed = self._call(self.core.list_namespaced_pod, self.namespace, label_selector=f"{LABEL_JOB}={self.name}",
+        listed = self.call(self.core.list_namespaced_pod, self.namespace, label_selector=f"{LABEL_JOB}={self.name}",
                             missing=f"namespace {self.namespace} not found")
         return sorted(listed.items, key=lambda p: p.metadata.name)
 
@@ -141,7 +141,7 @@ def show_plan(view: JobView, args: argparse.Namespace, out: Console) -> int:
     if summary is None:
         raise PluginError(f"{view.name} has no plan yet (phase {view.status.phase}); the planner's output: "
                           f"kubectl logs -n {view.namespace} {view.status.children.planner or view.name + '-planner'}")
-    configmap = view._call(view.core.read_namespaced_config_map, summary.config_map, view.namespace,
+    configmap = view.call(view.core.read_namespaced_config_map, summary.config_map, view.namespace,
                            missing=f"the plan ConfigMap {summary.config_map} is gone")
     text = (configmap.data or {}).get(PLAN_KEY)
     if not text:
@@ -165,8 +165,8 @@ def show_plan(view: JobView, args: argparse.Namespace, out: Console) -> int:
 
 def show_pods(view: JobView, out: Console) -> int:
     status = view.status
-    reason = next((c.reason for c in status.conditions if c.type.value == "Reconciling" and c.status.value == "True"),
-                  "")
+    reason = next((c.reason for c in status.conditions
+                   if c.type is ConditionType.RECONCILING and c.status is ConditionStatus.TRUE), "")
     out.print(f"{view.namespace}/{view.name}: {status.phase}{f' ({reason})' if reason else ''}, attempt "
               f"{status.children.attempt}, restarts {status.restarts}, disruptions {status.disruptions}",
               highlight=False)
@@ -200,10 +200,10 @@ def show_top(view: JobView, out: Console) -> int:
     head = view.status.children.head
     if not head or view.status.phase.value not in ("Running", "Starting", "Succeeded"):
         raise PluginError(f"{view.name} has no running head pod (phase {view.status.phase}): nothing reports metrics")
-    pod = view._call(view.core.read_namespaced_pod, head, view.namespace, missing=f"pod {head} is gone")
+    pod = view.call(view.core.read_namespaced_pod, head, view.namespace, missing=f"pod {head} is gone")
     ports = [p.container_port for c in pod.spec.containers for p in (c.ports or []) if p.name == "metrics"]
     # unparsed: the client would turn the bytes of a text answer into their repr
-    answer = view._call(view.core.connect_get_namespaced_pod_proxy_with_path, f"{head}:{(ports or [METRICS_PORT])[0]}",
+    answer = view.call(view.core.connect_get_namespaced_pod_proxy_with_path, f"{head}:{(ports or [METRICS_PORT])[0]}",
                         view.namespace, "metrics", _preload_content=False, missing=f"pod {head} is gone")
     samples = _samples(answer.data.decode(errors="replace"))
     job = {name: value for name, labels, value in samples if name in JOB_SERIES.values()}
@@ -278,7 +278,7 @@ def follow_logs(view: JobView, args: argparse.Namespace, out: Console) -> int:
 
 
 def set_suspend(view: JobView, suspend: bool, out: Console) -> int:
-    view._call(view.custom.patch_namespaced_custom_object, GROUP, VERSION, view.namespace, PLURAL, view.name,
+    view.call(view.custom.patch_namespaced_custom_object, GROUP, VERSION, view.namespace, PLURAL, view.name,
                {"spec": {"runPolicy": {"suspend": suspend}}}, missing=f"AlpaJob {view.name} is gone")
     out.print(f"alpajob.io/{view.name} {'suspended' if suspend else 'resumed'}", highlight=False)
     return 0
