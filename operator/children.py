@@ -26,7 +26,6 @@ from alpajob.api.names import (
     COSCHEDULING_GROUP_LABEL,
     GPU_RESOURCE,
     KIND,
-    KUEUE_QUEUE_LABEL,
     LABEL_ATTEMPT,
     LABEL_HOST,
     LABEL_JOB,
@@ -87,9 +86,6 @@ def _meta(job: Mapping[str, Any], name: str, role: Role, attempt: int | None = N
     out = {LABEL_JOB: job["metadata"]["name"], LABEL_ROLE: role.value, **labels}
     if attempt is not None:
         out[LABEL_ATTEMPT] = str(attempt)
-    queue = (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL)
-    if queue:
-        out[KUEUE_QUEUE_LABEL] = queue
     return {"name": name, "namespace": job["metadata"]["namespace"], "labels": out,
             "ownerReferences": [owner_reference(job)]}
 
@@ -405,7 +401,13 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
         "env": _env(runtime), "securityContext": _security(),
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
         "terminationMessagePolicy": "FallbackToLogsOnError"}]
-    return finish(pod, overrides, size, node)
+    pod = finish(pod, overrides, size, node)
+    # The pool's selector too (the pin's node matches it): a queue's flavors are judged
+    # by it, so Kueue assigns only a flavor of the nodes the job was planned for.
+    selector = (job["spec"].get("cluster") or {}).get("nodeSelector") or {}
+    if selector:
+        pod["spec"]["nodeSelector"] = {**selector, **(pod["spec"].get("nodeSelector") or {})}
+    return pod
 
 
 def pod_group(job: Mapping[str, Any], names: ChildNames, gang: str, members: int, gpus: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from alpajob.api.status import Phase, Status
 from alpajob.operator import children
 from alpajob.operator.names import ChildNames
 from alpajob.operator.network import NetworkSettings
-from alpajob.operator.pods import done, parse_time, terminating, uid
+from alpajob.operator.pods import done, forced, parse_time, terminating, uid
 from alpajob.operator.pool import PoolNode
 from alpajob.operator.status import set_phase
 
@@ -50,6 +50,9 @@ class Observed:
     claims: frozenset[str] = frozenset()  # the job's PersistentVolumeClaims (labelled with it)
     pod_groups: frozenset[str] = frozenset()
     gang: str | None = None  # installed gang scheduler: volcano, coscheduling or None
+    queue: str | None = None  # the Kueue LocalQueue that admits the job (.queueing.queue_of), or None
+    kueue: bool = False  # Kueue is installed
+    workload: Mapping[str, Any] | None = None  # Kueue's Workload of the current attempt's pod group
     ready_nodes: frozenset[str] = frozenset()
     default_image: str = children.DEFAULT_IMAGE  # for jobs without spec.image
     network: NetworkSettings = NetworkSettings()  # the jobs' NetworkPolicies
@@ -63,6 +66,7 @@ class Decision:
     create: list[dict[str, Any]] = field(default_factory=list)
     delete: list[tuple[str, str, int | None]] = field(default_factory=list)  # kind, name, grace seconds
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
+    annotate: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # pod, annotations to merge
     delete_job: bool = False
     clear_plan: bool = False  # empty the plan ConfigMap: the job is planned again
     #: Seconds until a rule may fire with no change in the world (a deadline, a TTL);
@@ -169,6 +173,8 @@ class PassState:
         (a lost node's kubelet never confirms), as the pod garbage collector does."""
         for name, pod in pods.items():
             node = (pod.get("spec") or {}).get("nodeName")
+            if forced(pod):
+                continue  # forced already: only a finalizer (Kueue's) keeps it
             if not terminating(pod):
                 self.decision.delete.append(("Pod", name, None))
                 continue

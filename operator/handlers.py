@@ -228,6 +228,17 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
                 await stopped.wait(options.interval)  # coalesce a burst of changes into one pass
         finally:
             wakers.forget(namespace, name)
+            reason = stopped.reason
+            if reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in reason:
+                # The job is going, and its pods with it: end their Kueue groups, or
+                # Kueue would hold their quota (and their finalizers) for good.
+                try:
+                    released = await asyncio.to_thread(kube.release_groups, namespace, World.of(kwargs, namespace, name))
+                except Exception as error:  # noqa: BLE001 (the job is gone either way; say so)
+                    logger.warning(f"could not end the Kueue groups of deleted job {namespace}/{name}: {error}")
+                else:
+                    if released:
+                        logger.info(f"ended the Kueue groups of {released} pods of deleted job {namespace}/{name}")
 
     if options.webhook_port is not None:
         from alpajob.operator.admission import validate_alpajob  # noqa: I001 (beside its only use)

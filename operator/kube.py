@@ -23,15 +23,30 @@ import yaml
 from kubernetes import client
 from pydantic import ValidationError
 
-from alpajob.api.names import API_VERSION, GROUP, KIND, LABEL_JOB, PLAN_KEY, PLURAL, VERSION
+from alpajob.api.names import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    KUEUE_GROUP_LABEL,
+    KUEUE_RETRIABLE_ANNOTATION,
+    KUEUE_WORKLOAD_CRD,
+    LABEL_JOB,
+    PLAN_KEY,
+    PLURAL,
+    VERSION,
+)
 from alpajob.api.pod_template import PodTemplates
 from alpajob.api.status import ConditionType, Status
 from alpajob.operator.names import ChildNames
 from alpajob.operator.network import NetworkSettings
 from alpajob.operator.pool import EVERY_TAINT, read_pool
+from alpajob.operator.queueing import queue_of
 from alpajob.operator.reconcile import Decision, Observed
 from alpajob.operator.status import set_condition
 from alpajob.operator.world import World
+
+#: Kueue's API group, and the Workload versions the operator reads, the newest first.
+KUEUE_GROUP, KUEUE_VERSIONS = "kueue.x-k8s.io", ("v1beta2", "v1beta1")
 
 #: CRDs whose presence means a gang scheduler is installed.
 GANG_CRDS = {"volcano": "podgroups.scheduling.volcano.sh", "coscheduling": "podgroups.scheduling.x-k8s.io"}
@@ -113,7 +128,7 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.extensions = client.ApiextensionsV1Api(api)
-        self.gangs = Cached(60.0)  # installed gang schedulers change rarely
+        self.gangs = Cached(60.0)  # installed gang schedulers (and Kueue) change rarely
 
     def _dict(self, obj: Any) -> dict[str, Any]:
         return self.api.sanitize_for_serialization(obj)
@@ -186,6 +201,50 @@ class Kube:
 
         return self.gangs.get("gang", installed)  # type: ignore[return-value]
 
+    def kueue(self) -> str | None:
+        """The Workload version Kueue serves (newest first), None without Kueue."""
+
+        def served() -> str | None:
+            crd = self._get(self.extensions.read_custom_resource_definition, KUEUE_WORKLOAD_CRD)
+            if crd is None:
+                return None
+            versions = {v.get("name") for v in crd["spec"].get("versions") or [] if v.get("served")}
+            return next((v for v in KUEUE_VERSIONS if v in versions), None)
+
+        return self.gangs.get("kueue", served)  # type: ignore[return-value]
+
+    def workload(self, namespace: str, name: str, version: str) -> dict[str, Any] | None:
+        """Kueue's Workload ``namespace/name``, None while there is none."""
+        try:
+            return self.custom.get_namespaced_custom_object(KUEUE_GROUP, version, namespace, "workloads", name)
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def release_groups(self, namespace: str, world: World) -> int:
+        """Annotate ``retriable-in-group: "false"`` on every Kueue-grouped pod of
+        ``world`` that lacks it (a job being deleted: its pods go, and Kueue must end
+        their groups to free the quota and release them); how many it annotated."""
+        done = 0
+        for pod in world.pods:
+            meta = pod.get("metadata") or {}
+            if KUEUE_GROUP_LABEL not in (meta.get("labels") or {}):
+                continue
+            if (meta.get("annotations") or {}).get(KUEUE_RETRIABLE_ANNOTATION) == "false":
+                continue
+            self.annotate(namespace, str(meta.get("name")), {KUEUE_RETRIABLE_ANNOTATION: "false"})
+            done += 1
+        return done
+
+    def annotate(self, namespace: str, pod: str, annotations: Mapping[str, str]) -> None:
+        """Merge ``annotations`` into pod ``namespace/pod`` (gone already: nothing to do)."""
+        try:
+            self.core.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": dict(annotations)}})
+        except client.ApiException as error:
+            if error.status != 404:
+                raise
+
     def observe(self, job: Mapping[str, Any], now: datetime, world: World) -> Observed:
         """Everything :func:`~.reconcile.reconcile` needs about ``job``, its children and
         the nodes from ``world``."""
@@ -207,6 +266,9 @@ class Kube:
             except client.ApiException as error:
                 if error.status != 404:
                     raise
+        kueue = self.kueue()
+        queue = queue_of(job, kueue is not None, gang)
+        workload = self.workload(namespace, names.pod_group, kueue) if queue is not None and kueue else None
         nodes = world.nodes
         spec = job.get("spec") or {}
         cluster = spec.get("cluster") or {}
@@ -221,7 +283,8 @@ class Kube:
                     "metadata": {"name": name, "namespace": namespace}, "spec": spec}
         return Observed(job=job, now=now, manifest_yaml=yaml.safe_dump(manifest, sort_keys=False),
                         pool=pool.nodes, left_out=pool.left_out, configmaps=configmaps, pods=pods, services=services, claims=claims,
-                        pod_groups=groups, gang=gang, ready_nodes=ready,
+                        pod_groups=groups, gang=gang, queue=queue, kueue=kueue is not None, workload=workload,
+                        ready_nodes=ready,
                         network=self.network,
                         **({"default_image": self.default_image} if self.default_image else {}))
 
@@ -243,6 +306,8 @@ class Kube:
         self.refused(job, decision.status, status, refusals, bool(decision.create))
         for kind, child, grace in decision.delete:
             self.delete(kind, namespace, child, grace)
+        for pod, extra in decision.annotate:
+            self.annotate(namespace, pod, extra)
         for kind, reason, message in decision.events:
             self.event(job, kind, reason, message)
         if decision.delete_job:

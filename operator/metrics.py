@@ -9,7 +9,7 @@
                                                       writes, events; kopf's watches not counted)
     alpajob_job_phase_seconds{namespace,job,phase}    a job's wall time by phase (status.time,
                                                       the phase in progress counted to now)
-    alpajob_job_goodput{namespace,job}                its Running time over all of it but Suspended
+    alpajob_job_goodput{namespace,job}                its Running time over all of it but Queued and Suspended
     alpajob_job_phase{namespace,job,phase}            1 for the job's phase, 0 for the others
     alpajob_job_restarts{namespace,job}               its restarts (status.restarts + disruptions)
 

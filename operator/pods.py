@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from alpajob.api.errors import AlpaJobError
-from alpajob.api.names import LABEL_ROLE, Role
+from alpajob.api.names import KUEUE_TERMINATION_CONDITION, LABEL_ROLE, Role
 from alpajob.api.progress import Progress, progress_from_json
 from alpajob.api.run_policy import ExitCodeOperator, FailureAction, PodFailureRule
 
@@ -38,6 +38,22 @@ def done(pod: Mapping[str, Any]) -> bool:
 
 def terminating(pod: Mapping[str, Any]) -> bool:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def forced(pod: Mapping[str, Any]) -> bool:
+    """Was ``pod``'s deletion forced (grace period 0)? Only finalizers keep it (Kueue's,
+    until its group ends): no kubelet runs it any more, and deleting it again is no use."""
+    meta = pod.get("metadata") or {}
+    return bool(meta.get("deletionTimestamp")) and meta.get("deletionGracePeriodSeconds") == 0
+
+
+def stopped_by_kueue(pod: Mapping[str, Any]) -> str | None:
+    """Kueue's message when it stopped ``pod`` (a preemption, an eviction: the pod's
+    ``TerminationTarget`` condition), else None."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == KUEUE_TERMINATION_CONDITION and condition.get("status") == "True":
+            return str(condition.get("message") or condition.get("reason") or "stopped by Kueue")
+    return None
 
 
 def uid(pod: Mapping[str, Any]) -> str:
@@ -64,7 +80,11 @@ def by_finish(names: list[str], pods: Mapping[str, Mapping[str, Any]]) -> list[s
 
 def ending(name: str, pod: Mapping[str, Any]) -> str:
     """How pod ``name`` ended, for a message: ``<pod> failed: <its message>``,
-    ``<pod> was evicted: ...``, or ``<pod> was deleted`` (through the API, while it ran)."""
+    ``<pod> was evicted: ...``, ``<pod> was stopped by Kueue: ...``, or ``<pod> was
+    deleted`` (through the API, while it ran)."""
+    kueue = stopped_by_kueue(pod)
+    if kueue is not None:
+        return f"{name} was stopped by Kueue: {kueue}"
     if terminating(pod) and phase_of(pod) != "Failed":
         return f"{name} was deleted"
     how = "was evicted" if (pod.get("status") or {}).get("reason") == "Evicted" else "failed"

@@ -66,7 +66,7 @@ from typing import Any
 
 from alpajob.api import wording
 from alpajob.api.errors import AlpaJobError, PlanFormatError
-from alpajob.api.names import PLAN_KEY, PROGRESS_KEY
+from alpajob.api.names import KUEUE_QUEUE_LABEL, PLAN_KEY, PROGRESS_KEY
 from alpajob.api.plan import plan_from_json
 from alpajob.api.progress import progress_from_json
 from alpajob.api.run_policy import CleanPodPolicy, FailureAction, RestartScope, RunPolicy
@@ -77,7 +77,7 @@ from alpajob.api.status import (
     Phase,
     PlanSummary,
 )
-from alpajob.operator import children, sizing
+from alpajob.operator import children, queueing, sizing
 from alpajob.operator.decision import Decision, Observed, PassState
 from alpajob.operator.pods import (
     by_finish,
@@ -86,9 +86,11 @@ from alpajob.operator.pods import (
     failure_action,
     final_progress,
     finished_at,
+    forced,
     parse_time,
     phase_of,
     pod_message,
+    stopped_by_kueue,
     terminating,
     uid,
 )
@@ -219,6 +221,12 @@ class _Pass(PassState):
             self.phase(Phase.FAILED, "PlanningFailed", pod_message(planner))
         elif phase_of(planner) == "Succeeded":
             self.planner_ended_without_plan(planner)
+        elif queueing.gated(planner):
+            queue = ((planner.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL, "default")
+            self.phase(Phase.PLANNING, "PlannerQueued", (
+                f"Kueue holds the planner pod {names.planner} in LocalQueue {queue} (LocalQueueDefaulting queues "
+                "pods without a queue label in a LocalQueue named default): give that queue CPU and memory "
+                "quota, or rename it"))
         elif self.status.phase is not Phase.PLANNING:
             self.phase(Phase.PLANNING, "Planning", "the planner pod is running")
         return True
@@ -264,7 +272,9 @@ class _Pass(PassState):
         # whose node is Ready is replaced alone (pinned there again), and a missing one
         # is simply created again (ensure_children) unless the pool changed meanwhile.
         scope = self.run_policy.get("restartScope", RestartScope.FAILED_PODS.value)
+        kueue = [stopped_by_kueue(current[n]) for n in failed]
         in_place = (scope == RestartScope.FAILED_PODS.value
+                    and not any(kueue)  # Kueue stops the whole group
                     and phase_of(current.get(self.names.head)) == "Running"
                     and not terminating(current[self.names.head])
                     and self.names.head not in failed + missing
@@ -293,7 +303,7 @@ class _Pass(PassState):
         elif counted:
             self.restart_attempt(current, "PodFailed", what)
         else:
-            self.restart_attempt(current, "PodDisrupted", what, counted=False)
+            self.restart_attempt(current, "Preempted" if any(kueue) else "PodDisrupted", what, counted=False)
         return True
 
     def replace_pods(self, pods: Mapping[str, Mapping[str, Any]], what: str, counted: bool) -> None:
@@ -391,7 +401,7 @@ class _Pass(PassState):
         attempt's pods are created only once every one is gone, so two attempts never
         run side by side; :meth:`delete_pods` forces the stragglers."""
         old = {n: p for n, p in self.seen.pods.items()
-               if n != self.names.planner and n not in self.pods_of(self.attempt) and not done(p)}
+               if n != self.names.planner and n not in self.pods_of(self.attempt) and not done(p) and not forced(p)}
         if not old:
             return False
         self.stop_pods(old)
@@ -428,17 +438,28 @@ class _Pass(PassState):
             members = 1 + len(hosts)
             gpus = 0 if cpu else sum(m for _, _, _, m in self.host_devices())
             self.decision.create.append(children.pod_group(job, names, gang, members, gpus))
+        pods: list[dict[str, Any]] = []
         if names.head not in self.seen.pods:
-            self.decision.create.append(children.head_pod(job, names, gang, self.templates,
-                                                          sizing.head_size(self.plan)))
+            pods.append(children.head_pod(job, names, gang, self.templates, sizing.head_size(self.plan)))
+        queue = self.seen.queue
         for mesh, host, count, devices in self.host_devices():
-            if self.host_pod(mesh, host) is None:  # none yet, or the one there is being replaced
-                self.decision.create.append(
-                    children.mesh_pod(job, names, mesh, host, count, nodes[mesh, host], devices, cpu, gang,
-                                      self.templates,
-                                      sizing.mesh_size(self.plan, self.plan.stages[mesh], devices, cpu),
-                                      name=self.replacement_name(mesh, host)))
-        if any(obj["kind"] == "Pod" for obj in self.decision.create):
+            if self.host_pod(mesh, host) is not None:
+                continue
+            if queue is not None and any(not done(p) and not forced(p) for p in self.host_pods(mesh, host).values()):
+                continue  # under Kueue, a replacement joins the group once the pod it replaces stopped
+            pods.append(children.mesh_pod(job, names, mesh, host, count, nodes[mesh, host], devices, cpu, gang,
+                                          self.templates,
+                                          sizing.mesh_size(self.plan, self.plan.stages[mesh], devices, cpu),
+                                          name=self.replacement_name(mesh, host)))
+        if queue is not None:
+            pods = [queueing.enqueue(pod, job, names.pod_group, queue, 1 + len(hosts)) for pod in pods]
+            problem = queueing.too_many_roles(self, pods)
+            if problem is not None:
+                self.stop_pods(self.pods_of(self.attempt))
+                self.phase(Phase.FAILED, "TooManyPodSets", problem)
+                return True
+        self.decision.create.extend(pods)
+        if pods:
             # The attempt's Ray token before its pods: made once (the operator cannot
             # read Secrets, so it asks again with every pod it makes; a 409 keeps it).
             self.decision.create.insert(0, children.ray_token_secret(job, names))
@@ -478,6 +499,8 @@ class _Pass(PassState):
             self.status.children.created = self.attempt
         if phase_of(head) == "Succeeded":  # the mesh pods end on their own (finished)
             self.phase(Phase.SUCCEEDED, "TrainingFinished", "the driver finished every step")
+            return
+        if queueing.queued(self):
             return
         running = head is not None and phase_of(head) == "Running" and all(
             m.ready_pods == m.total_pods for m in meshes.values())
@@ -522,6 +545,7 @@ class _Pass(PassState):
 
     def run(self) -> Decision:
         self.steps()
+        queueing.release(self)
         self.identity()
         if not self.status.phase.finished and self.status.phase is not Phase.SUSPENDED:
             scheduling(self)

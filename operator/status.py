@@ -28,12 +28,13 @@ def set_condition(status: Status, kind: ConditionType, value: bool, reason: str,
 
 #: The phases in which kstatus's ``Reconciling`` condition is True: the job is on its
 #: way to Running and will get there without anyone acting.
-RECONCILING_PHASES = frozenset({Phase.PENDING, Phase.PLANNING, Phase.STARTING, Phase.RESTARTING})
+RECONCILING_PHASES = frozenset({Phase.PENDING, Phase.PLANNING, Phase.QUEUED, Phase.STARTING, Phase.RESTARTING})
 
 #: ``status.time``'s bucket of each phase (Succeeded and Failed end the clock).
 TIME_BUCKETS = {Phase.PENDING: "planning_seconds", Phase.PLANNING: "planning_seconds",
                 Phase.STARTING: "starting_seconds", Phase.RUNNING: "running_seconds",
-                Phase.RESTARTING: "restarting_seconds", Phase.SUSPENDED: "suspended_seconds"}
+                Phase.RESTARTING: "restarting_seconds", Phase.QUEUED: "queued_seconds",
+                Phase.SUSPENDED: "suspended_seconds"}
 
 
 def _seconds(text: str) -> float:

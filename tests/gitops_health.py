@@ -41,6 +41,7 @@ FLUX = ROOT / "gitops" / "flux" / "alpajob-health.yaml"
 #: What each phase must read as, once the operator has seen the job's spec: (Argo CD's
 #: health, Flux's and kstatus's status). Running is Healthy once Ready.
 VERDICTS = {"Pending": ("Progressing", "InProgress"), "Planning": ("Progressing", "InProgress"),
+            "Queued": ("Progressing", "InProgress"),
             "Starting": ("Progressing", "InProgress"), "Restarting": ("Progressing", "InProgress"),
             "Running": ("Healthy", "Current"), "Succeeded": ("Healthy", "Current"),
             "Suspended": ("Suspended", "Current"), "Failed": ("Degraded", "Failed")}
@@ -110,6 +111,9 @@ def kstatus(obj: dict[str, Any]) -> str:
 PHASE_REASONS = {
     "Pending": ("Created", ""),
     "Planning": ("Planning", "the planner pod gpt-small-planner is running"),
+    "Queued": ("Queued", "waiting for quota in LocalQueue team (Workload gpt-small-0): couldn't assign flavors "
+                         "to pod set mesh-5f0c2a9e: insufficient unused quota for nvidia.com/gpu in flavor h100, "
+                         "8 more needed"),
     "Starting": ("PodsStarting", "0 of 3 pods running"),
     "Running": ("Training", "step 40 of 100"),
     "Restarting": ("PodFailed", "pod gpt-small-0-m1-h0 failed (OOMKilled); restart 1 of 3"),

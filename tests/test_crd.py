@@ -535,7 +535,7 @@ NEEDED_VERBS = {
     ("alpajob.io", "alpajobs"): {"get", "list", "watch", "patch", "delete"},
     ("alpajob.io", "alpajobs/status"): {"get", "patch"},
     ("alpajob.io", "alpajobs/finalizers"): {"update"},
-    ("", "pods"): {"create", "get", "list", "watch", "delete"},
+    ("", "pods"): {"create", "get", "list", "watch", "delete", "patch"},  # patch: Kueue's retriable-in-group
     ("", "services"): {"create", "get", "list", "watch"},
     ("", "configmaps"): {"create", "get", "list", "watch", "patch"},  # patch: the plan cleared to plan again
     ("", "persistentvolumeclaims"): {"create", "get", "list", "watch"},
@@ -551,6 +551,7 @@ NEEDED_VERBS = {
     ("", "nodes"): {"get", "list", "watch"},
     ("scheduling.volcano.sh", "podgroups"): {"create", "get", "list", "watch", "delete"},
     ("scheduling.x-k8s.io", "podgroups"): {"create", "get", "list", "watch", "delete"},
+    ("kueue.x-k8s.io", "workloads"): {"get"},  # why an attempt is queued
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     # kopf's managed webhook configurations (kopf/_core/engines/admission.py): a create
     # (a 409 for an existing one is fine), then merge patches; never a read.

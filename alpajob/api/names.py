@@ -74,8 +74,25 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 #: The node label the operator pins a mesh pod's affinity on.
 HOSTNAME_LABEL = "kubernetes.io/hostname"
-#: Kueue's queue label: copied from the job onto its pods.
+#: Kueue's queue label: on the job, the LocalQueue that admits its head and mesh pods.
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: Kueue's WorkloadPriorityClass label: copied from the job onto its head and mesh pods.
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+#: Kueue's plain-pod group: the label naming it (one group per attempt, ``<job>-<a>``,
+#: which is also the name of the Workload Kueue makes for it) ...
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+#: ... the annotation counting its pods ...
+KUEUE_GROUP_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+#: ... the annotation naming a pod's pod set in the Workload (``head``, ``mesh-<hash>``) ...
+KUEUE_ROLE_ANNOTATION = "kueue.x-k8s.io/role-hash"
+#: ... and the annotation that ends the group once its pods have stopped (``"false"``).
+KUEUE_RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
+#: The scheduling gate Kueue's webhook puts on a pod it queues; removed on admission.
+KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
+#: The pod condition Kueue sets on a pod it stops (preemption, eviction).
+KUEUE_TERMINATION_CONDITION = "TerminationTarget"
+#: The CRD whose presence means Kueue is installed.
+KUEUE_WORKLOAD_CRD = "workloads.kueue.x-k8s.io"
 #: Volcano's pod annotation naming its PodGroup.
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 #: The scheduler-plugins coscheduling plugin's pod label naming its PodGroup.

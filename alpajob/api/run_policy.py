@@ -121,12 +121,13 @@ class RunPolicy(Contract):
         "Seconds after the job succeeded or failed when the AlpaJob (and with it every child) "
         "is deleted."))
     suspend: bool = Field(False, description=(
-        "true deletes the job's pods and holds it (Kueue sets it); false resumes it from the "
-        "last checkpoint."))
+        "true deletes the job's pods and holds it; false resumes it from the last checkpoint "
+        "(queued again, under Kueue)."))
     scheduling_timeout_seconds: int | None = Field(None, ge=1, le=INT64_MAX, json_schema_extra=INT64, description=(
         "Seconds a pod of the job may stay unschedulable (the scheduler finds no node for it) "
         "before the job fails with reason SchedulingTimeout. Unset: it waits, and says why "
-        "(condition PodsScheduled=False with the scheduler's message)."))
+        "(condition PodsScheduled=False with the scheduler's message). Time queued for Kueue's "
+        "quota does not count."))
     clean_pod_policy: CleanPodPolicy = Field(CleanPodPolicy.RUNNING, description=(
         "Which pods are deleted when the job finishes: Running (default: the ones still running; "
         "finished pods, the planner's included, stay for kubectl logs until the job is deleted or "

@@ -419,7 +419,10 @@ class SchedulingSpec(Contract):
         "PodGroup holding every pod of the job."))
     scheduler_name: ObjectName | None = Field(None, description=(
         "The pods' scheduler (default: the gang scheduler's, else the cluster's default)."))
-    queue: ObjectName | None = Field(None, description="The Volcano queue of the PodGroup.")
+    queue: ObjectName | None = Field(None, description=(
+        "The queue that admits the job: with Kueue installed, the LocalQueue of its head and "
+        "mesh pods (as the kueue.x-k8s.io/queue-name label on the job; the planner pod is not "
+        "queued); with Volcano, the PodGroup's queue."))
     priority_class_name: ObjectName | None = Field(
         None, description="The PriorityClass of the job's pods.")
 

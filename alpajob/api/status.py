@@ -9,10 +9,10 @@ forever.
 
 Phases (:class:`Phase`) and condition types (:class:`ConditionType`)::
 
-    Pending -> Planning -> Starting -> Running -> Succeeded
-                  |           ^  |        |
-                  v           |  v        v
-                Failed    Restarting -> Failed        (any) <-> Suspended
+    Pending -> Planning -> (Queued ->) Starting -> Running -> Succeeded
+                  |                      ^  |         |
+                  v                      |  v         v
+                Failed              Restarting ->  Failed     (any) <-> Suspended
 
 =============  =======================================================
 Planned        the plan ConfigMap holds a plan
@@ -21,6 +21,8 @@ Running        training is under way
 Succeeded      the driver finished every step
 Failed         the job stopped for good (the reason says why)
 Suspended      ``spec.runPolicy.suspend`` is true
+Admitted       False while Kueue holds the attempt's pods for quota (Kueue's reason
+               and message); True once admitted (the ClusterQueue and flavors)
 Ready          True while Running and once Succeeded (for kstatus and Argo CD)
 Reconciling    True while Pending, Planning, Starting or Restarting (kstatus)
 Stalled        True once Failed, with the failure's reason and message (kstatus)
@@ -54,6 +56,7 @@ class Phase(StrEnum):
     STARTING = "Starting"
     RUNNING = "Running"
     RESTARTING = "Restarting"
+    QUEUED = "Queued"  # Kueue holds the attempt's pods until its ClusterQueue has the quota
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     SUSPENDED = "Suspended"
@@ -72,6 +75,10 @@ class ConditionType(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     SUSPENDED = "Suspended"
+    #: Kueue's admission of the current attempt's pods: False while they wait for
+    #: quota (Kueue's reason and message: the ClusterQueue, the flavor, what is
+    #: missing), True once admitted. Absent for a job no LocalQueue admits.
+    ADMITTED = "Admitted"
     READY = "Ready"
     #: False while the API server refuses to create a child (a pod forbidden for a
     #: missing ServiceAccount or by Pod Security, a quota): its reason and message.
@@ -86,7 +93,7 @@ class ConditionType(StrEnum):
     #: all again. Absent until the pool was first short.
     NODES_AVAILABLE = "NodesAvailable"
     #: kstatus's "abnormal-true" pair, which Flux and kpt read: True while the job is
-    #: on its way (Pending, Planning, Starting, Restarting) ...
+    #: on its way (Pending, Planning, Queued, Starting, Restarting) ...
     RECONCILING = "Reconciling"
     #: ... and True once it failed for good (the failure's reason and message).
     STALLED = "Stalled"
@@ -174,10 +181,12 @@ class JobTime(_Status):
     running_seconds: float = Field(0.0, ge=0, description="In Running: training (the trainer's own "
                                    "compile and checkpoint time included; status.progress has those).")
     restarting_seconds: float = Field(0.0, ge=0, description="In Restarting, after a failure.")
+    queued_seconds: float = Field(0.0, ge=0, description="In Queued: waiting for Kueue's quota.")
     suspended_seconds: float = Field(0.0, ge=0, description="In Suspended.")
 
     def goodput(self) -> float | None:
-        """Running time over the time of every ended phase (None before any ended)."""
+        """Running time over the time of every ended phase (None before any ended).
+        Time in Queued and Suspended is left out: the job held no GPUs then."""
         total = (self.planning_seconds + self.starting_seconds + self.running_seconds
                  + self.restarting_seconds)
         return self.running_seconds / total if total > 0 else None
@@ -187,10 +196,10 @@ class Status(_Status):
     """``status`` of an AlpaJob."""
 
     phase: Phase = Field(Phase.PENDING, description=(
-        "Pending, Planning, Starting, Running, Restarting, Succeeded, Failed or Suspended."))
+        "Pending, Planning, Queued, Starting, Running, Restarting, Succeeded, Failed or Suspended."))
     conditions: list[Condition] = Field(
         default_factory=list, max_length=32,
-        description=("Planned, MeshesReady, Running, Succeeded, Failed, Suspended, Ready, "
+        description=("Planned, MeshesReady, Running, Succeeded, Failed, Suspended, Admitted, Ready, "
                      "ChildrenCreated, PodsScheduled, NodesAvailable, and kstatus's Reconciling and Stalled."),
         json_schema_extra=k8s(x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["type"]))
     plan: PlanSummary | None = Field(

@@ -1,10 +1,11 @@
 -- Argo CD health check for alpajob.io/AlpaJob.
 --
--- An AlpaJob's status has a phase (Pending, Planning, Starting, Running, Restarting,
--- Succeeded, Failed, Suspended), kstatus's conditions and observedGeneration. This
+-- An AlpaJob's status has a phase (Pending, Planning, Queued, Starting, Running,
+-- Restarting, Succeeded, Failed, Suspended), kstatus's conditions and observedGeneration. This
 -- maps them onto Argo CD's health:
 --   Progressing  no status yet; a spec the operator has not seen (observedGeneration
---                behind metadata.generation); Pending, Planning, Starting, Restarting;
+--                behind metadata.generation); Pending, Planning, Queued (for Kueue's
+--                quota, with Kueue's message), Starting, Restarting;
 --                Running before the Ready condition is True
 --   Healthy      Running and Ready; Succeeded
 --   Degraded     Failed, with the failure's message
