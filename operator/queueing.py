@@ -74,6 +74,8 @@ from alpajob.operator.status import set_condition
 #: Seconds between two reads of a queued attempt's Workload (its pending message
 #: changes with no change to the pods the operator watches).
 QUEUE_REFRESH = 10.0
+#: Seconds between two looks for the Workload Kueue is about to make.
+WORKLOAD_POLL = 1.0
 #: Seconds a gated attempt may wait for Kueue to make its Workload before the job
 #: says Kueue's pod integration may be off for the namespace.
 WORKLOAD_GRACE = 30.0
@@ -181,14 +183,15 @@ def queued(state: PassState) -> bool:
                        f"{state.meta['namespace']} (integrations.frameworks: pod, managedJobsNamespaceSelector)?")
     else:
         reserved = _condition(workload, "QuotaReserved") or {}
-        reason = str(reserved.get("reason") or "Pending")
-        message = str(reserved.get("message") or f"Workload {group} waits for quota")
+        reason = str(reserved.get("reason") or "WorkloadPending")
+        message = str(reserved.get("message") or f"Workload {group} waits for Kueue to look at it")
         evicted = _condition(workload, "Evicted")
         if evicted is not None and evicted.get("status") == "True":
             reason, message = str(evicted.get("reason") or reason), str(evicted.get("message") or message)
     set_condition(state.status, ConditionType.ADMITTED, False, reason, message, state.generation, state.now)
     state.phase(Phase.QUEUED, "Queued", f"waiting for quota in LocalQueue {queue} (Workload {group}): {message}")
-    state.decision.wake(QUEUE_REFRESH)
+    fresh = workload is None or _condition(workload, "QuotaReserved") is None  # Kueue has not judged it yet
+    state.decision.wake(WORKLOAD_POLL if fresh else QUEUE_REFRESH)
     return True
 
 

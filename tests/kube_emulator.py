@@ -114,9 +114,11 @@ class _Admitting(kmock.KubernetesEmulator):
             stale = self._stale(request, (request.data.get("metadata") or {}).get("resourceVersion"))
             if stale is not None:  # a merge patch that names a version is conditional on it
                 return await self._render_error(stale)
-        if self.graceful_pods and request.action == kmock.action.DELETE and request.name is not None \
+        if request.action == kmock.action.DELETE and request.name is not None \
                 and request.resource.plural == "pods" and request.resource.group == "":
-            await self._graceful_delete(request)
+            if self.graceful_pods:
+                await self._graceful_delete(request)
+            await self._finalized_delete(request)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if request.action == kmock.action.CREATE:
@@ -305,6 +307,32 @@ class _Admitting(kmock.KubernetesEmulator):
                 "finalizers": [*meta.get("finalizers", []), KUBELET_FINALIZER]}})
             await self._buses[request.resource].put({"type": "MODIFIED", "object": self._objects[key].raw})
 
+    async def _finalized_delete(self, request: Any) -> None:
+        """A pod's deletion that only finalizers hold (Kueue's, on the pods it
+        manages), as the API server records it: ``deletionTimestamp`` now (RFC 3339)
+        and ``deletionGracePeriodSeconds`` 0 once no kubelet has to confirm (none runs
+        it, or it confirmed: :meth:`_graceful_delete`), or a force delete asked it;
+        the pod stays until its last finalizer goes."""
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            return
+        meta = self._objects[key].raw.get("metadata", {})
+        others = [f for f in meta.get("finalizers", []) if f != KUBELET_FINALIZER]
+        if not others or KUBELET_FINALIZER in meta.get("finalizers", []):
+            return  # nothing holds it but a kubelet (or nothing at all: kmock deletes it)
+        options = request.data if isinstance(request.data, dict) else {}
+        grace = options.get("gracePeriodSeconds", request.params.get("gracePeriodSeconds"))
+        if meta.get("deletionTimestamp") and (grace is None or int(grace) != 0):
+            return
+        if meta.get("deletionGracePeriodSeconds") == 0:
+            return
+        self.version += 1
+        async with self._lock:
+            self._objects[key].patch({"metadata": {
+                "deletionTimestamp": meta.get("deletionTimestamp") or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "deletionGracePeriodSeconds": 0, "resourceVersion": str(self.version)}})
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": self._objects[key].raw})
+
     def _failed_test(self, key: Any, ops: list[Any]) -> str | None:
         """The first ``test`` operation of a JSON patch that the stored object fails,
         as the API server says it (it answers 422, and kopf, testing the resource
@@ -482,6 +510,14 @@ class Emulator:
         #: ``(namespace, pod) -> Path | None``: where a pod's log is (the test kubelet's
         #: ``log.txt``), for ``pods/log``; None: no pod has a log.
         self.pod_logs: Any = None
+        #: Mutating admission webhooks for pod creations (Kueue's: ``kueue.Kueue``), each
+        #: ``(pod, namespace) -> KubernetesError | None``: it may change the pod in place,
+        #: or refuse it; called before Pod Security judges the pod, as the API server
+        #: runs mutating admission before validating admission.
+        self.pod_mutators: list[Any] = []
+        #: The structural schema of each custom resource served besides AlpaJob (by
+        #: ``(group, plural)``): its writes are pruned by it, as the API server prunes them.
+        self.schemas: dict[tuple[str, str], dict[str, Any]] = {}
 
     def _stored_rbac(self, plural: str) -> list[dict[str, Any]]:
         """The stored objects of one RBAC kind (``clusterroles``, ``rolebindings``, ...)."""
@@ -554,6 +590,7 @@ class Emulator:
                                               ("clusterrolebindings", "ClusterRoleBinding", False),
                                               ("roles", "Role", True), ("rolebindings", "RoleBinding", True))],
                                           ("v1/nodes", "Node", False), ("v1/namespaces", "Namespace", False),
+                                          ("scheduling.k8s.io/v1/priorityclasses", "PriorityClass", False),
                                           ("apiextensions.k8s.io/v1/customresourcedefinitions",
                                            "CustomResourceDefinition", False)]:
                 emulator.resources[key] = kmock.ResourceInfo(  # kopf's peering CRDs declare no status subresource
@@ -588,6 +625,13 @@ class Emulator:
             name = (pod.get("metadata") or {}).get("name", "")
             namespace = request.namespace or (pod.get("metadata") or {}).get("namespace") or "default"
             account = (pod.get("spec") or {}).get("serviceAccountName") or "default"
+            for mutate in self.pod_mutators:
+                denied = mutate(pod, namespace)
+                if denied is not None:
+                    return denied
+            refusal = self._priority(pod, name)
+            if refusal is not None:
+                return refusal
             refusal = self._refusal(namespace, name, account, pod)
             if refusal is not None:
                 return KubernetesError(status=403, reason="Forbidden", message=refusal,
@@ -598,6 +642,9 @@ class Emulator:
             plain = request.data.pop("stringData")
             request.data["data"] = {**(request.data.get("data") or {}),
                                     **{k: base64.b64encode(str(v).encode()).decode() for k, v in plain.items()}}
+        if (resource.group, resource.plural) in self.schemas and isinstance(request.data, dict) \
+                and action in (kmock.action.CREATE, kmock.action.UPDATE):
+            self._prune(request.data, self.schemas[resource.group, resource.plural])
         if resource.plural == "alpajobs" and action in (kmock.action.CREATE, kmock.action.UPDATE):
             self._prune_job(request.data)
             if self.webhook is not None:
@@ -730,14 +777,37 @@ class Emulator:
         """Prune an AlpaJob written (a whole object, or a merge patch of one; status
         too) by the CRD's structural schema, in place, before it is stored. Pruning a
         merge patch is pruning its result: what is stored was pruned already."""
+        if isinstance(body, dict):
+            self._prune(body, self.schema)
+
+    @staticmethod
+    def _prune(body: dict[str, Any], schema: dict[str, Any]) -> None:
+        """``body`` (an object, or a merge patch of one) pruned in place by ``schema``,
+        its fields but ``apiVersion``, ``kind`` and ``metadata``."""
         from kube_schema import prune
 
-        if not isinstance(body, dict):
-            return
-        root = self.schema["properties"]
-        kept = {k: prune(v, root[k]) if k in ("spec", "status") and k in root else v for k, v in body.items()}
+        root = schema.get("properties") or {}
+        kept = {k: prune(v, root[k]) if k not in ("apiVersion", "kind", "metadata") and k in root else v
+                for k, v in body.items()}
         body.clear()
         body.update(kept)
+
+    def _priority(self, pod: dict[str, Any], name: str) -> KubernetesError | None:
+        """The Priority admission plugin: a pod's ``priorityClassName`` becomes its
+        ``spec.priority`` (the PriorityClass's value); a class that does not exist is
+        refused with 403, as the API server refuses it."""
+        spec = pod.setdefault("spec", {})
+        wanted = spec.get("priorityClassName")
+        if not wanted:
+            return None
+        key = (kmock.resource("scheduling.k8s.io", "v1", "priorityclasses"), None, wanted)
+        stored = self.kmock.objects[key] if key in self.kmock.objects else None
+        if stored is None or stored.deleted:
+            return KubernetesError(status=403, reason="Forbidden",
+                                   message=f'pods "{name}" is forbidden: no PriorityClass with name {wanted} was found',
+                                   details={"name": name, "kind": "pods"})
+        spec["priority"] = int(_plain(stored).get("value") or 0)
+        return None
 
     @property
     def schema(self) -> dict[str, Any]:

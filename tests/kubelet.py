@@ -29,6 +29,8 @@ an AlpaJob really trains from the pods' own commands and environment:
   ``linger`` seconds (a slow node); other pods start meanwhile. A pod gone from the
   API (forced) is killed at once, and :meth:`Kubelet.kill` kills one pod's processes
   as a lost node would;
+- a pod with scheduling gates waits (no scheduler places it: Kueue's gate holds it
+  until Kueue admits it);
 - on a real cluster (``nodes``: the fake nodes the test registered) it runs only the
   pods the scheduler bound to those nodes, and keeps the nodes alive as a kubelet
   does: every 10 s it renews each node's Lease in ``kube-node-lease`` and reports
@@ -167,6 +169,8 @@ class Kubelet:
                 continue
             if (pod.status and pod.status.phase) in ("Succeeded", "Failed"):
                 continue
+            if pod.spec.scheduling_gates:
+                continue  # no scheduler places a gated pod (Kueue's, until it admits it)
             if time.monotonic() - self._last_start < self.stagger:
                 break  # one pod per ``stagger`` seconds: the rest start on later passes
             self._start(pod)
