@@ -296,7 +296,7 @@ class Kueue:
                     workloads[key] = made
             else:
                 self._reconcile(workload, members)
-        for key, workload in list(workloads.items()):
+        for key in list(workloads):
             if key not in pods:  # every owner gone: the garbage collector deletes it
                 with contextlib.suppress(client.ApiException):
                     self.custom.delete_namespaced_custom_object(GROUP, VERSION, key[0], "workloads", key[1])
