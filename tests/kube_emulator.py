@@ -801,7 +801,7 @@ class Emulator:
         if not wanted:
             return None
         key = (kmock.resource("scheduling.k8s.io", "v1", "priorityclasses"), None, wanted)
-        stored = self.kmock.objects.get(key)
+        stored = self.kmock.objects[key] if key in self.kmock.objects else None  # noqa: SIM401 (no .get)
         if stored is None or stored.deleted:
             return KubernetesError(status=403, reason="Forbidden",
                                    message=f'pods "{name}" is forbidden: no PriorityClass with name {wanted} was found',

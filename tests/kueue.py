@@ -21,7 +21,8 @@ What each part does, as Kueue does it for plain pods:
 - **scheduling**: pending Workloads of each ClusterQueue, highest priority first, then
   oldest (BestEffortFIFO: one that does not fit does not hold back the others). Each
   pod set's requests (the sum of its containers', or its largest init container's,
-  times its count) get, per resource group, the first flavor that matches the pods'
+  times its count; and the pods themselves when the queue covers ``pods``) get, per
+  resource group, the first flavor that matches the pods'
   node selector and required node affinity on the flavor's own label keys, whose
   taints the pods tolerate, and whose nominal quota has room; else the Workload stays
   ``QuotaReserved=False`` with Kueue's message (``couldn't assign flavors to pod set
@@ -456,6 +457,8 @@ class Kueue:
         for pod_set in workload["spec"]["podSets"]:
             spec = pod_set["template"].get("spec") or {}
             asked = {k: v * int(pod_set["count"]) for k, v in pod_requests(spec).items() if v > 0}
+            if any("pods" in g.get("coveredResources", []) for g in queue["spec"].get("resourceGroups") or []):
+                asked["pods"] = Decimal(int(pod_set["count"]))  # a queue that covers "pods" counts them
             flavors: dict[str, str] = {}
             for group in queue["spec"].get("resourceGroups") or []:
                 wanted = [r for r in sorted(asked) if r in group.get("coveredResources", [])]

@@ -18,19 +18,10 @@ import yaml
 
 from alpajob.api.names import LABEL_JOB, Role
 from alpajob.api.runtime import TrainerRuntime
-from alpajob.cli.main import main
 from alpajob.operator.pool import PoolNode
 from alpajob.operator.reconcile import MESH_EXIT_GRACE, Observed, reconcile
 
 EXAMPLES = Path(__file__).parent.parent / "manifests" / "examples"
-
-
-@pytest.fixture(scope="module")
-def plan_json(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A real plan of the 2-stage manual example (``alpajob plan --output``)."""
-    out = tmp_path_factory.mktemp("plan") / "plan.json"
-    assert main(["plan", str(EXAMPLES / "manual-gpt.yaml"), "--output", str(out)]) == 0
-    return out.read_text()
 
 
 def runtime_of(pod: dict[str, Any]) -> TrainerRuntime:
@@ -57,6 +48,9 @@ class World:
         self.ready = frozenset(n.name for n in self.pool)
         self.left_out: list[tuple[str, str]] = []  # nodes of the selector not in the pool, and why
         self.gang: str | None = None
+        self.queue: str | None = None  # the Kueue LocalQueue that admits the job (operator/queueing.py)
+        self.workload: dict[str, Any] | None = None  # Kueue's Workload of the current attempt
+        self.annotated: list[tuple[str, dict[str, str]]] = []
         self.events: list[tuple[str, str, str]] = []
         self.deleted_job = False
         self.forced: list[str] = []
@@ -83,7 +77,8 @@ class World:
             services=frozenset(n for k, n in self.objects if k == "Service"),
             claims=frozenset(n for k, n in self.objects if k == "PersistentVolumeClaim"),
             pod_groups=frozenset(n for k, n in self.objects if k == "PodGroup"),
-            gang=self.gang, ready_nodes=self.ready,
+            gang=self.gang, ready_nodes=self.ready, queue=self.queue, kueue=self.queue is not None,
+            workload=self.workload,
         )
         decision = reconcile(seen)
         self.job["status"] = decision.status.to_dict()
@@ -112,6 +107,10 @@ class World:
                     "deletionTimestamp", (self.now + timedelta(seconds=self.grace)).strftime("%Y-%m-%dT%H:%M:%SZ"))
             elif grace == 0 or not obj["metadata"].get("stuck"):
                 del self.objects[kind, name]
+        for name, extra in decision.annotate:
+            self.annotated.append((name, extra))
+            if ("Pod", name) in self.objects:
+                self.objects["Pod", name]["metadata"].setdefault("annotations", {}).update(extra)
         self.events += decision.events
         self.deleted_job |= decision.delete_job
         if decision.clear_plan:

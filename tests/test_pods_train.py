@@ -314,6 +314,98 @@ def test_deleting_a_mesh_pod_mid_run_never_fails_the_job(world: tuple[Emulator, 
         assert core.read_namespaced_pod(mesh_pod, ns).status.phase == "Succeeded"
 
 
+def _one_job_queue(emu: Emulator, ns: str) -> dict[str, str]:
+    """Kueue's objects for two jobs that take turns: a ClusterQueue that admits three
+    pods (one job's head and two mesh pods) and preempts for priority, its LocalQueue
+    ``team`` in ``ns``, and PriorityClasses ``low-<ns>`` and ``high-<ns>``."""
+    from kueue import GROUP as KUEUE
+    from kueue import VERSION as V
+
+    api = emu.api()
+    custom = client.CustomObjectsApi(api)
+    names = {"flavor": f"any-{ns}", "cq": f"cq-{ns}", "low": f"low-{ns}", "high": f"high-{ns}"}
+    custom.create_cluster_custom_object(KUEUE, V, "resourceflavors", {
+        "apiVersion": f"{KUEUE}/{V}", "kind": "ResourceFlavor", "metadata": {"name": names["flavor"]}, "spec": {}})
+    custom.create_cluster_custom_object(KUEUE, V, "clusterqueues", {
+        "apiVersion": f"{KUEUE}/{V}", "kind": "ClusterQueue", "metadata": {"name": names["cq"]},
+        "spec": {"namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
+                 "resourceGroups": [{"coveredResources": ["cpu", "memory", "pods"], "flavors": [
+                     {"name": names["flavor"], "resources": [{"name": "cpu", "nominalQuota": "64"},
+                                                             {"name": "memory", "nominalQuota": "512Gi"},
+                                                             {"name": "pods", "nominalQuota": "3"}]}]}]}})
+    custom.create_namespaced_custom_object(KUEUE, V, ns, "localqueues", {
+        "apiVersion": f"{KUEUE}/{V}", "kind": "LocalQueue", "metadata": {"name": "team", "namespace": ns},
+        "spec": {"clusterQueue": names["cq"]}})
+    for name, value in ((names["low"], 10), (names["high"], 1000)):
+        client.SchedulingV1Api(api).create_priority_class({
+            "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name}, "value": value})
+    return names
+
+
+def test_under_kueue_a_job_of_higher_priority_preempts_one_that_checkpoints_and_resumes_to_succeeded(
+        tmp_path: Path) -> None:
+    """Two jobs in one ClusterQueue whose quota fits one: the low-priority job trains in
+    the operator's pods; a high-priority job queues, and Kueue preempts the first. Its
+    head's driver gets SIGTERM, saves a checkpoint of the step it was at and exits 143;
+    the job counts a disruption (no restart spent), queues again as attempt 1 while the
+    second job trains to Succeeded, then is admitted again, restores that very
+    checkpoint and trains to Succeeded. Kueue's part is ``kueue.py``'s."""
+    with _world(tmp_path) as (emu, kubelet, log, ns, _):
+        if not isinstance(emu, Emulator):
+            pytest.skip("plays Kueue on the test API server (a real cluster brings its own Kueue)")
+        from kueue import Kueue
+
+        kueue = Kueue(emu).install()
+        kueue.manage(ns)
+        kueue.start()
+        try:
+            names = _one_job_queue(emu, ns)
+            custom = client.CustomObjectsApi(emu.api())
+            emu.claim(ns, "ckpt")
+            low = _job("kq-low", ns, checkpoint={"volume": "ckpt", "intervalSteps": 5},
+                       scheduling={"queue": "team", "priorityClassName": names["low"]})
+            steps = 600  # long enough that the preemption lands mid-run
+            low["spec"]["training"].update(steps=steps)
+            low["spec"]["training"].pop("evalEvery")
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, low)
+
+            def status(job: str) -> dict[str, Any]:
+                return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job).get("status") or {}
+
+            def saved() -> dict[str, Any] | None:
+                progress = status("kq-low").get("progress") or {}
+                return progress if (progress.get("lastCheckpointStep") or 0) >= 5 else None
+
+            _wait("kq-low's first checkpoint", saved, kubelet, log, timeout=400)
+            high = _job("kq-high", ns, scheduling={"queue": "team", "priorityClassName": names["high"]})
+            high["spec"]["training"].update(steps=12)
+            high["spec"]["training"].pop("evalEvery")
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, high)
+            _wait("kq-low preempted", lambda: status("kq-low").get("disruptions") == 1, kubelet, log, timeout=300)
+            _wait("kq-low queued again", lambda: status("kq-low").get("phase") == "Queued", kubelet, log, timeout=120)
+            _wait("kq-high to finish", lambda: status("kq-high").get("phase") in ("Succeeded", "Failed"),
+                  kubelet, log, timeout=400)
+            assert status("kq-high")["phase"] == "Succeeded", status("kq-high")
+            _wait("kq-low to finish", lambda: status("kq-low").get("phase") in ("Succeeded", "Failed"),
+                  kubelet, log, timeout=500)
+            final = status("kq-low")
+            print(f"\nkq-low status.time: {final.get('time')}")
+            assert final["phase"] == "Succeeded", final
+            assert (final["restarts"], final["disruptions"], final["children"]["attempt"]) == (0, 1, 1), final
+            assert final["progress"]["step"] == steps
+            # The preempted head saved the step it was at, and the next attempt went on from there.
+            stopped = re.search(r"SIGTERM after step (\d+): stopping", kubelet.log("kq-low-0-head"))
+            assert stopped, kubelet.log("kq-low-0-head")[-3000:]
+            assert kubelet.finished["kq-low-0-head"] == 143
+            resumed = re.search(r"restoring every mesh from the checkpoint of step (\d+)", kubelet.log("kq-low-1-head"))
+            assert resumed and resumed.group(1) == stopped.group(1), kubelet.log("kq-low-1-head")[-3000:]
+            assert not [n for n in kubelet.started if n.startswith("kq-low-1-")
+                        and kubelet.started.index(n) < kubelet.started.index("kq-high-0-head")]
+            assert kueue.errors == []
+        finally:
+            kueue.stop()
+
+
 def _the_plugin_shows_the_running_job(emu: Emulator, ns: str, job: str) -> None:
     """``kubectl alpajob`` (the installed ``kubectl-alpajob``) on a job the operator's pods
     train: its plan, its pods, each stage's times from the head's metrics through the
