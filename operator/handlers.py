@@ -183,7 +183,7 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
         """The job itself changed (its spec, or the status a pass wrote): pass again."""
         wakers.wake(kwargs["namespace"], kwargs["name"])
 
-    @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
+    @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_backoff=3.0, cancellation_timeout=5.0)
     async def run_job(**kwargs: Any) -> None:
         namespace, name = kwargs["namespace"], kwargs["name"]
         stopped: kopf.DaemonStopped = kwargs["stopped"]
@@ -192,6 +192,7 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
         refused = 0  # passes in a row whose creations were refused
         gone: set[str] = set()  # uids an audit found deleted while the watches had a gap
         audited = contact.gaps
+        ended = False  # the job is gone or going (its pods go with it)
         try:
             while not stopped:
                 woken.clear()  # a change from now on asks for another pass
@@ -216,7 +217,8 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
                     logger.warning(f"reconcile of {namespace}/{name} failed: {error}")
                     wait = next_wait(options.interval, 1)  # the API server may be back in a moment
                 else:
-                    if result.phase is None:  # the job is gone
+                    if result.phase is None:  # the job is gone, or going
+                        ended = True
                         return
                     refused = refused + 1 if result.refused else 0
                     if refused:  # back off: wait it out, whatever changes
@@ -229,7 +231,7 @@ def build_registry(kube: Kube, metrics: OperatorMetrics, options: OperatorOption
         finally:
             wakers.forget(namespace, name)
             reason = stopped.reason
-            if reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in reason:
+            if ended or (reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in reason):
                 # The job is going, and its pods with it: end their Kueue groups, or
                 # Kueue would hold their quota (and their finalizers) for good.
                 try:

@@ -6,7 +6,8 @@ One ClusterQueue whose GPU quota fits one job: the first job is admitted as one 
 group (its planner pod never queued), the flavor Kueue assigns reaching its mesh pods;
 a second waits ``Queued`` with Kueue's message until the first ends; a third of
 higher priority preempts the second, which counts a disruption (not a failure),
-queues again as its next attempt and, once admitted again, succeeds.
+queues again as its next attempt and, once admitted again, succeeds; a job deleted
+while it runs has its group ended, so Kueue frees its quota.
 """
 
 from __future__ import annotations
@@ -203,6 +204,16 @@ def test_kueue_admits_a_job_as_one_group_queues_the_next_and_preempts_for_priori
         final = cluster.job("kq-b")["status"]
         assert (final["restarts"], final["disruptions"], final["children"]["attempt"]) == (0, 1, 1), final
         assert final["time"]["queuedSeconds"] > 0
+
+        # A job deleted while it runs: its pods go, and their group is ended first, or
+        # Kueue would hold its quota (and the pods' finalizers) for good.
+        _gpu_job(cluster, "kq-d", names["low"])
+        cluster.run_planner("kq-d", tmp_path)
+        _wait("kq-d admitted", lambda: cluster.phase("kq-d") == "Starting", op=op)
+        cluster.custom.delete_namespaced_custom_object("alpajob.io", "v1alpha1", ns, "alpajobs", "kq-d")
+        _wait("kq-d's group ended", lambda: (pods := _attempt(cluster, "kq-d", 0)) and all(
+            (p.metadata.annotations or {}).get("kueue.x-k8s.io/retriable-in-group") == "false"
+            for p in pods.values()), op=op)
         assert kueue.errors == []
     finally:
         op.stop()

@@ -364,7 +364,7 @@ def test_under_kueue_a_job_of_higher_priority_preempts_one_that_checkpoints_and_
             emu.claim(ns, "ckpt")
             low = _job("kq-low", ns, checkpoint={"volume": "ckpt", "intervalSteps": 5},
                        scheduling={"queue": "team", "priorityClassName": names["low"]})
-            steps = 600  # long enough that the preemption lands mid-run
+            steps = 400  # long enough that the preemption lands mid-run (it did at step 165 of 600)
             low["spec"]["training"].update(steps=steps)
             low["spec"]["training"].pop("evalEvery")
             custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, low)
