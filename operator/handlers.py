@@ -12,7 +12,9 @@
   ``resync`` (minutes) is only a safety net. An idle job therefore costs the API
   server nothing but the watches. The passes are level-based, so any pass may be
   interrupted and the next (or a restarted operator's first) carries on. kopf stops
-  the daemon when the job is deleted; its children go with it (owner references);
+  the daemon when the job is deleted (it asks, and cancels it 3 s later); its children
+  go with it (owner references), and under Kueue their pod groups are ended first
+  (:meth:`~.kube.Kube.release_groups`), so that Kueue frees their quota;
 - the **validating webhook** for AlpaJobs (:func:`~.admission.validate_alpajob`):
   what the CRD's schema and CEL rules cannot judge;
 - a **liveness probe** that fails once the API server has not answered for
