@@ -207,6 +207,22 @@ def too_many_roles(state: PassState, pods: list[dict[str, Any]]) -> str | None:
             "stages one size with spec.podTemplate.mesh.resources")
 
 
+def unqueued(state: PassState) -> None:
+    """A job whose ``spec.scheduling.queue`` no installed queueing system takes (no
+    Kueue, no Volcano) runs unqueued: condition ``Admitted=False`` (reason NoQueueing)
+    and one Warning event say so, instead of silence."""
+    queue = (state.spec.get("scheduling") or {}).get("queue")
+    if not queue or state.seen.queue is not None or state.seen.kueue or state.seen.gang == "volcano":
+        return
+    before = next((c for c in state.status.conditions if c.type is ConditionType.ADMITTED), None)
+    if before is not None and before.reason == "NoQueueing":
+        return
+    message = (f"spec.scheduling.queue names {queue}, but neither Kueue (CRD workloads.kueue.x-k8s.io) nor "
+               "Volcano is installed: the job runs unqueued")
+    set_condition(state.status, ConditionType.ADMITTED, False, "NoQueueing", message, state.generation, state.now)
+    state.decision.events.append(("Warning", "NoQueueing", message))
+
+
 def release(state: PassState) -> None:
     """Annotate ``retriable-in-group: "false"`` on every Kueue-grouped pod of an
     attempt the job has left (every attempt, once it is finished or suspended), so

@@ -205,3 +205,17 @@ def test_a_suspended_jobs_group_is_ended_and_resuming_queues_a_new_one(plan_json
     world.step()
     assert {p["metadata"]["labels"][GROUP] for n, p in world.pods().items() if n.startswith("manual-gpt-1-")} \
         == {"manual-gpt-1"}
+
+
+def test_a_queue_no_installed_system_takes_is_said_once_and_the_job_runs(plan_json: str) -> None:
+    world = World({"scheduling": {"queue": "team"}})
+    world.step()
+    admitted = next(c for c in world.status["conditions"] if c["type"] == "Admitted")
+    assert admitted["reason"] == "NoQueueing" and "neither Kueue" in admitted["message"]
+    world.planned(plan_json)
+    world.step()
+    world.set_pods("Running")
+    world.step()
+    assert world.status["phase"] == "Running"
+    assert [r for _, r, _ in world.events].count("NoQueueing") == 1
+    assert not any("kueue.x-k8s.io/pod-group-name" in p["metadata"]["labels"] for p in world.pods().values())
