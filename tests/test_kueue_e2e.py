@@ -32,6 +32,7 @@ from kueue import GATE, GROUP, VERSION, Kueue  # noqa: E402
 from test_operator_e2e import Cluster, Operator, _wait  # noqa: E402
 
 from alpajob.api.names import GPU_RESOURCE  # noqa: E402
+from alpajob.cli.kubectl import main as kubectl_alpajob  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def _set_all(cluster: Cluster, job: str, attempt: int, phase: str, **extra: Any)
 
 
 def test_kueue_admits_a_job_as_one_group_queues_the_next_and_preempts_for_priority(
-        world: tuple[Emulator, Kueue], tmp_path: Path) -> None:
+        world: tuple[Emulator, Kueue], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     emu, kueue = world
     ns = unique_namespace("kq")
     emu.create_namespace(ns)
@@ -163,6 +164,9 @@ def test_kueue_admits_a_job_as_one_group_queues_the_next_and_preempts_for_priori
         assert f"flavor {names['slow']} doesn't match node affinity, insufficient unused quota for {GPU_RESOURCE} " \
             f"in flavor {names['fast']}, 4 more needed" in queued["message"], queued
         assert all(pod.spec.scheduling_gates[0].name == GATE for pod in _attempt(cluster, "kq-b", 0).values())
+        assert kubectl_alpajob(["--kubeconfig", str(emu.kubeconfig), "-n", ns, "pods", "kq-b"]) == 0
+        shown = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("kq-b-")}
+        assert shown["kq-b-0-head"][1:5] == ["*", "head", "0", "Queued"], shown  # Kueue's gate, said as such
         time.sleep(1.0)
         assert cluster.phase("kq-b") == "Queued"  # still: the quota is kq-a's
         for name in _attempt(cluster, "kq-a", 0):  # the head first, then the meshes end on their own

@@ -28,7 +28,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from alpajob.api.names import GROUP, LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, PLAN_KEY, PLURAL, VERSION
+from alpajob.api.names import (
+    GROUP,
+    KUEUE_ADMISSION_GATE,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_ROLE,
+    PLAN_KEY,
+    PLURAL,
+    VERSION,
+)
 from alpajob.api.runtime import METRICS_PORT
 from alpajob.api.status import ConditionStatus, ConditionType, Status
 
@@ -177,6 +186,8 @@ def show_pods(view: JobView, out: Console) -> int:
         phase = (pod.status.phase if pod.status else None) or "Pending"
         if pod.metadata.deletion_timestamp is not None:
             phase = "Terminating"
+        elif any(g.name == KUEUE_ADMISSION_GATE for g in pod.spec.scheduling_gates or []):
+            phase = "Queued"  # Kueue's gate: waiting for its ClusterQueue's quota
         waiting = [s.state.waiting.reason for s in (pod.status.container_statuses or []) if s.state and s.state.waiting] \
             if pod.status else []
         unplaced = [c.message or c.reason for c in (pod.status.conditions or []) if c.type == "PodScheduled"
