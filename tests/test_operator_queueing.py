@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+import pytest  # noqa: E402
 from test_operator_reconcile import World  # noqa: E402
 
 from alpajob.operator.queueing import QUEUE_REFRESH, WORKLOAD_GRACE, queue_of, role_of  # noqa: E402
@@ -219,3 +220,15 @@ def test_a_queue_no_installed_system_takes_is_said_once_and_the_job_runs(plan_js
     assert world.status["phase"] == "Running"
     assert [r for _, r, _ in world.events].count("NoQueueing") == 1
     assert not any("kueue.x-k8s.io/pod-group-name" in p["metadata"]["labels"] for p in world.pods().values())
+
+
+def test_more_pod_sets_than_kueue_admits_fails_the_job_saying_how_to_fix_it(
+        plan_json: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import alpajob.operator.queueing as queueing
+
+    monkeypatch.setattr(queueing, "MAX_POD_SETS", 2)  # the head and the example's two mesh shapes make 3
+    world = _queued_world(plan_json)
+    assert world.status["phase"] == "Failed"
+    failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "TooManyPodSets" and "spec.podTemplate.mesh.resources" in failed["message"]
+    assert not [n for n in world.pods() if n.startswith("manual-gpt-0-")]  # no partial group
