@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
-import pytest  # noqa: E402
 from test_operator_reconcile import World  # noqa: E402
 
 from alpajob.operator.queueing import QUEUE_REFRESH, WORKLOAD_GRACE, queue_of, role_of  # noqa: E402
