@@ -66,7 +66,8 @@ class Decision:
     create: list[dict[str, Any]] = field(default_factory=list)
     delete: list[tuple[str, str, int | None]] = field(default_factory=list)  # kind, name, grace seconds
     events: list[tuple[str, str, str]] = field(default_factory=list)  # type, reason, message
-    annotate: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # pod, annotations to merge
+    #: Pods' metadata to merge: (pod, {"labels": {...}, "annotations": {...}}).
+    pod_metadata: list[tuple[str, dict[str, dict[str, str]]]] = field(default_factory=list)
     delete_job: bool = False
     clear_plan: bool = False  # empty the plan ConfigMap: the job is planned again
     #: Seconds until a rule may fire with no change in the world (a deadline, a TTL);

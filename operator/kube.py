@@ -233,14 +233,15 @@ class Kube:
                 continue
             if (meta.get("annotations") or {}).get(KUEUE_RETRIABLE_ANNOTATION) == "false":
                 continue
-            self.annotate(namespace, str(meta.get("name")), {KUEUE_RETRIABLE_ANNOTATION: "false"})
+            self.patch_pod(namespace, str(meta.get("name")), {"annotations": {KUEUE_RETRIABLE_ANNOTATION: "false"}})
             done += 1
         return done
 
-    def annotate(self, namespace: str, pod: str, annotations: Mapping[str, str]) -> None:
-        """Merge ``annotations`` into pod ``namespace/pod`` (gone already: nothing to do)."""
+    def patch_pod(self, namespace: str, pod: str, metadata: Mapping[str, Mapping[str, str]]) -> None:
+        """Merge ``metadata`` (labels, annotations) into pod ``namespace/pod`` (gone
+        already: nothing to do)."""
         try:
-            self.core.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": dict(annotations)}})
+            self.core.patch_namespaced_pod(pod, namespace, {"metadata": {k: dict(v) for k, v in metadata.items()}})
         except client.ApiException as error:
             if error.status != 404:
                 raise
@@ -306,8 +307,8 @@ class Kube:
         self.refused(job, decision.status, status, refusals, bool(decision.create))
         for kind, child, grace in decision.delete:
             self.delete(kind, namespace, child, grace)
-        for pod, extra in decision.annotate:
-            self.annotate(namespace, pod, extra)
+        for pod, metadata in decision.pod_metadata:
+            self.patch_pod(namespace, pod, metadata)
         for kind, reason, message in decision.events:
             self.event(job, kind, reason, message)
         if decision.delete_job:

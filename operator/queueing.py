@@ -223,6 +223,19 @@ def unqueued(state: PassState) -> None:
     state.decision.events.append(("Warning", "NoQueueing", message))
 
 
+def requeue(state: PassState) -> None:
+    """``spec.scheduling.queue`` changed while the attempt waits: its gated pods get
+    the new queue label (Kueue moves a Workload that is not admitted yet to the queue
+    its pods name; an admitted one stays where it runs)."""
+    queue = state.seen.queue
+    if queue is None:
+        return
+    for name, pod in sorted(state.pods_of(state.attempt).items()):
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if gated(pod) and KUEUE_GROUP_LABEL in labels and labels.get(KUEUE_QUEUE_LABEL) != queue:
+            state.decision.pod_metadata.append((name, {"labels": {KUEUE_QUEUE_LABEL: queue}}))
+
+
 def release(state: PassState) -> None:
     """Annotate ``retriable-in-group: "false"`` on every Kueue-grouped pod of an
     attempt the job has left (every attempt, once it is finished or suspended), so
@@ -234,4 +247,4 @@ def release(state: PassState) -> None:
         if KUEUE_GROUP_LABEL not in labels or annotations.get(KUEUE_RETRIABLE_ANNOTATION) == "false":
             continue
         if labels.get(LABEL_ATTEMPT) != live:
-            state.decision.annotate.append((name, {KUEUE_RETRIABLE_ANNOTATION: "false"}))
+            state.decision.pod_metadata.append((name, {"annotations": {KUEUE_RETRIABLE_ANNOTATION: "false"}}))

@@ -546,6 +546,7 @@ class _Pass(PassState):
     def run(self) -> Decision:
         self.steps()
         queueing.unqueued(self)
+        queueing.requeue(self)
         queueing.release(self)
         self.identity()
         if not self.status.phase.finished and self.status.phase is not Phase.SUSPENDED:

@@ -30,6 +30,8 @@ What each part does, as Kueue does it for plain pods:
   ``preemption.withinClusterQueue: LowerPriority`` it evicts lower-priority admitted
   Workloads of the queue (lowest first, the newest first among equals) until it would
   fit: ``Evicted=True`` and ``Preempted=True`` with Kueue's message;
+- **moving** a group not admitted yet whose pods now name another queue: its
+  Workload's ``queueName`` follows them;
 - **running** an admitted group: its gated pods lose the gate and get the assigned
   flavor's node labels (in ``nodeSelector``) and tolerations; a failed pod that a
   replacement stands in for loses its finalizer;
@@ -403,6 +405,13 @@ class Kueue:
                 self.said.append((name, "QuotaReleased"))
             return
         if not _true(workload, "Admitted"):
+            queue = (pods[0]["metadata"].get("labels") or {}).get(QUEUE_LABEL)
+            if queue and queue != workload["spec"].get("queueName") and not _true(workload, "QuotaReserved"):
+                meta = workload["metadata"]  # the pods moved to another queue: so does their Workload
+                self.custom.patch_namespaced_custom_object(GROUP, VERSION, meta["namespace"], "workloads",
+                                                           meta["name"], {"spec": {"queueName": queue}})
+                workload["spec"]["queueName"] = queue
+                self.said.append((name, f"Moved to {queue}"))
             return
         assignments = {a["name"]: a for a in workload["status"]["admission"]["podSetAssignments"]}
         for pod in pods:

@@ -13,7 +13,6 @@ while it runs has its group ended, so Kueue frees its quota.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -167,7 +166,16 @@ def test_kueue_admits_a_job_as_one_group_queues_the_next_and_preempts_for_priori
         assert kubectl_alpajob(["--kubeconfig", str(emu.kubeconfig), "-n", ns, "pods", "kq-b"]) == 0
         shown = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("kq-b-")}
         assert shown["kq-b-0-head"][1:5] == ["*", "head", "0", "Queued"], shown  # Kueue's gate, said as such
-        time.sleep(1.0)
+        # Moved to a queue that does not exist, it says so in Kueue's words; moved back, it waits again.
+        patch = {"spec": {"scheduling": {"queue": "nowhere"}}}
+        cluster.custom.patch_namespaced_custom_object("alpajob.io", "v1alpha1", ns, "alpajobs", "kq-b", patch)
+        _wait("kq-b Inadmissible", lambda: _condition(cluster.job("kq-b"), "Admitted").get("message")
+              == "LocalQueue nowhere doesn't exist", timeout=30, op=op)
+        assert _condition(cluster.job("kq-b"), "Admitted")["reason"] == "Inadmissible"
+        patch["spec"]["scheduling"]["queue"] = "team"
+        cluster.custom.patch_namespaced_custom_object("alpajob.io", "v1alpha1", ns, "alpajobs", "kq-b", patch)
+        _wait("kq-b back in team", lambda: _condition(cluster.job("kq-b"), "Admitted").get("reason") == "Pending",
+              timeout=30, op=op)
         assert cluster.phase("kq-b") == "Queued"  # still: the quota is kq-a's
         for name in _attempt(cluster, "kq-a", 0):  # the head first, then the meshes end on their own
             cluster.set_phase(name, "Succeeded")

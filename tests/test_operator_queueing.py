@@ -233,3 +233,19 @@ def test_more_pod_sets_than_kueue_admits_fails_the_job_saying_how_to_fix_it(
     failed = next(c for c in world.status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "TooManyPodSets" and "spec.podTemplate.mesh.resources" in failed["message"]
     assert not [n for n in world.pods() if n.startswith("manual-gpt-0-")]  # no partial group
+
+
+def test_a_queued_attempt_moves_with_spec_scheduling_queue(plan_json: str) -> None:
+    world = World({"scheduling": {"queue": "team"}})
+    world.queue = "team"
+    world.step()
+    world.planned(plan_json)
+    world.step()
+    _gate(world)
+    world.step()
+    world.queue = "other"  # spec.scheduling.queue changed (it may), the pods still wait
+    world.job["spec"]["scheduling"]["queue"] = "other"
+    world.step()
+    queues = {p["metadata"]["labels"].get("kueue.x-k8s.io/queue-name") for n, p in world.pods().items()
+              if n != "manual-gpt-planner"}
+    assert queues == {"other"}

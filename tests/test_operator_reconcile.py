@@ -107,10 +107,12 @@ class World:
                     "deletionTimestamp", (self.now + timedelta(seconds=self.grace)).strftime("%Y-%m-%dT%H:%M:%SZ"))
             elif grace == 0 or not obj["metadata"].get("stuck"):
                 del self.objects[kind, name]
-        for name, extra in decision.annotate:
-            self.annotated.append((name, extra))
-            if ("Pod", name) in self.objects:
-                self.objects["Pod", name]["metadata"].setdefault("annotations", {}).update(extra)
+        for name, metadata in decision.pod_metadata:
+            for key, extra in metadata.items():
+                if key == "annotations":
+                    self.annotated.append((name, extra))
+                if ("Pod", name) in self.objects:
+                    self.objects["Pod", name]["metadata"].setdefault(key, {}).update(extra)
         self.events += decision.events
         self.deleted_job |= decision.delete_job
         if decision.clear_plan:
