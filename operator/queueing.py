@@ -58,6 +58,7 @@ from alpajob.api.names import (
     KUEUE_ADMISSION_GATE,
     KUEUE_GROUP_COUNT_ANNOTATION,
     KUEUE_GROUP_LABEL,
+    KUEUE_MANAGED_LABEL,
     KUEUE_PRIORITY_LABEL,
     KUEUE_QUEUE_LABEL,
     KUEUE_RETRIABLE_ANNOTATION,
@@ -133,6 +134,11 @@ def gated(pod: Mapping[str, Any]) -> bool:
     return any(g.get("name") == KUEUE_ADMISSION_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
 
 
+def _managed(pod: Mapping[str, Any]) -> bool:
+    """Did Kueue's webhook take ``pod`` (its ``kueue.x-k8s.io/managed`` label)?"""
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(KUEUE_MANAGED_LABEL) == "true"
+
+
 def _condition(workload: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
     return next((c for c in (workload.get("status") or {}).get("conditions") or [] if c.get("type") == kind), None)
 
@@ -169,6 +175,14 @@ def queued(state: PassState) -> bool:
             message = admission_text(workload)
             set_condition(state.status, ConditionType.ADMITTED, True, "Admitted", message, state.generation, state.now)
             state.decision.events.append(("Normal", "Admitted", message))
+        elif state.seen.kueue and pods and not any(_managed(p) for p in pods.values()) \
+                and (before is None or before.reason != "NotManaged"):
+            message = (f"the pods name LocalQueue {queue}, but Kueue's webhook did not queue them: enable Kueue's "
+                       f"pod integration for namespace {state.meta['namespace']} (integrations.frameworks: pod, "
+                       "managedJobsNamespaceSelector); the job runs unqueued")
+            set_condition(state.status, ConditionType.ADMITTED, False, "NotManaged", message, state.generation,
+                          state.now)
+            state.decision.events.append(("Warning", "NotManaged", message))
         return False
     group = state.names.pod_group
     if workload is None:

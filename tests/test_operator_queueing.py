@@ -249,3 +249,16 @@ def test_a_queued_attempt_moves_with_spec_scheduling_queue(plan_json: str) -> No
     queues = {p["metadata"]["labels"].get("kueue.x-k8s.io/queue-name") for n, p in world.pods().items()
               if n != "manual-gpt-planner"}
     assert queues == {"other"}
+
+
+def test_pods_kueue_did_not_take_say_its_pod_integration_is_off(plan_json: str) -> None:
+    """Kueue installed, the job names a queue, but its webhook left the pods alone (its
+    pod integration is off for the namespace): said once, and the job runs."""
+    world = _queued_world(plan_json)
+    world.set_pods("Running")
+    world.step()
+    admitted = next(c for c in world.status["conditions"] if c["type"] == "Admitted")
+    assert admitted["reason"] == "NotManaged" and "integrations.frameworks: pod" in admitted["message"]
+    assert world.status["phase"] == "Running"
+    world.step()
+    assert [r for _, r, _ in world.events].count("NotManaged") == 1

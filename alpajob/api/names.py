@@ -87,6 +87,8 @@ KUEUE_GROUP_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
 KUEUE_ROLE_ANNOTATION = "kueue.x-k8s.io/role-hash"
 #: ... and the annotation that ends the group once its pods have stopped (``"false"``).
 KUEUE_RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
+#: The label Kueue's webhook puts on a pod it manages (``"true"``).
+KUEUE_MANAGED_LABEL = "kueue.x-k8s.io/managed"
 #: The scheduling gate Kueue's webhook puts on a pod it queues; removed on admission.
 KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
 #: The pod condition Kueue sets on a pod it stops (preemption, eviction).
