@@ -1,8 +1,9 @@
 """Kueue for tests: its pod webhook and its controller, played against the test API
 server (``kube_emulator.Emulator``) as Kueue's documentation and code specify them.
 
-:meth:`Kueue.install` serves Kueue's CRDs (``../shared/kueue-crds``, their storage
-version v1beta2, writes pruned by their schemas) and registers the mutating webhook
+:meth:`Kueue.install` serves Kueue's kinds (their storage version v1beta2; writes pruned
+by Kueue's own CRD schemas where they are at hand: :func:`crd_folder`) and registers the
+mutating webhook
 of Kueue's ``pod`` integration; :meth:`Kueue.start` runs the controller on a thread.
 What each part does, as Kueue does it for plain pods:
 
@@ -54,6 +55,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import os
 import threading
 import time
 from collections import defaultdict
@@ -69,7 +71,16 @@ from kubernetes import client
 from kubernetes.utils import parse_quantity
 
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
-CRDS = Path(__file__).resolve().parents[2] / "shared" / "kueue-crds"
+#: Kueue's kinds as its API serves them: plural -> (kind, namespaced, a status subresource).
+KINDS = {"workloads": ("Workload", True, True), "localqueues": ("LocalQueue", True, True),
+         "clusterqueues": ("ClusterQueue", False, True), "resourceflavors": ("ResourceFlavor", False, False),
+         "workloadpriorityclasses": ("WorkloadPriorityClass", False, False),
+         "admissionchecks": ("AdmissionCheck", False, True), "cohorts": ("Cohort", False, True),
+         "topologies": ("Topology", False, False)}
+#: Where Kueue's own CRDs are (``config/components/crd/bases``): ``$ALPAJOB_KUEUE_CRDS``,
+#: else the workplace's ``../shared/kueue-crds``. With them, writes are pruned by their
+#: schemas; without them (a clone on its own), the kinds are served unpruned.
+CRDS_VARIABLE = "ALPAJOB_KUEUE_CRDS"
 MANAGED_LABEL = "kueue.x-k8s.io/managed"
 FINALIZER = "kueue.x-k8s.io/managed"
 GATE = "kueue.x-k8s.io/admission"
@@ -84,6 +95,28 @@ TERMINATION = "TerminationTarget"
 #: Owner kinds whose pods Kueue's ``pod`` integration leaves to their own integration.
 MANAGED_OWNERS = {("batch/v1", "Job"), ("jobset.x-k8s.io/v1alpha2", "JobSet"), ("ray.io/v1", "RayJob"),
                   ("ray.io/v1", "RayCluster"), ("kubeflow.org/v1", "PyTorchJob"), ("apps/v1", "ReplicaSet")}
+
+
+def crd_folder() -> Path | None:
+    """Kueue's CRDs (:data:`CRDS_VARIABLE`, else ``../shared/kueue-crds``), if present."""
+    named = os.environ.get(CRDS_VARIABLE)
+    folder = Path(named) if named else Path(__file__).resolve().parents[2] / "shared" / "kueue-crds"
+    return folder if folder.is_dir() else None
+
+
+def _bare_crd(plural: str, kind: str, namespaced: bool, status: bool) -> dict[str, Any]:
+    """A CRD of Kueue's kind with no schema of its fields (no pruning): what a clone
+    without Kueue's CRDs serves."""
+    version: dict[str, Any] = {"schema": {"openAPIV3Schema": {"type": "object",
+                                                              "x-kubernetes-preserve-unknown-fields": True}}}
+    if status:
+        version["subresources"] = {"status": {}}
+    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.{GROUP}"},
+            "spec": {"group": GROUP, "scope": "Namespaced" if namespaced else "Cluster",
+                     "names": {"plural": plural, "kind": kind, "singular": kind.lower(), "listKind": f"{kind}List"},
+                     "versions": [{**version, "name": "v1beta1", "served": True, "storage": False},
+                                  {**version, "name": VERSION, "served": True, "storage": True}]}}
 
 
 def _now() -> str:
@@ -195,18 +228,22 @@ class Kueue:
 
     # ------------------------------------------------------------ installing
     def install(self) -> Kueue:
-        """Serve Kueue's CRDs (v1beta2) and register its pod webhook."""
+        """Serve Kueue's kinds (v1beta2, v1beta1 served beside it: their CRDs, which the
+        operator reads to find Kueue), pruned by Kueue's own schemas when they are at
+        hand (:func:`crd_folder`), and register its pod webhook."""
         extensions = client.ApiextensionsV1Api(self.api)
-        for path in sorted(CRDS.glob("*.yaml")):
-            crd = yaml.safe_load(path.read_text())
-            spec = crd["spec"]
-            [version] = [v for v in spec["versions"] if v["name"] == VERSION]
-            plural = spec["names"]["plural"]
+        folder = crd_folder()
+        for plural, (kind, namespaced, status) in KINDS.items():
             self.emu.kmock.resources[f"{GROUP}/{VERSION}/{plural}"] = kmock.ResourceInfo(
-                kind=spec["names"]["kind"], namespaced=spec["scope"] == "Namespaced",
-                subresources=set((version.get("subresources") or {}).keys()),
+                kind=kind, namespaced=namespaced, subresources={"status"} if status else set(),
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"})
-            self.emu.schemas[GROUP, plural] = version["schema"]["openAPIV3Schema"]
+            path = folder / f"{GROUP}_{plural}.yaml" if folder is not None else None
+            if path is not None and path.exists():
+                crd = yaml.safe_load(path.read_text())
+                [version] = [v for v in crd["spec"]["versions"] if v["name"] == VERSION]
+                self.emu.schemas[GROUP, plural] = version["schema"]["openAPIV3Schema"]
+            else:
+                crd = _bare_crd(plural, kind, namespaced, status)
             with contextlib.suppress(client.ApiException):
                 extensions.create_custom_resource_definition(crd)
         self.emu.pod_mutators.append(self.webhook)
