@@ -860,8 +860,33 @@ def test_the_test_api_server_refuses_what_a_real_one_refuses(cluster: Cluster) -
         cluster.core.create_namespaced_pod(cluster.ns, orphan)
     assert missing.value.status == 403
     assert 'serviceaccount "nobody" not found' in json.loads(missing.value.body)["message"]
+    unknown = {**plain, "metadata": {"name": "unranked", "namespace": cluster.ns},
+               "spec": {**plain["spec"], "priorityClassName": "no-such-class"}}
+    with pytest.raises(client.ApiException) as unranked:  # the Priority admission plugin
+        cluster.core.create_namespaced_pod(cluster.ns, unknown)
+    assert unranked.value.status == 403
+    assert "no PriorityClass with name no-such-class was found" in json.loads(unranked.value.body)["message"]
     names = {p.metadata.name for p in cluster.core.list_namespaced_pod(cluster.ns).items}
-    assert not names & {"plain", "orphan"}
+    assert not names & {"plain", "orphan", "unranked"}
+
+
+def test_a_pod_held_by_a_finalizer_is_deleted_as_a_real_api_server_records_it(cluster: Cluster) -> None:
+    """A pod with a finalizer (Kueue's, on the pods it manages) is not removed by a
+    delete: it gets ``deletionTimestamp`` (RFC 3339) and, with no kubelet to wait for,
+    ``deletionGracePeriodSeconds`` 0, and goes once its last finalizer is removed."""
+    emulator_only(cluster.emu, "a real API server needs no proof of its own deletions")
+    held = {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "held", "namespace": cluster.ns, "finalizers": ["example.com/hold"]},
+            "spec": {"containers": [{"name": "c", "image": "busybox", "securityContext": {
+                "runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}}]}}
+    cluster.core.create_namespaced_pod(cluster.ns, held)
+    cluster.core.delete_namespaced_pod("held", cluster.ns)
+    meta = json.loads(cluster.core.read_namespaced_pod("held", cluster.ns, _preload_content=False).data)["metadata"]
+    assert meta["deletionGracePeriodSeconds"] == 0
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["deletionTimestamp"]), meta
+    cluster.core.patch_namespaced_pod("held", cluster.ns, {"metadata": {"finalizers": None}})
+    _wait("the pod gone", lambda: "held" not in {p.metadata.name for p in cluster.core.list_namespaced_pod(cluster.ns).items})
 
 
 def test_the_test_api_server_prunes_undeclared_fields_as_a_real_one_does(cluster: Cluster) -> None:
