@@ -27,8 +27,6 @@ from alpajob.api.names import (
     API_VERSION,
     GROUP,
     KIND,
-    KUEUE_GROUP_LABEL,
-    KUEUE_RETRIABLE_ANNOTATION,
     KUEUE_WORKLOAD_CRD,
     LABEL_JOB,
     PLAN_KEY,
@@ -40,7 +38,7 @@ from alpajob.api.status import ConditionType, Status
 from alpajob.operator.names import ChildNames
 from alpajob.operator.network import NetworkSettings
 from alpajob.operator.pool import EVERY_TAINT, read_pool
-from alpajob.operator.queueing import queue_of
+from alpajob.operator.queueing import END_GROUP, in_open_group, queue_of
 from alpajob.operator.reconcile import Decision, Observed
 from alpajob.operator.status import set_condition
 from alpajob.operator.world import World
@@ -226,16 +224,10 @@ class Kube:
         """Annotate ``retriable-in-group: "false"`` on every Kueue-grouped pod of
         ``world`` that lacks it (a job being deleted: its pods go, and Kueue must end
         their groups to free the quota and release them); how many it annotated."""
-        done = 0
-        for pod in world.pods:
-            meta = pod.get("metadata") or {}
-            if KUEUE_GROUP_LABEL not in (meta.get("labels") or {}):
-                continue
-            if (meta.get("annotations") or {}).get(KUEUE_RETRIABLE_ANNOTATION) == "false":
-                continue
-            self.patch_pod(namespace, str(meta.get("name")), {"annotations": {KUEUE_RETRIABLE_ANNOTATION: "false"}})
-            done += 1
-        return done
+        open_pods = [pod for pod in world.pods if in_open_group(pod)]
+        for pod in open_pods:
+            self.patch_pod(namespace, str(pod["metadata"]["name"]), END_GROUP)
+        return len(open_pods)
 
     def patch_pod(self, namespace: str, pod: str, metadata: Mapping[str, Mapping[str, str]]) -> None:
         """Merge ``metadata`` (labels, annotations) into pod ``namespace/pod`` (gone

@@ -211,8 +211,9 @@ def queued(state: PassState) -> bool:
 
 def too_many_roles(state: PassState, pods: list[dict[str, Any]]) -> str | None:
     """The message when the attempt's pods would make more pod sets than Kueue admits."""
-    existing = [p for p in state.pods_of(state.attempt).values()]
-    roles = {(p.get("metadata") or {}).get("annotations", {}).get(KUEUE_ROLE_ANNOTATION) for p in [*existing, *pods]}
+    existing = list(state.pods_of(state.attempt).values())
+    roles = {((p.get("metadata") or {}).get("annotations") or {}).get(KUEUE_ROLE_ANNOTATION)
+             for p in [*existing, *pods]}
     roles.discard(None)
     if len(roles) <= MAX_POD_SETS:
         return None
@@ -250,15 +251,23 @@ def requeue(state: PassState) -> None:
             state.decision.pod_metadata.append((name, {"labels": {KUEUE_QUEUE_LABEL: queue}}))
 
 
+#: The metadata patch that ends a pod's Kueue group once its pods have stopped.
+END_GROUP = {"annotations": {KUEUE_RETRIABLE_ANNOTATION: "false"}}
+
+
+def in_open_group(pod: Mapping[str, Any]) -> bool:
+    """Is ``pod`` in a Kueue group that nothing has ended yet (no pod of it told so)?"""
+    meta = pod.get("metadata") or {}
+    return KUEUE_GROUP_LABEL in (meta.get("labels") or {}) \
+        and (meta.get("annotations") or {}).get(KUEUE_RETRIABLE_ANNOTATION) != "false"
+
+
 def release(state: PassState) -> None:
     """Annotate ``retriable-in-group: "false"`` on every Kueue-grouped pod of an
     attempt the job has left (every attempt, once it is finished or suspended), so
     Kueue finishes that Workload once its pods stopped (module docstring)."""
     live = None if state.status.phase.finished or state.status.phase is Phase.SUSPENDED else str(state.attempt)
     for name, pod in sorted(state.seen.pods.items()):
-        meta = pod.get("metadata") or {}
-        labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
-        if KUEUE_GROUP_LABEL not in labels or annotations.get(KUEUE_RETRIABLE_ANNOTATION) == "false":
-            continue
-        if labels.get(LABEL_ATTEMPT) != live:
-            state.decision.pod_metadata.append((name, {"annotations": {KUEUE_RETRIABLE_ANNOTATION: "false"}}))
+        attempt = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT)
+        if in_open_group(pod) and attempt != live:
+            state.decision.pod_metadata.append((name, END_GROUP))
