@@ -11,7 +11,8 @@ the manifest, the forced-device line, printing). ``ilp_seconds`` is the ILPs' CP
 summed over the workers, so it exceeds the search's wall time on several cores.
 
 The cases are the planning-latency targets: GPT-tiny and the README job on 8 forced
-CPU devices, GPT-39B and MoE-70B on 8 x 8 V100-16GB (batch 1024, float16).
+CPU devices, GPT-2.6B on 1 x 8 V100-16GB, GPT-39B and MoE-70B on 8 x 8 (batch 1024,
+float16).
 
 ``--before DIR`` also times a checkout of another commit (``git worktree add DIR
 COMMIT``), the two alternating per case, so both see the same machine::
@@ -40,9 +41,10 @@ EXAMPLES = ROOT / "manifests" / "examples"
 #: case -> (an example manifest, or ``alpa:NAME``: that case of alpa_plans.py; target s)
 CASES: dict[str, tuple[str, float]] = {
     "gpt-tiny": ("local-gpt.yaml", 3.0),
-    "readme-job": ("text-gpt.yaml", 10.0),
-    "gpt-39b-64xv100": ("alpa:gpt-39b", 20.0),
-    "moe-70b-64xv100": ("alpa:moe-70b", 60.0),
+    "readme-job": ("text-gpt.yaml", 5.0),
+    "gpt-2.6b-8xv100": ("alpa:gpt-2.6b", 10.0),
+    "gpt-39b-64xv100": ("alpa:gpt-39b", 10.0),
+    "moe-70b-64xv100": ("alpa:moe-70b", 40.0),
 }
 
 #: Plans one case of ``benchmarks/alpa_plans.py`` (Alpa's optimizer per family: MoE's

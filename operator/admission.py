@@ -26,15 +26,10 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from alpajob.api.data import DataSpec
+from alpajob.api.data import DEFAULT_DATA_SCHEMES, DataSpec
 from alpajob.api.resource import document_problems
 from alpajob.operator.pod_shapes import template_problems
 
-#: The data URL schemes a cluster allows unless its operator says otherwise
-#: (``--data-schemes``): local paths and volumes, S3 and Google Cloud Storage. A web
-#: URL (http, https) reads from anywhere the pods can reach, so it is allowed only
-#: where the operator is told to.
-DEFAULT_DATA_SCHEMES = ("file", "s3", "gs")
 #: Other spellings fsspec accepts for one store.
 SCHEME_ALIASES = {"gcs": "gs", "s3a": "s3", "local": "file"}
 

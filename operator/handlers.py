@@ -38,10 +38,10 @@ from typing import Any
 
 import kopf
 
+from alpajob.api.data import DEFAULT_DATA_SCHEMES
 from alpajob.api.names import ANNOTATION_PREFIX, CRD_NAME, FINALIZER, GROUP, PLURAL, VERSION
 from alpajob.api.status import Phase
 from alpajob.operator import world
-from alpajob.operator.admission import DEFAULT_DATA_SCHEMES
 from alpajob.operator.health import ApiContact, LostApiServer
 from alpajob.operator.kube import Kube
 from alpajob.operator.metrics import OperatorMetrics

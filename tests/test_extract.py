@@ -12,8 +12,9 @@ from jax import lax
 
 from alpajob.api.errors import ManifestError
 from alpajob.api.zoo import mlp_layer_dims
+from alpajob.planner.graph.extract import extract_graph
 from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole, with_batch_size
-from alpajob.trainer_image.step import graph_of
+from alpajob.trainer_image.step import graph_of, trace_step
 from alpajob.trainer_image.zoo import resolve_model
 
 BATCH = 8
@@ -399,6 +400,51 @@ def test_a_step_whose_structure_depends_on_the_batch_is_refused():
 
     with pytest.raises(ValueError, match="different programs"):
         _graph(init, loss, lambda n: {"x": jax.ShapeDtypeStruct((n, 4), jnp.float32)}, 4)
+
+
+def _traced_twice(model, batch: int) -> OpGraph:
+    """The graph of two concrete traces (at ``batch`` and twice it), as before the
+    symbolic trace."""
+    graph = extract_graph(trace_step(model, 2 if batch == 1 else batch))
+    return with_batch_size(graph, 1) if batch == 1 else graph
+
+
+@pytest.mark.parametrize("name", ["gpt", "moe", "wresnet"])
+@pytest.mark.parametrize("batch", [1, 6, 64])
+def test_one_symbolic_trace_makes_the_graph_of_two_concrete_ones(name, batch):
+    """Every op, tensor, shape, batch dim, FLOP count, byte count and parameter of the
+    symbolic trace evaluated at the batch equals the two concrete traces' (MoE's token
+    groups included: the batch is traced as a multiple of the symbol)."""
+    model = resolve_model(name)
+    notes: list[str] = []
+    graph = graph_of(model, batch, note=notes.append)
+    assert notes == []  # the symbolic trace was used
+    twice = _traced_twice(model, batch)
+    assert graph.ops == twice.ops
+    assert graph.tensors == twice.tensors
+    assert graph.fingerprint() == twice.fingerprint()
+
+
+def test_a_model_that_needs_a_concrete_batch_is_traced_twice_with_a_note():
+    def init(key):
+        return {"w": jnp.ones((4, 4))}
+
+    def loss(params, batch):
+        rows = int(batch["x"].shape[0])  # Python arithmetic on the batch size
+        return jnp.sum(batch["x"] @ params["w"]) / rows
+
+    model = SimpleNamespace(name="model", init=init, loss=loss,
+                            batch_shapes=lambda n: {"x": jax.ShapeDtypeStruct((n, 4), jnp.float32)})
+    notes: list[str] = []
+    graph = graph_of(model, 8, note=notes.append)
+    assert len(notes) == 1
+    assert "traced twice (at batch 8 and 16)" in notes[0] and "concrete batch size" in notes[0]
+    assert graph.ops == _traced_twice(model, 8).ops
+    # The zoo's MLP fills an array with the batch size in its backward: traced twice.
+    notes.clear()
+    graph = graph_of(resolve_model("mlp"), BATCH, note=notes.append)
+    assert len(notes) == 1 and "makes an array from a size" in notes[0]
+    assert graph.tensors == _traced_twice(resolve_model("mlp"), BATCH).tensors
 
 
 def test_bad_batch_size():

@@ -41,12 +41,13 @@ from alpajob.trainer_image.step import graph_of, training_optimizer
 from alpajob.trainer_image.stopping import Deadline
 
 
-def job_graph(job: AlpaJob) -> OpGraph:
-    """The op graph of ``job``'s training step at its global batch."""
+def job_graph(job: AlpaJob, note: Callable[[str], None] | None = None) -> OpGraph:
+    """The op graph of ``job``'s training step at its global batch (``note`` hears
+    why the model had to be traced twice, where it had)."""
     training = job.spec.training
     model = load_model(job.spec.model, training.dtype)
     try:
-        return graph_of(model, training.global_batch_size, training_optimizer(training))
+        return graph_of(model, training.global_batch_size, training_optimizer(training), note)
     except AlpaJobError:
         raise
     except (Exception, SystemExit) as error:  # noqa: BLE001 - a user's model, reported in one line
@@ -67,9 +68,11 @@ class PlanningInputs:
 
 
 def planning_inputs(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | None,
-                    graph: OpGraph | None, progress: Progress | None) -> PlanningInputs:
+                    graph: OpGraph | None, progress: Progress | None,
+                    note: Callable[[str], None] | None = None) -> PlanningInputs:
     """``job``'s cluster (default: ``spec.cluster`` with ``options``' overrides), search
-    and graph (traced unless the caller has it), with ``--calibration`` applied."""
+    and graph (traced unless the caller has it; ``note`` hears about the tracing), with
+    ``--calibration`` applied."""
     if cluster is None:
         cluster = cluster_for(job.spec.cluster, options)
     search = search_options(job.spec.parallelism, options, job.spec.planner)
@@ -80,7 +83,7 @@ def planning_inputs(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | N
         start_fork_server()  # the planner's workers get ready while the model is traced
         if progress:
             progress(f"tracing {job.spec.model.zoo or job.spec.model.entrypoint}", 0, None)
-        graph = job_graph(job)
+        graph = job_graph(job, note)
     return PlanningInputs(graph, cluster, search, time.perf_counter() - start)
 
 
@@ -128,7 +131,7 @@ def plan_or_cached(job: AlpaJob, options: PlanOptions | None = None, *,
 def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | None,
                     graph: OpGraph | None, progress: Progress,
                     warn: Callable[[str], None]) -> JobPlan:
-    given = planning_inputs(job, options, cluster, graph, progress)
+    given = planning_inputs(job, options, cluster, graph, progress, warn)
     if options.cache_dir is None:
         return JobPlan(make_plan(given.graph, given.cluster, given.search, progress=progress,
                                  extract_seconds=given.traced_seconds).plan)

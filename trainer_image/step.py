@@ -7,9 +7,13 @@ float32 whatever the parameters' dtype (:func:`init_optimizer_state`).
 
 The planner reads the step, it never calls it: :func:`trace_step` traces it with
 ``jax.make_jaxpr`` on abstract shapes (``jax.eval_shape`` of ``init``: nothing is
-allocated, so a 39B-parameter model traces on a laptop) at the batch size and at twice
-it, and :func:`graph_of` hands that :class:`~alpajob.planner.graph.extract.TracedStep`
-to the planner's :func:`~alpajob.planner.graph.extract.extract_graph`.
+allocated, so a 39B-parameter model traces on a laptop) once, with a symbolic batch
+size (``jax.export.symbolic_shape``), and :func:`graph_of` hands that
+:class:`~alpajob.planner.graph.extract.TracedStep` to the planner's
+:func:`~alpajob.planner.graph.extract.extract_graph`, which evaluates its shapes at the
+batch size and at twice it. A model whose code needs a concrete batch size (Python
+arithmetic on it, ``int(x.shape[0])``) is traced twice instead, at the batch size and
+at twice it, with a note saying why.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from alpajob.api.errors import ManifestError
+from alpajob.api.errors import AlpaJobError, ManifestError
 from alpajob.api.plan import path_name
 from alpajob.api.spec import LRSchedule, Optimizer, OptimizerSpec, TrainingSpec
-from alpajob.planner.graph.extract import TracedStep, extract_graph
+from alpajob.planner.graph.extract import NotBatchPolymorphic, TracedStep, extract_graph
 from alpajob.planner.graph.opgraph import OpGraph, with_batch_size
 from alpajob.trainer_image.precision import all_finite
 
@@ -39,8 +43,10 @@ class TrainableModel(Protocol):
     def init(self) -> Callable[[jax.Array], Any]: ...
     @property
     def loss(self) -> Callable[[Any, Any], jax.Array]: ...
+    #: batch size -> the batch's ``jax.ShapeDtypeStruct`` leaves; called with an int,
+    #: and by :func:`trace_step` with a symbolic dimension (``jax.export``).
     @property
-    def batch_shapes(self) -> Callable[[int], Any]: ...
+    def batch_shapes(self) -> Callable[[Any], Any]: ...
 
 
 def learning_rate_schedule(spec: OptimizerSpec, steps: int) -> optax.ScalarOrSchedule:
@@ -151,10 +157,18 @@ def make_scaled_train_step(
     return step
 
 
+#: The symbol the batch size is traced as (:func:`trace_step` with ``symbolic``).
+BATCH_SYMBOL = "b"
+
+
 def trace_step(model: TrainableModel, batch_size: int,
-               optimizer: optax.GradientTransformation | None = None) -> TracedStep:
-    """The model's training step traced at ``batch_size`` and ``2 * batch_size``
-    (``optimizer``: default Adam)."""
+               optimizer: optax.GradientTransformation | None = None, *,
+               symbolic: bool = False) -> TracedStep:
+    """The model's training step traced at ``batch_size`` and ``2 * batch_size``, or
+    with ``symbolic`` once with the batch size ``m * b``, ``b`` the symbol
+    :data:`BATCH_SYMBOL` and ``m`` the largest power of two dividing ``batch_size``
+    (``optimizer``: default Adam). A model that needs a concrete batch size raises in
+    the symbolic trace (:func:`graph_of` then traces twice)."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     opt = optimizer if optimizer is not None else named_optimizer(Optimizer.ADAM)
@@ -163,20 +177,50 @@ def trace_step(model: TrainableModel, batch_size: int,
     step = make_train_step(model.loss, opt)
     param_paths, _ = jax.tree_util.tree_flatten_with_path(params)
     opt_paths, _ = jax.tree_util.tree_flatten_with_path(opt_state)
+    multiple = batch_size & -batch_size  # the largest power of two dividing it
+    if symbolic:
+        # The batch as a multiple of the symbol, so that model code needing it to divide
+        # by a power of two (tokens into MoE groups) can prove it does.
+        (batch,) = jax.export.symbolic_shape(f"{multiple}*{BATCH_SYMBOL}")
+        jaxpr, jaxpr_2x = jax.make_jaxpr(step)(params, opt_state, model.batch_shapes(batch)), None
+    else:
+        jaxpr = jax.make_jaxpr(step)(params, opt_state, model.batch_shapes(batch_size))
+        jaxpr_2x = jax.make_jaxpr(step)(params, opt_state, model.batch_shapes(2 * batch_size))
     return TracedStep(
         name=model.name,
-        jaxpr=jax.make_jaxpr(step)(params, opt_state, model.batch_shapes(batch_size)),
-        jaxpr_2x=jax.make_jaxpr(step)(params, opt_state, model.batch_shapes(2 * batch_size)),
+        jaxpr=jaxpr,
+        jaxpr_2x=jaxpr_2x,
         batch_size=batch_size,
         param_names=tuple(path_name(path) for path, _ in param_paths),
         opt_state_names=tuple(path_name(path) for path, _ in opt_paths),
+        batch_symbol=BATCH_SYMBOL if symbolic else None,
+        batch_multiple=multiple if symbolic else 1,
     )
 
 
+def _symbolic_graph(model: TrainableModel, batch_size: int,
+                    optimizer: optax.GradientTransformation | None) -> tuple[OpGraph | None, str]:
+    """The graph from one symbolic trace, or None and why it could not be made."""
+    try:
+        return extract_graph(trace_step(model, batch_size, optimizer, symbolic=True)), ""
+    except NotBatchPolymorphic as error:
+        return None, str(error)
+    except AlpaJobError:  # the plan's time limit, a bad manifest: not the trace's to hide
+        raise
+    except Exception as error:  # noqa: BLE001 - the concrete traces report real errors
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return None, f"{type(error).__name__}: {first}"[:300]
+
+
 def graph_of(model: TrainableModel, batch_size: int,
-             optimizer: optax.GradientTransformation | Optimizer | str | None = None) -> OpGraph:
+             optimizer: optax.GradientTransformation | Optimizer | str | None = None,
+             note: Callable[[str], None] | None = None) -> OpGraph:
     """The planner's op graph of ``model``'s training step at ``batch_size``
     (``optimizer``: a transformation, or an optimizer's name; default Adam).
+
+    One symbolic trace; where the model's code needs a concrete batch size, two
+    concrete ones, and ``note`` hears why (the graph is the same either way, only
+    slower to make).
 
     A batch of one is traced at 2 (and 4) and rescaled to 1: at batch 1 JAX writes
     some sums over the batch as broadcasts and reshapes instead (GPT-tiny: one
@@ -185,6 +229,12 @@ def graph_of(model: TrainableModel, batch_size: int,
     with other shapes."""
     if isinstance(optimizer, str):
         optimizer = named_optimizer(optimizer)
-    if batch_size == 1:
-        return with_batch_size(extract_graph(trace_step(model, 2, optimizer)), 1)
-    return extract_graph(trace_step(model, batch_size, optimizer))
+    traced_at = 2 if batch_size == 1 else batch_size
+    graph, why = _symbolic_graph(model, traced_at, optimizer)
+    if graph is None:
+        if note is not None:
+            note(f"note: the model was traced twice (at batch {traced_at} and {2 * traced_at}), "
+                 f"not once with a symbolic batch size, because its code needs a concrete batch "
+                 f"size ({why}); planning is the same, tracing takes longer")
+        graph = extract_graph(trace_step(model, traced_at, optimizer))
+    return with_batch_size(graph, 1) if batch_size == 1 else graph

@@ -53,6 +53,11 @@ INDEX_FILE = "index.json"
 #: The remote cache when ``spec.data.cache`` is not set.
 DEFAULT_CACHE_SIZE = "4Gi"
 DEFAULT_CACHE_PATH = "/tmp/alpajob-data-cache"
+#: The data URL schemes a cluster allows unless its operator says otherwise
+#: (``alpajob operator --data-schemes``): local paths and volumes, S3 and Google Cloud
+#: Storage. A web URL (http, https) reads from anywhere the pods can reach, so it is
+#: allowed only where the operator is told to.
+DEFAULT_DATA_SCHEMES = ("file", "s3", "gs")
 
 
 def _patterns(value: Any) -> Any:

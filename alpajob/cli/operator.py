@@ -15,8 +15,8 @@ import ipaddress
 import os
 from typing import Any
 
+from alpajob.api.data import DEFAULT_DATA_SCHEMES
 from alpajob.api.errors import ManifestError
-from alpajob.operator.admission import DEFAULT_DATA_SCHEMES
 
 
 def add_parser(sub: Any) -> None:

@@ -5,13 +5,13 @@ The planner never runs model code: the trainer traces its own step
 (:func:`alpajob.trainer_image.step.trace_step`: ``jax.make_jaxpr`` on abstract shapes,
 nothing allocated) and hands over a :class:`TracedStep`. Pipeline::
 
-    TracedStep.jaxpr (batch b) ----.
-                                   v
+    TracedStep.jaxpr (symbolic batch, or batch b) ----.
+                                                      v
         flatten: inline jit / custom_jvp / custom_vjp / remat / closed_call,
                  scan body once (x length), while body once, cond's costliest branch
-                                   |
-        ops + tensors (flops, bytes, plain params) ---+--> phases --> anchors
-        shapes at b vs 2b (TracedStep.jaxpr_2x) -> Tensor.batch_dim
+                                                      |
+        ops + tensors (flops, bytes, plain params) at b ---+--> phases --> anchors
+        shapes at b vs 2b (the same trace, or TracedStep.jaxpr_2x) -> Tensor.batch_dim
 
 ``step(params, opt_state, batch) -> (loss, grads, new_params, new_opt_state)`` is
 ``jax.value_and_grad(loss)`` followed by the optax update and ``optax.apply_updates``
@@ -62,10 +62,17 @@ optimizer state (ops that feed no output: see :func:`alpajob.planner.graph.attri
   land in the last layer and cross every pipeline cut);
 - anything left: the last forward op.
 
-**Batch dimension**: the step is traced at ``b`` and ``2b``; both traces must flatten to
-the same ops. A tensor whose shapes differ in exactly one dimension, by a factor 2,
-gets that dimension as ``batch_dim``; tensors that differ otherwise (not linear in the
-batch) get None.
+**Batch dimension**: the step is traced once with a symbolic batch size ``b``
+(``jax.export.symbolic_shape``), and every shape, parameter and cost is that trace's
+evaluated at ``b`` and at ``2b``; or, where the model's code needs a concrete batch
+size, traced at ``b`` and ``2b`` (both traces must flatten to the same ops). A tensor
+whose shapes differ in exactly one dimension, by a factor 2, gets that dimension as
+``batch_dim``; tensors that differ otherwise (not linear in the batch) get None.
+Sizes computed from the symbolic batch (``jnp.mean`` over the batch divides by
+``dim_as_value(b)``) are folded into literals, as a concrete trace computes them in
+Python; where such a size would become a tensor (an array filled with it, a
+function's argument or result), the symbolic trace is refused
+(:class:`NotBatchPolymorphic`) and the caller traces twice.
 
 **Loops**: a ``scan`` body is inlined once. Its per-iteration slices of the scanned
 inputs and outputs are the full stacked tensors (one extra leading dimension of size
@@ -90,6 +97,8 @@ from alpajob.planner.graph.attribution import (
     phases,
 )
 from alpajob.planner.graph.jaxpr_costs import (
+    BatchAt,
+    DimValue,
     aval_nbytes,
     jaxpr_flops,
     op_flops,
@@ -102,9 +111,11 @@ from alpajob.planner.graph.opgraph import Op, OpGraph, Tensor, TensorRole
 class TracedStep:
     """A training step, traced by its owner (the trainer) for the planner.
 
-    ``jaxpr`` is ``jax.make_jaxpr(step)(params, opt_state, batch)`` at ``batch_size``
-    and ``jaxpr_2x`` the same at ``2 * batch_size`` (the batch dimension of every
-    tensor is found by comparing them), where ``step(params, opt_state, batch) ->
+    ``jaxpr`` is ``jax.make_jaxpr(step)(params, opt_state, batch)`` with the batch
+    size ``batch_multiple`` times the symbol ``batch_symbol`` (then ``jaxpr_2x`` is
+    None), or at ``batch_size``
+    with ``jaxpr_2x`` the same at ``2 * batch_size`` (the batch dimension of every
+    tensor is found by comparing the two), where ``step(params, opt_state, batch) ->
     (loss, grads, new_params, new_opt_state)``. The inputs are flattened in that
     order: ``len(param_names)`` parameters, ``len(opt_state_names)`` optimizer-state
     leaves, then the batch. Names are pytree paths as :func:`alpajob.api.plan.path_name`
@@ -114,10 +125,18 @@ class TracedStep:
 
     name: str
     jaxpr: jcore.ClosedJaxpr
-    jaxpr_2x: jcore.ClosedJaxpr
+    jaxpr_2x: jcore.ClosedJaxpr | None
     batch_size: int
     param_names: tuple[str, ...]
     opt_state_names: tuple[str, ...]
+    batch_symbol: str | None = None
+    batch_multiple: int = 1
+
+
+class NotBatchPolymorphic(ValueError):
+    """A step traced with a symbolic batch size uses that size as a value in a way a
+    concrete trace would not write the same (see the module docstring): trace it at
+    two concrete batch sizes instead."""
 
 
 # ----------------------------------------------------------------------------- flatten
@@ -128,17 +147,28 @@ class _Flattener:
 
     ``env`` maps a ``Var`` to its tensor id, or to None for a literal. With
     ``costs=False`` only tensor shapes are recorded (the second, batch-probing trace).
+    ``at`` evaluates dimensions (``int``, or :class:`BatchAt` for a symbolic trace);
+    ``at_2x``, given for a symbolic trace, evaluates them at twice the batch for
+    ``shapes_2x``. ``sizes`` holds the vars whose value is a size computed from the
+    symbolic batch (literals of a concrete trace).
     """
 
-    def __init__(self, costs: bool) -> None:
+    def __init__(self, costs: bool, at: DimValue = int, at_2x: DimValue | None = None) -> None:
         self.costs = costs
+        self.at = at
+        self.at_2x = at_2x
         self.shapes: list[tuple[int, ...]] = []
+        self.shapes_2x: list[tuple[int, ...]] = []
         self.dtypes: list[str] = []
         self.roles: list[TensorRole] = []
         self.ops: list[RawOp] = []
+        self.sizes: set[Any] = set()
 
     def new_tensor(self, aval: Any, role: TensorRole) -> int:
-        self.shapes.append(tuple(int(d) for d in getattr(aval, "shape", ())))
+        shape = getattr(aval, "shape", ())
+        self.shapes.append(tuple(self.at(d) for d in shape))
+        if self.at_2x is not None:
+            self.shapes_2x.append(tuple(self.at_2x(d) for d in shape))
         dtype = getattr(aval, "dtype", None)
         self.dtypes.append(str(getattr(dtype, "name", dtype)))
         self.roles.append(role)
@@ -176,7 +206,33 @@ class _Flattener:
         for var, tid in zip(jaxpr.invars, args, strict=True):
             env[var] = tid
         self.walk(jaxpr, env, multiplier, prebound or {})
+        if any(v in self.sizes for v in jaxpr.outvars if isinstance(v, jcore.Var)):
+            raise NotBatchPolymorphic("a function returns a size computed from the batch size")
         return [self.read(env, v) for v in jaxpr.outvars]
+
+    def _size_eqn(self, eqn: jcore.JaxprEqn) -> bool:
+        """Whether ``eqn`` computes a size from the symbolic batch (``dim_as_value``,
+        or scalar arithmetic on such sizes and literals): a concrete trace computes it
+        in Python and writes a literal, so it is no op here (its outputs join
+        :attr:`sizes`). Raises :class:`NotBatchPolymorphic` where such a size enters a
+        call or loop, or fills a non-scalar value."""
+        if eqn.primitive.name == "dim_as_value":
+            self.sizes.update(eqn.outvars)
+            return True
+        reads = [v for v in eqn.invars if isinstance(v, jcore.Var) and v in self.sizes]
+        if not reads:
+            return False
+        if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+            raise NotBatchPolymorphic(
+                f"a size computed from the batch size enters {eqn.primitive.name}")
+        computed = all(isinstance(v, jcore.Literal) or v in self.sizes for v in eqn.invars)
+        if not computed:
+            return False  # an op of tensors and a size: the size reads as a literal
+        if any(getattr(v.aval, "shape", ()) != () for v in eqn.outvars):
+            raise NotBatchPolymorphic(
+                f"{eqn.primitive.name} makes an array from a size computed from the batch size")
+        self.sizes.update(eqn.outvars)
+        return True
 
     def walk(
         self,
@@ -187,6 +243,9 @@ class _Flattener:
     ) -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
+            if (self.sizes or name == "dim_as_value") and self._size_eqn(eqn):
+                env.update((var, None) for var in eqn.outvars)
+                continue
             args = [self.read(env, v) for v in eqn.invars]
             if name == "scan":
                 outs = self.scan(eqn, args, multiplier)
@@ -196,7 +255,7 @@ class _Flattener:
                 outs = self.call(p["body_jaxpr"], args[skip:], multiplier)
             elif name == "cond":
                 branches = eqn.params["branches"]
-                costs = [jaxpr_flops(b.jaxpr) for b in branches]
+                costs = [jaxpr_flops(b.jaxpr, self.at) for b in branches]
                 best = branches[costs.index(max(costs))]
                 outs = self.call(best, args[1:], multiplier)
             else:
@@ -219,7 +278,7 @@ class _Flattener:
         for inner, outer in zip(inner_outs, eqn.outvars[n_carry:], strict=True):
             if isinstance(inner, jcore.Var) and inner not in excluded:
                 prebound.setdefault(inner, outer.aval)
-        return self.call(body, args, multiplier * int(p["length"]), prebound)
+        return self.call(body, args, multiplier * self.at(p["length"]), prebound)
 
     def emit(
         self,
@@ -239,10 +298,12 @@ class _Flattener:
         ]
         inputs = tuple(t for t in args if t is not None)
         if self.costs:
-            flops = op_flops(eqn) * multiplier
-            moved = sum(aval_nbytes(v.aval) for v in eqn.invars if not isinstance(v, jcore.Literal))
-            moved += sum(aval_nbytes(v.aval) for v in eqn.outvars)
-            params = op_params(eqn)
+            at = self.at
+            flops = op_flops(eqn, at) * multiplier
+            moved = sum(aval_nbytes(v.aval, at) for v in eqn.invars
+                        if not isinstance(v, jcore.Literal) and v not in self.sizes)
+            moved += sum(aval_nbytes(v.aval, at) for v in eqn.outvars)
+            params = op_params(eqn, at)
         else:
             flops, moved, params = 0.0, 0, ()
         self.ops.append(
@@ -277,10 +338,11 @@ def _inlinable(eqn: jcore.JaxprEqn) -> Any:
 
 
 def _flatten(
-    closed: jcore.ClosedJaxpr, n_params: int, n_opt: int, costs: bool
+    closed: jcore.ClosedJaxpr, n_params: int, n_opt: int, costs: bool,
+    at: DimValue = int, at_2x: DimValue | None = None,
 ) -> tuple[_Flattener, list[int]]:
     """Flatten the step's jaxpr; return the flattener and the step outputs' tensors."""
-    flat = _Flattener(costs)
+    flat = _Flattener(costs, at, at_2x)
     env: dict[Any, int | None] = {}
     for index, var in enumerate(closed.jaxpr.invars):
         if index < n_params:
@@ -337,16 +399,28 @@ def _check_same_structure(a: _Flattener, b: _Flattener, batch_size: int) -> None
 def extract_graph(traced: TracedStep) -> OpGraph:
     """The :class:`OpGraph` of a traced training step (module docstring).
 
-    Raises ``ValueError`` if the step's structure depends on the batch size.
+    Raises ``ValueError`` if the step's structure depends on the batch size, and
+    :class:`NotBatchPolymorphic` if a symbolic trace uses the batch size as a value
+    where a concrete trace would differ.
     """
     batch_size = traced.batch_size
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     n_params, n_opt = len(traced.param_names), len(traced.opt_state_names)
-    flat, outputs = _flatten(traced.jaxpr, n_params, n_opt, costs=True)
-    flat_2x, _ = _flatten(traced.jaxpr_2x, n_params, n_opt, costs=False)
-    _check_same_structure(flat, flat_2x, batch_size)
-    batch_dims = _batch_dims(flat.shapes, flat_2x.shapes)
+    if traced.jaxpr_2x is None:
+        symbol, multiple = traced.batch_symbol, traced.batch_multiple
+        if symbol is None or multiple < 1 or batch_size % multiple:
+            raise ValueError("a TracedStep without jaxpr_2x needs its batch_symbol, and a "
+                             "batch_multiple that divides its batch_size")
+        flat, outputs = _flatten(traced.jaxpr, n_params, n_opt, costs=True,
+                                 at=BatchAt(symbol, batch_size // multiple),
+                                 at_2x=BatchAt(symbol, 2 * batch_size // multiple))
+        batch_dims = _batch_dims(flat.shapes, flat.shapes_2x)
+    else:
+        flat, outputs = _flatten(traced.jaxpr, n_params, n_opt, costs=True)
+        flat_2x, _ = _flatten(traced.jaxpr_2x, n_params, n_opt, costs=False)
+        _check_same_structure(flat, flat_2x, batch_size)
+        batch_dims = _batch_dims(flat.shapes, flat_2x.shapes)
     constants = frozenset(t for t, role in enumerate(flat.roles) if role is TensorRole.CONSTANT)
     flat.ops = parameter_preprocessing_last(flat.ops, frozenset(range(n_params)), constants)
 

@@ -127,6 +127,16 @@ class PieceCutter:
             self._cuts[(layer, keep)] = best_cut(self._costs[layer], keep)
         return self._cuts[(layer, keep)]
 
+    def cuts(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """The cuts chosen so far, per (layer, kept copies) (to send to another process)."""
+        return dict(self._cuts)
+
+    def absorb(self, cuts: dict[tuple[int, int], tuple[int, ...]]) -> None:
+        """Take the cuts another cutter of the same graph and layers chose (the choice
+        is deterministic, so they are the ones this one would choose)."""
+        for key, cut in cuts.items():
+            self._cuts.setdefault(key, cut)
+
 
 def piece_costs(graph: OpGraph, ops: Sequence[int], index: GraphIndex) -> PieceCosts:
     """``T`` and ``K`` of every piece of the layer of op ids ``ops``, unsharded."""

@@ -47,6 +47,7 @@ from alpajob.planner.plan.baselines import (
     Baseline,
     data_parallel,
     megatron_grid,
+    megatron_grids,
     megatron_own_grids,
     whole_cluster,
 )
@@ -57,8 +58,9 @@ from alpajob.planner.plan.processes import main_module_hidden
 Task = tuple[int, tuple[Submesh, ...]]
 
 #: What a task sends back: its micro-batch count, the solutions per (micro-batch count,
-#: sharding mode), and the solver's tally.
-TaskResult = tuple[int, dict[tuple[int, ShardingMode], CosterCaches], SolveCounter]
+#: sharding mode), the solver's tally, and the block-part cuts its process has chosen.
+TaskResult = tuple[int, dict[tuple[int, ShardingMode], CosterCaches], SolveCounter,
+                   dict[tuple[int, int], tuple[int, ...]]]
 
 
 def candidates_at(
@@ -97,23 +99,29 @@ def candidates_at(
 def split_tasks(context: CostContext, counts: Sequence[int], method: Method) -> list[Task]:
     """The ILPs of ``counts`` as tasks for the worker processes, in the order given.
 
-    With a DP, each (count, submesh) is a task: a count's tasks together, its largest
-    submeshes first, so the free workers take the long tasks early and the short
-    ones even out the end of each count (even a single count keeps every core busy).
+    With a DP, each (count, submesh) is a task: a count's tasks together, the long
+    ones first, so the free workers take them early and the short ones even out the
+    end of each count (even a single count keeps every core busy).
     The other candidates mostly reuse those solutions (the single-stage plan is the
-    whole-cluster submesh's, Megatron's grids mostly the DP's meshes), so the parent
-    builds them; the data-parallel and ZeRO-2 baselines (other sharding modes) and
+    whole-cluster submesh's, Megatron's grids mostly the DP's meshes), so a submesh's
+    task costs them too where they run on it (their stages of many layers need memory
+    levels the DP's single layers do not: GPT-39B's grids took 42 ILPs, 4 s, in the
+    parent, while the workers waited), and the parent builds them from the caches; the
+    data-parallel and ZeRO-2 baselines (other sharding modes) and
     Megatron's grids on meshes the DP does not try have ILPs of their own: one more
-    task per count ``(count, ())`` under ``auto``, so the parent solves none.
-    Without a DP a count is one task. Example: 8 x 8 GPUs, counts 8 and 4, auto ->
-    (8, 8x8), (8, 4x8), ..., (8, 1x1), (8, ()), (4, 8x8), (4, 4x8), ...
+    task per count ``(count, ())`` under ``auto``, so the parent solves none. It
+    goes first: it is often a count's longest (GPT-2.6B on 8 V100s: 0.6 s against
+    0.5 s for the largest submesh; last, it alone ended each count). Then the
+    submeshes, largest first. Without a DP a count is one task. Example: 8 x 8 GPUs,
+    counts 8 and 4, auto -> (8, ()), (8, 8x8), (8, 4x8), ..., (8, 1x1), (4, ()),
+    (4, 8x8), ...
     """
     if method not in (Method.AUTO, Method.PIPESHARD):
         return [(count, ()) for count in counts]
     submeshes = sorted(context.submeshes(), key=lambda s: -s[0] * s[1])
     own = [()] if method is Method.AUTO else []  # the data-parallel baselines' ILPs
     return [(count, group) for count in counts
-            for group in [*((s,) for s in submeshes), *own]]
+            for group in [*own, *((s,) for s in submeshes)]]
 
 
 def fits_nowhere(candidates: Sequence[Candidate | None]) -> bool:
@@ -236,8 +244,8 @@ class SearchPool:
             done += 1
             while pending and len(arrived[pending[0]]) == expected[pending[0]]:
                 count = pending.popleft()
-                for _, caches, counter in arrived.pop(count):
-                    self.context.adopt(caches, counter)
+                for _, caches, counter, cuts in arrived.pop(count):
+                    self.context.adopt(caches, counter, cuts)
                 built[count] = self._candidates(count)
                 if fits_nowhere(built[count]):
                     pending.clear()
@@ -303,6 +311,22 @@ def _start_worker(
     _WORKER["search"] = (context, method, manual)
 
 
+def _warm_candidates_on(context: CostContext, count: int, submeshes: Sequence[Submesh]) -> None:
+    """Solve the ILPs of auto's other candidates on ``submeshes`` (:func:`split_tasks`):
+    the Megatron grids the DP's meshes hold, and the single-stage plan where one of
+    them is the whole cluster."""
+    own = megatron_own_grids(context)
+    for requests in megatron_grids(context):
+        if requests[0].submesh in submeshes and requests not in own and (
+            len(requests) == 1 or count >= len(requests)
+        ):
+            evaluate_stages(context, requests, count, ShardingMode.AUTO, Baseline.MEGATRON.value)
+    whole, _ = whole_cluster(context)
+    if whole in submeshes:
+        evaluate_stages(context, [StageRequest(0, len(context.layers) - 1, whole)], count,
+                        ShardingMode.AUTO, "shard")
+
+
 def _solve_task(task: Task) -> TaskResult:
     """Solve one task's ILPs in a worker; return their solutions and tally, and
     forget them (each task starts from empty caches, so memory stays bounded)."""
@@ -311,6 +335,8 @@ def _solve_task(task: Task) -> TaskResult:
     count, submeshes = task
     if submeshes:
         warm_submeshes(context, count, submeshes)
+        if method is Method.AUTO:
+            _warm_candidates_on(context, count, submeshes)
     elif method is Method.AUTO:  # auto's own baselines' ILPs (see split_tasks)
         for baseline in (Method.DATA, Method.ZERO2):
             candidates_at(context, count, baseline, manual)
@@ -321,5 +347,5 @@ def _solve_task(task: Task) -> TaskResult:
         candidates_at(context, count, method, manual, dp=False)
     caches = {key: coster.caches() for key, coster in context.costers().items()}
     counter = context.counter
-    context.reset_costers()
-    return count, caches, counter
+    context.reset_costers()  # the cutter stays: its cuts are the same for every count
+    return count, caches, counter, context.piece_cuts()
