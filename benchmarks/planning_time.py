@@ -15,10 +15,13 @@ CPU devices, GPT-2.6B on 1 x 8 V100-16GB, GPT-39B and MoE-70B on 8 x 8 (batch 10
 float16).
 
 ``--before DIR`` also times a checkout of another commit (``git worktree add DIR
-COMMIT``), the two alternating per case, so both see the same machine::
+COMMIT``), the two alternating per case, so both see the same machine; where that
+commit pinned other dependencies, ``--before-python`` names an interpreter of a
+virtual environment made from its lock files::
 
     python benchmarks/planning_time.py --repeat 3 --markdown table.md
     python benchmarks/planning_time.py --cases gpt-tiny --before /tmp/before
+    python benchmarks/planning_time.py --before /tmp/before --before-python /tmp/venv-before/bin/python
 """
 
 from __future__ import annotations
@@ -83,14 +86,14 @@ class Timing:
         return self.wall - self.extract - self.search
 
 
-def plan_once(repo: Path, case: str, folder: Path) -> Timing:
-    """Time one cold plan of ``case`` with the code in ``repo``."""
+def plan_once(repo: Path, case: str, folder: Path, python: str = sys.executable) -> Timing:
+    """Time one cold plan of ``case`` with the code in ``repo``, run by ``python``."""
     what, _ = CASES[case]
     out = folder / "plan.json"
     if what.startswith("alpa:"):
-        command = [sys.executable, "-c", ALPA_CASE, what.removeprefix("alpa:"), str(out)]
+        command = [python, "-c", ALPA_CASE, what.removeprefix("alpa:"), str(out)]
     else:
-        command = [sys.executable, "-m", "alpajob", "plan", str(EXAMPLES / what), "--no-plan-cache",
+        command = [python, "-m", "alpajob", "plan", str(EXAMPLES / what), "--no-plan-cache",
                    "--output", str(out)]
     env = dict(os.environ, PYTHONPATH=str(repo), XDG_CACHE_HOME=str(folder / "cache"))
     start = time.perf_counter()
@@ -131,24 +134,26 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--repeat", type=int, default=1, help="cold plans per case (median reported)")
     parser.add_argument("--before", type=Path, help="also time this checkout of another commit")
+    parser.add_argument("--before-python", default=sys.executable,
+                        help="the interpreter that runs --before (default: this one)")
     parser.add_argument("--markdown", help="append the Markdown table to this file")
     args = parser.parse_args()
-    repos = [("this checkout", ROOT)]
+    repos = [("this checkout", ROOT, sys.executable)]
     if args.before:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.before,
                               capture_output=True, text=True, check=True).stdout.strip()
-        repos.insert(0, (f"before ({head})", args.before.resolve()))
+        repos.insert(0, (f"before ({head})", args.before.resolve(), args.before_python))
     lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
              f"{time.strftime('%Y-%m-%d')}; median of {args.repeat} cold `alpajob plan` per case.", "", HEADER]
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for case in args.cases:
-            runs: dict[str, list[Timing]] = {label: [] for label, _ in repos}
+            runs: dict[str, list[Timing]] = {label: [] for label, _, _ in repos}
             for _ in range(args.repeat):  # alternating, so both see the same machine
-                for label, repo in repos:
-                    runs[label].append(plan_once(repo, case, folder))
-            for label, _ in repos:
+                for label, repo, python in repos:
+                    runs[label].append(plan_once(repo, case, folder, python))
+            for label, _, _ in repos:
                 lines.append(row(case, label, median_timing(runs[label])))
                 print(lines[-1], flush=True)
     if args.markdown:

@@ -22,6 +22,7 @@ print one line naming the problem and the fix and exit with status 2; no traceba
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from collections.abc import Sequence
@@ -157,5 +158,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
+def entry() -> None:
+    """The ``alpajob`` console script: :func:`main`, then exit without the final
+    garbage collection. An interpreter that exits collects every object it still
+    holds, and a command that planned holds the op graph and the ILP caches: about
+    0.3 s of a tiny model's 3 s ``alpajob plan`` (measured on 2 cores), for memory
+    the exit returns anyway. Frozen objects are left out of that collection;
+    exit handlers still run. (Only here, never in :func:`main`: tests call it many
+    times in one process.)"""
+    status = main()
+    gc.freeze()
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

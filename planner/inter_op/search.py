@@ -27,6 +27,7 @@ the one that leaves the most room for later stages; both are the same device cou
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from alpajob.planner.inter_op.stage_costs import (
     Submesh,
 )
 from alpajob.planner.inter_op.stage_dp import DPResult, stage_dp, submesh_choices
-from alpajob.planner.intra_op.solve import ShardingMode
+from alpajob.planner.intra_op.solve import ShardingMode, SolveContext
 
 #: Progress callback: (what is being done, steps done, steps in total or None).
 Progress = Callable[[str, int, int | None], None]
@@ -113,6 +114,11 @@ class CostContext:
     _graphs: dict[int, OpGraph] = field(default_factory=dict)
     #: Where rematerialised layers are cut into block parts, shared by every coster.
     _cutter: PieceCutter | None = None
+    #: The ILP precomputation of each count's graph, shared by its modes' costers:
+    #: data parallel and ZeRO-2 build the same models
+    #: (:func:`~alpajob.planner.intra_op.model.built_as`), and every mode reads the
+    #: same op tables of a mesh.
+    _solve_contexts: dict[int, SolveContext] = field(default_factory=dict)
 
     def coster(self, num_micro_batches: int, mode: ShardingMode) -> LayerCoster:
         key = (num_micro_batches, mode)
@@ -137,8 +143,15 @@ class CostContext:
                 time_limit_s=self.time_limit_s,
                 counter=self.counter,
                 on_solve=self._tick,
+                shared_context=functools.partial(self._solve_context, num_micro_batches),
             )
         return self._costers[key]
+
+    def _solve_context(self, num_micro_batches: int) -> SolveContext:
+        if num_micro_batches not in self._solve_contexts:
+            self._solve_contexts[num_micro_batches] = SolveContext(
+                self._graphs[num_micro_batches], max_models=32)
+        return self._solve_contexts[num_micro_batches]
 
     def costers(self) -> dict[tuple[int, ShardingMode], LayerCoster]:
         """The per-(micro-batch count, mode) ILP caches built so far."""
@@ -147,6 +160,14 @@ class CostContext:
     def reset_costers(self) -> None:
         """Forget the ILP caches (a copy of this context starts afresh)."""
         self._costers = {}
+        self._solve_contexts = {}
+
+    def drop_solve_contexts(self) -> None:
+        """Free the ILP precomputation (hundreds of MB of build caches); the
+        solutions stay."""
+        for coster in self._costers.values():
+            coster.drop_solve_context()
+        self._solve_contexts = {}
 
     def piece_cuts(self) -> dict[tuple[int, int], tuple[int, ...]]:
         """Where rematerialised layers are cut into block parts, as chosen so far

@@ -208,6 +208,9 @@ class LayerCoster:
     _layer_results: dict[tuple[int, Submesh, Shape, float], IntraOpResult] = field(
         default_factory=dict
     )
+    #: Where the ILP precomputation comes from (:meth:`solve_context`): a plan search
+    #: shares one per micro-batch count among its sharding modes; None makes its own.
+    shared_context: Callable[[], SolveContext] | None = None
     #: Shared precomputation of every ILP build on this graph (op tables, models);
     #: results are identical without it. Dropped before a coster leaves its process.
     _solve_context: SolveContext | None = None
@@ -368,9 +371,11 @@ class LayerCoster:
         return self._part_cache[key]
 
     def solve_context(self) -> SolveContext:
-        """The graph's shared ILP precomputation (created on first use)."""
+        """The graph's shared ILP precomputation (created, or taken from
+        ``shared_context``, on first use)."""
         if self._solve_context is None:
-            self._solve_context = SolveContext(self.graph, max_models=32)
+            self._solve_context = (self.shared_context() if self.shared_context is not None
+                                   else SolveContext(self.graph, max_models=32))
         return self._solve_context
 
     def caches(self) -> CosterCaches:

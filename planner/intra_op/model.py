@@ -79,7 +79,7 @@ from alpajob.planner.intra_op.sharding import (
 from alpajob.planner.intra_op.strategies import OpKind, Strategy, op_kind
 
 __all__ = ["IntraOpModel", "NodeTables", "PerStrategy", "ShardingMode", "SolveContext",
-           "TIE_BREAK_SECONDS_PER_BYTE", "build_model", "data_spec", "distinct"]
+           "TIE_BREAK_SECONDS_PER_BYTE", "build_model", "built_as", "data_spec", "distinct"]
 
 #: Seconds per byte added to every objective so that, among equally fast shardings,
 #: the ILP keeps the one with less memory (a replicated batch input costs as much
@@ -96,6 +96,13 @@ class ShardingMode(StrEnum):
     #: ZERO2, but tensors with an expert dimension split it (DeepSpeed-MoE's expert
     #: parallelism; see :mod:`~alpajob.planner.graph.experts`)
     EXPERT_ZERO2 = "expert-zero2"
+
+
+def built_as(mode: ShardingMode) -> ShardingMode:
+    """The mode whose model ``mode``'s solves use: ZERO2 restricts the shardings as
+    DATA does (it differs after the solve, by sharding the weight update), so the two
+    share their models."""
+    return ShardingMode.DATA if mode is ShardingMode.ZERO2 else mode
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,9 +191,10 @@ class IntraOpModel:
 class SolveContext:
     """What every build on one graph can share: its :class:`GraphIndex`, its ops'
     structure ids (:class:`OpStructures`), a :class:`TableCache` per (mesh, device,
-    calibration) reading them, and the last ``max_models`` models built (keyed by ops, mesh, device, calibration and mode; input hints are
-    applied to a copy, so one model serves every memory weight and every set of
-    hints). Results are identical with and without a context; a context only saves
+    calibration) reading them, and the last ``max_models`` models built (keyed by
+    ops, mesh, device, calibration and the mode they are :func:`built_as`; input
+    hints are applied to a copy, so one model serves every memory weight and every
+    set of hints). Results are identical with and without a context; a context only saves
     recomputation. Build one per graph and pass it to every solve on that graph.
 
     Memory: a model of a 2,000-op layer takes 2 to 3 MB, so the default bound of 64
@@ -225,6 +233,7 @@ class SolveContext:
         mode: ShardingMode,
     ) -> IntraOpModel:
         """The model of ``op_ids`` without input hints, built or reused."""
+        mode = built_as(mode)
         key = (tuple(sorted(set(op_ids))), mesh, device, calibration, mode)
         model = self._models.get(key)
         if model is not None:

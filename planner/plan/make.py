@@ -446,6 +446,5 @@ def make_plan(
             else None
         ),
     )
-    for coster in context.costers().values():
-        coster.drop_solve_context()  # hundreds of MB of build caches; results stay
+    context.drop_solve_contexts()
     return PlanningResult(plan=plan, candidate=best, baselines=baselines, context=context)
