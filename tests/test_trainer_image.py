@@ -172,7 +172,7 @@ def test_entrypoint_is_the_alpajob_command_under_an_init_that_reaps() -> None:
         (container,) = pod["spec"]["containers"]
         assert container["command"][:3] == [*INIT_COMMAND, "alpajob"]
     assert [json.loads(a) for a in only("CMD")] == [["--help"]]
-    assert pyproject()["project"]["scripts"]["alpajob"] == "alpajob.cli.main:main"
+    assert pyproject()["project"]["scripts"]["alpajob"] == "alpajob.cli.main:entry"
     assert only("HEALTHCHECK") == []
 
 
