@@ -114,10 +114,8 @@ class CostContext:
     _graphs: dict[int, OpGraph] = field(default_factory=dict)
     #: Where rematerialised layers are cut into block parts, shared by every coster.
     _cutter: PieceCutter | None = None
-    #: The ILP precomputation of each count's graph, shared by its modes' costers:
-    #: data parallel and ZeRO-2 build the same models
-    #: (:func:`~alpajob.planner.intra_op.model.built_as`), and every mode reads the
-    #: same op tables of a mesh.
+    #: Each count's ILP precomputation, shared by its modes' costers (the same op
+    #: tables; ZeRO-2 builds data parallel's models, ``intra_op.model.built_as``).
     _solve_contexts: dict[int, SolveContext] = field(default_factory=dict)
 
     def coster(self, num_micro_batches: int, mode: ShardingMode) -> LayerCoster:
@@ -163,8 +161,7 @@ class CostContext:
         self._solve_contexts = {}
 
     def drop_solve_contexts(self) -> None:
-        """Free the ILP precomputation (hundreds of MB of build caches); the
-        solutions stay."""
+        """Free the ILP precomputation (hundreds of MB of build caches), not the solutions."""
         for coster in self._costers.values():
             coster.drop_solve_context()
         self._solve_contexts = {}
