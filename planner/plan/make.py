@@ -43,7 +43,7 @@ from alpajob.planner.inter_op.search import (
 from alpajob.planner.inter_op.stage_costs import LEVEL_TIERS, MEMORY_LEVELS, StageEval
 from alpajob.planner.intra_op.solve import ShardingMode
 from alpajob.planner.plan.baselines import all_baselines, whole_cluster
-from alpajob.planner.plan.workers import SearchPool
+from alpajob.planner.plan.workers import LikelyNext, SearchPool
 
 GIB = 1024**3
 
@@ -315,7 +315,10 @@ def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> li
     Then, if the largest count is the best, smaller counts while they do better;
     else the neighbouring powers of two of the best usual count, and, while the best
     plan rematerialises, larger counts while they improve it (more, smaller
-    micro-batches may fit without recomputation).
+    micro-batches may fit without recomputation). The first round and each step of
+    the descent name the counts likely next (on the round's results so far), whose
+    ILPs the pool's workers then start instead of waiting or solving a count that
+    may be moot (:meth:`~.workers.SearchPool.run`); the counts costed stay the same.
     """
     counts = [c for c in micro_batches if c & (c - 1) == 0] or list(micro_batches)
     if len(counts) <= 3:
@@ -327,27 +330,44 @@ def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> li
     usual = [c for c in counts if c <= USUAL_MICRO_BATCHES] or counts
     tried: set[int] = set()
 
-    def cost(chosen: Sequence[int]) -> list[Candidate | None]:
+    def cost(chosen: Sequence[int], likely_next: LikelyNext | None = None
+             ) -> list[Candidate | None]:
         tried.update(chosen)
-        return search.run(chosen) if chosen else []
+        return search.run(chosen, likely_next) if chosen else []
 
-    found = cost(sorted({*usual[::2], usual[-1], counts[-1]}))
+    def second_round(found: Sequence[Candidate | None]) -> list[int]:
+        """The counts the search costs after the first round (or, on partial
+        results, the likely ones): the descent's first step, or the best's
+        neighbouring powers of two."""
+        best = best_of(found)
+        if best is None:
+            return []
+        if best.num_micro_batches == counts[-1] and counts[-1] > usual[-1]:
+            return below(len(counts) - 1)
+        position = counts.index(best.num_micro_batches)
+        return [counts[k] for k in (position - 1, position + 1)
+                if 0 <= k < len(counts) and counts[k] not in tried]
+
+    def below(position: int) -> list[int]:
+        """The descent's step after ``counts[position]`` (none at a count tried)."""
+        return [counts[position - 1]] if position > 0 and counts[position - 1] not in tried else []
+
+    found = cost(sorted({*usual[::2], usual[-1], counts[-1]}), second_round)
     best = best_of(found)
     if best is None:
         return found
     if best.num_micro_batches == counts[-1] and counts[-1] > usual[-1]:
-        for count in reversed(counts[:-1]):
+        for position in range(len(counts) - 2, -1, -1):
+            count = counts[position]
             if count in tried:
                 break
-            found += cost([count])
+            found += cost([count], lambda _found, position=position: below(position))
             better = best_of(found)
             if better is best:
                 break
             best = better
         return found
-    position = counts.index(best.num_micro_batches)
-    found += cost([counts[k] for k in (position - 1, position + 1)
-                   if 0 <= k < len(counts) and counts[k] not in tried])
+    found += cost(second_round(found))
     best = best_of(found) or best
     while any(stage.remat for stage in best.stages):
         larger = [c for c in counts if c > best.num_micro_batches and c not in tried]

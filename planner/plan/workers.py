@@ -8,7 +8,10 @@ splits each count's submeshes among the cores (:func:`split_tasks`); worker proc
 solve them and send back only the solutions (:class:`CosterCaches`), which the parent
 merges into its costers before building each count's candidates, now from caches.
 Counts go largest first, and a count where nothing fits memory ends the round: no
-smaller count can fit (:func:`fits_nowhere`), so their tasks are dropped.
+smaller count can fit (:func:`fits_nowhere`), so their tasks are dropped. A task
+whose count is only needed if a larger one fits somewhere waits, while the search's
+likely next counts (``likely_next``) have tasks to give the free workers
+(:meth:`SearchPool._next_task`).
 
 The workers are ``forkserver`` processes (clean processes, never forks of this
 multithreaded one, which has JAX loaded) that live for the whole search; the fork
@@ -29,7 +32,7 @@ import queue
 import signal
 import threading
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.pool import Pool
 from types import TracebackType
 
@@ -60,9 +63,14 @@ from alpajob.planner.plan.processes import main_module_hidden
 Task = tuple[int, tuple[Submesh, ...]]
 
 #: What a task sends back: its micro-batch count, the solutions per (micro-batch count,
-#: sharding mode), the solver's tally, and the block-part cuts its process has chosen.
+#: sharding mode), the solver's tally, the block-part cuts its process has chosen, and
+#: whether one of the whole-model plans it costed fits memory (so the count fits).
 TaskResult = tuple[int, dict[tuple[int, ShardingMode], CosterCaches], SolveCounter,
-                   dict[tuple[int, int], tuple[int, ...]]]
+                   dict[tuple[int, int], tuple[int, ...]], bool]
+
+#: The counts a search will likely cost next, given the candidates found so far in a
+#: round (:meth:`SearchPool.run`); a guess that only decides what idle workers do.
+LikelyNext = Callable[[Sequence[Candidate | None]], Sequence[int]]
 
 
 def candidates_at(
@@ -163,6 +171,14 @@ class SearchPool:
         if counts is not None and method is Method.MANUAL:
             self.workers = min(self.workers, len(split_tasks(context, counts, method)))
         self._pool: Pool | None = None
+        #: Every task started in the pool, and what came back from those of counts
+        #: not built yet (a later round's, or still to be taken), by count.
+        self._started: set[Task] = set()
+        self._arrived: dict[int, list[TaskResult]] = {}
+        #: Counts for which some task found a fitting whole-model plan.
+        self._fits: set[int] = set()
+        self._results: queue.SimpleQueue[TaskResult | BaseException] = queue.SimpleQueue()
+        self._in_flight = 0
 
     def __enter__(self) -> SearchPool:
         if self.workers >= 2:
@@ -191,7 +207,8 @@ class SearchPool:
             self._pool.join()
             self._pool = None
 
-    def run(self, counts: Sequence[int]) -> list[Candidate | None]:
+    def run(self, counts: Sequence[int],
+            likely_next: LikelyNext | None = None) -> list[Candidate | None]:
         """Every candidate of every count in ``counts``, costed largest count first.
 
         A count where nothing fits makes the smaller ones moot (:func:`fits_nowhere`):
@@ -200,10 +217,13 @@ class SearchPool:
         into this context) and each count's candidates are built here once its tasks
         and those of every larger count are back, while the workers go on; the
         results, and the ILPs counted, are those of the search in one process.
+        ``likely_next`` (of the candidates found so far) names the counts the search
+        will probably ask for next: their tasks fill workers that would otherwise
+        solve a count that may turn out moot, and a later ``run`` takes their results.
         """
         order = sorted(set(counts), reverse=True)
         if self._pool is not None:
-            built = self._run_pool(order)
+            built = self._run_pool(order, likely_next)
         else:
             built = {}
             for count in order:
@@ -215,48 +235,83 @@ class SearchPool:
             found += built.get(count, [])
         return found
 
-    def _run_pool(self, order: Sequence[int]) -> dict[int, list[Candidate | None]]:
+    def _run_pool(self, order: Sequence[int],
+                  likely_next: LikelyNext | None) -> dict[int, list[Candidate | None]]:
         """The candidates of the counts in ``order`` (largest first) from the pool's
         ILPs: tasks go out as workers free up (never more than one per worker, so the
-        tasks of moot counts can still be dropped), and results are taken count by
-        count in ``order``; a count's results that arrive after it is moot are dropped
-        unread."""
+        tasks of moot counts can still be dropped; :meth:`_next_task` picks which),
+        and results are taken count by count in ``order``. Results of tasks still
+        running when the round ends, or of counts it did not need, stay in the pool
+        for a later round (:attr:`_arrived`)."""
         assert self._pool is not None
-        tasks = deque(split_tasks(self.context, order, self.method))
-        expected = Counter(count for count, _ in tasks)
-        arrived: dict[int, list[TaskResult]] = {count: [] for count in order}
+        tasks = deque(t for t in split_tasks(self.context, order, self.method)
+                      if t not in self._started)
+        expected = Counter(count for count, _ in split_tasks(self.context, order, self.method))
         pending = deque(order)  # counts still to build, largest first
         built: dict[int, list[Candidate | None]] = {}
-        results: queue.SimpleQueue[TaskResult | BaseException] = queue.SimpleQueue()
-        in_flight, done = 0, 0
+
+        def likely(found: Sequence[Candidate | None]) -> deque[Task]:
+            counts = [c for c in likely_next(found) if c not in order] if likely_next else []
+            return deque(split_tasks(self.context, counts, self.method))
+
+        guesses = likely([])
         progress = self.context.progress
         while True:
-            while tasks and in_flight < self.workers:
-                task = tasks.popleft()
-                if task[0] in pending:
-                    self._pool.apply_async(
-                        _solve_task, (task,), callback=results.put, error_callback=results.put
-                    )
-                    in_flight += 1
+            while self._in_flight < self.workers:
+                task = self._next_task(tasks, pending, guesses)
+                if task is None:
+                    break
+                self._started.add(task)
+                self._pool.apply_async(_solve_task, (task,), callback=self._results.put,
+                                       error_callback=self._results.put)
+                self._in_flight += 1
             if not pending:
-                return built  # tasks of moot counts still running are left to finish
-            result = results.get()
-            in_flight -= 1
+                return built  # tasks still running report to a later round
+            result = self._results.get()
+            self._in_flight -= 1
             if isinstance(result, BaseException):
                 raise result
-            arrived[result[0]].append(result)
-            done += 1
-            while pending and len(arrived[pending[0]]) == expected[pending[0]]:
+            self._arrived.setdefault(result[0], []).append(result)
+            if result[4]:
+                self._fits.add(result[0])
+            while pending and len(self._arrived.get(pending[0], ())) == expected[pending[0]]:
                 count = pending.popleft()
-                for _, caches, counter, cuts in arrived.pop(count):
+                for _, caches, counter, cuts, _fits in self._arrived.pop(count):
                     self.context.adopt(caches, counter, cuts)
                 built[count] = self._candidates(count)
                 if fits_nowhere(built[count]):
                     pending.clear()
+                else:
+                    guesses = likely([c for done in built.values() for c in done])
             if progress is not None:
-                total = done + in_flight + sum(1 for count, _ in tasks if count in pending)
+                done = sum(len(self._arrived.get(c, ())) for c in pending) + sum(
+                    expected[c] for c in built)
+                total = sum(expected[c] for c in (*built, *pending))
                 progress(f"planned {done}/{total} parts of {len(order)} micro-batch counts",
                          self.context.counter.solves, None)
+
+    def _next_task(self, tasks: deque[Task], pending: Sequence[int],
+                   guesses: deque[Task]) -> Task | None:
+        """The task a free worker takes: the round's next task if its count is surely
+        needed (every larger count still pending has a task that found a fitting
+        plan, :data:`TaskResult`); else a task of the likely next counts; else the
+        round's next task anyway (its count is needed unless a larger one fits
+        nowhere). None when there is nothing left to start. Tasks of moot counts
+        (no longer pending) are dropped.
+
+        Why: a count where nothing fits costs all of its ILPs before it is known
+        (GPT-2.6B on 8 V100s: count 4), and the tasks of the count below it that
+        workers start meanwhile are lost, while the next round's count (the
+        descent's 512) waits."""
+        while tasks and tasks[0][0] not in pending:
+            tasks.popleft()
+        while guesses and guesses[0] in self._started:
+            guesses.popleft()
+        if tasks and all(c in self._fits for c in pending if c > tasks[0][0]):
+            return tasks.popleft()
+        if guesses:
+            return guesses.popleft()
+        return tasks.popleft() if tasks else None
 
     def _candidates(self, count: int) -> list[Candidate | None]:
         return candidates_at(self.context, count, self.method, self.manual)
@@ -320,41 +375,49 @@ def _start_worker(search: bytes) -> None:
     settle_worker()
 
 
-def _warm_candidates_on(context: CostContext, count: int, submeshes: Sequence[Submesh]) -> None:
+def _warm_candidates_on(context: CostContext, count: int,
+                        submeshes: Sequence[Submesh]) -> list[Candidate | None]:
     """Solve the ILPs of auto's other candidates on ``submeshes`` (:func:`split_tasks`):
     the Megatron grids the DP's meshes hold, and the single-stage plan where one of
-    them is the whole cluster."""
+    them is the whole cluster. Returns those candidates."""
+    found = []
     own = megatron_own_grids(context)
     for requests in megatron_grids(context):
         if requests[0].submesh in submeshes and requests not in own and (
             len(requests) == 1 or count >= len(requests)
         ):
-            evaluate_stages(context, requests, count, ShardingMode.AUTO, Baseline.MEGATRON.value)
+            found.append(evaluate_stages(context, requests, count, ShardingMode.AUTO,
+                                         Baseline.MEGATRON.value))
     whole, _ = whole_cluster(context)
     if whole in submeshes:
-        evaluate_stages(context, [StageRequest(0, len(context.layers) - 1, whole)], count,
-                        ShardingMode.AUTO, "shard")
+        found.append(evaluate_stages(context, [StageRequest(0, len(context.layers) - 1, whole)],
+                                     count, ShardingMode.AUTO, "shard"))
+    return found
 
 
 def _solve_task(task: Task) -> TaskResult:
     """Solve one task's ILPs in a worker; return their solutions and tally, and
-    forget them (each task starts from empty caches, so memory stays bounded)."""
+    forget them (each task starts from empty caches, so memory stays bounded).
+    The whole-model plans it costs (the parent builds the same ones from these
+    solutions) say whether the count fits somewhere."""
     context, method, manual = _WORKER["search"]
     context.counter = SolveCounter()
     count, submeshes = task
+    found: list[Candidate | None] = []
     if submeshes:
         warm_submeshes(context, count, submeshes)
         if method is Method.AUTO:
-            _warm_candidates_on(context, count, submeshes)
+            found += _warm_candidates_on(context, count, submeshes)
     elif method is Method.AUTO:  # auto's own baselines' ILPs (see split_tasks)
         for baseline in (Method.DATA, Method.ZERO2):
-            candidates_at(context, count, baseline, manual)
+            found += candidates_at(context, count, baseline, manual)
         for requests in megatron_own_grids(context):
             if len(requests) == 1 or count >= len(requests):
-                evaluate_stages(context, requests, count, ShardingMode.AUTO, Baseline.MEGATRON.value)
+                found.append(evaluate_stages(context, requests, count, ShardingMode.AUTO,
+                                             Baseline.MEGATRON.value))
     else:
-        candidates_at(context, count, method, manual, dp=False)
+        found += candidates_at(context, count, method, manual, dp=False)
     caches = {key: coster.caches() for key, coster in context.costers().items()}
     counter = context.counter
     context.reset_costers()  # the cutter stays: its cuts are the same for every count
-    return count, caches, counter, context.piece_cuts()
+    return count, caches, counter, context.piece_cuts(), not fits_nowhere(found)
