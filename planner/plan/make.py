@@ -20,6 +20,7 @@ per device any plan would need.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -352,6 +353,9 @@ def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> li
         """The descent's step after ``counts[position]`` (none at a count tried)."""
         return [counts[position - 1]] if position > 0 and counts[position - 1] not in tried else []
 
+    def after(position: int, _found: Sequence[Candidate | None]) -> list[int]:
+        return below(position)  # whatever the step found: a guess for the workers
+
     found = cost(sorted({*usual[::2], usual[-1], counts[-1]}), second_round)
     best = best_of(found)
     if best is None:
@@ -361,7 +365,7 @@ def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> li
             count = counts[position]
             if count in tried:
                 break
-            found += cost([count], lambda _found, position=position: below(position))
+            found += cost([count], functools.partial(after, position))
             better = best_of(found)
             if better is best:
                 break
