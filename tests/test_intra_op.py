@@ -753,6 +753,56 @@ def test_table_caches_of_every_mesh_share_one_graph_s_op_structures():
         TableCache(other, toy_mesh((2, 2)), DEVICE, CAL, structures)
 
 
+def test_a_context_lent_by_another_micro_batch_size_gives_the_results_of_fresh_solves():
+    """The same model at another micro-batch size (``with_batch_size``) may borrow a
+    context's op tables (``SolveContext(..., like=...)``): ops without a batch
+    dimension (the optimizer's update) keep their structure and reuse their tables,
+    ops with one get tables of their own, and every solve is a fresh one's."""
+    from alpajob.planner.graph.opgraph import with_batch_size
+
+    rng = np.random.default_rng(5)
+    for case in range(6):
+        graph = random_training_graph(rng) if case % 2 else mlp_training_graph(
+            batch=16, d=8, h=16, with_state=True)
+        root = SolveContext(graph, max_models=0)
+        for shape in ((2, 2), (1, 4)):  # the lender's own solves fill its tables first
+            solve_intra_op(graph, all_ops(graph), toy_mesh(shape), DEVICE, CAL, context=root)
+        for batch in (graph.batch_size // 2, graph.batch_size // 4):
+            small = with_batch_size(graph, batch)
+            context = SolveContext(small, like=root)
+            for shape in ((2, 2), (1, 4)):
+                mesh = toy_mesh(shape)
+                for mode in ShardingMode:
+                    fresh = solve_intra_op(small, all_ops(small), mesh, DEVICE, CAL, mode=mode,
+                                           num_micro_batches=2)
+                    lent = solve_intra_op(small, all_ops(small), mesh, DEVICE, CAL, mode=mode,
+                                          num_micro_batches=2, context=context)
+                    _assert_same(fresh, lent)
+    # One table per structure across both graphs: an op without a batch dim has the
+    # id of its twin in the lending graph, an op with one has an id of its own.
+    graph = mlp_training_graph(batch=16, d=8, h=16, with_state=True)
+    small = with_batch_size(graph, 4)
+    root = SolveContext(graph, max_models=0)
+    lent = SolveContext(small, like=root).tables(toy_mesh((2, 2)), DEVICE, CAL)
+    own = root.tables(toy_mesh((2, 2)), DEVICE, CAL)
+    assert lent.graph is small and lent._followers is own._followers
+    for op in graph.ops:
+        tensors = [graph.tensor(t) for t in (*op.inputs, *op.outputs)]
+        same = all(t.batch_dim is None for t in tensors)
+        assert (lent.structures.of(op.id) == own.structures.of(op.id)) is same, op.primitive
+    alone = TableCache(small, toy_mesh((2, 2)), DEVICE, CAL)
+    for tensor in graph.tensors:  # sizes by tensor id are the borrower's own
+        own.reshard(tensor.id, own.tilings(tensor.shape), own.tilings(tensor.shape))
+        shape = small.tensor(tensor.id).shape
+        mine, theirs = lent.tilings(shape), alone.tilings(shape)
+        assert lent.specs(mine) == alone.specs(theirs)
+        for got, expected in zip(lent.reshard(tensor.id, mine, mine),
+                                 alone.reshard(tensor.id, theirs, theirs), strict=True):
+            assert np.array_equal(got, expected)
+    with pytest.raises(ValueError, match="rebind"):
+        own.rebound(small, SolveContext(small)._structures)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_merged_classes_are_numpy_s_unique_rows(seed: int):
     """:func:`ilp.merge_classes` partitions strategies as ``np.unique(axis=0)`` of

@@ -499,7 +499,7 @@ def op_fixed_seconds(primitive: str, device: DeviceSpec, calibration: Calibratio
     ``kernel_overhead_seconds`` per device that runs it. A device with a
     ``host_share`` s of its host's rates carries that as ``kernel_overhead / s`` of its
     own time; a shared-host pipeline weighs device time by s
-    (:func:`~alpajob.planner.inter_op.search.pipeline_step_seconds`), which gives back the
+    (:func:`~alpajob.planner.inter_op.step_time.pipeline_step_seconds`), which gives back the
     host's cost. Other ops cost nothing fixed.
     """
     if primitive in calibration.free_primitives or not launches_kernel(primitive):

@@ -38,9 +38,7 @@ from alpajob.api.spec import Schedule
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import (
     Calibration,
-    host_utilization,
     logical_mesh_shapes,
-    oversubscription_factor,
 )
 from alpajob.planner.graph.opgraph import OpGraph, batch_size_problem, with_batch_size
 from alpajob.planner.inter_op.layer_structure import LayerStructure, layer_structure
@@ -54,6 +52,7 @@ from alpajob.planner.inter_op.stage_costs import (
     Submesh,
 )
 from alpajob.planner.inter_op.stage_dp import DPResult, stage_dp, submesh_choices
+from alpajob.planner.inter_op.step_time import pipeline_step_seconds, shared_host_costs
 from alpajob.planner.intra_op.solve import ShardingMode, SolveContext
 
 #: Progress callback: (what is being done, steps done, steps in total or None).
@@ -117,6 +116,8 @@ class CostContext:
     #: Each count's ILP precomputation, shared by its modes' costers (the same op
     #: tables; ZeRO-2 builds data parallel's models, ``intra_op.model.built_as``).
     _solve_contexts: dict[int, SolveContext] = field(default_factory=dict)
+    #: Lends its op tables to every count's context (kept by ``reset_costers``).
+    _table_root: SolveContext | None = None
 
     def coster(self, num_micro_batches: int, mode: ShardingMode) -> LayerCoster:
         key = (num_micro_batches, mode)
@@ -147,8 +148,10 @@ class CostContext:
 
     def _solve_context(self, num_micro_batches: int) -> SolveContext:
         if num_micro_batches not in self._solve_contexts:
+            if self._table_root is None:
+                self._table_root = SolveContext(self.graph, max_models=0)
             self._solve_contexts[num_micro_batches] = SolveContext(
-                self._graphs[num_micro_batches], max_models=32)
+                self._graphs[num_micro_batches], max_models=32, like=self._table_root)
         return self._solve_contexts[num_micro_batches]
 
     def costers(self) -> dict[tuple[int, ShardingMode], LayerCoster]:
@@ -165,6 +168,7 @@ class CostContext:
         for coster in self._costers.values():
             coster.drop_solve_context()
         self._solve_contexts = {}
+        self._table_root = None
 
     def piece_cuts(self) -> dict[tuple[int, int], tuple[int, ...]]:
         """Where rematerialised layers are cut into block parts, as chosen so far
@@ -285,64 +289,6 @@ def evaluate_stages(
     return Candidate(name, mode, num_micro_batches, tuple(stages),
                      pipeline_step_seconds(context.cluster, stages, num_micro_batches,
                                            context.calibration))
-
-
-def busy_devices(submesh_devices: int, plan_devices: int, num_micro_batches: int,
-                 num_stages: int) -> float:
-    """Devices busy, on average, while a stage of ``submesh_devices`` works, in a plan
-    of ``num_stages`` stages S on ``plan_devices`` with B micro-batches.
-
-    A pipeline of S equal stages runs S B stage-passes in S + B - 1 pass-times, so
-    while one stage works, (S - 1)(B - 1) / (S + B - 1) of the other S - 1 stages
-    work too, on average: the stage's own devices plus ``(B - 1) / (S + B - 1)`` of
-    the others'. One micro-batch: the stages run one after another (only the stage's
-    own devices); many: all the plan's.
-    """
-    others = plan_devices - submesh_devices
-    return submesh_devices + others * (num_micro_batches - 1) / (num_stages + num_micro_batches - 1)
-
-
-def pipeline_step_seconds(
-    cluster: ClusterSpec,
-    stages: Sequence[StageEval],
-    num_micro_batches: int,
-    calibration: Calibration,
-) -> float:
-    """Predicted step time of a pipeline of ``stages`` (each costed per micro-batch).
-
-    Alpa's eq. 2, ``sum t_i + (B - 1) max t_i``, plus the slowest stage's update: the
-    stages' devices are independent, so a stage waiting in the pipeline bubble is lost
-    time. On a shared host (``cluster.shared_host``, forced CPU devices) a waiting
-    device's share of the cores goes to the busy ones, so no time is lost: the step
-    is the total work at the whole host's rate, each stage's ``B t_i + update_i``
-    weighted by its share of the devices (``t_i`` is costed at a 1/N share) and divided
-    by the share of the host's throughput that the devices busy meanwhile reach
-    (:func:`busy_devices`, :func:`~alpajob.planner.cost.model.host_utilization`: a
-    lone device leaves cores idle).
-
-    The calibration's ``instruction_overhead_seconds`` c is the host's cost of each
-    instruction: a stage runs ``2B + 1`` of them (a forward and a backward per
-    micro-batch, one update). With independent devices it lengthens
-    each ``t_i`` by ``2c`` and each update by ``c``; on a shared host the one host pays
-    every stage's, ``c S (2B + 1)`` for ``S`` stages. The work is scaled by
-    :func:`~alpajob.planner.cost.model.oversubscription_factor`: more forced devices
-    than cores slow every device, so the same plan runs faster on fewer of them.
-    """
-    c = calibration.instruction_overhead_seconds
-    if cluster.shared_host:
-        total = cluster.num_devices
-        used = sum(s.submesh[0] * s.submesh[1] for s in stages)
-        work = 0.0
-        for s in stages:
-            devices = s.submesh[0] * s.submesh[1]
-            busy = busy_devices(devices, used, num_micro_batches, len(stages))
-            work += ((num_micro_batches * s.seconds + s.update) * devices / total
-                     / host_utilization(cluster, calibration, busy))
-        work *= oversubscription_factor(cluster, calibration)
-        return work + c * len(stages) * (2 * num_micro_batches + 1)
-    seconds = [s.seconds + 2 * c for s in stages]
-    return (sum(seconds) + (num_micro_batches - 1) * max(seconds)
-            + max(s.update for s in stages) + c)
 
 
 @dataclass(frozen=True)
@@ -477,29 +423,6 @@ def _max_successors(
     return np.where(room < 0, -1, count).astype(np.int64)
 
 
-def _shared_host_costs(
-    context: CostContext, cost: np.ndarray, sizes: Sequence[int], num_micro_batches: int,
-    plan_devices: int, num_stages: int,
-) -> np.ndarray:
-    """The DP's stage costs on a shared host, where the step is additive over stages
-    (:func:`pipeline_step_seconds`): stage ``s`` costs ``(B t + update) * n_s / N``,
-    divided by the host's utilization while it works (the devices busy meanwhile in a
-    plan of ``num_stages`` stages on ``plan_devices``: :func:`busy_devices`), plus its
-    ``2B + 1`` instructions' host overhead. Solved with B = 1 (Alpa's recurrence then
-    minimises the plain sum), the DP optimises the step time the plan is judged by; Alpa's
-    ``sum t + (B - 1) max t`` would charge a bubble that costs no time here and keep a
-    faster pipeline of half-size stages from ever winning."""
-    total = context.cluster.num_devices
-    overhead = context.calibration.instruction_overhead_seconds * (2 * num_micro_batches + 1)
-    utilization = np.array([
-        host_utilization(context.cluster, context.calibration,
-                         busy_devices(size, plan_devices, num_micro_batches, num_stages))
-        for size in sizes])
-    share = np.asarray(sizes, dtype=np.float64) / total / utilization
-    # cost is t + update / B per micro-batch: B times it is the stage's work per step.
-    return num_micro_batches * cost * share[None, None, :] + overhead
-
-
 def device_counts(context: CostContext) -> list[int]:
     """How many devices a plan may use: all of them (Alpa's rule: the devices are
     independent, an idle one only idles), or on one shared host (forced CPU devices)
@@ -544,7 +467,7 @@ def dp_candidate(
     """The inter-op DP's plan for ``num_micro_batches``, evaluated exactly.
 
     With independent devices: one DP over every device (Alpa's). On a shared host the
-    stage costs depend on how many devices are busy at once (:func:`busy_devices`),
+    stage costs depend on how many devices are busy at once (:func:`~.step_time.busy_devices`),
     which depends on the plan's device count and stage count: one DP per device count
     it may use (:func:`device_counts`) and stage count (one DP is a few milliseconds
     there), on the same tables, and the fastest plan.
@@ -564,8 +487,8 @@ def dp_candidate(
     for count, stage_count in _dp_settings(context, coster.num_layers, num_stages):
         dp_cost, dp_micro_batches = cost, num_micro_batches
         if context.cluster.shared_host and stage_count is not None:
-            dp_cost = _shared_host_costs(context, cost, sizes, num_micro_batches, count,
-                                         stage_count)
+            dp_cost = shared_host_costs(context.cluster, context.calibration, cost, sizes,
+                                        num_micro_batches, count, stage_count)
             dp_micro_batches = 1
         start = time.perf_counter()
         result = stage_dp(dp_cost, succ, sizes, count, dp_micro_batches, num_stages=stage_count)

@@ -196,6 +196,9 @@ class SolveContext:
     hints are applied to a copy, so one model serves every memory weight and every
     set of hints). Results are identical with and without a context; a context only saves
     recomputation. Build one per graph and pass it to every solve on that graph.
+    ``like``, the context of another graph (the same model at another micro-batch
+    size), lends its op tables: those of ops whose structure both graphs share
+    (:meth:`~.op_tables.TableCache.rebound`) are computed once for both.
 
     Memory: a model of a 2,000-op layer takes 2 to 3 MB, so the default bound of 64
     models (enough for every layer class on every logical shape of a submesh) stays
@@ -203,14 +206,17 @@ class SolveContext:
     model. Not thread-safe.
     """
 
-    def __init__(self, graph: OpGraph, max_models: int = 64) -> None:
+    def __init__(self, graph: OpGraph, max_models: int = 64,
+                 like: SolveContext | None = None) -> None:
         if max_models < 0:
             raise ValueError(f"max_models must be >= 0, got {max_models}")
         self.graph = graph
         self.index = GraphIndex.build(graph)
         self.max_models = max_models
         self._tables: dict[tuple[LogicalMesh, DeviceSpec, Calibration], TableCache] = {}
-        self._structures = OpStructures(graph)
+        self._like = like
+        self._structures: OpStructures = (
+            like._structures.rebound(graph) if like else OpStructures(graph))
         self._models: OrderedDict[tuple, IntraOpModel] = OrderedDict()
 
     def tables(
@@ -220,7 +226,11 @@ class SolveContext:
         key = (mesh, device, calibration)
         cache = self._tables.get(key)
         if cache is None:
-            cache = TableCache(self.graph, mesh, device, calibration, self._structures)
+            if self._like is not None:
+                cache = self._like.tables(mesh, device, calibration).rebound(
+                    self.graph, self._structures)
+            else:
+                cache = TableCache(self.graph, mesh, device, calibration, self._structures)
             self._tables[key] = cache
         return cache
 

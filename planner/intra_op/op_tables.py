@@ -26,11 +26,14 @@ size: each plan is priced once per tensor size, not once per tensor and pair.
 Everything is memoised by value: a table or matrix is the same whether it was
 computed now or for an earlier op, so the ILP is identical with and without reuse.
 A cache holds one graph, mesh, device and calibration; it only grows (a few thousand
-small tables per model), and is dropped with the solve or context that owns it.
+small tables per model), and is dropped with the solve or context that owns it. As
+everything but tensor sizes by id is by value, a cache rebound to another graph
+(:meth:`TableCache.rebound`: the same model at another micro-batch size) shares it.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,10 +177,15 @@ class OpStructures:
     every mesh (a layer is built on a dozen logical meshes; its ops are described
     once)."""
 
-    def __init__(self, graph: OpGraph) -> None:
+    def __init__(self, graph: OpGraph, ids: dict[tuple, int] | None = None) -> None:
         self.graph = graph
-        self._ids: dict[tuple, int] = {}
+        self._ids: dict[tuple, int] = ids if ids is not None else {}
         self._of_op: dict[int, int] = {}
+
+    def rebound(self, graph: OpGraph) -> OpStructures:
+        """Structure ids of ``graph``'s ops that agree with these: an op of ``graph``
+        whose structure an op here has gets its id (ids are by value)."""
+        return OpStructures(graph, self._ids)
 
     def of(self, op_id: int) -> int:
         """The structure id of op ``op_id``."""
@@ -234,6 +242,23 @@ class TableCache:
         self._plan_costs: dict[float, np.ndarray] = {}
         self._bytes: dict[tuple[float, int], np.ndarray] = {}
         self._nbytes: dict[int, float] = {}
+
+    def rebound(self, graph: OpGraph, structures: OpStructures) -> TableCache:
+        """A cache of ``graph`` on the same mesh that shares this one's memos, which
+        are all by value (structure ids, spec sets, tensor sizes): an op of
+        ``graph`` with the structure of one seen here reuses its tables. Made for a
+        graph rescaled to another micro-batch (``with_batch_size``): its ops without
+        a batch dimension (the optimizer's update, two thirds of GPT-39B's ops) keep
+        their structure. ``structures`` must be ``graph``'s, rebound from this
+        cache's (:meth:`OpStructures.rebound`)."""
+        if structures.graph is not graph or structures._ids is not self.structures._ids:
+            raise ValueError("rebind the OpStructures of this cache to the graph first")
+        cache = copy.copy(self)  # the same memo dicts, by reference
+        cache.graph = graph
+        cache.structures = structures
+        cache._expert_dims = None
+        cache._nbytes = {}  # by tensor id: the one memo that is per graph
+        return cache
 
     # ------------------------------------------------------------------ spec sets
 

@@ -182,7 +182,8 @@ class SearchPool:
 
     def __enter__(self) -> SearchPool:
         if self.workers >= 2:
-            quiet = dataclasses.replace(self.context, progress=None, counter=SolveCounter())
+            quiet = dataclasses.replace(self.context, progress=None, counter=SolveCounter(),
+                                        _table_root=None)
             quiet.reset_costers()
             try:
                 with _signals_held(), main_module_hidden():
