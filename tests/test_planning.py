@@ -469,6 +469,63 @@ def test_idle_workers_take_the_likely_next_count_before_one_that_may_be_moot(cpu
     assert not tasks and search._next_task(tasks, [4], deque()) is None
 
 
+def test_a_round_takes_the_results_an_earlier_round_guessed(cpu8, gpt_graph, monkeypatch):
+    """Every result of a guessed count may be taken while an earlier round waits for
+    its own last (long) task: the round that needs the count then builds it from
+    them, without waiting for results that will never come, and its candidates are
+    those of the search in one process."""
+    import dataclasses
+    import threading
+
+    from alpajob.planner.inter_op.clustering import cluster_layers
+    from alpajob.planner.inter_op.search import CostContext
+    from alpajob.planner.inter_op.stage_costs import SolveCounter
+    from alpajob.planner.plan import workers
+
+    def context() -> CostContext:
+        return CostContext(graph=gpt_graph, layers=cluster_layers(gpt_graph, 2), cluster=cpu8,
+                           calibration=load_calibration("cpu"), schedule=Schedule.ONE_F_ONE_B,
+                           memory_budget=1e12, time_limit_s=10.0)
+
+    guessed = len(workers.split_tasks(context(), [1], Method.AUTO))
+
+    class Holding:
+        """A pool that runs each task as it is given and hands its result back at
+        once, but the first task's (a long one) only after every task of count 1."""
+
+        def __init__(self) -> None:
+            self.held: list = []
+            self.delivered = 0
+
+        def apply_async(self, func, args, callback, error_callback):
+            result = func(*args)
+            if not self.held and self.delivered == 0:
+                self.held.append((callback, result))
+                return
+            callback(result)
+            self.delivered += result[0] == 1
+            if self.held and self.delivered == guessed:
+                hold_back, first = self.held.pop()
+                hold_back(first)
+
+    parent = context()
+    worker = dataclasses.replace(context(), counter=SolveCounter())
+    monkeypatch.setitem(workers._WORKER, "search", (worker, Method.AUTO, ()))
+    search = workers.SearchPool(parent, Method.AUTO, ())
+    search.workers = 2
+    search._pool = Holding()
+    search.run([2], likely_next=lambda _found: [1])
+    assert len(search._arrived[1]) == guessed and search._in_flight == 0
+    found: list = []
+    thread = threading.Thread(target=lambda: found.extend(search.run([1])), daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the round waited for results that never come"
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 1)
+    with workers.SearchPool(context(), Method.AUTO, ()) as alone:
+        assert found == alone.run([1])
+
+
 def test_search_tasks_cover_every_submesh_once(cpu8, gpt_graph):
     from alpajob.planner.cost.model import load_calibration
     from alpajob.planner.inter_op.clustering import cluster_layers

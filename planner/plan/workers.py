@@ -258,6 +258,17 @@ class SearchPool:
         guesses = likely([])
         progress = self.context.progress
         while True:
+            # First the counts whose results are all in: an earlier round may have
+            # taken every result of a count it guessed, and none may be on the way.
+            while pending and len(self._arrived.get(pending[0], ())) == expected[pending[0]]:
+                count = pending.popleft()
+                for _, caches, counter, cuts, _fits in self._arrived.pop(count):
+                    self.context.adopt(caches, counter, cuts)
+                built[count] = self._candidates(count)
+                if fits_nowhere(built[count]):
+                    pending.clear()
+                else:
+                    guesses = likely([c for done in built.values() for c in done])
             while self._in_flight < self.workers:
                 task = self._next_task(tasks, pending, guesses)
                 if task is None:
@@ -275,15 +286,6 @@ class SearchPool:
             self._arrived.setdefault(result[0], []).append(result)
             if result[4]:
                 self._fits.add(result[0])
-            while pending and len(self._arrived.get(pending[0], ())) == expected[pending[0]]:
-                count = pending.popleft()
-                for _, caches, counter, cuts, _fits in self._arrived.pop(count):
-                    self.context.adopt(caches, counter, cuts)
-                built[count] = self._candidates(count)
-                if fits_nowhere(built[count]):
-                    pending.clear()
-                else:
-                    guesses = likely([c for done in built.values() for c in done])
             if progress is not None:
                 done = sum(len(self._arrived.get(c, ())) for c in pending) + sum(
                     expected[c] for c in built)
