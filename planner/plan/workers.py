@@ -175,8 +175,10 @@ class SearchPool:
         #: not built yet (a later round's, or still to be taken), by count.
         self._started: set[Task] = set()
         self._arrived: dict[int, list[TaskResult]] = {}
-        #: Counts for which some task found a fitting whole-model plan.
+        #: Counts for which some task found a fitting whole-model plan, and those
+        #: built (their results taken).
         self._fits: set[int] = set()
+        self._built: set[int] = set()
         self._results: queue.SimpleQueue[TaskResult | BaseException] = queue.SimpleQueue()
         self._in_flight = 0
 
@@ -245,6 +247,10 @@ class SearchPool:
         running when the round ends, or of counts it did not need, stay in the pool
         for a later round (:attr:`_arrived`)."""
         assert self._pool is not None
+        # A count built in an earlier round took its results: asked again, it is
+        # solved again (the search asks each count once; this keeps a repeat whole).
+        self._started -= {t for t in self._started if t[0] in order and t[0] in self._built}
+        self._built -= set(order)
         tasks = deque(t for t in split_tasks(self.context, order, self.method)
                       if t not in self._started)
         expected = Counter(count for count, _ in split_tasks(self.context, order, self.method))
@@ -265,6 +271,7 @@ class SearchPool:
                 for _, caches, counter, cuts, _fits in self._arrived.pop(count):
                     self.context.adopt(caches, counter, cuts)
                 built[count] = self._candidates(count)
+                self._built.add(count)
                 if fits_nowhere(built[count]):
                     pending.clear()
                 else:
