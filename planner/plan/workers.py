@@ -251,9 +251,9 @@ class SearchPool:
         # solved again (the search asks each count once; this keeps a repeat whole).
         self._started -= {t for t in self._started if t[0] in order and t[0] in self._built}
         self._built -= set(order)
-        tasks = deque(t for t in split_tasks(self.context, order, self.method)
-                      if t not in self._started)
-        expected = Counter(count for count, _ in split_tasks(self.context, order, self.method))
+        everything = split_tasks(self.context, order, self.method)
+        tasks = deque(t for t in everything if t not in self._started)
+        expected = Counter(count for count, _ in everything)
         pending = deque(order)  # counts still to build, largest first
         built: dict[int, list[Candidate | None]] = {}
 
