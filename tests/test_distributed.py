@@ -358,10 +358,12 @@ def test_collective_transport_resumes_bit_exact_after_a_killed_mesh_worker(clust
 
 def test_sigterm_under_the_collective_transport_saves_and_the_job_resumes(cluster: LoopbackCluster,
                                                                           tmp_path: Path) -> None:
-    """``alpajob driver --transport collective`` is sent SIGTERM mid-run: it stops after
-    the step in progress with a checkpoint of that step, written by the hosts' helpers,
-    and exits 143; a driver started again resumes from that step and ends where a
-    single-device run ends."""
+    """``alpajob driver --transport collective`` and mesh 1's worker are sent SIGTERM
+    mid-run, the worker first, as when every pod of the attempt is deleted at once (a
+    preemption): the worker keeps Ray up for the driver, which stops after the step in
+    progress with a checkpoint of that step, written by the hosts' helpers, and exits
+    143; then the worker stops. A driver started again resumes from that step and ends
+    where a single-device run ends."""
     import subprocess
     import sys
 
@@ -381,9 +383,17 @@ def test_sigterm_under_the_collective_transport_saves_and_the_job_resumes(cluste
         if status.exists() and json.loads(status.read_text()).get("step", 0) >= 2:
             break
         time.sleep(0.2)
+    worker = cluster.workers[1, 0]
+    worker.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
     driver.send_signal(signal.SIGTERM)
     out, _ = driver.communicate(timeout=180)
     assert driver.returncode == 143, out
+    worker.wait(timeout=30)  # let go once the driver saved
+    said = (cluster.root / "mesh1-host0.log").read_text()
+    assert "the driver is saving the step it is at" in said and "the driver has saved; stopping Ray" in said
+    cluster.procs.remove(worker)
+    cluster.start_worker(1, 0, 4)
     stopped = json.loads(status.read_text())
     assert stopped["phase"] == "Stopped", stopped
     assert 2 <= stopped["step"] < steps

@@ -92,6 +92,90 @@ def test_sigterm_stops_the_raylet_and_no_retry_follows(tmp_path: Path) -> None:
     assert runs.read_text() == "1"
 
 
+def _held_worker(tmp_path: Path, head: str, window: float, limit: float) -> tuple[subprocess.Popen, Path]:
+    """``run_raylet`` as a mesh pod's main process, with a hold file and the head's
+    address; its "raylet" writes ``ran`` when it starts and ``signalled`` when a signal
+    reaches it, then exits 143."""
+    child = (f"import pathlib, signal, sys, time\nd = pathlib.Path({str(tmp_path)!r})\n"
+             "def on(n, f):\n    (d / 'signalled').write_text(str(time.monotonic()))\n    sys.exit(143)\n"
+             "signal.signal(signal.SIGTERM, on)\n(d / 'ran').write_text('1')\ntime.sleep(60)\n")
+    worker = ("import os, pathlib, sys\nfrom alpajob.trainer_image.distributed.raylet import run_raylet\n"
+              f"sys.exit(run_raylet([sys.executable, '-c', {child!r}], dict(os.environ), print, poll=0.1, "
+              f"hold=pathlib.Path({str(tmp_path / 'hold')!r}), head={head!r}, hold_window={window}, "
+              f"hold_limit={limit}))\n")
+    process = subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "ran").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return process, tmp_path / "signalled"
+
+
+def test_a_worker_the_driver_holds_keeps_ray_up_after_sigterm_until_the_head_is_gone(tmp_path: Path) -> None:
+    """Every pod of the attempt deleted at once (a preemption): the driver, which got
+    SIGTERM too, holds the mesh hosts (the file appears) and saves the step it is at.
+    The worker keeps Ray up past its own SIGTERM until the head stops answering, then
+    passes the signal on; held or not, the pod ends with Ray's exit code."""
+    head = socket.socket()
+    head.bind(("127.0.0.1", 0))
+    head.listen()
+    address = f"127.0.0.1:{head.getsockname()[1]}"
+    process, signalled = _held_worker(tmp_path, address, window=1.0, limit=30.0)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    (tmp_path / "hold").write_text("held")  # the driver's word, within the window
+    time.sleep(3.0)
+    assert not signalled.exists() and process.poll() is None  # held: Ray (and its actor) still up
+    head.close()  # the driver is done: the head's GCS stops
+    assert process.wait(30) == 143
+    waited = float(signalled.read_text()) - sent
+    assert 3.0 <= waited < 10.0
+    said = process.stdout.read()
+    assert "SIGTERM: the driver is saving the step it is at; Ray stays up for it (at most 30 s)" in said
+    assert "SIGTERM: the Ray head at 127.0.0.1:" in said
+
+
+def test_a_worker_deleted_alone_stops_after_the_window_and_a_held_one_after_the_limit(tmp_path: Path) -> None:
+    """No word from the driver (this pod alone was deleted; the driver replaces it):
+    Ray stops after the window. Held, with the head still up: after the limit. A second
+    SIGTERM passes on at once."""
+    head = socket.socket()
+    head.bind(("127.0.0.1", 0))
+    head.listen()
+    address = f"127.0.0.1:{head.getsockname()[1]}"
+    try:
+        for case, hold, window, limit, low, high in (("alone", False, 1.5, 30.0, 1.4, 8.0),
+                                                     ("held", True, 0.5, 2.5, 2.4, 9.0)):
+            (tmp_path / case).mkdir()
+            process, signalled = _held_worker(tmp_path / case, address, window, limit)
+            sent = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            if hold:
+                (tmp_path / case / "hold").write_text("held")
+            assert process.wait(30) == 143, case
+            assert low <= float(signalled.read_text()) - sent < high, case
+        (tmp_path / "twice").mkdir()
+        process, signalled = _held_worker(tmp_path / "twice", address, window=30.0, limit=30.0)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 143 and float(signalled.read_text()) - sent < 5.0
+    finally:
+        head.close()
+
+
+def test_the_mesh_host_holds_its_worker_through_the_file_it_named(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from alpajob.api.runtime import HOLD_FILE_ENV
+    from alpajob.trainer_image.distributed.mesh_host import MeshHost
+
+    host = MeshHost.__new__(MeshHost)  # hold needs none of the actor's state
+    monkeypatch.delenv(HOLD_FILE_ENV, raising=False)
+    assert host.hold() is False
+    monkeypatch.setenv(HOLD_FILE_ENV, str(tmp_path / "hold"))
+    assert host.hold() is True and (tmp_path / "hold").exists()
+
+
 def test_a_released_host_stops_its_raylet_and_exits_0(tmp_path: Path) -> None:
     """The driver releases the host at the end of the job (the file appears): the raylet
     gets SIGTERM, and the pod's exit code is 0 whatever Ray's was (here 143), so the

@@ -217,3 +217,16 @@ def test_alpajob_run_stopped_while_training_saves_the_step_it_finished(
     name = signal.Signals(signum).name
     assert _last_line(err) == f"stopped by {name} after step 2: checkpoint of step 2 in {folder}; continue with --resume"
     assert sorted(p.name for p in (folder / "local").iterdir() if p.name.isdigit()) == ["2"]
+
+
+def test_a_stop_request_tells_its_hook_once_at_the_first_signal() -> None:
+    """The driver's hook (it holds the mesh hosts for the checkpoint) runs at the first
+    SIGTERM only; the flag names the signal."""
+    from alpajob.trainer_image.stopping import StopRequest
+
+    heard: list[str] = []
+    with StopRequest(on_request=heard.append) as stop:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs between two bytecodes of the main thread
+    assert stop.requested == "SIGTERM" and heard == ["SIGTERM"]

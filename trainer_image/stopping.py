@@ -39,16 +39,22 @@ def exit_code(signal_name: str) -> int:
 
 
 class StopRequest:
-    """``requested`` names the signal once one arrived (module docstring)."""
+    """``requested`` names the signal once one arrived (module docstring);
+    ``on_request`` is called with its name when the first arrives (in the signal
+    handler: it should only start something, a thread, and return)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_request: Callable[[str], None] | None = None) -> None:
         self.requested: str | None = None
         self._previous: dict[int, Any] = {}
+        self._on_request = on_request
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.requested is not None:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        first = self.requested is None
         self.requested = signal.Signals(signum).name
+        if first and self._on_request is not None:
+            self._on_request(self.requested)
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():

@@ -81,6 +81,12 @@ TERMINATION_LOG = "/dev/termination-log"
 #: (``MeshHost.release``); the worker then stops Ray and exits 0, so a finished job's
 #: mesh pods are Succeeded, not deleted while Running, and their logs stay.
 RELEASE_FILE_ENV = "ALPAJOB_RELEASE_FILE"
+#: Not a pod variable either: the file appears when the driver, stopped by SIGTERM (a
+#: preemption, a suspension: every pod of the attempt deleted at once), asks its mesh
+#: hosts to stay for the checkpoint of the step it is at (``MeshHost.hold``); the
+#: worker then keeps Ray up after its own SIGTERM until the head is gone
+#: (``alpajob mesh-worker``, :mod:`alpajob.trainer_image.distributed.raylet`).
+HOLD_FILE_ENV = "ALPAJOB_HOLD_FILE"
 #: The Ray head's GCS port (the head pod and its Service).
 RAY_PORT = 6379
 #: The driver's and the trainers' Prometheus port.

@@ -30,7 +30,7 @@ from alpajob.api.names import Role
 from alpajob.api.plan import Plan, read_plan
 from alpajob.api.progress import Progress
 from alpajob.api.resource import load_job
-from alpajob.api.runtime import RAY_PORT, RELEASE_FILE_ENV, TrainerRuntime, Transport
+from alpajob.api.runtime import HOLD_FILE_ENV, RAY_PORT, RELEASE_FILE_ENV, TrainerRuntime, Transport
 from alpajob.api.wording import counted
 from alpajob.cli.tables import progress_line
 from alpajob.trainer_image.distributed import cluster as ray_cluster
@@ -159,15 +159,18 @@ def cmd_mesh_worker(args: argparse.Namespace, out: Console) -> int:
     command = ray_cluster.worker_command(address, mesh, host, block=True,
                                          object_store_bytes=runtime.object_store_bytes)
     released = Path(tempfile.gettempdir()) / f"alpajob-released-{os.getpid()}"
-    released.unlink(missing_ok=True)
+    hold = Path(tempfile.gettempdir()) / f"alpajob-hold-{os.getpid()}"
+    for marker in (released, hold):
+        marker.unlink(missing_ok=True)
     from alpajob.trainer_image.compile_cache import compile_cache_env
 
     cache = compile_cache_env(runtime.compile_cache, lambda line: out.print(f"warning: {line}"))
-    env = {**ray_cluster.ray_env(devices), **cache, RELEASE_FILE_ENV: str(released)}
+    env = {**ray_cluster.ray_env(devices), **cache, RELEASE_FILE_ENV: str(released), HOLD_FILE_ENV: str(hold)}
     try:
-        return run_raylet(command, env, out.print, released=released)
+        return run_raylet(command, env, out.print, released=released, hold=hold, head=address)
     finally:
-        released.unlink(missing_ok=True)
+        for marker in (released, hold):
+            marker.unlink(missing_ok=True)
 
 
 def cmd_wait_for_head(args: argparse.Namespace, out: Console) -> int:

@@ -172,16 +172,18 @@ def wait_for_hosts(
     available: Callable[[], dict[str, float]],
     timeout: float,
     poll: float = 0.5,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> None:
     """Wait until every host's resource is in the cluster; else raise naming the missing ones.
 
-    ``available`` returns the cluster's resources (``ray.cluster_resources``).
+    ``available`` returns the cluster's resources (``ray.cluster_resources``); the wait
+    also ends, without an error, once ``stopped()`` (the driver got SIGTERM).
     """
     deadline = time.monotonic() + timeout
     while True:
         have = available()
         missing = [h for h in hosts if have.get(h.resource, 0) < 1]
-        if not missing:
+        if not missing or stopped():
             return
         if time.monotonic() >= deadline:
             names = ", ".join(f"mesh {h.mesh} host {h.host} ({h.resource})" for h in missing)

@@ -50,6 +50,7 @@ asked, a status file (JSON) that the operator reads.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -245,7 +246,13 @@ def drive(
     books = Goodput()  # badput: building stages, restoring, evaluating, saving; the rest is "other"
     ray.init(address=options.address, log_to_driver=False, logging_level=logging.WARNING)
     group: MeshGroup | None = None
-    with StopRequest() as stop:
+
+    def hold_hosts(_signal: str) -> None:
+        """SIGTERM: every mesh host stays for the checkpoint of this step (``MeshGroup.hold``)."""
+        if group is not None:
+            threading.Thread(target=group.hold, name="alpajob-hold", daemon=True).start()
+
+    with StopRequest(on_request=hold_hosts) as stop:
         try:
             recovering_since = time.monotonic()  # of the attempt being set up
             broken: set[int] = set()  # meshes of ``group`` to replace before the next attempt
@@ -254,7 +261,13 @@ def drive(
                 try:
                     status(result, TrainerPhase.STARTING)
                     left = options.join_timeout - (time.monotonic() - recovering_since)
-                    wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0))
+                    wait_for_hosts(hosts, ray.cluster_resources, max(left, 1.0),
+                                   stopped=lambda: stop.requested is not None)
+                    if stop.requested:  # while a host was coming back: nothing new to save
+                        result.stopped = stop.requested
+                        say(f"{stop.requested} while setting up the meshes: stopping (the last complete "
+                            f"checkpoint is of step {result.checkpoint_step or 0})")
+                        break
                     with books.timing(Badput.PLANNING):
                         if group is None:
                             group = MeshGroup(manifest_yaml, plan, hosts, options.seed, options.step_timeout,
@@ -328,6 +341,14 @@ def drive(
                         if not broken or len(broken) == len(group.actors):
                             group.stop()
                             group, broken = None, set()
+                    if stop.requested:
+                        # The stop took a mesh host with it (its pod deleted with the head's, and
+                        # gone before the step ended): the step is lost, the checkpoint before it stays.
+                        result.stopped = stop.requested
+                        say(f"{stop.requested} during step {result.step + 1}, which a mesh host left "
+                            f"({reason}): stopping (the last complete checkpoint is of step "
+                            f"{result.checkpoint_step or 0})")
+                        break
                     if not training and time.monotonic() - recovering_since < options.join_timeout:
                         # A host is still coming back (Ray may not have declared its lost
                         # node dead yet, and placed an actor there): set up again.
@@ -351,6 +372,8 @@ def drive(
             raise
         finally:
             if group is not None:
+                if stop.requested:
+                    group.let_go()
                 group.stop()
             ray.shutdown()
             metrics.close()

@@ -283,6 +283,19 @@ class MeshGroup:
         """The job is done: every host's worker may stop Ray and exit 0."""
         gather([a.release.remote() for a in self.all], self.timeout, "release")
 
+    def hold(self) -> None:
+        """The driver stops and saves: every host's worker keeps Ray up for it
+        (``MeshHost.hold``). Asked, not awaited: the calls run beside the step in flight."""
+        for actor in self.all:
+            actor.hold.remote()
+
+    def let_go(self, timeout: float = 5.0) -> None:
+        """The driver is done after a stop: every held worker may stop Ray now
+        (``MeshHost.let_go``). Hosts already gone are not waited for past ``timeout``."""
+        import ray
+
+        ray.wait([actor.let_go.remote() for actor in self.all], num_returns=len(self.all), timeout=timeout)
+
     def stop(self) -> None:
         import ray
 

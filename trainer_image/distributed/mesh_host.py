@@ -63,7 +63,7 @@ import yaml
 
 from alpajob.api.plan import plan_from_json
 from alpajob.api.resource import parse_job
-from alpajob.api.runtime import RELEASE_FILE_ENV, TrainerRuntime, Transport
+from alpajob.api.runtime import HOLD_FILE_ENV, RELEASE_FILE_ENV, TrainerRuntime, Transport
 from alpajob.api.spec import Schedule
 from alpajob.api.timeline import Span, SpanKind
 from alpajob.api.wording import counted
@@ -242,6 +242,28 @@ class MeshHost:
             return False
         with open(path, "w") as marker:
             marker.write("released by the driver\n")
+        return True
+
+    def hold(self) -> bool:
+        """The driver got SIGTERM and saves the step it is at: tell this host's
+        ``alpajob mesh-worker``, which may have got SIGTERM too (every pod of the attempt
+        deleted at once), to keep Ray, and so this actor, up until the head is done, by
+        writing the file it named in :data:`~alpajob.api.runtime.HOLD_FILE_ENV` (False
+        where it named none). Runs beside a step (the actor is threaded)."""
+        path = os.environ.get(HOLD_FILE_ENV)
+        if not path:
+            return False
+        with open(path, "w") as marker:
+            marker.write("held by the driver: it saves the step it is at\n")
+        return True
+
+    def let_go(self) -> bool:
+        """The driver saved and stops: a worker held after its SIGTERM may stop Ray now
+        (the hold file removed; False where there was none)."""
+        path = os.environ.get(HOLD_FILE_ENV)
+        if not path or not os.path.exists(path):
+            return False
+        os.unlink(path)
         return True
 
     def free_address(self) -> str:
