@@ -70,6 +70,7 @@ class LoopbackCluster:
         self.procs: list[subprocess.Popen] = []
         self.workers: dict[tuple[int, int], subprocess.Popen] = {}
         self.tracked: set[int] = set()
+        self.head: subprocess.Popen | None = None
 
     def _start(self, args: list[str], log: str, ready: str = "block forever", timeout: float = 90) -> subprocess.Popen:
         out = open(self.root / log, "a")  # noqa: SIM115 (closed with the process)
@@ -89,7 +90,8 @@ class LoopbackCluster:
              "--devices", str(devices)], f"mesh{mesh}-host{host}.log")
 
     def start(self) -> None:
-        self._start(["ray-head", "--port", str(self.port), "--temp-dir", str(self.root / "ray")], "head.log")
+        self.head = self._start(["ray-head", "--port", str(self.port), "--temp-dir", str(self.root / "ray")],
+                                "head.log")
         for mesh, host, devices in self.hosts:  # one at a time: raylets started together time out
             self.start_worker(mesh, host, devices)
 
@@ -107,12 +109,22 @@ class LoopbackCluster:
             time.sleep(0.2)
 
     def stop(self) -> set[int]:
-        """Stop every process; return those still alive afterwards."""
+        """Stop every process, the workers first (a worker stopped after its head leaves
+        Ray's agents behind; one gets no word from a driver here, so it stops
+        :data:`~.raylet.HOLD_WINDOW` seconds after SIGTERM); return those still alive
+        afterwards."""
         self.tracked |= descendants([p.pid for p in self.procs]) | {p.pid for p in self.procs}
+        deadline = time.monotonic() + 60
+        workers = [proc for proc in self.procs if proc is not self.head]
+        for proc in workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(1, deadline - 30 - time.monotonic()))
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
         for proc in reversed(self.procs):
             try:
                 proc.wait(timeout=max(1, deadline - time.monotonic()))

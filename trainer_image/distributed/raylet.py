@@ -127,7 +127,7 @@ class _Stop:
         elif held and waited >= self.limit:
             say(f"{name}: the driver did not finish saving within {self.limit:.0f} s; stopping Ray")
         elif not held and waited >= self.window:
-            say(f"{name}: no word from the driver within {self.window:.0f} s (this pod alone is stopped); "
+            say(f"{name}: no word from a driver within {self.window:.0f} s (none saves with this host); "
                 "stopping Ray")
         else:
             return False
