@@ -7,6 +7,7 @@ The Python API, for notebooks, scripts and benchmarks (the CLI runs the same cod
 
     job = alpajob.load("manifests/examples/local-gpt.yaml")
     plan = alpajob.plan(job, gpus_per_node=4)            # a Plan document
+    rows = alpajob.what_if(job, ["h100-80gb:8,16"])      # the job on other GPUs
     result = alpajob.train(job, steps=20, devices=8)     # losses, step times, the plan
 
 Options are the typed :class:`~alpajob.api.options.PlanOptions` and
@@ -33,9 +34,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from alpajob.api.options import PlanOptions, TrainOptions
     from alpajob.api.plan import Plan
     from alpajob.api.resource import AlpaJob
+    from alpajob.api.what_if import WhatIfRow
     from alpajob.trainer_image.local_run import RunResult
 
 from alpajob.api.release import VERSION  # noqa: E402  (the one version: alpajob/api/release.py)
@@ -69,6 +73,21 @@ def plan(job: AlpaJob | str | Path | dict[str, Any], options: PlanOptions | None
 
     chosen = options_from(PlanOptions, {**(options or PlanOptions()).model_dump(), **overrides})
     return plan_job(_job(job), chosen).plan
+
+
+def what_if(job: AlpaJob | str | Path | dict[str, Any], specs: Sequence[str], prices: str | Path | None = None,
+            options: PlanOptions | None = None, **overrides: Any) -> list[WhatIfRow]:
+    """``alpajob plan JOB --what-if SPEC... [--prices FILE]``'s rows: ``job`` planned on
+    each option of ``specs`` (``"h100-80gb:8,16"``: :mod:`alpajob.api.what_if`) from one
+    trace, through the plan cache of ``options.cache_dir`` (none by default)."""
+    from alpajob.api.options import PlanOptions, options_from
+    from alpajob.api.what_if import load_prices, parse_options
+    from alpajob.trainer_image.what_if import what_if as plan_options
+
+    chosen = options_from(PlanOptions, {**(options or PlanOptions()).model_dump(), **overrides})
+    choices = parse_options(specs)
+    priced = load_prices(prices, choices) if prices is not None else None
+    return plan_options(_job(job), chosen, choices, priced)
 
 
 def train(job: AlpaJob | str | Path | dict[str, Any], options: TrainOptions | None = None,

@@ -4,6 +4,7 @@ Traces the manifest's model, plans it on ``spec.cluster`` (or ``--nodes``,
 ``--gpus-per-node``, ``--gpu``), prints one row per stage and the predicted step
 time, optionally the schedule (``--schedule``), the baselines (``--baselines``) and
 a picture of the plan (``--svg``: :mod:`alpajob.cli.picture`),
+or, with ``--what-if``, the job on each of several clusters (:mod:`alpajob.cli.what_if`),
 and writes the Plan document (``--output``, or ``--output-configmap`` in a job's
 planning pod). In a planning pod every flag defaults to the runtime contract
 (:class:`~alpajob.api.runtime.TrainerRuntime`: the manifest's path, the node pool the
@@ -26,6 +27,7 @@ from alpajob.api.options import PlanOptions, from_flags
 from alpajob.api.plan import write_plan
 from alpajob.api.resource import AlpaJob, load_job
 from alpajob.api.runtime import TrainerRuntime
+from alpajob.cli import what_if
 from alpajob.cli.paths import add_plan_cache_flags, existing_file, plan_cache_dir, writable_file
 from alpajob.cli.tables import baseline_table, plan_summary, plan_table, schedule_table
 
@@ -63,6 +65,7 @@ def add_parser(sub: Any) -> None:
                       help="seconds allowed to each intra-op ILP solve (default "
                            "spec.planner.ilpTimeLimitSeconds, 10 unless set)")
     add_plan_cache_flags(plan)
+    what_if.add_flags(plan)
 
 
 def calibration_file(args: argparse.Namespace, runtime: TrainerRuntime, job: AlpaJob) -> tuple[str | None, str]:
@@ -133,6 +136,11 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if note:
         err.print(f"note: {note}", highlight=False, soft_wrap=True)
     options = plan_options(args, runtime, calibration)
+    if args.what_if:
+        return what_if.run(args, job, options, out, err)
+    for flag, given in (("--prices", args.prices), ("--json", args.json)):
+        if given:
+            raise ManifestError(flag, "prices and prints the options of --what-if; add --what-if SPEC...")
     if args.output:
         writable_file(args.output, "--output")
     if args.svg:

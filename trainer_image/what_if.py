@@ -1,0 +1,99 @@
+"""What-if planning: one job planned on every option a user compares, from one trace.
+
+The job's op graph depends on its model and global batch, not on the devices, so the
+model is traced once (:func:`~alpajob.trainer_image.planning.job_graph`) and each
+option (:class:`~alpajob.api.what_if.WhatIfOption`) is planned from that graph as
+``alpajob plan --gpu P --nodes N --gpus-per-node G`` would plan it, through the same
+plan cache: a rerun, or an option planned before by ``alpajob plan``, is read back.
+An option no plan fits is a row that says so, with the memory one GPU would need.
+
+Each row's figures come from the plan's predictions: the step time; samples and
+tokens per second (the global batch, and its token ids, over the step time); MFU (the
+traced step's matrix FLOPs over the step time and the devices' peak for the training
+dtype, as the trainer reports it: :mod:`.throughput`); the busiest GPU's peak memory;
+GPU-hours for ``spec.training.steps`` steps; and, with prices, dollars per hour, per
+10^9 tokens and for the whole job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from alpajob.api.catalog import DEVICE_MEMORY_BYTES
+from alpajob.api.errors import InfeasibleError
+from alpajob.api.options import PlanOptions
+from alpajob.api.plan import Plan
+from alpajob.api.resource import AlpaJob
+from alpajob.api.what_if import Prices, WhatIfOption, WhatIfRow
+from alpajob.planner.cost.cluster import cluster_from_preset
+from alpajob.planner.graph.opgraph import OpGraph
+from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.planning import job_graph, plan_or_cached
+from alpajob.trainer_image.stopping import Deadline
+from alpajob.trainer_image.throughput import Throughput
+
+#: ``(option, index, total)`` before each option is planned.
+OptionProgress = Callable[[WhatIfOption, int, int], None]
+
+
+def tokens_per_step(job: AlpaJob) -> int | None:
+    """Token ids in one global batch (None for a model that reads none)."""
+    training = job.spec.training
+    shape = load_model(job.spec.model, training.dtype).batch_shapes(training.global_batch_size).get("input_ids")
+    if shape is None:
+        return None
+    count = 1
+    for size in shape.shape:
+        count *= int(size)
+    return count
+
+
+def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[WhatIfOption], prices: Prices | None = None,
+            progress: OptionProgress | None = None,
+            warn: Callable[[str], None] = lambda _line: None) -> list[WhatIfRow]:
+    """One :class:`WhatIfRow` per option of ``choices``, in order (module docstring).
+    ``options`` holds what every option shares (the cache, the time limits); its
+    ``nodes``, ``gpus_per_node`` and ``gpu`` are each option's."""
+    with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: "tracing the model"):
+        graph = job_graph(job, warn)
+    tokens = tokens_per_step(job)
+    rows = []
+    for index, choice in enumerate(choices):
+        if progress:
+            progress(choice, index, len(choices))
+        rows.append(_row(job, options, graph, tokens, choice, prices, warn))
+    return rows
+
+
+def _row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, choice: WhatIfOption,
+         prices: Prices | None, warn: Callable[[str], None]) -> WhatIfRow:
+    chosen = options.model_copy(update={"gpu": choice.gpu, "nodes": choice.nodes,
+                                        "gpus_per_node": choice.gpus_per_node})
+    memory = DEVICE_MEMORY_BYTES[choice.gpu]
+    try:
+        planned = plan_or_cached(job, chosen, graph=graph, warn=warn)
+    except InfeasibleError as error:
+        return WhatIfRow(choice, fits=False, memory_bytes=memory, required_bytes=error.required_bytes)
+    return figures(job, graph, tokens, choice, planned.plan, prices, memory, planned.cached)
+
+
+def figures(job: AlpaJob, graph: OpGraph, tokens: int | None, choice: WhatIfOption, plan: Plan,
+            prices: Prices | None, memory: int, cached: bool = False) -> WhatIfRow:
+    """The row of a fitting ``plan`` of ``choice`` (module docstring)."""
+    training = job.spec.training
+    step = plan.predicted_step_seconds
+    device = cluster_from_preset(choice.gpu, choice.nodes, choice.gpus_per_node).device
+    throughput = Throughput.of(graph, tokens, device, choice.gpus, training.dtype)
+    gpu_hours = training.steps * step * choice.gpus / 3600.0
+    row = WhatIfRow(
+        choice, fits=True, step_seconds=step, samples_per_second=training.global_batch_size / step,
+        tokens_per_second=throughput.tokens_per_second(step), mfu=throughput.mfu(step),
+        peak_memory_bytes=max(stage.peak_memory_bytes for stage in plan.stages), memory_bytes=memory,
+        gpu_hours=gpu_hours, plan_hash=plan.content_hash(), cached=cached)
+    if prices is None:
+        return row
+    per_hour = prices.of(choice.gpu) * choice.gpus
+    per_tokens = per_hour / (row.tokens_per_second * 3600.0) * 1e9 if row.tokens_per_second else None
+    return dataclasses.replace(row, dollars_per_hour=per_hour, dollars_per_billion_tokens=per_tokens,
+                               dollars=gpu_hours * prices.of(choice.gpu))
