@@ -23,11 +23,11 @@ V100, A100 = DevicePreset.V100_16GB, DevicePreset.A100_40GB
 
 
 def test_options_are_presets_and_counts_that_fill_nodes() -> None:
-    assert parse_options(["h100-80gb:8,16", "a100-40gb:4", "h100-80gb:8", "cpu:3"]) == [
+    assert parse_options(["h100-80gb:8,16", "a100-40gb:4", "h100-80gb:8", "cpu:4"]) == [
         WhatIfOption(DevicePreset.H100_80GB, 8), WhatIfOption(DevicePreset.H100_80GB, 16),
-        WhatIfOption(DevicePreset.A100_40GB, 4), WhatIfOption(DevicePreset.CPU, 3)]  # each option once
-    assert [(o.nodes, o.gpus_per_node) for o in parse_options(["v100-16gb:2,8,24", "cpu:3"])] == [
-        (1, 2), (1, 8), (3, 8), (1, 3)]
+        WhatIfOption(DevicePreset.A100_40GB, 4), WhatIfOption(DevicePreset.CPU, 4)]  # each option once
+    assert [(o.nodes, o.gpus_per_node) for o in parse_options(["v100-16gb:2,8,24", "cpu:16"])] == [
+        (1, 2), (1, 8), (3, 8), (1, 16)]
 
 
 def test_the_planners_presets_have_nodes_of_node_gpus() -> None:
@@ -43,6 +43,9 @@ def test_the_planners_presets_have_nodes_of_node_gpus() -> None:
     ("h100-80gb:12", "12 GPUs do not fill whole nodes of 8; give 8 or 16"),
     ("h100-80gb:3", "give 8, or 1, 2 or 4"),
     ("h100-80gb:0", "'0' is not a GPU count"),
+    ("h100-80gb:8200", "8200 GPUs; at most 8192 per option"),
+    ("cpu:3", "3 CPU devices; one host's devices are a power of two up to 16"),
+    ("cpu:32", "32 CPU devices"),
     ("h100-80gb:8,x", "'x' is not a GPU count"),
     ("h100-80gb", "write PRESET:COUNT[,COUNT...]"),
     ("h100-80gb:8+a100-40gb:16", "mixes GPU types (+) is not planned yet"),
@@ -139,3 +142,33 @@ def test_an_option_that_nothing_fits_says_what_a_gpu_would_need() -> None:
     """The Python API's rows: GPT-2.6B's weights and Adam state do not fit one V100."""
     [row] = alpajob.what_if(ROOT / "manifests" / "examples" / "gpt-2.6b.yaml", ["v100-16gb:1"])
     assert not row.fits and row.step_seconds is None and row.required_bytes > row.memory_bytes == 16 * 2**30
+
+
+def test_the_pareto_front_is_every_option_no_other_beats_on_both() -> None:
+    from alpajob.cli.pareto import pareto_front
+
+    # (dollars, hours): the second is dearer and slower than the first; the last two tie.
+    assert pareto_front([(50, 2.0), (60, 3.0), (55, 1.0), (40, 5.0), (40, 5.0)]) == [
+        True, False, True, True, True]
+
+
+def test_the_picture_draws_every_fitting_option_and_marks_its_front(tmp_path: Path) -> None:
+    """``--svg`` with ``--what-if``: one point per fitting option, read back from the
+    SVG's ``data-`` attributes, the front as :func:`pareto_front` says; the option no
+    plan fits is named instead."""
+    import xml.etree.ElementTree as ET
+
+    from alpajob.cli.pareto import pareto_front
+
+    svg = tmp_path / "options.svg"
+    argv = ["plan", str(JOB), "--what-if", "v100-16gb:8", "a100-40gb:2,8", "--prices", str(PRICES), "--json",
+            "--svg", str(svg), "--cache-dir", str(tmp_path / "cache")]
+    assert main(argv) == 0
+    root = ET.parse(svg).getroot()
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    drawn = {g.get("data-option"): g.get("data-front") == "true" for g in root.findall("s:g[@class='option']", ns)}
+    rows = alpajob.what_if(JOB, ["v100-16gb:8", "a100-40gb:2,8"], prices=PRICES,
+                           options=PlanOptions(cache_dir=str(tmp_path / "cache")))
+    points = [(r.dollars, r.step_seconds) for r in rows]
+    assert drawn == dict(zip((r.option.label for r in rows), pareto_front(points), strict=True))
+    assert any(drawn.values())

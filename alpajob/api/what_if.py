@@ -6,7 +6,7 @@ every option from one trace of its model. A ``SPEC`` names a device preset and o
 more GPU counts: ``h100-80gb:8,16,32`` is three options, 8, 16 and 32 H100s. A count
 fills whole nodes of :data:`NODE_GPUS` GPUs (every GPU preset's node), or is one node's
 share of a power of two below it (1, 2 or 4 GPUs: one smaller machine). ``cpu:N`` is N
-of this machine's CPU devices, one host.
+CPU devices of one host (a power of two up to 16).
 
 Prices are the user's, never the code's: a small YAML file (``--prices FILE``)::
 
@@ -32,14 +32,15 @@ from pydantic import Field, PositiveFloat, ValidationError
 
 from alpajob.api.catalog import DevicePreset
 from alpajob.api.errors import ManifestError
+from alpajob.api.limits import GPUS_PER_NODE, NODES
 from alpajob.api.schema import Contract
 
 #: GPUs per node of every GPU preset (the planner's presets say the same; tested).
 NODE_GPUS = 8
 #: The most options one ``--what-if`` plans.
 MAX_OPTIONS = 64
-#: The most GPUs one option may name (the planner's largest tested pool is 64 x 8).
-MAX_GPUS = 4096
+#: The most GPUs one option may name: spec.cluster's most nodes, full.
+MAX_GPUS = NODES.most * NODE_GPUS
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,12 @@ def _option(spec: str, gpu: DevicePreset, word: str) -> WhatIfOption:
     gpus = int(word)
     if gpus > MAX_GPUS:
         raise ManifestError("--what-if", f"{spec!r}: {gpus} GPUs; at most {MAX_GPUS} per option")
-    if gpu is not DevicePreset.CPU and gpus % NODE_GPUS and NODE_GPUS % gpus:
+    if gpu is DevicePreset.CPU:
+        if gpus > GPUS_PER_NODE.most or gpus & (gpus - 1):
+            raise ManifestError("--what-if", (
+                f"{spec!r}: {gpus} CPU devices; one host's devices are a power of two up to "
+                f"{GPUS_PER_NODE.most} (1, 2, 4, 8, 16), as spec.cluster.gpusPerNode"))
+    elif gpus % NODE_GPUS and NODE_GPUS % gpus:
         lower, upper = gpus // NODE_GPUS * NODE_GPUS, (gpus // NODE_GPUS + 1) * NODE_GPUS
         near = f"{lower} or {upper}" if lower else f"{upper}, or 1, 2 or 4"
         raise ManifestError("--what-if", (

@@ -49,7 +49,8 @@ def add_parser(sub: Any) -> None:
                            "3, B: backward, U: the update)")
     plan.add_argument("--svg", metavar="FILE",
                       help="also draw the plan as an SVG picture: the submesh map and the "
-                           "predicted timeline of one step (open it in a browser)")
+                           "predicted timeline of one step (open it in a browser); with "
+                           "--what-if, each option's cost and time and their Pareto front")
     plan.add_argument("--baselines", action="store_true",
                       help="also cost data parallel, ZeRO-2, Megatron 3-D and the ablations")
     plan.add_argument("--all-devices", action="store_true",

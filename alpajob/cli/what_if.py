@@ -3,7 +3,8 @@
 The options and prices are :mod:`alpajob.api.what_if`'s; the planning is
 :func:`alpajob.trainer_image.what_if.what_if`'s (one trace, every option through the
 plan cache). This module checks the flags, shows a progress bar over the options and
-prints the table, or ``--json``'s array of rows.
+prints the table, or ``--json``'s array of rows; ``--svg`` draws the options' cost and
+time (:mod:`alpajob.cli.pareto`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,6 +22,7 @@ from alpajob.api.errors import ManifestError
 from alpajob.api.options import PlanOptions
 from alpajob.api.resource import AlpaJob
 from alpajob.api.what_if import WhatIfOption, WhatIfRow, load_prices, parse_options
+from alpajob.cli.paths import writable_file
 
 GIB = 1024**3
 #: The table's width where the output is not a terminal.
@@ -28,7 +31,7 @@ TABLE_WIDTH = 132
 #: ``--what-if`` is its own cluster and plan.
 _ONE_PLAN_FLAGS = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "gpu": "--gpu", "output": "--output",
                    "output_configmap": "--output-configmap", "schedule": "--schedule",
-                   "baselines": "--baselines", "svg": "--svg", "calibration": "--calibration"}
+                   "baselines": "--baselines", "calibration": "--calibration"}
 
 
 def add_flags(plan: argparse.ArgumentParser) -> None:
@@ -56,6 +59,8 @@ def run(args: argparse.Namespace, job: AlpaJob, options: PlanOptions, out: Conso
 
     choices = check_flags(args)
     prices = load_prices(args.prices, choices) if args.prices else None
+    if args.svg:
+        writable_file(args.svg, "--svg")
     doing = ["tracing the model"]
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bar:
@@ -70,6 +75,13 @@ def run(args: argparse.Namespace, job: AlpaJob, options: PlanOptions, out: Conso
                            warn=lambda line: err.print(line, highlight=False, soft_wrap=True))
         except (Interrupted, KeyboardInterrupt) as error:
             raise interrupted(error, doing[0]) from None
+    if args.svg:
+        from alpajob.cli.pareto import pareto_svg
+
+        title = f"{job.metadata.name}: {len(rows)} options, cost and time of the whole job"
+        Path(args.svg).write_text(pareto_svg(rows, job.spec.training.steps, prices is not None, title),
+                                  encoding="utf-8")
+        err.print(f"picture written to {args.svg}", soft_wrap=True)
     if args.json:
         out.print_json(json.dumps([row.to_json() for row in rows]))
         return 0
@@ -116,7 +128,7 @@ def what_if_table(job: AlpaJob, rows: Sequence[WhatIfRow], priced: bool) -> Tabl
     steps = job.spec.training.steps
     table = Table(title=f"{job.metadata.name}: {steps} steps of {job.spec.training.global_batch_size} samples",
                   caption="as the planner predicts; memory: the busiest GPU's peak / what one has; "
-                          "GPU-h and $ job: every step of spec.training.steps")
+                          f"GPU-h{' and $ job' if priced else ''}: every step of spec.training.steps")
     columns = ["option", "step", "tok/s" if tokens else "samples/s", "MFU", "memory", "fits", "GPU-h"]
     if priced:
         columns += ["$/h", "$/1e9 tok"] if tokens else ["$/h"]
