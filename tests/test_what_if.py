@@ -18,7 +18,7 @@ from alpajob.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "manifests" / "examples" / "local-gpt.yaml"
-PRICES = ROOT / "manifests" / "examples" / "gpu-prices.yaml"
+PRICES = ROOT / "manifests" / "prices" / "gpu-prices.yaml"
 V100, A100 = DevicePreset.V100_16GB, DevicePreset.A100_40GB
 
 
