@@ -18,6 +18,7 @@ GPU-hours for ``spec.training.steps`` steps; and, with prices, dollars per hour,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 from alpajob.api.catalog import DEVICE_MEMORY_BYTES
@@ -41,12 +42,7 @@ def tokens_per_step(job: AlpaJob) -> int | None:
     """Token ids in one global batch (None for a model that reads none)."""
     training = job.spec.training
     shape = load_model(job.spec.model, training.dtype).batch_shapes(training.global_batch_size).get("input_ids")
-    if shape is None:
-        return None
-    count = 1
-    for size in shape.shape:
-        count *= int(size)
-    return count
+    return None if shape is None else math.prod(int(size) for size in shape.shape)
 
 
 def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[WhatIfOption], prices: Prices | None = None,

@@ -237,12 +237,7 @@ class MeshHost:
         """The job is done: tell this host's ``alpajob mesh-worker`` to stop Ray and exit
         0, by writing the file it named in :data:`~alpajob.api.runtime.RELEASE_FILE_ENV`
         (a worker the driver did not start through a pod names none: False)."""
-        path = os.environ.get(RELEASE_FILE_ENV)
-        if not path:
-            return False
-        with open(path, "w") as marker:
-            marker.write("released by the driver\n")
-        return True
+        return _tell_worker(RELEASE_FILE_ENV, "released by the driver")
 
     def hold(self) -> bool:
         """The driver got SIGTERM and saves the step it is at: tell this host's
@@ -250,12 +245,7 @@ class MeshHost:
         deleted at once), to keep Ray, and so this actor, up until the head is done, by
         writing the file it named in :data:`~alpajob.api.runtime.HOLD_FILE_ENV` (False
         where it named none). Runs beside a step (the actor is threaded)."""
-        path = os.environ.get(HOLD_FILE_ENV)
-        if not path:
-            return False
-        with open(path, "w") as marker:
-            marker.write("held by the driver: it saves the step it is at\n")
-        return True
+        return _tell_worker(HOLD_FILE_ENV, "held by the driver: it saves the step it is at")
 
     def let_go(self) -> bool:
         """The driver saved and stops: a worker held after its SIGTERM may stop Ray now
@@ -507,3 +497,15 @@ def stage_times(reply: dict[str, Any]) -> StageTimes:
     spans = tuple(Span(**{**span, "kind": SpanKind(span["kind"])}) for span in times.get("spans", ()))
     return StageTimes(**{**times, "forward": tuple(times["forward"]), "backward": tuple(times["backward"]),
                          "spans": spans})
+
+
+def _tell_worker(variable: str, words: str) -> bool:
+    """Write ``words`` to the file this host's ``alpajob mesh-worker`` named in the
+    environment variable ``variable``; False where it named none (a worker not started
+    through a pod)."""
+    path = os.environ.get(variable)
+    if not path:
+        return False
+    with open(path, "w") as marker:
+        marker.write(words + "\n")
+    return True
