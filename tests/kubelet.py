@@ -121,6 +121,7 @@ class Kubelet:
         self.finished: dict[str, int] = {}  # pod name -> exit code (of the last pod of that name)
         self.ended: set[str] = set()  # uids of the pods that ran: a pod runs once, a new one of its name anew
         self.started: list[str] = []  # pod names, in the order they started
+        self.signalled: dict[str, float] = {}  # pod name -> when (time.monotonic()) its deletion's SIGTERM went
         self.envs: dict[str, dict[str, str]] = {}  # pod name -> its env as the pod spec gave it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
@@ -202,6 +203,7 @@ class Kubelet:
             running.stopping = now
             grace = pod.metadata.deletion_grace_period_seconds
             running.kill_at = now + (30 if grace is None else grace)
+            self.signalled[running.name] = now
             with contextlib.suppress(ProcessLookupError):
                 os.kill(running.process.pid, signal.SIGTERM)
         elif now >= running.kill_at and running.process.poll() is None:

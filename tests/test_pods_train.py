@@ -398,12 +398,27 @@ def test_under_kueue_a_job_of_higher_priority_preempts_one_that_checkpoints_and_
             assert stopped, kubelet.log("kq-low-0-head")[-3000:]
             assert kubelet.finished["kq-low-0-head"] == 143
             resumed = re.search(r"restoring every mesh from the checkpoint of step (\d+)", kubelet.log("kq-low-1-head"))
-            assert resumed and resumed.group(1) == stopped.group(1), kubelet.log("kq-low-1-head")[-3000:]
+            assert resumed and resumed.group(1) == stopped.group(1), _after_the_stop(kubelet, "kq-low-0-")
             assert not [n for n in kubelet.started if n.startswith("kq-low-1-")
                         and kubelet.started.index(n) < kubelet.started.index("kq-high-0-head")]
             assert kueue.errors == []
         finally:
             kueue.stop()
+
+
+def _after_the_stop(kubelet: Kubelet, prefix: str) -> str:
+    """What each pod named ``prefix...`` printed from its stop on (the driver's and every
+    mesh worker's word about the stop and the save)."""
+    names = sorted(n for n in kubelet.finished if n.startswith(prefix))
+    first = min((kubelet.signalled[n] for n in names if n in kubelet.signalled), default=0.0)
+    out = []
+    for name in names:
+        text = kubelet.log(name)
+        at = text.find("SIGTERM")
+        when = f"SIGTERM at +{kubelet.signalled[name] - first:.1f} s" if name in kubelet.signalled else "no SIGTERM"
+        out.append(f"--- {name} ({when}, exit {kubelet.finished[name]}):\n"
+                   f"{text[at:][:3000] if at >= 0 else text[-1500:]}")
+    return "\n".join(out)
 
 
 def _the_plugin_shows_the_running_job(emu: Emulator, ns: str, job: str) -> None:

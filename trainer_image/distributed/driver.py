@@ -247,10 +247,16 @@ def drive(
     ray.init(address=options.address, log_to_driver=False, logging_level=logging.WARNING)
     group: MeshGroup | None = None
 
-    def hold_hosts(_signal: str) -> None:
+    def hold_hosts(signal_name: str) -> None:
         """SIGTERM: every mesh host stays for the checkpoint of this step (``MeshGroup.hold``)."""
         if group is not None:
-            threading.Thread(target=group.hold, name="alpajob-hold", daemon=True).start()
+            threading.Thread(target=tell_hold, args=(group, signal_name, time.monotonic()),
+                             name="alpajob-hold", daemon=True).start()
+
+    def tell_hold(hosts: MeshGroup, signal_name: str, since: float) -> None:
+        held = hosts.hold()
+        say(f"{signal_name}: {held} of {counted(len(hosts.all), 'mesh host')} keep Ray up for the checkpoint "
+            f"({time.monotonic() - since:.1f} s after the signal)")
 
     with StopRequest(on_request=hold_hosts) as stop:
         try:

@@ -283,11 +283,15 @@ class MeshGroup:
         """The job is done: every host's worker may stop Ray and exit 0."""
         gather([a.release.remote() for a in self.all], self.timeout, "release")
 
-    def hold(self) -> None:
+    def hold(self, timeout: float = 10.0) -> int:
         """The driver stops and saves: every host's worker keeps Ray up for it
-        (``MeshHost.hold``). Asked, not awaited: the calls run beside the step in flight."""
-        for actor in self.all:
-            actor.hold.remote()
+        (``MeshHost.hold``). The calls run beside the step in flight (call this from a
+        thread of its own); how many hosts' workers hold within ``timeout``."""
+        import ray
+
+        calls = [actor.hold.remote() for actor in self.all]
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+        return sum(1 for answer in ready if _answer(answer))
 
     def let_go(self, timeout: float = 5.0) -> None:
         """The driver is done after a stop: every held worker may stop Ray now
@@ -301,3 +305,13 @@ class MeshGroup:
 
         for actor in self.all:
             ray.kill(actor)
+
+
+def _answer(ref: Any) -> bool:
+    """A finished call's value; False where it failed (its host gone)."""
+    import ray
+
+    try:
+        return bool(ray.get(ref))
+    except Exception:  # noqa: BLE001 - a host that left cannot hold
+        return False

@@ -82,7 +82,7 @@ def wait_for_head(address: str, timeout: float, say: Callable[[str], None],
 
 #: Seconds a mesh worker keeps Ray up after SIGTERM while it waits for the driver's
 #: word that it stops too and saves (module docstring).
-HOLD_WINDOW = 5.0
+HOLD_WINDOW = 10.0
 #: The most seconds a held worker keeps Ray up after its SIGTERM.
 HOLD_LIMIT = 20.0
 
@@ -119,11 +119,12 @@ class _Stop:
         held = self.hold is not None and self.hold.exists()
         if held and not self.said:
             self.said = True
-            say(f"{name}: the driver is saving the step it is at; Ray stays up for it (at most {self.limit:.0f} s)")
+            say(f"{name} {waited:.1f} s ago: the driver is saving the step it is at; Ray stays up for it "
+                f"(at most {self.limit:.0f} s)")
         if self.said and not held:
-            say(f"{name}: the driver has saved; stopping Ray")
+            say(f"{name} {waited:.1f} s ago: the driver has saved; stopping Ray")
         elif self.head is not None and not _answers(self.head):
-            say(f"{name}: the Ray head at {self.head} is gone; stopping Ray")
+            say(f"{name} {waited:.1f} s ago: the Ray head at {self.head} is gone; stopping Ray")
         elif held and waited >= self.limit:
             say(f"{name}: the driver did not finish saving within {self.limit:.0f} s; stopping Ray")
         elif not held and waited >= self.window:
