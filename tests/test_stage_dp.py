@@ -11,6 +11,7 @@ from alpajob.planner.inter_op.stage_dp import (
     assign_submeshes,
     stage_dp,
     stage_dp_brute_force,
+    stage_dp_pools,
     submesh_choices,
 )
 
@@ -82,6 +83,80 @@ def test_stage_dp_matches_brute_force_on_medium_cases():
         assert (got is None) == (want is None)
         if got is not None and want is not None:
             assert got.total_seconds == pytest.approx(want.total_seconds, rel=1e-9)
+
+
+def _mixed_case(rng: np.random.Generator):
+    """Two pools: a fast one and a slow one, each with its own submesh choices (the
+    same layers cost ``speed`` times more on the slow pool's choices)."""
+    num_layers = int(rng.integers(1, 6))
+    per_pool = [sorted(int(n) for n in rng.choice([1, 2, 4], size=int(rng.integers(1, 3)), replace=False))
+                for _ in range(2)]
+    devices = [n for choices in per_pool for n in choices]
+    pools = [p for p, choices in enumerate(per_pool) for _ in choices]
+    sizes = [int(sum(rng.choice(choices, size=int(rng.integers(1, 3))))) for choices in per_pool]
+    base = rng.uniform(0.1, 4.0, size=(num_layers, num_layers, len(devices)))
+    speed = np.array([1.0 if p == 0 else float(rng.uniform(1.2, 3.0)) for p in pools])
+    cost = base / np.asarray(devices) * speed
+    cost[rng.random(cost.shape) < 0.1] = np.inf
+    cost[np.tril_indices(num_layers, -1)] = np.inf
+    max_succ = rng.integers(-1, num_layers + 1, size=cost.shape)
+    max_succ[rng.random(cost.shape) < 0.6] = num_layers
+    return cost, max_succ, devices, pools, sizes
+
+
+@pytest.mark.parametrize("targets", ["whole-or-none", "both-whole"])
+def test_the_dp_over_two_pools_matches_brute_force(targets):
+    """Each pool's devices are a dimension of the DP's state: the plan found is the
+    best of every split into stages, every submesh of either pool per stage, and
+    every use of the pools the targets allow."""
+    rng = np.random.default_rng(17 if targets == "both-whole" else 23)
+    solved = mixed = 0
+    for _ in range(150):
+        cost, max_succ, devices, pools, sizes = _mixed_case(rng)
+        b = int(rng.choice([1, 2, 4, 8]))
+        wanted = [tuple(sizes)] if targets == "both-whole" else [(sizes[0], 0), (0, sizes[1]), tuple(sizes)]
+        got = stage_dp_pools(cost, max_succ, devices, pools, sizes, b,
+                             targets=None if targets == "whole-or-none" else wanted, epsilon_tmax=0.0)
+        want = stage_dp_brute_force(cost, max_succ, devices, sum(sizes), b, submesh_pools=pools,
+                                    targets=wanted)
+        assert (got is None) == (want is None)
+        if got is None or want is None:
+            continue
+        solved += 1
+        assert got.total_seconds == pytest.approx(want.total_seconds, rel=1e-12)
+        used = [0, 0]
+        for stage in got.stages:
+            used[pools[stage.submesh_index]] += devices[stage.submesh_index]
+        assert tuple(used) in wanted
+        mixed += all(used)
+    assert solved >= 50 and mixed >= 10
+
+
+def test_one_pool_through_the_pools_entry_is_alpas_dp():
+    rng = np.random.default_rng(29)
+    for _ in range(60):
+        cost, max_succ, devices, num_devices = _random_case(rng)
+        b = int(rng.choice([1, 4]))
+        one = stage_dp(cost, max_succ, devices, num_devices, b)
+        pooled = stage_dp_pools(cost, max_succ, devices, [0] * len(devices), [num_devices], b)
+        assert (one is None) == (pooled is None)
+        if one is not None and pooled is not None:
+            assert pooled.stages == one.stages and pooled.total_seconds == one.total_seconds
+
+
+def test_the_slow_pool_gets_fewer_layers():
+    """Four equal layers, two pools of one device: the second pool is three times
+    slower. Two stages, one per pool, are best when the slow one takes one layer
+    (3 + 3 = 6 per micro-batch, bottleneck 3), not two (2 + 6)."""
+    cost = np.full((4, 4, 2), np.inf)
+    for i in range(4):
+        for j in range(i, 4):
+            cost[i, j] = [(j - i + 1) * 1.0, (j - i + 1) * 3.0]
+    result = stage_dp_pools(cost, np.full(cost.shape, 4), [1, 1], [0, 1], [1, 1], 8, targets=[(1, 1)])
+    assert result is not None
+    layers = {s.submesh_index: s.end_layer - s.start_layer for s in result.stages}
+    assert layers == {0: 3, 1: 1}  # either order: the same step
+    assert result.total_seconds == 3 + 3 + 7 * 3
 
 
 def test_stage_dp_worked_example_from_the_docstring():
@@ -184,7 +259,7 @@ def test_assign_submeshes_refuses_overflow_and_unknown_shapes():
 
 def test_pruned_cap_search_equals_trying_every_cap():
     # The branch and bound over caps must find what Alpa's full ascending scan finds.
-    from alpajob.planner.inter_op.stage_dp import _candidates, _capped_dp
+    from alpajob.planner.inter_op.stage_dp import _candidates, _capped_dp, _Pools
 
     rng = np.random.default_rng(42)
     devices = np.array([1, 2, 4, 8])
@@ -194,11 +269,12 @@ def test_pruned_cap_search_equals_trying_every_cap():
         cost[np.tril_indices(num_layers, -1)] = np.inf
         max_succ = rng.integers(-1, num_layers, cost.shape)
         micro_batches = int(rng.choice([2, 4, 32]))
-        cand = _candidates(cost, max_succ, devices, num_devices)
+        pools = _Pools.one(devices.size, num_devices)
+        cand = _candidates(cost, max_succ, devices, pools)
         max_stages = min(num_layers, num_devices, int(cand.max_succ.max()) + 1)
         scan = np.inf
         for cap in np.unique(cand.cost):
-            solved = _capped_dp(cand, cap, num_layers, num_devices, max_stages, None)
+            solved = _capped_dp(cand, cap, num_layers, pools, max_stages, None)
             if solved is not None:
                 value, chosen = solved
                 scan = min(scan, value + (micro_batches - 1) * cand.cost[chosen].max())

@@ -183,6 +183,7 @@ def _validate(
     num_devices: int,
     num_micro_batches: int,
     num_stages: int | None,
+    pools: _Pools | None = None,
 ) -> None:
     if compute_cost.ndim != 3 or compute_cost.shape[0] != compute_cost.shape[1]:
         raise ValueError(f"compute_cost must have shape [L, L, S], got {compute_cost.shape}")
@@ -202,6 +203,8 @@ def _validate(
         raise ValueError("compute_cost has negative latencies")
     if num_devices < 1:
         raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+    if pools is not None:
+        pools.check(len(submesh_devices))
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be at least 1, got {num_micro_batches}")
     if num_stages is not None and num_stages < 1:
@@ -218,21 +221,51 @@ class _Candidates:
     cost: np.ndarray
     max_succ: np.ndarray
     devices: np.ndarray
+    pool: np.ndarray  # the pool of each candidate's submesh (all 0 in one pool)
+
+
+@dataclass(frozen=True)
+class _Pools:
+    """Several pools of devices (module docstring, "Mixed pools"): ``of[c]`` is the
+    pool of submesh choice ``c``, ``sizes[p]`` the devices of pool ``p``, and
+    ``targets`` the device counts per pool that a plan may use in all."""
+
+    of: tuple[int, ...]
+    sizes: tuple[int, ...]
+    targets: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def one(cls, num_choices: int, num_devices: int) -> _Pools:
+        """One pool of ``num_devices``, every one of them used (Alpa's DP)."""
+        return cls((0,) * num_choices, (num_devices,), ((num_devices,),))
+
+    def check(self, num_choices: int) -> None:
+        if len(self.of) != num_choices:
+            raise ValueError(f"submesh_pools has {len(self.of)} entries for {num_choices} submesh choices")
+        if any(not 0 <= p < len(self.sizes) for p in self.of):
+            raise ValueError(f"submesh_pools names pools outside 0..{len(self.sizes) - 1}: {list(self.of)}")
+        if any(n < 0 for n in self.sizes) or not self.targets:
+            raise ValueError(f"pool sizes must be >= 0 with at least one target, got {self.sizes}")
+        for target in self.targets:
+            if len(target) != len(self.sizes) or any(not 0 <= t <= n for t, n in zip(target, self.sizes,
+                                                                                      strict=True)):
+                raise ValueError(f"target {target} is not a device count per pool within {self.sizes}")
 
 
 def _candidates(
     compute_cost: np.ndarray,
     max_n_succ_stages: np.ndarray,
     submesh_devices: np.ndarray,
-    num_devices: int,
+    pools: _Pools,
 ) -> _Candidates:
     num_layers = compute_cost.shape[0]
     upper = np.triu(np.ones((num_layers, num_layers), dtype=bool))[:, :, None]
+    of = np.asarray(pools.of, dtype=np.int64)
     ok = (
         upper
         & np.isfinite(compute_cost)
         & (max_n_succ_stages >= 0)
-        & (submesh_devices <= num_devices)[None, None, :]
+        & (submesh_devices <= np.asarray(pools.sizes)[of])[None, None, :]
     )
     k, i, c = np.nonzero(ok)  # row-major, so already sorted by k
     return _Candidates(
@@ -242,6 +275,7 @@ def _candidates(
         cost=compute_cost[k, i, c].astype(np.float64),
         max_succ=max_n_succ_stages[k, i, c].astype(np.int64),
         devices=submesh_devices[c],
+        pool=of[c],
     )
 
 
@@ -249,52 +283,68 @@ def _capped_dp(
     cand: _Candidates,
     t_max: float,
     num_layers: int,
-    num_devices: int,
+    pools: _Pools,
     max_stages: int,
     num_stages: int | None,
 ) -> tuple[float, list[int]] | None:
-    """Solve eq. 3 under cap ``t_max``; return (least sum, chosen candidate ids) or None."""
+    """Solve eq. 3 under cap ``t_max``; return (least sum, chosen candidate ids) or None.
+
+    ``F`` has one axis for the layer and one per pool (the devices used of it); a
+    stage of ``n`` devices of pool ``p`` shifts ``F`` by ``n`` along pool ``p``'s axis."""
     keep = cand.cost <= t_max
     start, end, cost = cand.start[keep], cand.end[keep], cand.cost[keep]
     max_succ, devices, ids = cand.max_succ[keep], cand.devices[keep], np.flatnonzero(keep)
+    pool = cand.pool[keep]
     if start.size == 0:
         return None
-    shifts = np.unique(devices)
-    shift_index = np.searchsorted(shifts, devices)
-    f_prev = np.full((num_layers + 1, num_devices + 1), np.inf)
-    f_prev[num_layers, 0] = 0.0
+    dims = tuple(n + 1 for n in pools.sizes)
+    # One shift per distinct (pool, device count) among the candidates.
+    shifts, shift_index = np.unique(np.stack([pool, devices], axis=1), axis=0, return_inverse=True)
+    shift_index = shift_index.reshape(-1)
+    f_prev = np.full((num_layers + 1, *dims), np.inf)
+    f_prev[(num_layers,) + (0,) * len(dims)] = 0.0
     tables = [f_prev]
-    best_value, best_s = np.inf, 0
+    targets = [(0, *t) for t in pools.targets]
+    best_value, best_s, best_target = np.inf, 0, targets[0]
+    devices_axes = tuple(range(1, 1 + len(dims)))
     for s in range(1, max_stages + 1):
-        row_ok = np.isfinite(f_prev).any(axis=1)
+        row_ok = np.isfinite(f_prev).any(axis=devices_axes)
         active = (max_succ >= s - 1) & (end <= num_layers - s) & row_ok[end + 1]
         f_s = np.full_like(f_prev, np.inf)
         if active.any():
             a_start, a_end = start[active], end[active]
-            # shifted[x, r, d] = F(s - 1, r, d - shifts[x])
-            shifted = np.full((shifts.size, num_layers + 1, num_devices + 1), np.inf)
-            for x, n in enumerate(shifts):
-                shifted[x, :, n:] = f_prev[:, : num_devices + 1 - n]
-            values = shifted[shift_index[active], a_end + 1] + cost[active][:, None]
+            # shifted[x, r, d...] = F(s - 1, r, d - shift x (n devices along pool p))
+            shifted = np.full((len(shifts), num_layers + 1, *dims), np.inf)
+            for x, (p, n) in enumerate(shifts):
+                to = [slice(None)] * (1 + len(dims))
+                source = [slice(None)] * (1 + len(dims))
+                to[1 + p], source[1 + p] = slice(n, None), slice(0, dims[p] - n)
+                shifted[(x, *to)] = f_prev[tuple(source)]
+            values = shifted[shift_index[active], a_end + 1] + cost[active].reshape((-1,) + (1,) * len(dims))
             seg = np.flatnonzero(np.r_[True, a_start[1:] != a_start[:-1]])
             f_s[a_start[seg]] = np.minimum.reduceat(values, seg, axis=0)
         tables.append(f_s)
-        if (num_stages is None or s == num_stages) and f_s[0, num_devices] < best_value:
-            best_value, best_s = f_s[0, num_devices], s
+        if num_stages is None or s == num_stages:
+            for target in targets:
+                if f_s[target] < best_value:
+                    best_value, best_s, best_target = f_s[target], s, target
         if not np.isfinite(f_s).any():
             break
         f_prev = f_s
     if not np.isfinite(best_value):
         return None
     chosen = []
-    k, d = 0, num_devices
+    k, d = 0, list(best_target[1:])
     for s in range(best_s, 0, -1):
-        target = tables[s][k, d]
-        match = (start == k) & (max_succ >= s - 1) & (devices <= d) & (end <= num_layers - s)
+        value = tables[s][(k, *d)]
+        match = (start == k) & (max_succ >= s - 1) & (end <= num_layers - s)
+        match &= devices <= np.asarray(d)[pool]
         for e in np.flatnonzero(match):
-            if cost[e] + tables[s - 1][end[e] + 1, d - devices[e]] == target:
+            rest = list(d)
+            rest[pool[e]] -= int(devices[e])
+            if cost[e] + tables[s - 1][(int(end[e]) + 1, *rest)] == value:
                 chosen.append(int(ids[e]))
-                k, d = int(end[e]) + 1, d - int(devices[e])
+                k, d = int(end[e]) + 1, rest
                 break
         else:  # pragma: no cover - the tables were built from these very sums
             raise RuntimeError("stage DP backtracking lost its path")
@@ -335,9 +385,50 @@ def stage_dp(
     stages use exactly ``num_devices``. ``num_stages`` forces the stage count.
     See the module docstring for the recurrence, the caps tried and the pruning.
     """
+    return _search(compute_cost, max_n_succ_stages, submesh_devices,
+                   _Pools.one(len(submesh_devices), num_devices), num_micro_batches,
+                   num_stages, epsilon_tmax)
+
+
+def stage_dp_pools(
+    compute_cost: np.ndarray,
+    max_n_succ_stages: np.ndarray,
+    submesh_devices: Sequence[int],
+    submesh_pools: Sequence[int],
+    pool_devices: Sequence[int],
+    num_micro_batches: int,
+    *,
+    targets: Sequence[Sequence[int]] | None = None,
+    num_stages: int | None = None,
+    epsilon_tmax: float = 1e-6,
+) -> DPResult | None:
+    """:func:`stage_dp` over several pools of devices (module docstring, "Mixed
+    pools"): submesh choice ``c`` lies in pool ``submesh_pools[c]``, which has
+    ``pool_devices[p]`` devices. ``targets``: the device counts per pool a plan may
+    use; by default every pool is used whole or not at all (not none of them), so
+    every single-pool plan is a candidate too."""
+    sizes = tuple(int(n) for n in pool_devices)
+    if targets is None:
+        targets = [t for t in itertools.product(*[(0, n) if n else (0,) for n in sizes]) if any(t)]
+    pools = _Pools(tuple(int(p) for p in submesh_pools), sizes, tuple(tuple(int(x) for x in t) for t in targets))
+    return _search(compute_cost, max_n_succ_stages, submesh_devices, pools, num_micro_batches,
+                   num_stages, epsilon_tmax)
+
+
+def _search(
+    compute_cost: np.ndarray,
+    max_n_succ_stages: np.ndarray,
+    submesh_devices: Sequence[int],
+    pools: _Pools,
+    num_micro_batches: int,
+    num_stages: int | None,
+    epsilon_tmax: float,
+) -> DPResult | None:
+    """The caps' best-first search (module docstring) of either entry point."""
     began = time.perf_counter()
     compute_cost = np.asarray(compute_cost, dtype=np.float64)
     max_n_succ_stages = np.asarray(max_n_succ_stages)
+    num_devices = max(sum(t) for t in pools.targets) if pools.targets else 0
     _validate(
         compute_cost,
         max_n_succ_stages,
@@ -345,12 +436,13 @@ def stage_dp(
         num_devices,
         num_micro_batches,
         num_stages,
+        pools,
     )
     if epsilon_tmax < 0:
         raise ValueError(f"epsilon_tmax must be >= 0, got {epsilon_tmax}")
     num_layers = compute_cost.shape[0]
     devices = np.asarray(submesh_devices, dtype=np.int64)
-    cand = _candidates(compute_cost, max_n_succ_stages, devices, num_devices)
+    cand = _candidates(compute_cost, max_n_succ_stages, devices, pools)
     if cand.cost.size == 0:
         return None
     max_stages = min(
@@ -370,7 +462,7 @@ def stage_dp(
         """Run one capped DP; keep its plan if it beats the best; return F(cap)."""
         nonlocal tried, best
         tried += 1
-        solved = _capped_dp(cand, cap, num_layers, num_devices, max_stages, num_stages)
+        solved = _capped_dp(cand, cap, num_layers, pools, max_stages, num_stages)
         if solved is None:
             return np.inf
         value, chosen = solved
@@ -423,14 +515,28 @@ def stage_dp_brute_force(
     *,
     num_stages: int | None = None,
     epsilon_tmax: float = 1e-6,
+    submesh_pools: Sequence[int] | None = None,
+    targets: Sequence[Sequence[int]] | None = None,
 ) -> DPResult | None:
-    """Exhaustive reference for :func:`stage_dp` (tiny cases only).
+    """Exhaustive reference for :func:`stage_dp` and :func:`stage_dp_pools` (tiny
+    cases only).
 
     Tries every split of the layers into contiguous stages and every submesh per
-    stage; keeps plans that use exactly ``num_devices`` and where stage ``q`` of ``p``
+    stage; keeps plans that use exactly ``num_devices`` (with ``submesh_pools``: a
+    plan's devices per pool are one of ``targets``) and where stage ``q`` of ``p``
     satisfies ``p - 1 - q <= max_n_succ_stages``; minimises eq. 2.
     ``epsilon_tmax`` is accepted for a common signature and ignored.
     """
+    num_choices = np.asarray(compute_cost).shape[2]
+    of = list(submesh_pools) if submesh_pools is not None else [0] * num_choices
+    wanted = {tuple(t) for t in targets} if targets is not None else {(num_devices,)}
+
+    def uses(subs: Sequence[int]) -> tuple[int, ...]:
+        used = [0] * len(next(iter(wanted)))
+        for c in subs:
+            used[of[c]] += int(submesh_devices[c])
+        return tuple(used)
+
     began = time.perf_counter()
     compute_cost = np.asarray(compute_cost, dtype=np.float64)
     max_n_succ_stages = np.asarray(max_n_succ_stages)
@@ -450,7 +556,7 @@ def stage_dp_brute_force(
         for cuts in itertools.combinations(range(1, num_layers), p - 1):
             bounds = (0, *cuts, num_layers)
             for subs in itertools.product(range(num_choices), repeat=p):
-                if sum(int(submesh_devices[c]) for c in subs) != num_devices:
+                if uses(subs) not in wanted:
                     continue
                 plan = [(bounds[q], bounds[q + 1] - 1, subs[q]) for q in range(p)]
                 if any(p - 1 - q > max_n_succ_stages[k, i, c] for q, (k, i, c) in enumerate(plan)):
