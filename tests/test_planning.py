@@ -321,7 +321,7 @@ def test_micro_batch_counts_are_every_divisor_of_the_batch():
             searched.extend(micro_batches)
             return [Candidate("fake", None, b, (), abs(b - 6) + 1.0) for b in micro_batches]
 
-    best = make.best_of(make._coarse_to_fine(FakeSearch(), counts))
+    best = make.best_of(make.coarse_to_fine(FakeSearch(), counts))
     assert best.num_micro_batches == 6
     assert len(searched) == len(set(searched)) < len(counts)
 
@@ -353,7 +353,7 @@ def test_when_no_usual_count_fits_the_largest_is_the_way_down(least, fits_from, 
             return found
 
     guesses: list[list[int]] = []
-    best = make.best_of(make._coarse_to_fine(FakeSearch(), counts))
+    best = make.best_of(make.coarse_to_fine(FakeSearch(), counts))
     assert searched[:5] == [1, 4, 16, 64, 1024]  # the usual counts and the largest
     assert searched[5:] == expected
     # Each round's guess of what comes next (the pool starts it early) is, on the
@@ -385,7 +385,7 @@ def test_a_pipeline_at_the_largest_count_is_found_past_a_local_optimum():
             searched.extend(micro_batches)
             return [Candidate("fake", None, b, (), seconds(b)) for b in micro_batches]
 
-    best = make.best_of(make._coarse_to_fine(FakeSearch(), counts))
+    best = make.best_of(make.coarse_to_fine(FakeSearch(), counts))
     assert best.num_micro_batches == 1024
     assert searched == [1, 4, 16, 64, 1024, 512]
 

@@ -47,6 +47,7 @@ from alpajob.planner.inter_op.stage_costs import (
     LEVEL_TIERS,
     CosterCaches,
     LayerCoster,
+    Link,
     SolveCounter,
     StageEval,
     Submesh,
@@ -292,16 +293,20 @@ def evaluate_stages(
 
 
 @dataclass(frozen=True)
-class _Choice:
+class StageOption:
+    """How a DP choice runs a layer range: its submesh, logical mesh and memory level."""
+
     submesh: Submesh
     shape: Shape
     level: int
 
 
-def _dp_tables(
-    context: CostContext, coster: LayerCoster, num_micro_batches: int, devices: Sequence[Submesh]
-) -> tuple[np.ndarray, np.ndarray, list[list[list[_Choice | None]]], list[int]]:
-    """compute_cost, max_n_succ_stages and the choice behind every entry.
+def dp_tables(
+    context: CostContext, coster: LayerCoster, num_micro_batches: int, devices: Sequence[Submesh],
+    link: Link | None = None,
+) -> tuple[np.ndarray, np.ndarray, list[list[list[StageOption | None]]], list[int]]:
+    """compute_cost, max_n_succ_stages and the choice behind every entry; stages
+    receive their inputs on ``link`` (default: the cluster's own, ``LayerCoster.own_link``).
 
     Two DP choices per submesh: index 2s is the fastest option of each range, 2s + 1
     the option that allows the most later stages (least memory).
@@ -310,11 +315,11 @@ def _dp_tables(
     num_choices = 2 * len(devices)
     cost = np.full((n, n, num_choices), np.inf)
     succ = np.full((n, n, num_choices), -1, dtype=np.int64)
-    origin: list[list[list[_Choice | None]]] = [
+    origin: list[list[list[StageOption | None]]] = [
         [[None] * num_choices for _ in range(n)] for _ in range(n)
     ]
     for s, submesh in enumerate(devices):
-        fastest, roomy = _submesh_tables(context, coster, num_micro_batches, submesh)
+        fastest, roomy = _submesh_tables(context, coster, num_micro_batches, submesh, link)
         for k, table in ((2 * s, fastest), (2 * s + 1, roomy)):
             cost[:, :, k] = table.cost
             succ[:, :, k] = table.succ
@@ -331,10 +336,10 @@ class _Table:
 
     cost: np.ndarray
     succ: np.ndarray
-    origin: dict[tuple[int, int], _Choice] = field(default_factory=dict)
+    origin: dict[tuple[int, int], StageOption] = field(default_factory=dict)
 
     def take(self, where: np.ndarray, cost: np.ndarray, succ: np.ndarray,
-             choice: _Choice) -> None:
+             choice: StageOption) -> None:
         self.cost = np.where(where, cost, self.cost)
         self.succ = np.where(where, succ, self.succ)
         for i, j in zip(*np.nonzero(where), strict=True):
@@ -342,7 +347,8 @@ class _Table:
 
 
 def _submesh_tables(
-    context: CostContext, coster: LayerCoster, num_micro_batches: int, submesh: Submesh
+    context: CostContext, coster: LayerCoster, num_micro_batches: int, submesh: Submesh,
+    link: Link | None = None,
 ) -> tuple[_Table, _Table]:
     """The fastest and the roomiest option of every layer range on ``submesh``, over
     its logical meshes and memory levels (leaner levels only while some single layer
@@ -356,7 +362,7 @@ def _submesh_tables(
         if level > 0 and _fits_everywhere(fastest.succ, n):
             break  # every range already fits: no need for leaner (slower) levels
         for shape in context.shapes(submesh):
-            seconds, update, weight, act = coster.range_table(submesh, shape, level)
+            seconds, update, weight, act = coster.range_table(submesh, shape, level, link)
             dp_cost = seconds + update / num_micro_batches
             n_succ = _max_successors(
                 weight, act, context.memory_budget, num_micro_batches, context, n
@@ -367,7 +373,7 @@ def _submesh_tables(
             roomier = ok & (
                 (n_succ > roomy.succ) | ((n_succ == roomy.succ) & (dp_cost < roomy.cost))
             )
-            choice = _Choice(submesh, shape, level)
+            choice = StageOption(submesh, shape, level)
             fastest.take(better, dp_cost, n_succ, choice)
             roomy.take(roomier, dp_cost, n_succ, choice)
     return fastest, roomy
@@ -477,7 +483,7 @@ def dp_candidate(
     """
     coster = context.coster(num_micro_batches, mode)
     devices = context.submeshes()
-    cost, succ, origin, sizes = _dp_tables(context, coster, num_micro_batches, devices)
+    cost, succ, origin, sizes = dp_tables(context, coster, num_micro_batches, devices)
     if min_stages > 1:
         cost[0, coster.num_layers - 1, :] = np.inf
     if mask is not None:
@@ -503,7 +509,7 @@ def dp_candidate(
     return best_of(found)
 
 
-def _stage_requests(result: DPResult, origin: list[list[list[_Choice | None]]]
+def _stage_requests(result: DPResult, origin: list[list[list[StageOption | None]]]
                     ) -> tuple[StageRequest, ...]:
     """The DP's stages with the submesh, logical mesh and memory level behind each."""
     requests = []

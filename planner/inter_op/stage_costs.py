@@ -100,6 +100,8 @@ LEVEL_TIERS: tuple[tuple[int, ...], ...] = ((0,), (1, 2, 3), (4, 5, 6, 7))
 
 Submesh = tuple[int, int]
 Shape = tuple[int, int]
+#: (latency in seconds, bandwidth in bytes per second) of a point-to-point link.
+Link = tuple[float, float]
 
 
 @dataclass
@@ -242,7 +244,7 @@ class LayerCoster:
                 continue
             low, high = min(src, dst), max(src, dst)
             self._boundary_bytes[low + 1 : high + 1] += self.graph.tensors[tensor].nbytes
-        self._step_table: np.ndarray | None = None
+        self._step_tables: dict[Link, np.ndarray] = {}  # per link (:meth:`step_transfer_table`)
         self._incoming = structure.incoming
         forward = np.zeros(self.num_layers)
         backward = np.zeros(self.num_layers)
@@ -459,22 +461,31 @@ class LayerCoster:
         """bytes[k]: bytes crossing the cut before layer k (both directions) per micro-batch."""
         return self._boundary_bytes
 
-    def transfer_seconds(self, nbytes: float) -> float:
-        """Point-to-point time between two meshes (the slower link when several nodes)."""
-        if nbytes <= 0:
-            return 0.0
+    def own_link(self) -> Link:
+        """(latency, bandwidth) between two meshes of this cluster: the slower link
+        when it has several nodes."""
         cluster = self.cluster
         if cluster.num_nodes > 1:
-            return cluster.inter_node_latency + nbytes / cluster.inter_node_bandwidth
-        return cluster.intra_node_latency + nbytes / cluster.intra_node_bandwidth
+            return cluster.inter_node_latency, cluster.inter_node_bandwidth
+        return cluster.intra_node_latency, cluster.intra_node_bandwidth
 
-    def step_transfer_table(self) -> np.ndarray:
+    def transfer_seconds(self, nbytes: float, link: Link | None = None) -> float:
+        """Point-to-point time of ``nbytes`` between two meshes, on ``link`` (default:
+        :meth:`own_link`; a mixed cluster's stages may receive from another pool:
+        :mod:`.pools`)."""
+        if nbytes <= 0:
+            return 0.0
+        latency, bandwidth = link or self.own_link()
+        return latency + nbytes / bandwidth
+
+    def step_transfer_table(self, link: Link | None = None) -> np.ndarray:
         """[L, L]: per-step seconds a stage of layers i..j spends receiving values that
         cross once per step: each tensor whose producer is outside the range and some
         reader inside arrives once (a shared parameter's copy going out, or a partial
         gradient going home), whatever the number of cuts between (GPT-39B's tied
         embedding gradient, 839 MB, was charged at every cut for every micro-batch)."""
-        if self._step_table is None:
+        link = link or self.own_link()
+        if link not in self._step_tables:
             n = self.num_layers
             i, j = np.arange(n)[:, None], np.arange(n)[None, :]
             readers: dict[tuple[int, int], list[int]] = {}
@@ -486,9 +497,9 @@ class LayerCoster:
                 for dst in dsts:
                     inside |= (i <= dst) & (dst <= j)
                 arrives = inside & ~((i <= src) & (src <= j))
-                table += np.where(arrives, self.transfer_seconds(self.graph.tensors[tensor].nbytes), 0.0)
-            self._step_table = np.triu(table)
-        return self._step_table
+                table += np.where(arrives, self.transfer_seconds(self.graph.tensors[tensor].nbytes, link), 0.0)
+            self._step_tables[link] = np.triu(table)
+        return self._step_tables[link]
 
     def crossing_tensors(self, cut: int) -> list[tuple[int, int, int]]:
         """Crossings (tensor, producer layer, consumer layer) that pass the cut before ``cut``."""
@@ -502,12 +513,14 @@ class LayerCoster:
         shape: Shape,
         level: int,
         in_flight: int,
+        link: Link | None = None,
     ) -> StageEval:
-        """Exact figures of layers first..last (inclusive) as one stage on one mesh."""
+        """Exact figures of layers first..last (inclusive) as one stage on one mesh,
+        receiving on ``link`` (default: :meth:`own_link`)."""
         a = self.arrays(submesh, shape, level)
         span = slice(first, last + 1)
         inner = float(a.inner_reshard[span, span].sum())
-        transfer = self.transfer_seconds(self.boundary_bytes()[first]) if first > 0 else 0.0
+        transfer = self.transfer_seconds(self.boundary_bytes()[first], link) if first > 0 else 0.0
         compute = float(a.compute[span].sum())
         comm = float(a.comm[span].sum()) + inner
         return StageEval(
@@ -520,15 +533,17 @@ class LayerCoster:
             compute=compute,
             comm=comm,
             transfer=transfer,
-            update=float(a.update[span].sum()) + float(self.step_transfer_table()[first, last]),
+            update=float(a.update[span].sum()) + float(self.step_transfer_table(link)[first, last]),
             weight_bytes=float(a.weight[span].sum()),
             activation_bytes=float(a.activation[span].sum()),
             transient_bytes=float(a.transient[span].max()),
             in_flight=in_flight,
         )
 
-    def range_table(self, submesh: Submesh, shape: Shape, level: int) -> tuple[np.ndarray, ...]:
-        """[L, L] tables over ranges i..j: seconds, update, fixed bytes, activation bytes.
+    def range_table(self, submesh: Submesh, shape: Shape, level: int,
+                    link: Link | None = None) -> tuple[np.ndarray, ...]:
+        """[L, L] tables over ranges i..j: seconds, update, fixed bytes, activation bytes;
+        a stage receives on ``link`` (default: :meth:`own_link`).
 
         Fixed bytes are the weights plus the largest transient (memory that does not
         grow with in-flight micro-batches). Entries with j < i are +inf (seconds) or 0.
@@ -548,7 +563,7 @@ class LayerCoster:
         j = np.arange(n)[None, :]
         inner = cum[j + 1, j + 1] - cum[i, j + 1] - cum[j + 1, i] + cum[i, i]
         boundary = self.boundary_bytes()
-        transfer = np.array([self.transfer_seconds(boundary[k]) if k else 0.0 for k in range(n)])
+        transfer = np.array([self.transfer_seconds(boundary[k], link) if k else 0.0 for k in range(n)])
         seconds = ranged(a.compute) + ranged(a.comm) + inner + transfer[:, None]
         upper = np.triu(np.ones((n, n), dtype=bool))
         seconds = np.where(upper, seconds, np.inf)
@@ -557,7 +572,7 @@ class LayerCoster:
             np.where(upper, np.broadcast_to(a.transient[None, :], (n, n)), 0.0), axis=1
         )
         weight = ranged(a.weight) + np.where(upper, transient, 0.0)
-        return seconds, ranged(a.update) + self.step_transfer_table(), weight, ranged(a.activation)
+        return seconds, ranged(a.update) + self.step_transfer_table(link), weight, ranged(a.activation)
 
 
 def forward_range(graph: OpGraph, ops: Sequence[int]) -> tuple[int, int]:

@@ -316,10 +316,10 @@ def _capped_dp(
             # shifted[x, r, d...] = F(s - 1, r, d - shift x (n devices along pool p))
             shifted = np.full((len(shifts), num_layers + 1, *dims), np.inf)
             for x, (p, n) in enumerate(shifts):
-                to = [slice(None)] * (1 + len(dims))
+                to: list[slice | int] = [x] + [slice(None)] * (1 + len(dims))
                 source = [slice(None)] * (1 + len(dims))
-                to[1 + p], source[1 + p] = slice(n, None), slice(0, dims[p] - n)
-                shifted[(x, *to)] = f_prev[tuple(source)]
+                to[2 + p], source[1 + p] = slice(n, None), slice(0, dims[p] - n)
+                shifted[tuple(to)] = f_prev[tuple(source)]
             values = shifted[shift_index[active], a_end + 1] + cost[active].reshape((-1,) + (1,) * len(dims))
             seg = np.flatnonzero(np.r_[True, a_start[1:] != a_start[:-1]])
             f_s[a_start[seg]] = np.minimum.reduceat(values, seg, axis=0)

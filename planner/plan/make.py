@@ -24,6 +24,7 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from alpajob.api.errors import InfeasibleError, ManifestError
 from alpajob.api.options import PlanOptions
@@ -182,7 +183,7 @@ def _validate_manual(
     return requests
 
 
-def _memory_error(context: CostContext, micro_batches: Sequence[int], method: Method) -> InfeasibleError:
+def memory_error(context: CostContext, micro_batches: Sequence[int], method: Method) -> InfeasibleError:
     """The smallest memory per device any single-stage plan on the whole cluster needs."""
     submesh, _ = whole_cluster(context)
     count = max(micro_batches)
@@ -267,10 +268,17 @@ def _manual_memory_error(
             required_bytes=least.peak_memory,
             available_bytes=budget,
         )
-    return _memory_error(context, micro_batches, Method.MANUAL)
+    return memory_error(context, micro_batches, Method.MANUAL)
 
 
-def _coarse_to_fine(search: SearchPool, micro_batches: Sequence[int]) -> list[Candidate | None]:
+class CountSearch(Protocol):
+    """What costs the candidates of micro-batch counts (:class:`~.workers.SearchPool`,
+    or :class:`~alpajob.planner.inter_op.pools.PoolSearch` across pools)."""
+
+    def run(self, counts: Sequence[int], likely_next: LikelyNext | None = None) -> list[Candidate | None]: ...
+
+
+def coarse_to_fine(search: CountSearch, micro_batches: Sequence[int]) -> list[Candidate | None]:
     """Search micro-batch counts coarsely (every other power of two up to
     :data:`USUAL_MICRO_BATCHES`, that one included, and the largest), then around the
     best (:func:`_powers_of_two_first`), then the other divisors of the batch between
@@ -300,7 +308,7 @@ def _coarse_to_fine(search: SearchPool, micro_batches: Sequence[int]) -> list[Ca
     return found + (search.run(between) if between else [])
 
 
-def _powers_of_two_first(search: SearchPool, micro_batches: Sequence[int]) -> list[Candidate | None]:
+def _powers_of_two_first(search: CountSearch, micro_batches: Sequence[int]) -> list[Candidate | None]:
     """The coarse-to-fine search over the powers of two among ``micro_batches``
     (other counts only when no power of two fits).
 
@@ -427,12 +435,12 @@ def make_plan(
         else []
     )
     with SearchPool(context, method, manual, micro_batches) as search:
-        candidates = _coarse_to_fine(search, micro_batches)
+        candidates = coarse_to_fine(search, micro_batches)
     best = best_of(candidates)
     if best is None:
         if method is Method.MANUAL:
             raise _manual_memory_error(context, micro_batches, manual)
-        raise _memory_error(context, micro_batches, method)
+        raise memory_error(context, micro_batches, method)
     searched = sorted({c.num_micro_batches for c in candidates if c is not None})
     search_seconds = time.perf_counter() - start
     baselines: dict[str, Candidate | None] = {}
