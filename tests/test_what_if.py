@@ -13,7 +13,7 @@ import alpajob
 from alpajob.api.catalog import DevicePreset
 from alpajob.api.errors import ManifestError
 from alpajob.api.options import PlanOptions
-from alpajob.api.what_if import NODE_GPUS, WhatIfOption, load_prices, parse_options
+from alpajob.api.what_if import NODE_GPUS, WhatIfMix, WhatIfOption, load_prices, parse_options
 from alpajob.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +48,12 @@ def test_the_planners_presets_have_nodes_of_node_gpus() -> None:
     ("cpu:32", "32 CPU devices"),
     ("h100-80gb:8,x", "'x' is not a GPU count"),
     ("h100-80gb", "write PRESET:COUNT[,COUNT...]"),
-    ("h100-80gb:8+a100-40gb:16", "mixes GPU types (+) is not planned yet"),
+    ("h100-80gb:8,16+a100-40gb:16", "a mixed option names one count per GPU type"),
+    ("h100-80gb:8+cpu:4", "a mixed option is of GPU presets"),
+    ("h100-80gb:8+h100-80gb:16", "names a GPU type twice"),
+    ("h100-80gb:8+a100-40gb:12", "12 GPUs do not fill whole nodes of 8"),
+    ("h100-80gb:8+a100:8", "unknown preset 'a100'"),
+    ("h100-80gb:8192+a100-40gb:8", "8200 GPUs; at most 8192 per option"),
 ])
 def test_a_bad_option_is_one_line_naming_the_flag(capsys: pytest.CaptureFixture[str], spec: str,
                                                   expected: str) -> None:
@@ -172,3 +177,28 @@ def test_the_picture_draws_every_fitting_option_and_marks_its_front(tmp_path: Pa
     points = [(r.dollars, r.step_seconds) for r in rows]
     assert drawn == dict(zip((r.option.label for r in rows), pareto_front(points), strict=True))
     assert any(drawn.values())
+
+
+def test_a_mixed_option_is_planned_across_its_gpu_types(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``h100-80gb:1+a100-80gb:1``: one option, planned across both types (each stage
+    on GPUs of one type); its row pays for every GPU of the option at each type's
+    price, and its layout names each stage's layers and GPUs."""
+    assert parse_options(["h100-80gb:1+a100-80gb:1"]) == [WhatIfMix((
+        WhatIfOption(DevicePreset.H100_80GB, 1), WhatIfOption(DevicePreset.A100_80GB, 1)))]
+    job = tmp_path / "gpt.yaml"
+    job.write_text(JOB.read_text().replace("config: tiny", "config: 350m").replace("globalBatchSize: 32",
+                                                                               "globalBatchSize: 64"))
+    argv = ["plan", str(job), "--what-if", "h100-80gb:1+a100-80gb:1", "h100-80gb:1", "--prices", str(PRICES),
+            "--json", "--cache-dir", str(tmp_path / "cache")]
+    assert main(argv) == 0
+    mixed, alone = json.loads(capsys.readouterr().out)
+    assert mixed["option"] == "1 x h100-80gb + 1 x a100-80gb" and mixed["gpus"] == 2
+    assert [p["gpu"] for p in mixed["pools"]] == ["h100-80gb", "a100-80gb"]
+    assert mixed["fits"] and mixed["stepSeconds"] < alone["stepSeconds"]
+    assert "h100-80gb" in mixed["layout"] and "a100-80gb" in mixed["layout"], mixed["layout"]
+    prices = load_prices(PRICES, parse_options(["h100-80gb:1+a100-80gb:1"]))
+    hourly = prices.of(DevicePreset.H100_80GB) + prices.of(DevicePreset.A100_80GB)
+    assert mixed["dollarsPerHour"] == pytest.approx(hourly)
+    steps = alpajob.load(job).spec.training.steps
+    assert mixed["dollars"] == pytest.approx(steps * mixed["stepSeconds"] / 3600 * hourly)
+    assert mixed["gpuHours"] == pytest.approx(steps * mixed["stepSeconds"] * 2 / 3600)

@@ -26,16 +26,18 @@ from alpajob.api.errors import InfeasibleError
 from alpajob.api.options import PlanOptions
 from alpajob.api.plan import Plan
 from alpajob.api.resource import AlpaJob
-from alpajob.api.what_if import Prices, WhatIfOption, WhatIfRow
+from alpajob.api.what_if import Choice, Prices, WhatIfMix, WhatIfOption, WhatIfRow
 from alpajob.planner.cost.cluster import cluster_from_preset
 from alpajob.planner.graph.opgraph import OpGraph
+from alpajob.planner.plan.make import search_options
+from alpajob.planner.plan.pools import plan_pools
 from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.planning import job_graph, plan_or_cached
 from alpajob.trainer_image.stopping import Deadline
-from alpajob.trainer_image.throughput import Throughput
+from alpajob.trainer_image.throughput import Throughput, model_flops
 
 #: ``(option, index, total)`` before each option is planned.
-OptionProgress = Callable[[WhatIfOption, int, int], None]
+OptionProgress = Callable[[Choice, int, int], None]
 
 
 def tokens_per_step(job: AlpaJob) -> int | None:
@@ -45,7 +47,7 @@ def tokens_per_step(job: AlpaJob) -> int | None:
     return None if shape is None else math.prod(int(size) for size in shape.shape)
 
 
-def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[WhatIfOption], prices: Prices | None = None,
+def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[Choice], prices: Prices | None = None,
             progress: OptionProgress | None = None,
             warn: Callable[[str], None] = lambda _line: None) -> list[WhatIfRow]:
     """One :class:`WhatIfRow` per option of ``choices``, in order (module docstring).
@@ -58,8 +60,46 @@ def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[WhatIfOption],
     for index, choice in enumerate(choices):
         if progress:
             progress(choice, index, len(choices))
-        rows.append(_row(job, options, graph, tokens, choice, prices, warn))
+        if isinstance(choice, WhatIfMix):
+            rows.append(_mixed_row(job, options, graph, tokens, choice, prices))
+        else:
+            rows.append(_row(job, options, graph, tokens, choice, prices, warn))
     return rows
+
+
+def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, mix: WhatIfMix,
+               prices: Prices | None) -> WhatIfRow:
+    """A mixed option's row: the job planned across its GPU types
+    (:func:`~alpajob.planner.plan.pools.plan_pools`, not cached), every GPU of the
+    option paid for, the busiest GPU judged against its own type's memory."""
+    clusters = [cluster_from_preset(p.gpu, p.nodes, p.gpus_per_node) for p in mix.parts]
+    search = search_options(job.spec.parallelism, options, job.spec.planner)
+    try:
+        with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: f"planning {mix.label}"):
+            planned = plan_pools(graph, clusters, search)
+    except InfeasibleError as error:
+        return WhatIfRow(mix, fits=False, memory_bytes=int(error.available_bytes), required_bytes=error.required_bytes)
+    candidate, training = planned.candidate, job.spec.training
+    step = candidate.step_seconds
+    peak = sum(c.device.peak(training.dtype) * c.num_devices for c in clusters)
+    throughput = Throughput(model_flops(graph), tokens, peak)
+    busiest = max(zip(candidate.pools, candidate.stages, strict=True),
+                  key=lambda ps: ps[1].peak_memory / clusters[ps[0]].device.memory_bytes)
+    used = candidate.devices_used(len(clusters))
+    layout = "; ".join(planned.stage_lines()) + "".join(
+        f"; {c.preset} unused" for c, n in zip(clusters, used, strict=True) if not n)
+    gpu_hours = training.steps * step * mix.gpus / 3600.0
+    row = WhatIfRow(
+        mix, fits=True, step_seconds=step, samples_per_second=training.global_batch_size / step,
+        tokens_per_second=throughput.tokens_per_second(step), mfu=throughput.mfu(step),
+        peak_memory_bytes=busiest[1].peak_memory, memory_bytes=clusters[busiest[0]].device.memory_bytes,
+        gpu_hours=gpu_hours, layout=layout)
+    if prices is None:
+        return row
+    per_hour = sum(prices.of(p.gpu) * p.gpus for p in mix.parts)
+    per_tokens = per_hour / (row.tokens_per_second * 3600.0) * 1e9 if row.tokens_per_second else None
+    return dataclasses.replace(row, dollars_per_hour=per_hour, dollars_per_billion_tokens=per_tokens,
+                               dollars=training.steps * step / 3600.0 * per_hour)
 
 
 def _row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, choice: WhatIfOption,

@@ -6,7 +6,9 @@ every option from one trace of its model. A ``SPEC`` names a device preset and o
 more GPU counts: ``h100-80gb:8,16,32`` is three options, 8, 16 and 32 H100s. A count
 fills whole nodes of :data:`NODE_GPUS` GPUs (every GPU preset's node), or is one node's
 share of a power of two below it (1, 2 or 4 GPUs: one smaller machine). ``cpu:N`` is N
-CPU devices of one host (a power of two up to 16).
+CPU devices of one host (a power of two up to 16). ``h100-80gb:8+a100-40gb:16`` is one
+option across two GPU types (:class:`WhatIfMix`): 8 H100s and 16 A100s, each pipeline
+stage on GPUs of one type (one count per type; GPU presets only).
 
 Prices are the user's, never the code's: a small YAML file (``--prices FILE``)::
 
@@ -66,31 +68,80 @@ class WhatIfOption:
         return f"{self.gpus} x {self.gpu.value}"
 
 
-def parse_options(specs: Sequence[str]) -> list[WhatIfOption]:
+@dataclass(frozen=True)
+class WhatIfMix:
+    """One option across GPU types: the pools ``parts`` (one preset each, in the
+    order given), planned together, each pipeline stage on GPUs of one type."""
+
+    parts: tuple[WhatIfOption, ...]
+
+    @property
+    def gpus(self) -> int:
+        return sum(part.gpus for part in self.parts)
+
+    @property
+    def nodes(self) -> int:
+        return sum(part.nodes for part in self.parts)
+
+    @property
+    def label(self) -> str:
+        """``8 x h100-80gb + 16 x a100-40gb``."""
+        return " + ".join(part.label for part in self.parts)
+
+
+#: What ``--what-if`` names: one GPU type, or several.
+Choice = WhatIfOption | WhatIfMix
+
+
+def parse_options(specs: Sequence[str]) -> list[Choice]:
     """The options ``--what-if`` names (module docstring), in order, each once; a bad
     ``SPEC`` is a :class:`ManifestError` naming ``--what-if`` and the fix."""
     presets = ", ".join(p.value for p in DevicePreset)
     if not specs:
         raise ManifestError("--what-if", f"give at least one PRESET:COUNT[,COUNT...], e.g. h100-80gb:8,16 ({presets})")
-    options: list[WhatIfOption] = []
+    options: list[Choice] = []
     for spec in specs:
         if "+" in spec:
-            raise ManifestError("--what-if", (
-                f"{spec!r}: an option that mixes GPU types (+) is not planned yet; give one preset per "
-                "option, e.g. h100-80gb:8 a100-40gb:16"))
-        name, colon, counts = spec.partition(":")
-        if not colon or not counts.strip():
-            raise ManifestError("--what-if", f"{spec!r}: write PRESET:COUNT[,COUNT...], e.g. h100-80gb:8,16")
-        try:
-            gpu = DevicePreset(name.strip())
-        except ValueError:
-            raise ManifestError("--what-if", f"{spec!r}: unknown preset {name.strip()!r}; use one of: {presets}") from None
+            options.append(_mix(spec))
+            continue
+        gpu, counts = _preset(spec, spec)
         for word in counts.split(","):
             options.append(_option(spec, gpu, word.strip()))
     unique = list(dict.fromkeys(options))
     if len(unique) > MAX_OPTIONS:
         raise ManifestError("--what-if", f"{len(unique)} options; at most {MAX_OPTIONS} at a time")
     return unique
+
+
+def _preset(spec: str, part: str) -> tuple[DevicePreset, str]:
+    """``part``'s preset and its counts (``PRESET:COUNTS``)."""
+    name, colon, counts = part.partition(":")
+    if not colon or not counts.strip():
+        raise ManifestError("--what-if", f"{spec!r}: write PRESET:COUNT[,COUNT...], e.g. h100-80gb:8,16")
+    try:
+        return DevicePreset(name.strip()), counts
+    except ValueError:
+        presets = ", ".join(p.value for p in DevicePreset)
+        raise ManifestError("--what-if", f"{spec!r}: unknown preset {name.strip()!r}; use one of: {presets}") from None
+
+
+def _mix(spec: str) -> WhatIfMix:
+    """``PRESET:COUNT+PRESET:COUNT[+...]``: one option across GPU types."""
+    parts = []
+    for part in spec.split("+"):
+        gpu, counts = _preset(spec, part.strip())
+        if "," in counts:
+            raise ManifestError("--what-if", (
+                f"{spec!r}: a mixed option names one count per GPU type, e.g. h100-80gb:8+a100-40gb:16 "
+                "(give each mix as its own option)"))
+        if gpu is DevicePreset.CPU:
+            raise ManifestError("--what-if", f"{spec!r}: a mixed option is of GPU presets (cpu devices share one host)")
+        parts.append(_option(spec, gpu, counts.strip()))
+    if len({part.gpu for part in parts}) < len(parts):
+        raise ManifestError("--what-if", f"{spec!r}: names a GPU type twice; give its GPUs as one count")
+    if sum(part.gpus for part in parts) > MAX_GPUS:
+        raise ManifestError("--what-if", f"{spec!r}: {sum(p.gpus for p in parts)} GPUs; at most {MAX_GPUS} per option")
+    return WhatIfMix(tuple(parts))
 
 
 def _option(spec: str, gpu: DevicePreset, word: str) -> WhatIfOption:
@@ -123,7 +174,7 @@ class Prices(Contract):
         return self.per_gpu_hour[gpu]
 
 
-def load_prices(path: str | Path, options: Sequence[WhatIfOption]) -> Prices:
+def load_prices(path: str | Path, options: Sequence[Choice]) -> Prices:
     """The price file ``path``, with a price for every preset of ``options``; a missing
     file, a malformed one, a missing or non-positive price: one error naming the field."""
     where = f"--prices {path}"
@@ -141,11 +192,12 @@ def load_prices(path: str | Path, options: Sequence[WhatIfOption]) -> Prices:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"]) or "perGpuHour"
         raise ManifestError(f"{where}: {field}", str(first["msg"])) from None
-    for option in options:
-        if option.gpu not in prices.per_gpu_hour:
-            raise ManifestError(f"{where}: perGpuHour", (
-                f"no price for {option.gpu.value} (option {option.label}); add `{option.gpu.value}: "
-                "<dollars per GPU-hour>`"))
+    for choice in options:
+        for option in choice.parts if isinstance(choice, WhatIfMix) else (choice,):
+            if option.gpu not in prices.per_gpu_hour:
+                raise ManifestError(f"{where}: perGpuHour", (
+                    f"no price for {option.gpu.value} (option {choice.label}); add `{option.gpu.value}: "
+                    "<dollars per GPU-hour>`"))
     return prices
 
 
@@ -154,7 +206,7 @@ class WhatIfRow:
     """One option's figures. Without a fitting plan the time fields are None and
     ``required_bytes`` says what a GPU would need."""
 
-    option: WhatIfOption
+    option: Choice
     fits: bool
     step_seconds: float | None = None
     samples_per_second: float | None = None
@@ -169,14 +221,22 @@ class WhatIfRow:
     dollars: float | None = None  # the whole job
     plan_hash: str | None = None
     cached: bool = False
+    #: A mixed option's plan: each stage's layers and GPUs, and any type left unused.
+    layout: str | None = None
 
     def to_json(self) -> dict[str, object]:
         """The row as ``--json`` prints it (camelCase keys, as the manifest's)."""
-        return {"option": self.option.label, "gpu": self.option.gpu.value, "gpus": self.option.gpus,
-                "nodes": self.option.nodes, "gpusPerNode": self.option.gpus_per_node, "fits": self.fits,
+        option = self.option
+        kind: dict[str, object] = (
+            {"pools": [{"gpu": p.gpu.value, "gpus": p.gpus, "nodes": p.nodes, "gpusPerNode": p.gpus_per_node}
+                       for p in option.parts], "gpus": option.gpus, "nodes": option.nodes}
+            if isinstance(option, WhatIfMix) else
+            {"gpu": option.gpu.value, "gpus": option.gpus, "nodes": option.nodes, "gpusPerNode": option.gpus_per_node})
+        return {"option": option.label, **kind, "fits": self.fits,
                 "stepSeconds": self.step_seconds, "samplesPerSecond": self.samples_per_second,
                 "tokensPerSecond": self.tokens_per_second, "mfu": self.mfu,
                 "peakMemoryBytes": self.peak_memory_bytes, "memoryBytes": self.memory_bytes,
                 "requiredBytes": self.required_bytes, "gpuHours": self.gpu_hours,
                 "dollarsPerHour": self.dollars_per_hour, "dollarsPerBillionTokens": self.dollars_per_billion_tokens,
-                "dollars": self.dollars, "planHash": self.plan_hash, "cached": self.cached}
+                "dollars": self.dollars, "planHash": self.plan_hash, "cached": self.cached,
+                **({"layout": self.layout} if self.layout is not None else {})}

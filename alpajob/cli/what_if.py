@@ -21,7 +21,7 @@ from rich.table import Table
 from alpajob.api.errors import ManifestError
 from alpajob.api.options import PlanOptions
 from alpajob.api.resource import AlpaJob
-from alpajob.api.what_if import WhatIfOption, WhatIfRow, load_prices, parse_options
+from alpajob.api.what_if import Choice, WhatIfRow, load_prices, parse_options
 from alpajob.cli.paths import writable_file
 
 GIB = 1024**3
@@ -44,7 +44,7 @@ def add_flags(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--json", action="store_true", help="with --what-if: print the rows as JSON")
 
 
-def check_flags(args: argparse.Namespace) -> list[WhatIfOption]:
+def check_flags(args: argparse.Namespace) -> list[Choice]:
     """The options, after checking that no flag of a single plan is given with them."""
     for name, flag in _ONE_PLAN_FLAGS.items():
         if getattr(args, name, None):
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, job: AlpaJob, options: PlanOptions, out: Conso
                   console=err, transient=True) as bar:
         task = bar.add_task("tracing the model", total=len(choices))
 
-        def progress(choice: WhatIfOption, index: int, total: int) -> None:
+        def progress(choice: Choice, index: int, total: int) -> None:
             doing[0] = f"planning {choice.label}"
             bar.update(task, completed=index, description=doing[0])
 
@@ -88,6 +88,9 @@ def run(args: argparse.Namespace, job: AlpaJob, options: PlanOptions, out: Conso
     if not out.is_terminal:  # ten columns: a file or a pipe gets them all unwrapped
         out.width = max(out.width, TABLE_WIDTH)
     out.print(what_if_table(job, rows, priced=prices is not None))
+    for row in rows:  # how a mixed option's plan uses its GPU types
+        if row.layout:
+            out.print(f"{row.option.label}: {row.layout}", highlight=False, soft_wrap=True)
     if prices is not None:
         out.print(f"prices: {args.prices} ({prices.source}, {prices.date})", highlight=False, soft_wrap=True)
     return 0

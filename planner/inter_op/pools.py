@@ -31,9 +31,9 @@ its pool's own link and the link between pools (an upper bound); the chosen stag
 are then evaluated exactly, each receive on the link it actually crosses. Gradients
 sent once per step (a tied embedding's) are costed on the slower link too. Because
 that bound would also tax a plan that stays in one pool, each pool's own DP (Alpa's,
-receives on its own link: :func:`~.search.dp_candidate`, as a single-pool plan is
-searched) runs beside it on the same ILP solutions, and the fastest of these plans,
-evaluated exactly, is the count's.
+receives on its own link: :func:`~.search.dp_candidate`, and under the planner every
+other candidate a single-pool plan considers) runs beside it on the same ILP
+solutions, and the fastest of these plans, evaluated exactly, is the count's.
 
 Worked example (``tests/test_stage_dp.py``): four equal layers, one device in each
 of two pools, the second three times slower, 8 micro-batches: the fast device takes
@@ -99,7 +99,11 @@ class PoolSearch:
     :class:`~..plan.workers.SearchPool`'s signature, so the planner's micro-batch
     search (coarse to fine) drives it the same way."""
 
-    def __init__(self, contexts: Sequence[CostContext], link: Link) -> None:
+    def __init__(self, contexts: Sequence[CostContext], link: Link,
+                 alone: Callable[[CostContext, int], Sequence[Candidate | None]] | None = None) -> None:
+        """``alone(context, count)``: the plans of one pool that compete with the DP
+        across pools (default: that pool's own DP; the planner passes every
+        candidate a single-pool plan considers)."""
         if len(contexts) < 2:
             raise ValueError("a mixed cluster needs at least two pools")
         for context in contexts:
@@ -107,6 +111,7 @@ class PoolSearch:
                 raise ClusterError("spec.cluster.pools",
                                    "a mixed cluster is of GPU pools; cpu devices share one host")
         self.contexts, self.link = list(contexts), link
+        self.alone = alone or (lambda context, count: [dp_candidate(context, count)])
 
     def run(self, counts: Sequence[int],
             likely_next: Callable[[Sequence[Candidate | None]], Sequence[int]] | None = None
@@ -125,10 +130,10 @@ class PoolSearch:
             coster = context.coster(num_micro_batches, ShardingMode.AUTO)
             mixed.append(dp_tables(context, coster, num_micro_batches, context.submeshes(),
                                    _slower(coster.own_link(), self.link)))
-            alone = dp_candidate(context, num_micro_batches, name="alpajob-pools")  # as one pool's planner
-            if alone is not None:
-                found.append(PoolCandidate(**{f.name: getattr(alone, f.name) for f in dataclasses.fields(alone)},
-                                           pools=(pool,) * len(alone.stages)))
+            for alone in self.alone(context, num_micro_batches):
+                if alone is not None:
+                    found.append(PoolCandidate(**{f.name: getattr(alone, f.name) for f in dataclasses.fields(alone)},
+                                               pools=(pool,) * len(alone.stages)))
         where = [(p, c) for p, t in enumerate(mixed) for c in range(len(t[3]))]
         across = self._dp(lambda: stage_dp_pools(
             np.concatenate([t[0] for t in mixed], axis=2), np.concatenate([t[1] for t in mixed], axis=2),

@@ -4,8 +4,11 @@ The model's layers are clustered once (eq. 6); each pool gets a
 :class:`~alpajob.planner.inter_op.search.CostContext` with its own preset, calibration
 and memory budget; then the micro-batch counts are searched coarse to fine, as
 :func:`~.make.make_plan` searches them, each count's plan coming from the DP across
-pools (:mod:`alpajob.planner.inter_op.pools`). The plans it considers include every
-single-pool plan of that DP, so a pool is left out where it would only slow the step.
+pools (:mod:`alpajob.planner.inter_op.pools`) against every candidate a plan of one
+pool alone considers at that count (the DP, Megatron's grids, data parallel, ZeRO-2,
+one sharded stage: :func:`~.workers.candidates_at`), so a pool is left out where it
+would only slow the step, and the result is never slower than either pool's plan at
+the counts searched.
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ from alpajob.planner.cost.model import load_calibration
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.inter_op.clustering import cluster_layers, default_num_layers
 from alpajob.planner.inter_op.pools import Link, PoolCandidate, PoolSearch, pool_link
-from alpajob.planner.inter_op.search import CostContext, Progress, best_of, micro_batch_candidates
+from alpajob.planner.inter_op.search import (
+    Candidate,
+    CostContext,
+    Progress,
+    best_of,
+    micro_batch_candidates,
+)
 from alpajob.planner.inter_op.stage_costs import SolveCounter
 from alpajob.planner.plan.make import SearchOptions, coarse_to_fine, memory_error
+from alpajob.planner.plan.workers import candidates_at
 
 
 @dataclass(frozen=True)
@@ -75,7 +85,12 @@ def plan_pools(graph: OpGraph, clusters: Sequence[ClusterSpec], options: SearchO
             f"{options.num_micro_batches} does not divide the global batch {graph.batch_size} "
             "into equal micro-batches"))
     link = pool_link(clusters, link_bandwidth)
-    found = coarse_to_fine(PoolSearch(contexts, link), counts)
+    method = options.method
+
+    def alone(context: CostContext, count: int) -> list[Candidate | None]:
+        return candidates_at(context, count, method, [])  # what a plan of that pool alone considers
+
+    found = coarse_to_fine(PoolSearch(contexts, link, alone), counts)
     best = best_of(found)
     if best is None:
         roomiest = max(contexts, key=lambda c: c.memory_budget)
