@@ -37,7 +37,9 @@ _ONE_PLAN_FLAGS = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "gpu"
 def add_flags(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--what-if", nargs="+", metavar="SPEC",
                       help="plan the job on each option instead of spec.cluster and print one table: "
-                           "PRESET:COUNT[,COUNT...] GPUs each, e.g. h100-80gb:8,16 a100-80gb:16")
+                           "PRESET:COUNT[,COUNT...] GPUs each, e.g. h100-80gb:8,16 a100-80gb:16; "
+                           "PRESET:COUNT+PRESET:COUNT is one option across GPU types, e.g. "
+                           "h100-80gb:8+a100-40gb:16")
     plan.add_argument("--prices", metavar="FILE",
                       help="with --what-if: a YAML of dollars per GPU-hour by preset (date, source, "
                            "perGpuHour) to price each option")
