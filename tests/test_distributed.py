@@ -131,6 +131,25 @@ def test_ray_pipeline_equals_single_device(cluster: LoopbackCluster, tmp_path: P
     assert all(b > 0 for b in result.sent_bytes)  # activations really crossed meshes
 
 
+def test_a_plan_across_gpu_types_trains_as_one_device_does(cluster: LoopbackCluster) -> None:
+    """A plan across two GPU types (a stage on 2 H100s, one on 2 A100s; on this
+    machine, CPU devices stand for both) through the Ray runtime: each stage on its
+    mesh host, activations sent across, the losses and parameters of one device."""
+    from pools_plan import JOB, two_pool_plan
+
+    from alpajob.api.options import TrainOptions
+    from alpajob.api.resource import parse_job
+    from alpajob.trainer_image.local_run import run
+
+    job = parse_job(JOB)
+    plan = two_pool_plan(job)
+    assert [s.pool for s in plan.stages] == [0, 1]
+    result = drive(yaml.safe_dump(JOB), plan,
+                   DriverOptions(address=cluster.address, steps=STEPS, join_timeout=60, step_timeout=180))
+    _assert_equal(result, run(job, TrainOptions(steps=STEPS, serial=True)))
+    assert all(b > 0 for b in result.sent_bytes)
+
+
 def test_a_one_stage_plan_runs_its_step_as_one_executable(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """One stage on mesh 0's two devices, four micro-batches: the mesh host runs each
     step as one executable (the stage computes for the whole step, nothing is sent)

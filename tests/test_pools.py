@@ -68,3 +68,32 @@ def test_what_cannot_be_mixed_is_refused_with_the_field(graph, h100_a100):
         plan_pools(graph, h100_a100, SearchOptions(method=Method.SHARD))
     with pytest.raises(ValueError, match="at least two pools"):
         PoolSearch(pool_contexts(graph, h100_a100[:1], EIGHT), pool_link(h100_a100))
+
+
+def test_a_plan_across_pools_is_a_plan_document_and_trains_as_the_serial_run(tmp_path):
+    """A two-stage plan with one stage on each pool (2 H100s, 2 A100s): the Plan
+    document names each stage's pool and numbers the pools' nodes one after the
+    other; on 4 of this machine's CPU devices it trains GPT-tiny three steps with the
+    losses and parameters of the serial run."""
+    import numpy as np
+    from pools_plan import JOB, two_pool_plan
+
+    from alpajob.api.options import PlanOptions, TrainOptions
+    from alpajob.api.plan import plan_from_json
+    from alpajob.api.resource import parse_job
+    from alpajob.trainer_image.local_run import run
+
+    job = parse_job(JOB)
+    plan = plan_from_json(two_pool_plan(job).to_json())
+    assert [s.pool for s in plan.stages] == [0, 1]
+    assert [p["preset"] for p in plan.pools] == ["h100-80gb", "a100-80gb"]
+    assert plan.stages[0].device_slots == [(0, 0), (0, 1)] and plan.stages[1].device_slots == [(1, 0), (1, 1)]
+    assert plan.resharding and all(t.predicted_seconds > 0 for t in plan.resharding)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    parallel = run(job, TrainOptions(steps=3, plan_file=str(path)))
+    serial = run(job, TrainOptions(steps=3, serial=True, planning=PlanOptions(ilp_time_limit=5.0)))
+    np.testing.assert_allclose(parallel.losses, serial.losses, rtol=1e-5)
+    assert parallel.losses[0] != parallel.losses[-1]
+    for name, value in serial.params.items():
+        np.testing.assert_allclose(parallel.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

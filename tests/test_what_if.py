@@ -182,7 +182,8 @@ def test_the_picture_draws_every_fitting_option_and_marks_its_front(tmp_path: Pa
 def test_a_mixed_option_is_planned_across_its_gpu_types(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``h100-80gb:1+a100-80gb:1``: one option, planned across both types (each stage
     on GPUs of one type); its row pays for every GPU of the option at each type's
-    price, and its layout names each stage's layers and GPUs."""
+    price, its layout names each stage's layers and GPUs, and a rerun reads its plan
+    from the cache."""
     assert parse_options(["h100-80gb:1+a100-80gb:1"]) == [WhatIfMix((
         WhatIfOption(DevicePreset.H100_80GB, 1), WhatIfOption(DevicePreset.A100_80GB, 1)))]
     job = tmp_path / "gpt.yaml"
@@ -202,3 +203,7 @@ def test_a_mixed_option_is_planned_across_its_gpu_types(tmp_path: Path, capsys: 
     steps = alpajob.load(job).spec.training.steps
     assert mixed["dollars"] == pytest.approx(steps * mixed["stepSeconds"] / 3600 * hourly)
     assert mixed["gpuHours"] == pytest.approx(steps * mixed["stepSeconds"] * 2 / 3600)
+    assert not mixed["cached"] and mixed["planHash"]
+    assert main(argv) == 0  # a rerun reads the plan across types from the cache, as any plan
+    again, _ = json.loads(capsys.readouterr().out)
+    assert again["cached"] and again["planHash"] == mixed["planHash"] and again["stepSeconds"] == mixed["stepSeconds"]

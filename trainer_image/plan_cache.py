@@ -70,10 +70,12 @@ def planner_version() -> str:
     return digest.hexdigest()[:16]
 
 
-def plan_key(graph: OpGraph, cluster: ClusterSpec, search: SearchOptions, version: str) -> str:
-    """The cache key of planning ``graph`` for ``cluster`` with ``search`` by planner
-    ``version`` (module docstring). The cluster and search options are frozen
-    dataclasses of numbers, strings and enums, whose ``repr`` is stable."""
+def plan_key(graph: OpGraph, cluster: ClusterSpec | tuple[ClusterSpec, ...], search: SearchOptions,
+             version: str) -> str:
+    """The cache key of planning ``graph`` for ``cluster`` (a tuple of them: a plan
+    across GPU types, one per pool) with ``search`` by planner ``version`` (module
+    docstring). The clusters and search options are frozen dataclasses of numbers,
+    strings and enums, whose ``repr`` is stable."""
     material = json.dumps({
         "graph": [graph.fingerprint(), graph.name, list(graph.param_names)],
         "cluster": repr(cluster),

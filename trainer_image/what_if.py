@@ -20,18 +20,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from alpajob.api.catalog import DEVICE_MEMORY_BYTES
 from alpajob.api.errors import InfeasibleError
 from alpajob.api.options import PlanOptions
-from alpajob.api.plan import Plan
+from alpajob.api.plan import Plan, StagePlan
 from alpajob.api.resource import AlpaJob
 from alpajob.api.what_if import Choice, Prices, WhatIfMix, WhatIfOption, WhatIfRow
-from alpajob.planner.cost.cluster import cluster_from_preset
+from alpajob.planner.cost.cluster import ClusterSpec, cluster_from_preset
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.plan.make import search_options
 from alpajob.planner.plan.pools import plan_pools
 from alpajob.trainer_image.entrypoint import load_model
+from alpajob.trainer_image.plan_cache import PlanCache, plan_key, planner_version
 from alpajob.trainer_image.planning import job_graph, plan_or_cached
 from alpajob.trainer_image.stopping import Deadline
 from alpajob.trainer_image.throughput import Throughput, model_flops
@@ -61,39 +63,51 @@ def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[Choice], price
         if progress:
             progress(choice, index, len(choices))
         if isinstance(choice, WhatIfMix):
-            rows.append(_mixed_row(job, options, graph, tokens, choice, prices))
+            rows.append(_mixed_row(job, options, graph, tokens, choice, prices, warn))
         else:
             rows.append(_row(job, options, graph, tokens, choice, prices, warn))
     return rows
 
 
 def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, mix: WhatIfMix,
-               prices: Prices | None) -> WhatIfRow:
+               prices: Prices | None, warn: Callable[[str], None]) -> WhatIfRow:
     """A mixed option's row: the job planned across its GPU types
-    (:func:`~alpajob.planner.plan.pools.plan_pools`, not cached), every GPU of the
-    option paid for, the busiest GPU judged against its own type's memory."""
-    clusters = [cluster_from_preset(p.gpu, p.nodes, p.gpus_per_node) for p in mix.parts]
+    (:func:`~alpajob.planner.plan.pools.plan_pools`, through the plan cache), every GPU
+    of the option paid for, the busiest GPU judged against its own type's memory."""
+    clusters = tuple(cluster_from_preset(p.gpu, p.nodes, p.gpus_per_node) for p in mix.parts)
     search = search_options(job.spec.parallelism, options, job.spec.planner)
-    try:
-        with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: f"planning {mix.label}"):
-            planned = plan_pools(graph, clusters, search)
-    except InfeasibleError as error:
-        return WhatIfRow(mix, fits=False, memory_bytes=int(error.available_bytes), required_bytes=error.required_bytes)
-    candidate, training = planned.candidate, job.spec.training
-    step = candidate.step_seconds
+    cache = PlanCache(Path(options.cache_dir), warn) if options.cache_dir else None
+    key = plan_key(graph, clusters, search, planner_version()) if cache else None
+    plan = cache.get(key, graph) if cache and key else None
+    cached = plan is not None
+    if plan is None:
+        try:
+            with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: f"planning {mix.label}"):
+                plan = plan_pools(graph, clusters, search).plan
+        except InfeasibleError as error:
+            return WhatIfRow(mix, fits=False, memory_bytes=int(error.available_bytes),
+                             required_bytes=error.required_bytes)
+        if cache and key:
+            cache.put(key, plan)
+    training = job.spec.training
+    step = plan.predicted_step_seconds
     peak = sum(c.device.peak(training.dtype) * c.num_devices for c in clusters)
     throughput = Throughput(model_flops(graph), tokens, peak)
-    busiest = max(zip(candidate.pools, candidate.stages, strict=True),
-                  key=lambda ps: ps[1].peak_memory / clusters[ps[0]].device.memory_bytes)
-    used = candidate.devices_used(len(clusters))
-    layout = "; ".join(planned.stage_lines()) + "".join(
-        f"; {c.preset} unused" for c, n in zip(clusters, used, strict=True) if not n)
+
+    def pool(stage: StagePlan) -> ClusterSpec:
+        return clusters[stage.pool or 0]
+
+    busiest = max(plan.stages, key=lambda s: s.peak_memory_bytes / pool(s).device.memory_bytes)
+    used = {stage.pool or 0 for stage in plan.stages}
+    layout = "; ".join(f"layers {s.layers[0]}-{s.layers[1] - 1} on {s.submesh_shape[0]}x{s.submesh_shape[1]} "
+                       f"{pool(s).preset}" for s in plan.stages) + "".join(
+        f"; {c.preset} unused" for p, c in enumerate(clusters) if p not in used)
     gpu_hours = training.steps * step * mix.gpus / 3600.0
     row = WhatIfRow(
         mix, fits=True, step_seconds=step, samples_per_second=training.global_batch_size / step,
         tokens_per_second=throughput.tokens_per_second(step), mfu=throughput.mfu(step),
-        peak_memory_bytes=busiest[1].peak_memory, memory_bytes=clusters[busiest[0]].device.memory_bytes,
-        gpu_hours=gpu_hours, layout=layout)
+        peak_memory_bytes=busiest.peak_memory_bytes, memory_bytes=pool(busiest).device.memory_bytes,
+        gpu_hours=gpu_hours, plan_hash=plan.content_hash(), cached=cached, layout=layout)
     if prices is None:
         return row
     per_hour = sum(prices.of(p.gpu) * p.gpus for p in mix.parts)

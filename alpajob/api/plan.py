@@ -85,6 +85,10 @@ class StagePlan(_Doc):
     device_slots: list[tuple[int, int]]
     logical_mesh_shape: tuple[int, int]
     axis_names: tuple[str, str] = ("x", "y")
+    pool: int | None = Field(None, description=(
+        "a plan across GPU types: the index in cluster.pools of the pool this stage's GPUs "
+        "are of (its device_slots count nodes across the pools, in their order); None in "
+        "a plan of one type"))
     predicted_seconds: float = Field(description="forward+backward seconds per micro-batch")
     compute_seconds: float
     communication_seconds: float
@@ -184,17 +188,32 @@ class Plan(_Doc):
         found fewer faster (forced CPU devices sharing one host)."""
         return sum(s.submesh_shape[0] * s.submesh_shape[1] for s in self.stages)
 
+    @property
+    def pools(self) -> list[dict[str, Any]]:
+        """A plan across GPU types: each pool's cluster (``preset``, ``num_nodes``,
+        ``devices_per_node``, ``first_node``); empty for a plan of one type."""
+        return list(self.cluster.get("pools") or [])
+
     def content_hash(self) -> str:
         """SHA-256 (first 16 hex digits) of the plan without solver stats or baselines."""
-        data = self.model_dump(mode="json", exclude={"solver", "baselines"})
+        data = self._document(exclude={"solver", "baselines"})
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
         """The document as pretty JSON, with its hash under ``hash``."""
-        data = self.model_dump(mode="json")
+        data = self._document()
         data["hash"] = self.content_hash()
         return json.dumps(data, indent=2, sort_keys=False)
+
+    def _document(self, exclude: set[str] | None = None) -> dict[str, Any]:
+        """The JSON form; a stage's ``pool`` only in a plan across GPU types (a plan of
+        one type reads, and hashes, as before pools existed)."""
+        data = self.model_dump(mode="json", exclude=exclude)
+        for stage in data["stages"]:
+            if stage.get("pool") is None:
+                stage.pop("pool", None)
+        return data
 
 
 def plan_from_json(text: str, source: str = "plan") -> Plan:

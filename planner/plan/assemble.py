@@ -9,6 +9,7 @@ weight-update sharding, and the cross-mesh resharding tasks between stages.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from alpajob.api.plan import (
     PINNED_PRIMITIVES,
@@ -23,12 +24,14 @@ from alpajob.api.plan import (
 )
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.graph.opgraph import OpGraph, Phase, TensorRole
+from alpajob.planner.inter_op.pools import PoolCandidate
 from alpajob.planner.inter_op.remat_pieces import piece_of_forward
 from alpajob.planner.inter_op.schedules import bubble_fraction
 from alpajob.planner.inter_op.search import Candidate, CostContext
 from alpajob.planner.inter_op.stage_costs import (
     MEMORY_LEVELS,
     LayerCoster,
+    Link,
     StageEval,
     forward_range,
 )
@@ -148,8 +151,14 @@ def _stage_plan(
     )
 
 
-def _resharding(coster: LayerCoster, graph: OpGraph, stages: Sequence[StageEval]) -> list[ReshardingTask]:
-    """One task per tensor crossing between two consecutive stages."""
+def _resharding(coster: LayerCoster, graph: OpGraph, stages: Sequence[StageEval],
+                costers: Sequence[LayerCoster] | None = None,
+                links: Sequence[Link | None] | None = None) -> list[ReshardingTask]:
+    """One task per tensor crossing between two consecutive stages. In a plan across
+    GPU types ``costers[q]`` holds stage ``q``'s solutions (its pool's) and
+    ``links[q]`` the link stage ``q`` receives on."""
+    costers = costers or [coster] * len(stages)
+    links = links or [None] * len(stages)
     tasks = []
     stage_of_layer = {}
     for index, stage in enumerate(stages):
@@ -161,8 +170,8 @@ def _resharding(coster: LayerCoster, graph: OpGraph, stages: Sequence[StageEval]
             if src_stage == dst_stage:
                 continue
             s, d = stages[src_stage], stages[dst_stage]
-            src_spec = coster.spec(src, tensor, s.submesh, s.shape, s.level)
-            dst_spec = coster.spec(dst, tensor, d.submesh, d.shape, d.level)
+            src_spec = costers[src_stage].spec(src, tensor, s.submesh, s.shape, s.level)
+            dst_spec = costers[dst_stage].spec(dst, tensor, d.submesh, d.shape, d.level)
             info = graph.tensors[tensor]
             dst_json = _spec_json(dst_spec, len(info.shape))
             replicated_dst = all(e is None for e in dst_json)
@@ -180,7 +189,7 @@ def _resharding(coster: LayerCoster, graph: OpGraph, stages: Sequence[StageEval]
                     # Alpa's cross-mesh resharding: send each needed tile once; a
                     # replicated destination gets one copy and all-gathers locally.
                     strategy="send-once+local-allgather" if replicated_dst else "send-tiles",
-                    predicted_seconds=coster.transfer_seconds(info.nbytes),
+                    predicted_seconds=costers[dst_stage].transfer_seconds(info.nbytes, links[dst_stage]),
                 )
             )
     return tasks
@@ -206,6 +215,46 @@ def assemble_plan(
         _stage_plan(i, stage, [tuple(x) for x in slots[i]], coster, micro)  # type: ignore[misc]
         for i, stage in enumerate(candidate.stages)
     ]
+    return _document(method, graph, cluster.to_dict(), context, candidate, stages,
+                     _resharding(coster, micro, candidate.stages), solver, baselines)
+
+
+def assemble_pools_plan(*, graph: OpGraph, contexts: Sequence[CostContext], link: Link,
+                        candidate: PoolCandidate, solver: SolverStats) -> Plan:
+    """The Plan document of a plan across GPU types: ``cluster.pools`` lists each
+    pool (its preset, nodes, devices per node, and ``first_node``, where its nodes
+    start in the slots' node numbering), each stage names its ``pool`` and takes its
+    slots inside it, specs come from the stage's own pool's solutions, and a tensor
+    crossing between pools is costed on ``link``."""
+    costers = [contexts[p].coster(candidate.num_micro_batches, candidate.mode) for p in candidate.pools]
+    micro = costers[0].graph
+    first, pools = 0, []
+    for context in contexts:
+        pools.append(context.cluster.to_dict() | {"first_node": first})
+        first += context.cluster.num_nodes
+    per_node = max(c.cluster.devices_per_node for c in contexts)
+    stages = []
+    for pool, context in enumerate(contexts):
+        mine = [q for q, p in enumerate(candidate.pools) if p == pool]
+        placed = assign_submeshes([candidate.stages[q].submesh for q in mine], context.cluster.num_nodes,
+                                  context.cluster.devices_per_node)
+        for q, slots in zip(mine, placed, strict=True):
+            stage = _stage_plan(q, candidate.stages[q], [(node + pools[pool]["first_node"], gpu)
+                                                         for node, gpu in slots], costers[q], micro)
+            stages.append(stage.model_copy(update={"pool": pool}))
+    stages.sort(key=lambda s: s.index)
+    links: list[Link | None] = [None if q == 0 or candidate.pools[q - 1] == p else link
+                                for q, p in enumerate(candidate.pools)]
+    cluster = {"preset": "+".join(c.cluster.preset for c in contexts), "num_nodes": first,
+               "devices_per_node": per_node, "pools": pools,
+               "pool_link": {"latency": link[0], "bandwidth": link[1]}}
+    return _document("auto", graph, cluster, contexts[0], candidate, stages,
+                     _resharding(costers[0], micro, candidate.stages, costers, links), solver, None)
+
+
+def _document(method: str, graph: OpGraph, cluster: dict[str, Any], context: CostContext, candidate: Candidate,
+              stages: list[StagePlan], resharding: list[ReshardingTask], solver: SolverStats,
+              baselines: dict[str, float | None] | None) -> Plan:
     layers = []
     for index, ops in enumerate(context.layers):
         param_bytes = sum(
@@ -233,13 +282,13 @@ def assemble_plan(
             dtype=sorted(dtypes)[0] if dtypes else "float32",
             num_ops=len(graph.ops),
         ),
-        cluster=cluster.to_dict(),
+        cluster=cluster,
         global_batch_size=graph.batch_size,
         num_micro_batches=candidate.num_micro_batches,
         schedule=context.schedule.value,
         layers=layers,
         stages=stages,
-        resharding=_resharding(coster, micro, candidate.stages),
+        resharding=resharding,
         predicted_step_seconds=candidate.step_seconds,
         predicted_pflops=graph.total_flops / candidate.step_seconds / 1e15,
         bubble_fraction=bubble_fraction(len(candidate.stages), candidate.num_micro_batches),

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from alpajob.api.errors import InfeasibleError, ManifestError
+from alpajob.api.plan import Plan, SolverStats
 from alpajob.api.spec import Method
 from alpajob.planner.cost.cluster import ClusterSpec
 from alpajob.planner.cost.model import load_calibration
@@ -32,6 +33,7 @@ from alpajob.planner.inter_op.search import (
     micro_batch_candidates,
 )
 from alpajob.planner.inter_op.stage_costs import SolveCounter
+from alpajob.planner.plan.assemble import assemble_pools_plan
 from alpajob.planner.plan.make import SearchOptions, coarse_to_fine, memory_error
 from alpajob.planner.plan.workers import candidates_at
 
@@ -46,6 +48,7 @@ class PoolsPlanning:
     seconds: float
     ilp_solves: int
     micro_batch_counts: tuple[int, ...]  # the counts costed
+    plan: Plan  # the Plan document (stages name their pool: ``Plan.pools``)
 
     def stage_lines(self) -> list[str]:
         """One line per stage: its layers, pool, submesh and latency."""
@@ -100,7 +103,22 @@ def plan_pools(graph: OpGraph, clusters: Sequence[ClusterSpec], options: SearchO
             f"fits their GPUs' memory ({least}); add GPUs or use larger ones",
             required_bytes=least.required_bytes, available_bytes=least.available_bytes)
     assert isinstance(best, PoolCandidate)
+    searched = sorted({c.num_micro_batches for c in found if c is not None})
+    seconds = time.perf_counter() - began
+    plan = pools_document(graph, contexts, link, best, searched, seconds)
     for context in contexts:
         context.drop_solve_contexts()
-    return PoolsPlanning(best, tuple(clusters), link, time.perf_counter() - began, counter.solves,
-                         tuple(sorted({c.num_micro_batches for c in found if c is not None})))
+    return PoolsPlanning(best, tuple(clusters), link, seconds, counter.solves, tuple(searched), plan)
+
+
+def pools_document(graph: OpGraph, contexts: Sequence[CostContext], link: Link, candidate: PoolCandidate,
+                   searched: Sequence[int] = (), seconds: float = 0.0) -> Plan:
+    """The Plan document of ``candidate``, a plan across the pools of ``contexts``
+    (:func:`~.assemble.assemble_pools_plan`), with the search's figures."""
+    counter = contexts[0].counter
+    solver = SolverStats(planning_seconds=seconds, ilp_solves=counter.solves, ilp_seconds=counter.seconds,
+                         ilp_max_variables=counter.max_variables, ilp_solver=counter.solver,
+                         dp_seconds=counter.dp_seconds, dp_calls=counter.dp_calls,
+                         micro_batch_candidates=list(searched or [candidate.num_micro_batches]),
+                         winner=candidate.name)
+    return assemble_pools_plan(graph=graph, contexts=contexts, link=link, candidate=candidate, solver=solver)
