@@ -97,3 +97,77 @@ def test_a_plan_across_pools_is_a_plan_document_and_trains_as_the_serial_run(tmp
     assert parallel.losses[0] != parallel.losses[-1]
     for name, value in serial.params.items():
         np.testing.assert_allclose(parallel.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+MIXED_JOB = """\
+apiVersion: alpajob.io/v1alpha1
+kind: AlpaJob
+metadata:
+  name: mixed-gpt
+spec:
+  model: {zoo: gpt, config: 350m}
+  training: {globalBatchSize: 64, steps: 10, dtype: float32}
+  cluster:
+    pools:
+      - {gpu: h100-80gb, nodes: 1, gpusPerNode: 1}
+      - {gpu: a100-80gb, nodes: 1, gpusPerNode: 1}
+"""
+
+
+def test_a_manifest_naming_pools_is_planned_across_them(tmp_path, capsys):
+    """``spec.cluster.pools``: ``alpajob plan`` plans across the pools (the table has a
+    column of each stage's GPU), writes a Plan document whose stages name their pool, and a
+    rerun reads it from the cache; the webhook refuses the job, which the operator
+    cannot place yet, with one line naming the field."""
+    from alpajob.api.plan import plan_from_json
+    from alpajob.api.resource import parse_job
+    from alpajob.cli.main import main
+    from alpajob.operator.admission import validate_alpajob
+
+    path = tmp_path / "job.yaml"
+    path.write_text(MIXED_JOB)
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(path), "--cache-dir", str(tmp_path / "cache")]
+    assert main([*argv, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1x1 h100-80gb + 1x1 a100-80gb" in printed and "┃ gpu" in printed
+    plan = plan_from_json(out.read_text())
+    assert sorted(s.pool for s in plan.stages) == [0, 1] and [p["preset"] for p in plan.pools] == [
+        "h100-80gb", "a100-80gb"]
+    assert main(argv) == 0
+    assert "plan: cached" in capsys.readouterr().err
+    import yaml
+
+    problems = validate_alpajob(parse_job(yaml.safe_load(MIXED_JOB)).model_dump(mode="json", by_alias=True,
+                                                                                 exclude_none=True))
+    assert len(problems) == 1 and problems[0].startswith("spec.cluster.pools: the operator runs a job on one GPU type")
+
+
+@pytest.mark.parametrize(("cluster", "expected"), [
+    ("{pools: [{gpu: h100-80gb}]}", "spec.cluster.pools"),
+    ("{gpu: h100-80gb, pools: [{gpu: h100-80gb}, {gpu: a100-40gb}]}", "drop spec.cluster.gpu beside it"),
+    ("{nodes: 4, pools: [{gpu: h100-80gb}, {gpu: a100-40gb}]}", "drop spec.cluster.nodes beside it"),
+    ("{pools: [{gpu: h100-80gb}, {gpu: h100-80gb}]}", "names h100-80gb twice"),
+    ("{pools: [{gpu: cpu}, {gpu: h100-80gb}]}", "a pool is of GPUs"),
+    ("{pools: [{gpu: h100-80gb, gpusPerNode: 3}, {gpu: a100-40gb}]}", "must be a power of two"),
+    ("{poolLinkGbps: 100}", "poolLinkGbps is the link between spec.cluster.pools"),
+    ("{pools: [{gpu: h100-80gb}, {gpu: a100-40gb}], poolLinkGbps: -1}", "spec.cluster.poolLinkGbps"),
+])
+def test_a_bad_pool_list_is_one_line_naming_the_field(tmp_path, capsys, cluster, expected):
+    from alpajob.cli.main import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text(MIXED_JOB.split("  cluster:")[0] + f"  cluster: {cluster}\n")
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1 and expected in err, err
+
+
+def test_one_cluster_flags_are_refused_beside_pools(tmp_path, capsys):
+    from alpajob.cli.main import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text(MIXED_JOB)
+    assert main(["plan", str(path), "--gpu", "h100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--gpu: names one cluster, and spec.cluster.pools names several" in err, err

@@ -140,6 +140,7 @@ def may_choose(job: AlpaJob, options: TrainOptions) -> bool:
             and method is Method.AUTO and FLAG not in os.environ.get("XLA_FLAGS", "")
             and platforms in ("", "cpu") and not _accelerator_plugin()
             and len(candidates(DEFAULT_DEVICES, host_cores())) > 1
+            and job.spec.cluster.pools is None  # several GPU types: no forced CPU devices to choose
             and cluster_for(job.spec.cluster, options.planning).shared_host
             and "jax" not in sys.modules)
 

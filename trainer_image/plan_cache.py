@@ -71,17 +71,17 @@ def planner_version() -> str:
 
 
 def plan_key(graph: OpGraph, cluster: ClusterSpec | tuple[ClusterSpec, ...], search: SearchOptions,
-             version: str) -> str:
+             version: str, link_bandwidth: float | None = None) -> str:
     """The cache key of planning ``graph`` for ``cluster`` (a tuple of them: a plan
-    across GPU types, one per pool) with ``search`` by planner ``version`` (module
-    docstring). The clusters and search options are frozen dataclasses of numbers,
-    strings and enums, whose ``repr`` is stable."""
+    across GPU types, one per pool, ``link_bandwidth`` between them) with ``search``
+    by planner ``version`` (module docstring). The clusters and search options are
+    frozen dataclasses of numbers, strings and enums, whose ``repr`` is stable."""
     material = json.dumps({
         "graph": [graph.fingerprint(), graph.name, list(graph.param_names)],
         "cluster": repr(cluster),
         "search": repr(search),
         "planner": version,
-    }, sort_keys=True)
+    } | ({"link": link_bandwidth} if link_bandwidth is not None else {}), sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 

@@ -28,7 +28,7 @@ from alpajob.api.errors import AlpaJobError, ManifestError
 from alpajob.api.options import PlanOptions
 from alpajob.api.plan import Plan
 from alpajob.api.resource import AlpaJob
-from alpajob.planner.cost.cluster import ClusterSpec, cluster_for
+from alpajob.planner.cost.cluster import ClusterSpec, cluster_for, pool_clusters
 from alpajob.planner.cost.measured import check_preset, load_measured
 from alpajob.planner.cost.model import load_calibration
 from alpajob.planner.graph.opgraph import OpGraph
@@ -131,6 +131,18 @@ def plan_or_cached(job: AlpaJob, options: PlanOptions | None = None, *,
 def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | None,
                     graph: OpGraph | None, progress: Progress,
                     warn: Callable[[str], None]) -> JobPlan:
+    pools = job.spec.cluster
+    if cluster is None and pools.pools is not None:
+        clusters = pool_clusters(pools, options)
+        if options.calibration:
+            raise ManifestError("--calibration", "holds one GPU type's constants, and spec.cluster.pools names "
+                                                 "several; plan without it")
+        if graph is None:
+            progress(f"tracing {job.spec.model.zoo or job.spec.model.entrypoint}", 0, None)
+            graph = job_graph(job, warn)
+        bandwidth = pools.pool_link_gbps * 1e9 / 8 if pools.pool_link_gbps is not None else None
+        return pools_plan_or_cached(graph, clusters, search_options(job.spec.parallelism, options, job.spec.planner),
+                                    options, bandwidth, progress, warn)
     given = planning_inputs(job, options, cluster, graph, progress, warn)
     if options.cache_dir is None:
         return JobPlan(make_plan(given.graph, given.cluster, given.search, progress=progress,
@@ -142,6 +154,30 @@ def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | N
         return JobPlan(plan, key, cached=True)
     plan = make_plan(given.graph, given.cluster, given.search, progress=progress,
                      extract_seconds=given.traced_seconds).plan
+    cache.put(key, plan)
+    return JobPlan(plan, key)
+
+
+def pools_plan_or_cached(graph: OpGraph, clusters: tuple[ClusterSpec, ...], search: SearchOptions,
+                         options: PlanOptions, link_bandwidth: float | None = None,
+                         progress: Progress | None = None,
+                         warn: Callable[[str], None] = lambda _line: None) -> JobPlan:
+    """A plan across the GPU types of ``clusters`` (one per pool; ``link_bandwidth``
+    in bytes/s between pools), through the plan cache as any plan
+    (:func:`~alpajob.planner.plan.pools.plan_pools`)."""
+    from alpajob.planner.plan.pools import plan_pools
+
+    def planned() -> Plan:
+        return plan_pools(graph, clusters, search, link_bandwidth, progress).plan
+
+    if options.cache_dir is None:
+        return JobPlan(planned())
+    cache = PlanCache(Path(options.cache_dir), warn)
+    key = plan_key(graph, clusters, search, planner_version(), link_bandwidth)
+    plan = cache.get(key, graph)
+    if plan is not None:
+        return JobPlan(plan, key, cached=True)
+    plan = planned()
     cache.put(key, plan)
     return JobPlan(plan, key)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from alpajob.api.catalog import DEVICE_MEMORY_BYTES
 from alpajob.api.errors import InfeasibleError
@@ -31,10 +30,8 @@ from alpajob.api.what_if import Choice, Prices, WhatIfMix, WhatIfOption, WhatIfR
 from alpajob.planner.cost.cluster import ClusterSpec, cluster_from_preset
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.plan.make import search_options
-from alpajob.planner.plan.pools import plan_pools
 from alpajob.trainer_image.entrypoint import load_model
-from alpajob.trainer_image.plan_cache import PlanCache, plan_key, planner_version
-from alpajob.trainer_image.planning import job_graph, plan_or_cached
+from alpajob.trainer_image.planning import job_graph, plan_or_cached, pools_plan_or_cached
 from alpajob.trainer_image.stopping import Deadline
 from alpajob.trainer_image.throughput import Throughput, model_flops
 
@@ -76,19 +73,13 @@ def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int |
     of the option paid for, the busiest GPU judged against its own type's memory."""
     clusters = tuple(cluster_from_preset(p.gpu, p.nodes, p.gpus_per_node) for p in mix.parts)
     search = search_options(job.spec.parallelism, options, job.spec.planner)
-    cache = PlanCache(Path(options.cache_dir), warn) if options.cache_dir else None
-    key = plan_key(graph, clusters, search, planner_version()) if cache else None
-    plan = cache.get(key, graph) if cache and key else None
-    cached = plan is not None
-    if plan is None:
-        try:
-            with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: f"planning {mix.label}"):
-                plan = plan_pools(graph, clusters, search).plan
-        except InfeasibleError as error:
-            return WhatIfRow(mix, fits=False, memory_bytes=int(error.available_bytes),
-                             required_bytes=error.required_bytes)
-        if cache and key:
-            cache.put(key, plan)
+    try:
+        with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: f"planning {mix.label}"):
+            planned = pools_plan_or_cached(graph, clusters, search, options, warn=warn)
+    except InfeasibleError as error:
+        return WhatIfRow(mix, fits=False, memory_bytes=int(error.available_bytes),
+                         required_bytes=error.required_bytes)
+    plan, cached = planned.plan, planned.cached
     training = job.spec.training
     step = plan.predicted_step_seconds
     peak = sum(c.device.peak(training.dtype) * c.num_devices for c in clusters)

@@ -216,16 +216,54 @@ class TrainingSpec(Contract):
         return spec
 
 
+#: The most pools of different GPU types one job may name.
+MAX_POOLS = 4
+
+
+class GpuPool(Contract):
+    """``spec.cluster.pools[i]``: one pool of a cluster of several GPU types."""
+
+    gpu: DevicePreset = Field(description="The pool's device preset (a GPU preset).", json_schema_extra=k8s(cel(
+        "self != 'cpu'", "spec.cluster.pools[].gpu is a GPU preset: cpu devices share one host "
+        "(use spec.cluster.gpu: cpu alone)")))
+    nodes: Annotated[int, NODES.validator, NODES.schema] = Field(
+        1, ge=1, json_schema_extra=INT32, description="Nodes of this pool the job may use.")
+    gpus_per_node: Annotated[int, GPUS_PER_NODE.validator, GPUS_PER_NODE.schema] = Field(
+        8, ge=1, json_schema_extra=INT32 | k8s(cel(
+            f"self in {list(POWERS_OF_TWO)}",
+            "spec.cluster.pools[].gpusPerNode must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node")),
+        description="GPUs of each node: 1, 2, 4, 8 or 16.")
+
+    @field_validator("gpu")
+    @classmethod
+    def _a_gpu(cls, value: DevicePreset) -> DevicePreset:
+        if value is DevicePreset.CPU:
+            raise ValueError("a pool is of GPUs (cpu devices share one host: use spec.cluster.gpu: cpu alone)")
+        return value
+
+    @field_validator("gpus_per_node")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value not in POWERS_OF_TWO:
+            raise ValueError(f"must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node, got {value}")
+        return value
+
+
 class NodePoolSpec(Contract):
     """``spec.cluster``: the node pool the planner cuts into submeshes.
 
     ``gpu`` names a device preset; when absent it is derived from the
-    ``nvidia.com/gpu.product`` value of ``nodeSelector``.
+    ``nvidia.com/gpu.product`` value of ``nodeSelector``. ``pools`` instead names
+    several pools of different GPU types, which the planner plans across (each stage
+    on GPUs of one type); ``alpajob plan`` and ``alpajob run --plan`` handle them, the
+    operator does not place such a job yet.
     """
 
     model_config = Contract.model_config | {"json_schema_extra": k8s(
         cel("self == oldSelf", "spec.cluster is immutable once the AlpaJob exists; create a new "
-            "AlpaJob for another node pool"))}
+            "AlpaJob for another node pool"),
+        cel("!has(self.pools) || !has(self.gpu)",
+            "spec.cluster.gpu and spec.cluster.pools exclude each other: name each pool's gpu in its entry"))}
 
     node_selector: Labels = Field(
         default_factory=dict, max_length=32,
@@ -246,6 +284,34 @@ class NodePoolSpec(Contract):
         "tainted against spec.podTemplate.mesh.tolerations): Plan plans for the nodes there "
         "are; Wait waits until there are enough (at most runPolicy.schedulingTimeoutSeconds, "
         "when set). Either way the condition NodesAvailable=False and an event say so."))
+    pools: list[GpuPool] | None = Field(None, min_length=2, max_length=MAX_POOLS, description=(
+        "Pools of different GPU types to plan across, instead of gpu, nodes and gpusPerNode: "
+        "each pipeline stage runs on GPUs of one pool, the slower type holds fewer layers."))
+    pool_link_gbps: float | None = Field(None, gt=0, le=1e6, description=(
+        "With pools: the bandwidth between two pools, in Gb/s (default: the slowest pool's "
+        "inter-node link)."))
+
+    @model_validator(mode="after")
+    def _pools_alone(self) -> NodePoolSpec:
+        if self.pools is None:
+            if self.pool_link_gbps is not None:
+                raise ValueError("spec.cluster.poolLinkGbps is the link between spec.cluster.pools; name the pools "
+                                 "or drop it")
+            return self
+        # Set beside pools (the API server fills nodes and gpusPerNode with their defaults).
+        beside = [name for name, value, default in (("gpu", self.gpu, None), ("nodes", self.nodes, 1),
+                                                    ("gpusPerNode", self.gpus_per_node, 8),
+                                                    ("nodeSelector", self.node_selector, {}))
+                  if value != default]
+        if beside:
+            raise ValueError(f"spec.cluster.pools names each pool's gpu, nodes and gpusPerNode; drop spec.cluster."
+                             f"{', spec.cluster.'.join(beside)} beside it")
+        types = [pool.gpu for pool in self.pools]
+        if len(set(types)) < len(types):
+            twice = sorted({t.value for t in types if types.count(t) > 1})
+            raise ValueError(f"spec.cluster.pools names {', '.join(twice)} twice; give one pool per GPU type "
+                             "(its nodes together)")
+        return self
 
     @field_validator("gpus_per_node")
     @classmethod
@@ -255,7 +321,10 @@ class NodePoolSpec(Contract):
         return value
 
     def preset(self) -> DevicePreset | None:
-        """The device preset: ``gpu``, else the one the node selector's product maps to."""
+        """The device preset: ``gpu``, else the one the node selector's product maps to
+        (None with ``pools``: several)."""
+        if self.pools is not None:
+            return None
         if self.gpu is not None:
             return self.gpu
         product = self.node_selector.get(GPU_PRODUCT_LABEL)

@@ -44,21 +44,26 @@ def plan_table(plan: Plan) -> Table:
     count = plan.model.num_parameters
     size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
     offered, used = plan.devices_offered(), plan.devices_used()
+    pools = plan.pools
+    where = (" + ".join(f"{p['num_nodes']}x{p['devices_per_node']} {p['preset']}" for p in pools) if pools else
+             f"{plan.cluster['num_nodes']}x{plan.cluster['devices_per_node']} {plan.cluster['preset']}"
+             f"{f' (uses {used} of {offered} devices)' if used < offered else ''}")
     title = (
-        f"{plan.model.name}: {size} params on "
-        f"{plan.cluster['num_nodes']}x{plan.cluster['devices_per_node']} "
-        f"{plan.cluster['preset']}{f' (uses {used} of {offered} devices)' if used < offered else ''}"
+        f"{plan.model.name}: {size} params on {where}"
         f", {counted(plan.num_micro_batches, 'micro-batch', 'micro-batches')}, {plan.schedule}"
     )
     table = Table(title=title, caption="mesh: logical mesh; t/µbatch: forward+backward per "
                   "micro-batch; update: per step; remat: recomputed by whole layers or in "
                   "block parts; WUS: weight-update-sharded params")
-    for column in ("stage", "layers", "submesh", "mesh", "t/µbatch", "update", "memory", "remat", "WUS"):
-        table.add_column(column, justify="right" if column != "layers" else "left")
+    columns = ["stage", "layers", *(["gpu"] if pools else []), "submesh", "mesh", "t/µbatch", "update", "memory",
+               "remat", "WUS"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("layers", "gpu") else "right")
     for stage in plan.stages:
         table.add_row(
             str(stage.index),
             f"[{stage.layers[0]}, {stage.layers[1]})",
+            *([str(pools[stage.pool or 0]["preset"])] if pools else []),
             _mesh(stage.submesh_shape),
             _mesh(stage.logical_mesh_shape),
             f"{stage.predicted_seconds * 1e3:.2f} ms",

@@ -126,6 +126,10 @@ def cluster_for(pool: NodePoolSpec, options: PlanOptions | None = None) -> Clust
     """The cluster ``spec.cluster`` describes, with the overrides of ``options``
     (``alpajob plan --nodes/--gpus-per-node/--gpu``) applied."""
     options = options or PlanOptions()
+    if pool.pools is not None:
+        raise ClusterError("spec.cluster.pools", (
+            "names several GPU types; they are planned by `alpajob plan` and run by `alpajob run "
+            "--plan FILE`, not placed by the operator yet (name one type in spec.cluster.gpu)"))
     preset = options.gpu or pool.preset()
     if preset is None:
         raise ClusterError(
@@ -137,6 +141,19 @@ def cluster_for(pool: NodePoolSpec, options: PlanOptions | None = None) -> Clust
     nodes = options.nodes if options.nodes is not None else pool.nodes
     per_node = options.gpus_per_node if options.gpus_per_node is not None else pool.gpus_per_node
     return cluster_from_preset(preset, nodes, per_node)
+
+
+def pool_clusters(pool: NodePoolSpec, options: PlanOptions | None = None) -> tuple[ClusterSpec, ...]:
+    """One cluster per pool of ``spec.cluster.pools``, in order; ``alpajob plan``'s
+    one-cluster flags (``--gpu``, ``--nodes``, ``--gpus-per-node``) are refused beside
+    them (``--what-if`` plans other options)."""
+    options = options or PlanOptions()
+    assert pool.pools is not None
+    for flag, value in (("--gpu", options.gpu), ("--nodes", options.nodes), ("--gpus-per-node", options.gpus_per_node)):
+        if value is not None:
+            raise ClusterError(flag, ("names one cluster, and spec.cluster.pools names several GPU types; drop it, "
+                                      "or plan other options with --what-if"))
+    return tuple(cluster_from_preset(p.gpu, p.nodes, p.gpus_per_node) for p in pool.pools)
 
 
 def cluster_from_preset(
