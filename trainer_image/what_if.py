@@ -77,7 +77,7 @@ def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int |
         with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: f"planning {mix.label}"):
             planned = pools_plan_or_cached(graph, clusters, search, options, warn=warn)
     except InfeasibleError as error:
-        return WhatIfRow(mix, fits=False, memory_bytes=int(error.available_bytes),
+        return WhatIfRow(mix, fits=False, memory_bytes=max(c.device.memory_bytes for c in clusters),
                          required_bytes=error.required_bytes)
     plan, cached = planned.plan, planned.cached
     training = job.spec.training
