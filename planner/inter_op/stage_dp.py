@@ -54,6 +54,21 @@ candidate is a triple (start k, end i, submesh c); for stage count s, every trip
 value row ``cost + F(s - 1, i + 1, . - n_c)`` is gathered at once and reduced by
 start layer with ``np.minimum.reduceat``. The argmin is recovered afterwards by
 re-matching values along the chosen path (exact float equality: the same sums).
+
+Mixed pools
+-----------
+:func:`stage_dp_pools` runs the same search over several pools of devices (GPUs of
+different types, :mod:`.pools`): submesh choice ``c`` lies in pool ``p(c)``, and the
+device count becomes a vector ``d = (d_1 .. d_P)``, one entry per pool::
+
+    F(s, k, d) = min over k <= i < L, c with n_c <= d_p(c) of
+                 cost(k..i, c) + F(s - 1, i + 1, d - n_c e_p(c))
+    T* = min over t_max, targets D of  min_s F(s, 0, D) + (B - 1) * t_max
+
+``F`` is an array with one axis per pool; a stage shifts it along its own pool's
+axis only. The targets ``D`` are the device counts per pool a plan may use (by
+default each pool whole or unused, not all unused). With one pool and the target
+``(N,)`` this is the recurrence above, step for step (tested).
 """
 
 from __future__ import annotations
