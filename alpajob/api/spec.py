@@ -287,7 +287,7 @@ class NodePoolSpec(Contract):
     pools: list[GpuPool] | None = Field(None, min_length=2, max_length=MAX_POOLS, description=(
         "Pools of different GPU types to plan across, instead of gpu, nodes and gpusPerNode: "
         "each pipeline stage runs on GPUs of one pool, the slower type holds fewer layers."))
-    pool_link_gbps: float | None = Field(None, gt=0, le=1e6, description=(
+    pool_link_gbps: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False, description=(
         "With pools: the bandwidth between two pools, in Gb/s (default: the slowest pool's "
         "inter-node link)."))
 
