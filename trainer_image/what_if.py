@@ -80,9 +80,7 @@ def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int |
         return WhatIfRow(mix, fits=False, memory_bytes=max(c.device.memory_bytes for c in clusters),
                          required_bytes=error.required_bytes)
     plan, cached = planned.plan, planned.cached
-    training = job.spec.training
-    step = plan.predicted_step_seconds
-    peak = sum(c.device.peak(training.dtype) * c.num_devices for c in clusters)
+    peak = sum(c.device.peak(job.spec.training.dtype) * c.num_devices for c in clusters)
     throughput = Throughput(model_flops(graph), tokens, peak)
 
     def pool(stage: StagePlan) -> ClusterSpec:
@@ -93,18 +91,9 @@ def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int |
     layout = "; ".join(f"layers {s.layers[0]}-{s.layers[1] - 1} on {s.submesh_shape[0]}x{s.submesh_shape[1]} "
                        f"{pool(s).preset}" for s in plan.stages) + "".join(
         f"; {c.preset} unused" for p, c in enumerate(clusters) if p not in used)
-    gpu_hours = training.steps * step * mix.gpus / 3600.0
-    row = WhatIfRow(
-        mix, fits=True, step_seconds=step, samples_per_second=training.global_batch_size / step,
-        tokens_per_second=throughput.tokens_per_second(step), mfu=throughput.mfu(step),
-        peak_memory_bytes=busiest.peak_memory_bytes, memory_bytes=pool(busiest).device.memory_bytes,
-        gpu_hours=gpu_hours, plan_hash=plan.content_hash(), cached=cached, layout=layout)
-    if prices is None:
-        return row
-    per_hour = sum(prices.of(p.gpu) * p.gpus for p in mix.parts)
-    per_tokens = per_hour / (row.tokens_per_second * 3600.0) * 1e9 if row.tokens_per_second else None
-    return dataclasses.replace(row, dollars_per_hour=per_hour, dollars_per_billion_tokens=per_tokens,
-                               dollars=training.steps * step / 3600.0 * per_hour)
+    per_gpu_hour = sum(prices.of(p.gpu) * p.gpus for p in mix.parts) / mix.gpus if prices else None
+    return _fitting_row(job, mix, plan, throughput, busiest.peak_memory_bytes, pool(busiest).device.memory_bytes,
+                        cached, per_gpu_hour, layout)
 
 
 def _row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, choice: WhatIfOption,
@@ -122,19 +111,27 @@ def _row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None,
 def figures(job: AlpaJob, graph: OpGraph, tokens: int | None, choice: WhatIfOption, plan: Plan,
             prices: Prices | None, memory: int, cached: bool = False) -> WhatIfRow:
     """The row of a fitting ``plan`` of ``choice`` (module docstring)."""
+    device = cluster_from_preset(choice.gpu, choice.nodes, choice.gpus_per_node).device
+    throughput = Throughput.of(graph, tokens, device, choice.gpus, job.spec.training.dtype)
+    return _fitting_row(job, choice, plan, throughput, max(stage.peak_memory_bytes for stage in plan.stages),
+                        memory, cached, prices.of(choice.gpu) if prices else None)
+
+
+def _fitting_row(job: AlpaJob, choice: Choice, plan: Plan, throughput: Throughput, peak_memory: float, memory: int,
+                 cached: bool, per_gpu_hour: float | None, layout: str | None = None) -> WhatIfRow:
+    """The figures of a fitting ``plan`` of ``choice``; the dollar fields at
+    ``per_gpu_hour`` (a mix: its GPUs' average price) where given."""
     training = job.spec.training
     step = plan.predicted_step_seconds
-    device = cluster_from_preset(choice.gpu, choice.nodes, choice.gpus_per_node).device
-    throughput = Throughput.of(graph, tokens, device, choice.gpus, training.dtype)
     gpu_hours = training.steps * step * choice.gpus / 3600.0
     row = WhatIfRow(
         choice, fits=True, step_seconds=step, samples_per_second=training.global_batch_size / step,
         tokens_per_second=throughput.tokens_per_second(step), mfu=throughput.mfu(step),
-        peak_memory_bytes=max(stage.peak_memory_bytes for stage in plan.stages), memory_bytes=memory,
-        gpu_hours=gpu_hours, plan_hash=plan.content_hash(), cached=cached)
-    if prices is None:
+        peak_memory_bytes=peak_memory, memory_bytes=memory, gpu_hours=gpu_hours, plan_hash=plan.content_hash(),
+        cached=cached, layout=layout)
+    if per_gpu_hour is None:
         return row
-    per_hour = prices.of(choice.gpu) * choice.gpus
+    per_hour = per_gpu_hour * choice.gpus
     per_tokens = per_hour / (row.tokens_per_second * 3600.0) * 1e9 if row.tokens_per_second else None
     return dataclasses.replace(row, dollars_per_hour=per_hour, dollars_per_billion_tokens=per_tokens,
-                               dollars=gpu_hours * prices.of(choice.gpu))
+                               dollars=gpu_hours * per_gpu_hour)

@@ -29,7 +29,14 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from alpajob.api.catalog import GPU_PRODUCT_PRESETS, DevicePreset
 from alpajob.api.data import DataSpec
@@ -216,6 +223,16 @@ class TrainingSpec(Contract):
         return spec
 
 
+def _tiles_a_node(value: int) -> int:
+    """GPUs per node are a power of two, so that submeshes tile a node."""
+    if value not in POWERS_OF_TWO:
+        raise ValueError(f"must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node, got {value}")
+    return value
+
+
+#: GPUs per node: within :data:`GPUS_PER_NODE`, a power of two.
+GpusPerNode = Annotated[int, GPUS_PER_NODE.validator, GPUS_PER_NODE.schema, AfterValidator(_tiles_a_node)]
+
 #: The most pools of different GPU types one job may name.
 MAX_POOLS = 4
 
@@ -228,7 +245,7 @@ class GpuPool(Contract):
         "(use spec.cluster.gpu: cpu alone)")))
     nodes: Annotated[int, NODES.validator, NODES.schema] = Field(
         1, ge=1, json_schema_extra=INT32, description="Nodes of this pool the job may use.")
-    gpus_per_node: Annotated[int, GPUS_PER_NODE.validator, GPUS_PER_NODE.schema] = Field(
+    gpus_per_node: GpusPerNode = Field(
         8, ge=1, json_schema_extra=INT32 | k8s(cel(
             f"self in {list(POWERS_OF_TWO)}",
             "spec.cluster.pools[].gpusPerNode must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node")),
@@ -241,12 +258,6 @@ class GpuPool(Contract):
             raise ValueError("a pool is of GPUs (cpu devices share one host: use spec.cluster.gpu: cpu alone)")
         return value
 
-    @field_validator("gpus_per_node")
-    @classmethod
-    def _power_of_two(cls, value: int) -> int:
-        if value not in POWERS_OF_TWO:
-            raise ValueError(f"must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node, got {value}")
-        return value
 
 
 class NodePoolSpec(Contract):
@@ -271,7 +282,7 @@ class NodePoolSpec(Contract):
                     "preset when gpu is not set.")
     nodes: Annotated[int, NODES.validator, NODES.schema] = Field(
         1, ge=1, json_schema_extra=INT32, description="Nodes of the pool the job may use.")
-    gpus_per_node: Annotated[int, GPUS_PER_NODE.validator, GPUS_PER_NODE.schema] = Field(
+    gpus_per_node: GpusPerNode = Field(
         8, ge=1, json_schema_extra=INT32 | k8s(cel(
             f"self in {list(POWERS_OF_TWO)}",
             "spec.cluster.gpusPerNode must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node")),
@@ -313,12 +324,6 @@ class NodePoolSpec(Contract):
                              "(its nodes together)")
         return self
 
-    @field_validator("gpus_per_node")
-    @classmethod
-    def _power_of_two(cls, value: int) -> int:
-        if value not in POWERS_OF_TWO:
-            raise ValueError(f"must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node, got {value}")
-        return value
 
     def preset(self) -> DevicePreset | None:
         """The device preset: ``gpu``, else the one the node selector's product maps to
