@@ -94,7 +94,8 @@ def _seconds_to_next_step(kubelet: Kubelet, head: str, began: float, timeout: fl
         if marker in text and _STEP.search(text, text.rindex(marker)):
             return time.monotonic() - began
         time.sleep(0.25)
-    raise AssertionError(f"{head} never stepped after restoring:\n{kubelet.log(head)[-3000:]}")
+    raise AssertionError(f"{head} never stepped after restoring:\n{kubelet.log(head)[-3000:]}\n"
+                         f"{_after_the_stop(kubelet, head.removesuffix('head'))}")
 
 
 def _job(name: str, ns: str, **spec: Any) -> dict[str, Any]:
