@@ -95,16 +95,4 @@ def validate_alpajob(body: Mapping[str, Any], old: Mapping[str, Any] | None = No
         return []
     problems = [str(problem) for problem in document_problems(dict(body), dict(old) if old else None)]
     return problems or (data_scheme_problems(body, data_schemes) + credential_problems(body)
-                        + template_problems(body) + pool_problems(body))
-
-
-def pool_problems(body: Mapping[str, Any]) -> list[str]:
-    """A job across GPU types (``spec.cluster.pools``) is planned and priced by ``alpajob
-    plan`` and run by ``alpajob run --plan``; the operator does not place its mesh pods
-    by product yet, so it refuses the job at once rather than fail it later."""
-    cluster = (body.get("spec") or {}).get("cluster") or {}
-    if cluster.get("pools") is None:
-        return []
-    return ["spec.cluster.pools: the operator runs a job on one GPU type for now (name it in spec.cluster.gpu "
-            "and spec.cluster.nodeSelector); plan and price the mix with `alpajob plan` (or --what-if "
-            "PRESET:N+PRESET:M), and run its plan with `alpajob run --plan FILE`"]
+                        + template_problems(body))

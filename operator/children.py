@@ -17,13 +17,14 @@ pod is told (paths, ports, its mesh and host, the head's address) is one
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
 from alpajob.api.names import (
     API_VERSION,
     COSCHEDULING_GROUP_LABEL,
+    GPU_PRODUCT_LABEL,
     GPU_RESOURCE,
     KIND,
     LABEL_ATTEMPT,
@@ -36,6 +37,7 @@ from alpajob.api.names import (
     Role,
 )
 from alpajob.api.pod_template import PodTemplates
+from alpajob.api.pools import GpuPool
 from alpajob.api.release import TRAINER_IMAGE
 from alpajob.api.run_policy import RestartScope
 from alpajob.api.runtime import (
@@ -238,9 +240,10 @@ def _env(runtime: TrainerRuntime) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in runtime.to_env().items()]
 
 
-def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster,
+def planner_pod(job: Mapping[str, Any], names: ChildNames, clusters: Sequence[PoolCluster],
                 templates: PodTemplates | None = None) -> dict[str, Any]:
-    """The pod that plans the job for the pool (``alpajob plan``), once."""
+    """The pod that plans the job for the pool (``alpajob plan``), once: for the one
+    cluster of ``clusters``, or, with ``spec.cluster.pools``, across all of them."""
     namespace = job["metadata"]["namespace"]
     volumes, mounts = _volumes(names, False, job)
     # With a checkpoint volume, plans are cached there: a later attempt or a job applied
@@ -253,8 +256,12 @@ def planner_pod(job: Mapping[str, Any], names: ChildNames, cluster: PoolCluster,
             "name": calibration.config_map, "optional": True,
             "items": [{"key": calibration.key, "path": PurePosixPath(CALIBRATION_PATH).name}]}})
         mounts.append({"name": "calibration", "mountPath": CALIBRATION_DIR, "readOnly": True})
-    runtime = _runtime(job, names, Role.PLANNER, plan_configmap=f"{namespace}/{names.plan}",
-                       gpu=cluster.preset, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
+    if (job["spec"].get("cluster") or {}).get("pools") is None:
+        (cluster,) = clusters
+        pool: dict[str, Any] = {"gpu": cluster.preset, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node}
+    else:
+        pool = {"pools": [GpuPool(gpu=c.preset, nodes=c.nodes, gpus_per_node=c.gpus_per_node) for c in clusters]}
+    runtime = _runtime(job, names, Role.PLANNER, plan_configmap=f"{namespace}/{names.plan}", **pool,
                        plan_cache=PLAN_CACHE_DIR if checkpoint_claim(job) else None,
                        calibration=CALIBRATION_PATH if calibration is not None else None)
     pod = {
@@ -373,10 +380,12 @@ def head_pod(job: Mapping[str, Any], names: ChildNames, gang: str | None,
 
 def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, hosts: int,
              node: str, gpus: int, cpu: bool, gang: str | None, templates: PodTemplates | None = None,
-             size: sizing.PodSize | None = None, name: str | None = None) -> dict[str, Any]:
+             size: sizing.PodSize | None = None, name: str | None = None,
+             product: str | None = None) -> dict[str, Any]:
     """Host ``host`` of mesh ``mesh``: a Ray worker offering that host's resource, on
     ``node``, with the mesh's JAX process-group coordinates; named ``name`` (a
-    replacement's), else as :meth:`.names.ChildNames.mesh_pod` says."""
+    replacement's), else as :meth:`.names.ChildNames.mesh_pod` says. ``product``: a
+    plan across GPU types, the node's ``nvidia.com/gpu.product``, also selected."""
     namespace = job["metadata"]["namespace"]
     hostname = names.mesh_hostname(mesh, host)
     coordinator = f"{names.mesh_hostname(mesh, 0)}.{names.hosts_service}.{namespace}.svc"
@@ -404,7 +413,10 @@ def mesh_pod(job: Mapping[str, Any], names: ChildNames, mesh: int, host: int, ho
     pod = finish(pod, overrides, size, node)
     # The pool's selector too (the pin's node matches it): a queue's flavors are judged
     # by it, so Kueue assigns only a flavor of the nodes the job was planned for.
+    # Across GPU types the node's product, so that Kueue gives each type's pod set its flavor.
     selector = (job["spec"].get("cluster") or {}).get("nodeSelector") or {}
+    if product is not None:
+        selector = {**selector, GPU_PRODUCT_LABEL: product}
     if selector:
         pod["spec"]["nodeSelector"] = {**selector, **(pod["spec"].get("nodeSelector") or {})}
     return pod

@@ -37,7 +37,7 @@ from alpajob.api.pod_template import PodTemplates
 from alpajob.api.status import ConditionType, Status
 from alpajob.operator.names import ChildNames
 from alpajob.operator.network import NetworkSettings
-from alpajob.operator.pool import EVERY_TAINT, read_pool
+from alpajob.operator.pool import EVERY_TAINT, pool_products, read_pool
 from alpajob.operator.queueing import END_GROUP, in_open_group, queue_of
 from alpajob.operator.reconcile import Decision, Observed
 from alpajob.operator.status import set_condition
@@ -270,7 +270,7 @@ class Kube:
         except ValidationError:
             tolerations = []  # the pass fails the job naming the field (decision.PassState)
         pool = read_pool(nodes, cluster.get("nodeSelector") or {}, tolerations,
-                         cpu=cluster.get("gpu") == "cpu")
+                         cpu=cluster.get("gpu") == "cpu", products=pool_products(cluster))
         ready = frozenset(n.name for n in read_pool(nodes, {}, [EVERY_TAINT], cpu=True).nodes)
         manifest = {"apiVersion": API_VERSION, "kind": KIND,
                     "metadata": {"name": name, "namespace": namespace}, "spec": spec}

@@ -94,7 +94,7 @@ from alpajob.operator.pods import (
     terminating,
     uid,
 )
-from alpajob.operator.pool import PoolError, assign_nodes, pool_cluster
+from alpajob.operator.pool import PoolError, assign_nodes, pool_clusters, slot_nodes
 from alpajob.operator.waiting import pool_short, scheduling
 
 #: Seconds a Succeeded job's mesh pods have to end on their own before cleanPodPolicy
@@ -208,15 +208,15 @@ class _Pass(PassState):
             if pool_short(self):
                 return True
             try:
-                cluster = pool_cluster(self.spec.get("cluster") or {}, self.seen.pool)
+                clusters = pool_clusters(self.spec.get("cluster") or {}, self.seen.pool)
             except PoolError as error:
                 self.phase(Phase.FAILED, "NoNodePool", str(error))
                 return True
             self.status.children.attempt = self.attempt
             self.status.children.planner = names.planner
-            self.decision.create.append(children.planner_pod(self.job, names, cluster, self.templates))
-            self.phase(Phase.PLANNING, "Planning",
-                       f"planning for {cluster.nodes} x {cluster.gpus_per_node} {cluster.preset}")
+            self.decision.create.append(children.planner_pod(self.job, names, clusters, self.templates))
+            self.phase(Phase.PLANNING, "Planning", "planning for " + " + ".join(
+                f"{c.nodes} x {c.gpus_per_node} {c.preset}" for c in clusters))
         elif phase_of(planner) == "Failed":
             self.phase(Phase.FAILED, "PlanningFailed", pod_message(planner))
         elif phase_of(planner) == "Succeeded":
@@ -378,12 +378,16 @@ class _Pass(PassState):
 
     def pool_changed(self) -> bool:
         """Would the pool now give the planner another cluster than the plan's?"""
+        spec = self.spec.get("cluster") or {}
         try:
-            now = pool_cluster(self.spec.get("cluster") or {}, self.seen.pool)
+            now = pool_clusters(spec, self.seen.pool)
         except PoolError:
             return False  # no pool at all: keep the plan, the pods wait for nodes
-        cluster = self.plan.cluster
-        return (now.nodes, now.gpus_per_node) != (cluster.get("num_nodes"), cluster.get("devices_per_node"))
+        if spec.get("pools") is None:
+            cluster = self.plan.cluster
+            return (now[0].nodes, now[0].gpus_per_node) != (cluster.get("num_nodes"), cluster.get("devices_per_node"))
+        planned = [(p["preset"], p["num_nodes"], p["devices_per_node"]) for p in self.plan.pools or [self.plan.cluster]]
+        return [(c.preset, c.nodes, c.gpus_per_node) for c in now] != planned
 
     def replan(self, why: str) -> None:
         """Plan the job again (for the pool as it is now) before the next attempt."""
@@ -414,7 +418,7 @@ class _Pass(PassState):
         """Create what is missing; True if the pool cannot hold the plan any more."""
         names, job, gang = self.names, self.job, self.seen.gang
         try:
-            nodes = assign_nodes(self.plan.stages, self.seen.pool)
+            nodes = assign_nodes(self.plan.stages, slot_nodes(self.plan, self.spec.get("cluster") or {}, self.seen.pool))
         except PoolError as error:
             self.stop_pods(self.pods_of(self.attempt))
             self.replan(f"the plan no longer fits the node pool ({error})")
@@ -447,10 +451,12 @@ class _Pass(PassState):
                 continue
             if queue is not None and any(not done(p) and not forced(p) for p in self.host_pods(mesh, host).values()):
                 continue  # under Kueue, a replacement joins the group once the pod it replaces stopped
-            pods.append(children.mesh_pod(job, names, mesh, host, count, nodes[mesh, host], devices, cpu, gang,
+            node = nodes[mesh, host]
+            pods.append(children.mesh_pod(job, names, mesh, host, count, node.name, devices, cpu, gang,
                                           self.templates,
                                           sizing.mesh_size(self.plan, self.plan.stages[mesh], devices, cpu),
-                                          name=self.replacement_name(mesh, host)))
+                                          name=self.replacement_name(mesh, host),
+                                          product=node.product if self.plan.pools else None))
         if queue is not None:
             pods = [queueing.enqueue(pod, job, names.pod_group, queue, 1 + len(hosts)) for pod in pods]
             problem = queueing.too_many_roles(self, pods)

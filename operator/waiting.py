@@ -13,6 +13,7 @@ from alpajob.api.status import ConditionStatus, ConditionType, Phase
 from alpajob.operator.decision import PassState
 from alpajob.operator.pod_overrides import TEMPLATE_ANNOTATION, template_hash
 from alpajob.operator.pods import parse_time, unschedulable
+from alpajob.operator.pool import wanted_nodes
 from alpajob.operator.status import set_condition
 
 #: Seconds a pod may be unschedulable before the job says so (the scheduler retries
@@ -28,11 +29,12 @@ def pool_short(state: PassState) -> bool:
     ``runPolicy.schedulingTimeoutSeconds``, when set, counted from when the
     condition turned False)."""
     cluster = state.spec.get("cluster") or {}
-    wanted, have = int(cluster.get("nodes", 1)), len(state.seen.pool)
+    wanted, have = wanted_nodes(cluster, state.seen.pool)
+    asked = "spec.cluster.nodes" if cluster.get("pools") is None else "spec.cluster.pools"
     before = next((c for c in state.status.conditions if c.type is ConditionType.NODES_AVAILABLE), None)
     if have >= wanted:
         if before is not None and before.status is ConditionStatus.FALSE:
-            message = f"the pool has the {wording.counted(wanted, 'node')} spec.cluster.nodes asks for"
+            message = f"the pool has the {wording.counted(wanted, 'node')} {asked} asks for"
             set_condition(state.status, ConditionType.NODES_AVAILABLE, True, "AllNodes", message,
                           state.generation, state.now)
             state.decision.events.append(("Normal", "NodesAvailable", message))
@@ -42,8 +44,10 @@ def pool_short(state: PassState) -> bool:
     shown = "; ".join(f"{name} {why}" for name, why in left_out[:4])
     if len(left_out) > 4:
         shown += f"; {wording.counted(len(left_out) - 4, 'more node')} left out"
-    message = (f"the pool has {have} of the {wording.counted(wanted, 'node')} spec.cluster.nodes asks for"
-               + (f" ({shown})" if shown else " (no more nodes match spec.cluster.nodeSelector)")
+    fewer = (" (no more nodes match spec.cluster.nodeSelector)" if cluster.get("pools") is None else
+             " (no more nodes carry the nvidia.com/gpu.product of a pool's type)")
+    message = (f"the pool has {have} of the {wording.counted(wanted, 'node')} {asked} asks for"
+               + (f" ({shown})" if shown else fewer)
                + (": waiting for the rest (spec.cluster.whenFewerNodes: Wait)" if wait else
                   f": planning for {have} (spec.cluster.whenFewerNodes: Plan; Wait would wait for the rest)"))
     if before is None or before.status is ConditionStatus.TRUE:

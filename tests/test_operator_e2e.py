@@ -421,6 +421,71 @@ def test_the_pool_is_the_nodes_a_mesh_pod_may_use_and_a_short_one_waits_saying_w
             cluster.core.delete_node(name)
 
 
+def test_a_job_across_gpu_types_is_planned_for_each_types_nodes_and_each_stage_runs_on_its_type(
+        cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
+    """``spec.cluster.pools`` of an H100 and two A100 nodes on a pool of nodes labelled
+    by product (one A100 node cordoned, one V100 node of no type of the job's): the
+    job is short one node and says so; the planner pod is told each type's usable nodes
+    and plans across both, for real; each stage's mesh pod is pinned to a node of its
+    stage's type and selects that product (so a Kueue flavor of that type admits it).
+    Once the cordoned node is back, the next attempt is planned for the new mix."""
+    emulator_only(cluster.emu, "its nodes have no kubelet to keep them Ready")
+    from alpajob.api.names import GPU_PRODUCT_LABEL, GPU_RESOURCE
+    from alpajob.api.plan import plan_from_json
+
+    products = {"h100": "NVIDIA-H100-80GB-HBM3", "a100": "NVIDIA-A100-SXM4-80GB", "v100": "Tesla-V100-SXM2-16GB"}
+    nodes = {"a100-x": ("a100", False), "a100-y": ("a100", True), "h100-x": ("h100", False), "v100-x": ("v100", False)}
+    names = {name: f"{name}-{cluster.ns}" for name in nodes}
+    for name, (kind, cordoned) in nodes.items():
+        cluster.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": names[name], "labels": {
+            GPU_PRODUCT_LABEL: products[kind], "kubernetes.io/hostname": names[name]}},
+            "spec": {"unschedulable": True} if cordoned else {},
+            "status": {"allocatable": {GPU_RESOURCE: "1"}, "conditions": [{"type": "Ready", "status": "True"}]}})
+    try:
+        cluster.create_job("gpt-mix", model={"zoo": "gpt", "config": "350m"},
+                           training={"globalBatchSize": 64, "steps": 10, "dtype": "float32"},
+                           cluster={"pools": [{"gpu": "h100-80gb", "nodes": 1, "gpusPerNode": 1},
+                                              {"gpu": "a100-80gb", "nodes": 2, "gpusPerNode": 1}]},
+                           parallelism={}, runPolicy={"backoffLimit": 2, "restartScope": "Job"})
+        pod = _wait("the planner pod", lambda: cluster.pods("gpt-mix").get("gpt-mix-planner"), op=operator)
+        env = {e.name: e.value for e in pod.spec.containers[0].env}
+        assert json.loads(env["ALPAJOB_POOLS"]) == [{"gpu": "h100-80gb", "nodes": 1, "gpusPerNode": 1},
+                                                   {"gpu": "a100-80gb", "nodes": 1, "gpusPerNode": 1}]
+        assert "ALPAJOB_GPU" not in env and "ALPAJOB_NODES" not in env
+        short = _condition(cluster, "gpt-mix", "NodesAvailable")
+        assert short["status"] == "False" and short["message"].startswith(
+            "the pool has 2 of the 3 nodes spec.cluster.pools asks for") and f"{names['a100-y']} cordoned" in short["message"]
+        assert "planning for 1 x 1 h100-80gb + 1 x 1 a100-80gb" in _condition(cluster, "gpt-mix", "Reconciling")["message"]
+        cluster.run_planner("gpt-mix", tmp_path)
+        plan = plan_from_json(cluster.core.read_namespaced_config_map("gpt-mix-plan", cluster.ns).data[PLAN_KEY])
+        assert [p["preset"] for p in plan.pools] == ["h100-80gb", "a100-80gb"]
+        meshes = {f"gpt-mix-0-m{s.index}-h0": s for s in plan.stages}
+        assert sorted(s.pool for s in plan.stages) == [0, 1]
+        _wait("the mesh pods", lambda: set(meshes) <= set(cluster.pods("gpt-mix")), op=operator)
+        pods = cluster.pods("gpt-mix")
+        for name, stage in meshes.items():
+            kind = "h100" if plan.pools[stage.pool]["preset"] == "h100-80gb" else "a100"
+            spec = pods[name].spec
+            [term] = spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+            assert [e.values for e in term.match_expressions if e.key == "kubernetes.io/hostname"] == [
+                [names[f"{kind}-x"]]], name
+            assert spec.node_selector == {GPU_PRODUCT_LABEL: products[kind]}
+            assert spec.containers[0].resources.limits[GPU_RESOURCE] == "1"
+        # The mix changes (the A100 node is back): the next attempt is planned for it.
+        _to_running(cluster, operator, "gpt-mix", tmp_path)
+        cluster.core.patch_node(names["a100-y"], {"spec": {"unschedulable": False}})
+        cluster.set_phase("gpt-mix-0-m0-h0", "Failed")
+        pod = _wait("the planner pod made again", lambda: (p := cluster.pods("gpt-mix").get("gpt-mix-planner"))
+                    and (p.status or client.V1PodStatus()).phase in (None, "Pending") and p, op=operator)
+        env = {e.name: e.value for e in pod.spec.containers[0].env}
+        assert [p["nodes"] for p in json.loads(env["ALPAJOB_POOLS"])] == [1, 2]
+        assert "Replanning" in {e.reason for e in cluster.core.list_namespaced_event(cluster.ns).items
+                                if e.involved_object.name == "gpt-mix"}
+    finally:
+        for name in names.values():
+            cluster.core.delete_node(name)
+
+
 def test_each_job_runs_as_its_own_identity_that_reaches_only_its_own_configmaps(
         emulator: Emulator, cluster: Cluster, operator: Operator, tmp_path: Path) -> None:
     """With no ``spec.serviceAccountName``, the operator (under the shipped RBAC,

@@ -65,7 +65,7 @@ def test_bad_planner_knobs_are_refused_naming_the_field(planner: dict[str, Any],
 def test_the_planner_pod_mounts_the_calibration_key_and_is_told_where() -> None:
     from pod_security import restricted_violations
 
-    pod = children.planner_pod(JOB, ChildNames("gpt", 0), PoolCluster("h100-80gb", 2, 8))
+    pod = children.planner_pod(JOB, ChildNames("gpt", 0), (PoolCluster("h100-80gb", 2, 8),))
     [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == "calibration"]
     assert volume["configMap"] == {"name": "gpu-constants", "optional": True,
                                    "items": [{"key": "h100.json", "path": "calibration.json"}]}
@@ -77,7 +77,7 @@ def test_the_planner_pod_mounts_the_calibration_key_and_is_told_where() -> None:
     assert restricted_violations(pod) == []
     bare = copy.deepcopy(JOB)
     del bare["spec"]["planner"]
-    plain = children.planner_pod(bare, ChildNames("gpt", 0), PoolCluster("h100-80gb", 2, 8))
+    plain = children.planner_pod(bare, ChildNames("gpt", 0), (PoolCluster("h100-80gb", 2, 8),))
     assert "calibration" not in {v["name"] for v in plain["spec"]["volumes"]}
     assert TrainerRuntime.from_env({e["name"]: e["value"] for e in plain["spec"]["containers"][0]["env"]}
                                    ).calibration is None

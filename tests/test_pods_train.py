@@ -414,11 +414,12 @@ def _after_the_stop(kubelet: Kubelet, prefix: str) -> str:
     first = min((kubelet.signalled[n] for n in names if n in kubelet.signalled), default=0.0)
     out = []
     for name in names:
-        text = kubelet.log(name)
+        # Ray's own lines (a raylet's whole command line) would crowd ours out
+        text = "\n".join(line for line in kubelet.log(name).splitlines() if len(line) < 400)
         at = text.find("SIGTERM")
         when = f"SIGTERM at +{kubelet.signalled[name] - first:.1f} s" if name in kubelet.signalled else "no SIGTERM"
         out.append(f"--- {name} ({when}, exit {kubelet.finished[name]}):\n"
-                   f"{text[at:][:3000] if at >= 0 else text[-1500:]}")
+                   f"{text[at:][:6000] if at >= 0 else text[-3000:]}")
     return "\n".join(out)
 
 

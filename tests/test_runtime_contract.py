@@ -12,6 +12,7 @@ import pytest
 
 from alpajob.api.errors import ManifestError
 from alpajob.api.names import LABEL_ROLE, Role
+from alpajob.api.pools import GpuPool
 from alpajob.api.runtime import ENV_PREFIX, INIT_COMMAND, RAY_TOKEN_PATH, TrainerRuntime, Transport
 from alpajob.cli.main import main, parser
 from alpajob.cli.planning import plan_options
@@ -48,7 +49,7 @@ def command_of(pod: dict[str, Any]) -> argparse.Namespace:
 
 
 PODS = {
-    "planner": lambda: children.planner_pod(JOB, NAMES, PoolCluster("h100-80gb", 4, 8)),
+    "planner": lambda: children.planner_pod(JOB, NAMES, (PoolCluster("h100-80gb", 4, 8),)),
     "head": lambda: children.head_pod(JOB, NAMES, None),
     "mesh": lambda: children.mesh_pod(JOB, NAMES, 1, 1, 2, "node-3", 8, False, None),
     "cpu-mesh": lambda: children.mesh_pod(JOB, NAMES, 0, 0, 1, "node-0", 4, True, None),
@@ -87,7 +88,7 @@ def test_the_planner_pod_plans_for_the_pool_and_writes_the_plan_configmap() -> N
 
 def test_without_a_checkpoint_volume_the_planner_caches_in_its_own_home() -> None:
     job = {**JOB, "spec": {"model": JOB["spec"]["model"]}}
-    runtime = TrainerRuntime.from_env(env_of(children.planner_pod(job, NAMES, PoolCluster("h100-80gb", 4, 8))))
+    runtime = TrainerRuntime.from_env(env_of(children.planner_pod(job, NAMES, (PoolCluster("h100-80gb", 4, 8),))))
     assert runtime.plan_cache is None
     assert plan_options(parser().parse_args(["plan"]), runtime).cache_dir.endswith("alpajob/plans")
 
@@ -178,6 +179,7 @@ def test_a_full_runtime_goes_through_the_environment_unchanged() -> None:
     runtime = TrainerRuntime(
         role=Role.MESH, job="j", namespace="n", attempt=3, manifest="/m", plan="/p",
         plan_configmap="n/p", progress_configmap="n/q", gpu="a100-80gb", nodes=2, gpus_per_node=4,
+        pools=[GpuPool(gpu="h100-80gb", nodes=1, gpus_per_node=2), GpuPool(gpu="a100-80gb", nodes=3)],
         plan_cache="/c/.alpajob/plans", calibration="/etc/alpajob/calibration/calibration.json",
         ray_address="h:1", ray_port=2, metrics_port=3, mesh=1, host=0, process_id=0,
         process_count=2, coordinator="c:4", devices=4, checkpoint_dir="/c", checkpoint_every=7,
@@ -190,7 +192,9 @@ def test_a_full_runtime_goes_through_the_environment_unchanged() -> None:
 
 
 @pytest.mark.parametrize(("name", "value"), [("ALPAJOB_MESH", "one"), ("ALPAJOB_DEVICES", "0"),
-                                             ("ALPAJOB_ROLE", "worker"), ("ALPAJOB_GPU", "h200")])
+                                             ("ALPAJOB_ROLE", "worker"), ("ALPAJOB_GPU", "h200"),
+                                             ("ALPAJOB_POOLS", "[{gpu: h100-80gb}]"),
+                                             ("ALPAJOB_POOLS", '[{"gpu": "cpu"}]')])
 def test_a_malformed_variable_is_an_error_naming_it(name: str, value: str) -> None:
     with pytest.raises(ManifestError) as info:
         TrainerRuntime.from_env({name: value})

@@ -132,8 +132,10 @@ def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | N
                     graph: OpGraph | None, progress: Progress,
                     warn: Callable[[str], None]) -> JobPlan:
     pools = job.spec.cluster
-    if cluster is None and pools.pools is not None:
-        clusters = pool_clusters(pools, options)
+    clusters = pool_clusters(pools, options) if cluster is None and pools.pools is not None else ()
+    if len(clusters) == 1:
+        cluster = clusters[0]  # the operator found nodes of one of the types only: planned alone
+    elif clusters:
         if options.calibration:
             raise ManifestError("--calibration", "holds one GPU type's constants, and spec.cluster.pools names "
                                                  "several; plan without it")

@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_snake
 from alpajob.api.catalog import DevicePreset
 from alpajob.api.errors import ManifestError
 from alpajob.api.limits import GPUS_PER_NODE, LOCAL_DEVICES, NODES, STEPS
+from alpajob.api.pools import GpuPool
 from alpajob.api.schema import INT64_MAX, Contract
 from alpajob.api.spec import Method
 
@@ -29,6 +30,9 @@ class PlanOptions(Contract):
     gpus_per_node: Annotated[int, GPUS_PER_NODE.validator] | None = Field(
         None, ge=1, description="override spec.cluster.gpusPerNode")
     gpu: DevicePreset | None = Field(None, description="override the device preset")
+    pools: tuple[GpuPool, ...] | None = Field(None, min_length=1, description=(
+        "override spec.cluster.pools: each GPU type's usable nodes (the operator's count of "
+        "the node pool; a type with none left out, one type left: planned alone)"))
     method: Method | None = Field(None, description="override spec.parallelism.method")
     ilp_time_limit: float | None = Field(None, gt=0, allow_inf_nan=False, description=(
         "seconds allowed to each ILP solve (None: spec.planner.ilpTimeLimitSeconds, 10 by default)"))

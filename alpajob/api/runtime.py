@@ -22,6 +22,8 @@ variable                   pods         meaning
 ``ALPAJOB_GPU``            planner      the device preset of the node pool
 ``ALPAJOB_NODES``          planner      nodes of the pool the plan may use
 ``ALPAJOB_GPUS_PER_NODE``  planner      devices of each of them
+``ALPAJOB_POOLS``          planner      with ``spec.cluster.pools``: the usable nodes of each GPU type,
+                                        as JSON (``[{"gpu": "h100-80gb", "nodes": 2}, ...]``)
 ``ALPAJOB_PLAN_CACHE``     planner      the plan cache's folder (on the checkpoint volume)
 ``ALPAJOB_CALIBRATION``    planner      the calibration file mounted from ``spec.planner.calibration``
 ``ALPAJOB_RAY_ADDRESS``    mesh         the Ray head's ``host:port``
@@ -53,14 +55,17 @@ other on any port (no NetworkPolicy narrower than the job).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import Field, ValidationError
+from pydantic import BeforeValidator, Field, ValidationError
 
 from alpajob.api.catalog import DevicePreset
 from alpajob.api.errors import ManifestError
 from alpajob.api.names import Role
+from alpajob.api.pools import GpuPool
 from alpajob.api.schema import Contract
 
 #: Every variable of the contract starts with this.
@@ -136,6 +141,16 @@ class Transport(StrEnum):
         return cls.OBJECT_STORE if str(gpu) == DevicePreset.CPU.value else cls.COLLECTIVE
 
 
+def _json(value: object) -> object:
+    """A list field's variable holds JSON (:meth:`TrainerRuntime.to_env`)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON ({error.msg} at character {error.pos})") from None
+
+
 class TrainerRuntime(Contract):
     """What one trainer pod is told (module docstring); unset fields are not sent."""
 
@@ -150,6 +165,7 @@ class TrainerRuntime(Contract):
     gpu: DevicePreset | None = None
     nodes: int | None = Field(None, ge=1)
     gpus_per_node: int | None = Field(None, ge=1)
+    pools: Annotated[list[GpuPool], BeforeValidator(_json)] | None = None  # spec.cluster.pools as the pool has them
     plan_cache: str | None = None
     calibration: str | None = None  # the planner's calibration file (spec.planner.calibration)
     ray_address: str | None = None
@@ -177,9 +193,15 @@ class TrainerRuntime(Contract):
 
     def to_env(self) -> dict[str, str]:
         """The pod's environment: one variable per set field (the operator's side)."""
-        values = self.model_dump(mode="json", exclude_defaults=True)
+        values = self.model_dump(mode="json", by_alias=False, exclude_defaults=True)
         values["attempt"] = self.attempt
-        return {self.env_name(k): str(v) for k, v in values.items() if v is not None}
+        return {self.env_name(k): self._as_json(k) if isinstance(v, list) else str(v)
+                for k, v in values.items() if v is not None}
+
+    def _as_json(self, field: str) -> str:
+        """A list field as JSON, each entry whole and camelCase, as in a manifest."""
+        return json.dumps([entry.model_dump(mode="json", by_alias=True) for entry in getattr(self, field)],
+                          separators=(",", ":"))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> TrainerRuntime:

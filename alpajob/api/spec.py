@@ -30,7 +30,6 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     Field,
     StringConstraints,
     ValidationInfo,
@@ -43,7 +42,6 @@ from alpajob.api.data import DataSpec
 from alpajob.api.limits import (
     EVAL_STEPS,
     GLOBAL_BATCH_SIZE,
-    GPUS_PER_NODE,
     LAYERS,
     MICRO_BATCHES,
     NODES,
@@ -52,11 +50,10 @@ from alpajob.api.limits import (
 )
 from alpajob.api.names import GPU_PRODUCT_LABEL
 from alpajob.api.pod_template import Labels, PodTemplates, Quantity
+from alpajob.api.pools import MAX_POOLS, POWERS_OF_TWO, GpuPool, GpusPerNode
 from alpajob.api.run_policy import RunPolicy
 from alpajob.api.schema import INT32, INT64, INT64_MAX, Contract, cel, k8s, unchanged
 
-#: GPUs a node may give a job: submeshes tile a node, so a power of two.
-POWERS_OF_TWO = (1, 2, 4, 8, 16)
 #: A DNS-1123 subdomain (a Kubernetes object name).
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ObjectName = Annotated[str, StringConstraints(max_length=253, pattern=DNS_SUBDOMAIN)]
@@ -223,51 +220,14 @@ class TrainingSpec(Contract):
         return spec
 
 
-def _tiles_a_node(value: int) -> int:
-    """GPUs per node are a power of two, so that submeshes tile a node."""
-    if value not in POWERS_OF_TWO:
-        raise ValueError(f"must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node, got {value}")
-    return value
-
-
-#: GPUs per node: within :data:`GPUS_PER_NODE`, a power of two.
-GpusPerNode = Annotated[int, GPUS_PER_NODE.validator, GPUS_PER_NODE.schema, AfterValidator(_tiles_a_node)]
-
-#: The most pools of different GPU types one job may name.
-MAX_POOLS = 4
-
-
-class GpuPool(Contract):
-    """``spec.cluster.pools[i]``: one pool of a cluster of several GPU types."""
-
-    gpu: DevicePreset = Field(description="The pool's device preset (a GPU preset).", json_schema_extra=k8s(cel(
-        "self != 'cpu'", "spec.cluster.pools[].gpu is a GPU preset: cpu devices share one host "
-        "(use spec.cluster.gpu: cpu alone)")))
-    nodes: Annotated[int, NODES.validator, NODES.schema] = Field(
-        1, ge=1, json_schema_extra=INT32, description="Nodes of this pool the job may use.")
-    gpus_per_node: GpusPerNode = Field(
-        8, ge=1, json_schema_extra=INT32 | k8s(cel(
-            f"self in {list(POWERS_OF_TWO)}",
-            "spec.cluster.pools[].gpusPerNode must be a power of two (1, 2, 4, 8 or 16) so submeshes tile a node")),
-        description="GPUs of each node: 1, 2, 4, 8 or 16.")
-
-    @field_validator("gpu")
-    @classmethod
-    def _a_gpu(cls, value: DevicePreset) -> DevicePreset:
-        if value is DevicePreset.CPU:
-            raise ValueError("a pool is of GPUs (cpu devices share one host: use spec.cluster.gpu: cpu alone)")
-        return value
-
-
-
 class NodePoolSpec(Contract):
     """``spec.cluster``: the node pool the planner cuts into submeshes.
 
     ``gpu`` names a device preset; when absent it is derived from the
     ``nvidia.com/gpu.product`` value of ``nodeSelector``. ``pools`` instead names
     several pools of different GPU types, which the planner plans across (each stage
-    on GPUs of one type); ``alpajob plan`` and ``alpajob run --plan`` handle them, the
-    operator does not place such a job yet.
+    on GPUs of one type); the operator finds each pool's nodes by their
+    ``nvidia.com/gpu.product`` label and puts every stage's pods on nodes of its type.
     """
 
     model_config = Contract.model_config | {"json_schema_extra": k8s(

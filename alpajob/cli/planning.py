@@ -100,6 +100,7 @@ def plan_options(args: argparse.Namespace, runtime: TrainerRuntime, calibration:
         "nodes": args.nodes if args.nodes is not None else runtime.nodes,
         "gpus_per_node": args.gpus_per_node if args.gpus_per_node is not None else runtime.gpus_per_node,
         "gpu": args.gpu or runtime.gpu,
+        "pools": tuple(runtime.pools) if runtime.pools else None,
         "ilp_time_limit": args.ilp_time_limit, "plan_time_limit": args.plan_time_limit,
         "baselines": args.baselines or None,
         "all_devices": args.all_devices or None,

@@ -128,8 +128,8 @@ def cluster_for(pool: NodePoolSpec, options: PlanOptions | None = None) -> Clust
     options = options or PlanOptions()
     if pool.pools is not None:
         raise ClusterError("spec.cluster.pools", (
-            "names several GPU types; they are planned by `alpajob plan` and run by `alpajob run "
-            "--plan FILE`, not placed by the operator yet (name one type in spec.cluster.gpu)"))
+            "names several GPU types, and this plans one cluster: plan across them with `alpajob plan` "
+            "(run its plan with `alpajob run --plan FILE`, or apply the job), or name one type in spec.cluster.gpu"))
     preset = options.gpu or pool.preset()
     if preset is None:
         raise ClusterError(
@@ -144,7 +144,9 @@ def cluster_for(pool: NodePoolSpec, options: PlanOptions | None = None) -> Clust
 
 
 def pool_clusters(pool: NodePoolSpec, options: PlanOptions | None = None) -> tuple[ClusterSpec, ...]:
-    """One cluster per pool of ``spec.cluster.pools``, in order; ``alpajob plan``'s
+    """One cluster per pool of ``spec.cluster.pools``, in order, or per pool of
+    ``options.pools`` (the usable nodes of each type, the operator's count: a type it
+    found none of is not there, so one cluster may be left); ``alpajob plan``'s
     one-cluster flags (``--gpu``, ``--nodes``, ``--gpus-per-node``) are refused beside
     them (``--what-if`` plans other options)."""
     options = options or PlanOptions()
@@ -153,7 +155,12 @@ def pool_clusters(pool: NodePoolSpec, options: PlanOptions | None = None) -> tup
         if value is not None:
             raise ClusterError(flag, ("names one cluster, and spec.cluster.pools names several GPU types; drop it, "
                                       "or plan other options with --what-if"))
-    return tuple(cluster_from_preset(p.gpu, p.nodes, p.gpus_per_node) for p in pool.pools)
+    named = {p.gpu for p in pool.pools}
+    for usable in options.pools or ():
+        if usable.gpu not in named:
+            raise ClusterError("ALPAJOB_POOLS", f"names {usable.gpu.value}, which spec.cluster.pools does not "
+                                                f"({', '.join(sorted(g.value for g in named))})")
+    return tuple(cluster_from_preset(p.gpu, p.nodes, p.gpus_per_node) for p in options.pools or pool.pools)
 
 
 def cluster_from_preset(
