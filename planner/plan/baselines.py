@@ -94,7 +94,9 @@ def even_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 def megatron_grids(context: CostContext) -> list[list[StageRequest]]:
     """Every dp x tp x pp grid Megatron-LM would run on the cluster (tp within a node,
-    even layers per stage), as the stages it asks for."""
+    even layers per stage), as the stages it asks for. A stage's devices tile nodes as
+    every submesh does: a part of one node that divides it, or whole nodes (24 GPUs in
+    two stages of 12 is no grid of 8-GPU nodes)."""
     n_devices = context.cluster.num_devices
     per_node = context.cluster.devices_per_node
     n_layers = len(context.layers)
@@ -103,9 +105,9 @@ def megatron_grids(context: CostContext) -> list[list[StageRequest]]:
     while tp <= per_node:
         pp = 1
         while pp <= min(n_layers, n_devices // tp):
-            if n_devices % (pp * tp) == 0:
-                dp = n_devices // (pp * tp)
-                stage_devices = dp * tp
+            stage_devices = n_devices // pp
+            if n_devices % (pp * tp) == 0 and _tiles_nodes(stage_devices, per_node):
+                dp = stage_devices // tp
                 if stage_devices <= per_node:
                     submesh = (1, stage_devices)
                 else:
@@ -116,6 +118,11 @@ def megatron_grids(context: CostContext) -> list[list[StageRequest]]:
             pp *= 2
         tp *= 2
     return grids
+
+
+def _tiles_nodes(devices: int, per_node: int) -> bool:
+    """A part of one node that divides it, or whole nodes."""
+    return per_node % devices == 0 if devices <= per_node else devices % per_node == 0
 
 
 def megatron_grid(context: CostContext, micro_batches: Sequence[int]) -> Candidate | None:
