@@ -171,3 +171,12 @@ def test_one_cluster_flags_are_refused_beside_pools(tmp_path, capsys):
     assert main(["plan", str(path), "--gpu", "h100-80gb"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "--gpu: names one cluster, and spec.cluster.pools names several" in err, err
+
+
+def test_pipeshard_across_pools_is_a_pipeline_and_says_so():
+    """``method: pipeshard`` across pools: at least two stages, whichever pools win,
+    and the Plan document names the method it was planned by."""
+    graph = graph_of(resolve_model("gpt", "tiny", dtype="float32"), 16, optimizer="sgd")
+    pools = [cluster_from_preset("h100-80gb", 1, 2), cluster_from_preset("a100-80gb", 1, 2)]
+    planned = plan_pools(graph, pools, SearchOptions(num_micro_batches=2, method=Method.PIPESHARD))
+    assert len(planned.plan.stages) >= 2 and planned.plan.method == "pipeshard"

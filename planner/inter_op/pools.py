@@ -100,18 +100,20 @@ class PoolSearch:
     search (coarse to fine) drives it the same way."""
 
     def __init__(self, contexts: Sequence[CostContext], link: Link,
-                 alone: Callable[[CostContext, int], Sequence[Candidate | None]] | None = None) -> None:
+                 alone: Callable[[CostContext, int], Sequence[Candidate | None]] | None = None,
+                 min_stages: int = 1) -> None:
         """``alone(context, count)``: the plans of one pool that compete with the DP
         across pools (default: that pool's own DP; the planner passes every
-        candidate a single-pool plan considers)."""
+        candidate a single-pool plan considers); ``min_stages`` = 2 forbids the
+        single-stage plan (pipeshard)."""
         if len(contexts) < 2:
             raise ValueError("a mixed cluster needs at least two pools")
         for context in contexts:
             if context.cluster.shared_host:
                 raise ClusterError("spec.cluster.pools",
                                    "a mixed cluster is of GPU pools; cpu devices share one host")
-        self.contexts, self.link = list(contexts), link
-        self.alone = alone or (lambda context, count: [dp_candidate(context, count)])
+        self.contexts, self.link, self.min_stages = list(contexts), link, min_stages
+        self.alone = alone or (lambda context, count: [dp_candidate(context, count, min_stages=min_stages)])
 
     def run(self, counts: Sequence[int],
             likely_next: Callable[[Sequence[Candidate | None]], Sequence[int]] | None = None
@@ -135,8 +137,11 @@ class PoolSearch:
                     found.append(PoolCandidate(**{f.name: getattr(alone, f.name) for f in dataclasses.fields(alone)},
                                                pools=(pool,) * len(alone.stages)))
         where = [(p, c) for p, t in enumerate(mixed) for c in range(len(t[3]))]
+        cost = np.concatenate([t[0] for t in mixed], axis=2)
+        if self.min_stages > 1:
+            cost[0, cost.shape[1] - 1, :] = np.inf  # no stage of every layer
         across = self._dp(lambda: stage_dp_pools(
-            np.concatenate([t[0] for t in mixed], axis=2), np.concatenate([t[1] for t in mixed], axis=2),
+            cost, np.concatenate([t[1] for t in mixed], axis=2),
             [size for t in mixed for size in t[3]], [p for p, _ in where],
             [c.cluster.num_devices for c in self.contexts], num_micro_batches))
         if across is not None:

@@ -220,8 +220,9 @@ def assemble_plan(
 
 
 def assemble_pools_plan(*, graph: OpGraph, contexts: Sequence[CostContext], link: Link,
-                        candidate: PoolCandidate, solver: SolverStats) -> Plan:
-    """The Plan document of a plan across GPU types: ``cluster.pools`` lists each
+                        candidate: PoolCandidate, solver: SolverStats, method: str = "auto") -> Plan:
+    """The Plan document of a plan across GPU types (found by ``method``: auto or
+    pipeshard): ``cluster.pools`` lists each
     pool (its preset, nodes, devices per node, and ``first_node``, where its nodes
     start in the slots' node numbering), each stage names its ``pool`` and takes its
     slots inside it, specs come from the stage's own pool's solutions, and a tensor
@@ -248,7 +249,7 @@ def assemble_pools_plan(*, graph: OpGraph, contexts: Sequence[CostContext], link
     cluster = {"preset": "+".join(c.cluster.preset for c in contexts), "num_nodes": first,
                "devices_per_node": per_node, "pools": pools,
                "pool_link": {"latency": link[0], "bandwidth": link[1]}}
-    return _document("auto", graph, cluster, contexts[0], candidate, stages,
+    return _document(method, graph, cluster, contexts[0], candidate, stages,
                      _resharding(costers[0], micro, candidate.stages, costers, links), solver, None)
 
 

@@ -93,7 +93,8 @@ def plan_pools(graph: OpGraph, clusters: Sequence[ClusterSpec], options: SearchO
     def alone(context: CostContext, count: int) -> list[Candidate | None]:
         return candidates_at(context, count, method, [])  # what a plan of that pool alone considers
 
-    found = coarse_to_fine(PoolSearch(contexts, link, alone), counts)
+    found = coarse_to_fine(PoolSearch(contexts, link, alone, min_stages=2 if method is Method.PIPESHARD else 1),
+                           counts)
     best = best_of(found)
     if best is None:
         roomiest = max(contexts, key=lambda c: c.memory_budget)
@@ -105,20 +106,21 @@ def plan_pools(graph: OpGraph, clusters: Sequence[ClusterSpec], options: SearchO
     assert isinstance(best, PoolCandidate)
     searched = sorted({c.num_micro_batches for c in found if c is not None})
     seconds = time.perf_counter() - began
-    plan = pools_document(graph, contexts, link, best, searched, seconds)
+    plan = pools_document(graph, contexts, link, best, searched, seconds, method)
     for context in contexts:
         context.drop_solve_contexts()
     return PoolsPlanning(best, tuple(clusters), link, seconds, counter.solves, tuple(searched), plan)
 
 
 def pools_document(graph: OpGraph, contexts: Sequence[CostContext], link: Link, candidate: PoolCandidate,
-                   searched: Sequence[int] = (), seconds: float = 0.0) -> Plan:
+                   searched: Sequence[int] = (), seconds: float = 0.0, method: Method = Method.AUTO) -> Plan:
     """The Plan document of ``candidate``, a plan across the pools of ``contexts``
-    (:func:`~.assemble.assemble_pools_plan`), with the search's figures."""
+    (:func:`~.assemble.assemble_pools_plan`) searched by ``method``, with the search's figures."""
     counter = contexts[0].counter
     solver = SolverStats(planning_seconds=seconds, ilp_solves=counter.solves, ilp_seconds=counter.seconds,
                          ilp_max_variables=counter.max_variables, ilp_solver=counter.solver,
                          dp_seconds=counter.dp_seconds, dp_calls=counter.dp_calls,
                          micro_batch_candidates=list(searched or [candidate.num_micro_batches]),
                          winner=candidate.name)
-    return assemble_pools_plan(graph=graph, contexts=contexts, link=link, candidate=candidate, solver=solver)
+    return assemble_pools_plan(graph=graph, contexts=contexts, link=link, candidate=candidate, solver=solver,
+                               method=method.value)
