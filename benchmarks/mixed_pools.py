@@ -3,9 +3,11 @@
 For each case (model, two pools): trace the model once, plan it on each pool alone
 (``make_plan``, the planner every single-type job gets) and across both pools
 (``plan_pools``: each stage on a submesh of one pool, the DP's state counting the
-devices used of each), and print each plan's predicted step time, its stages and the
-planning time. The mixed plan is the one to rent both pools for only where it is
-strictly faster than every pool alone.
+devices used of each), and, as the planner would without types, on every GPU of both
+pools taken as the slowest type's (its rate at the case's dtype, then its memory);
+print each plan's predicted step time, its stages and the planning time. The mixed
+plan is the one to rent both pools for only where it is strictly faster than every
+pool alone.
 
     python benchmarks/mixed_pools.py [--case gpt-6.7b ...] [--markdown FILE]
 """
@@ -60,10 +62,13 @@ def label(cluster: ClusterSpec) -> str:
 
 
 def run(case: Case) -> list[tuple[str, float | None, str, float]]:
-    """(option, step seconds or None, stages, planning seconds) rows of ``case``."""
+    """(option, step seconds or None, stages, planning seconds) rows of ``case``: each
+    pool alone, every GPU as the slowest type's, both pools."""
     graph = graph_of(resolve_model(case.family, case.size, dtype=case.dtype), case.batch, optimizer="adam")
     clusters = [pool(preset, gpus) for preset, gpus in case.pools]
     rows: list[tuple[str, float | None, str, float]] = []
+    slowest = min(clusters, key=lambda c: (c.device.peak_flops[case.dtype], c.device.memory_bytes))
+    clusters.append(pool(slowest.preset, sum(gpus for _, gpus in case.pools)))  # every GPU as the slowest
     for cluster in clusters:
         began = time.perf_counter()
         try:
@@ -75,6 +80,8 @@ def run(case: Case) -> list[tuple[str, float | None, str, float]]:
                             for s in plan.stages)
         rows.append((label(cluster), plan.predicted_step_seconds,
                      f"B={plan.num_micro_batches}: {stages}", time.perf_counter() - began))
+    rows[-1] = (f"{rows[-1][0]} (all as {slowest.preset})", *rows[-1][1:])
+    clusters.pop()
     mixed = plan_pools(graph, clusters, SearchOptions())
     candidate = mixed.candidate
     stages = ", ".join(f"L{s.first}-{s.last}@{s.submesh[0]}x{s.submesh[1]} {clusters[p].preset}"
@@ -92,16 +99,18 @@ def main() -> None:
     args = parser.parse_args()
     cases = [c for c in CASES if not args.case or c.name in args.case
              or f"{c.name}:{'+'.join(p for p, _ in c.pools)}" in args.case]
-    lines = ["| case | option | step (s) | vs best single type | plan | planning (s) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| case | option | step (s) | vs best single type | vs all as slowest | plan | planning (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for case in cases:
         rows = run(case)
-        singles = [step for _, step, _, _ in rows[:-1] if step is not None]
+        singles = [step for _, step, _, _ in rows[:-2] if step is not None]
         best_single = min(singles) if singles else None
+        homogeneous = rows[-2][1]
         for option, step, stages, seconds in rows:
             ratio = f"{best_single / step:.2f}x" if step and best_single else "-"
+            versus = f"{homogeneous / step:.2f}x" if step and homogeneous else "-"
             shown = f"{step:.3f}" if step is not None else "does not fit"
-            lines.append(f"| {case.name} | {option} | {shown} | {ratio} | {stages} | {seconds:.1f} |")
+            lines.append(f"| {case.name} | {option} | {shown} | {ratio} | {versus} | {stages} | {seconds:.1f} |")
             print(lines[-1], flush=True)
     footer = (f"\nMachine: {platform.machine()} {os.cpu_count()} cores; "
               f"{time.strftime('%Y-%m-%d')}; predicted step times (the planner's cost model)")

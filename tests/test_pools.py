@@ -180,3 +180,23 @@ def test_pipeshard_across_pools_is_a_pipeline_and_says_so():
     pools = [cluster_from_preset("h100-80gb", 1, 2), cluster_from_preset("a100-80gb", 1, 2)]
     planned = plan_pools(graph, pools, SearchOptions(num_micro_batches=2, method=Method.PIPESHARD))
     assert len(planned.plan.stages) >= 2 and planned.plan.method == "pipeshard"
+
+
+def test_the_planner_pod_plans_the_types_the_operator_found(tmp_path, capsys, monkeypatch):
+    """In the planner pod, ``ALPAJOB_POOLS`` (each type's usable nodes, the operator's
+    count) replaces the spec's counts: with one type left the job is planned on it
+    alone, as a job of that type; a type the spec does not name is one line."""
+    from alpajob.api.plan import plan_from_json
+    from alpajob.cli.main import main
+
+    path, out = tmp_path / "job.yaml", tmp_path / "plan.json"
+    path.write_text(MIXED_JOB)
+    monkeypatch.setenv("ALPAJOB_POOLS", '[{"gpu": "a100-80gb", "nodes": 1, "gpusPerNode": 1}]')
+    assert main(["plan", str(path), "--no-plan-cache", "--output", str(out)]) == 0
+    plan = plan_from_json(out.read_text())
+    assert plan.pools == [] and plan.cluster["preset"] == "a100-80gb" and plan.devices_offered() == 1
+    capsys.readouterr()
+    monkeypatch.setenv("ALPAJOB_POOLS", '[{"gpu": "v100-16gb"}, {"gpu": "a100-80gb"}]')
+    assert main(["plan", str(path), "--no-plan-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "ALPAJOB_POOLS: names v100-16gb, which spec.cluster.pools does not" in err, err
