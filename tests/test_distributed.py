@@ -375,6 +375,28 @@ def test_collective_transport_resumes_bit_exact_after_a_killed_mesh_worker(clust
     assert _helpers_end(cluster), "the checkpoint helpers must end with their mesh hosts' actors"
 
 
+def test_a_sigterm_just_after_a_step_s_save_check_still_saves_that_step(cluster: LoopbackCluster,
+                                                                      tmp_path: Path) -> None:
+    """SIGTERM reaches the driver after a step, once it has decided that the step needs
+    no checkpoint (here: while the step is reported; on a cluster, while its progress is
+    written to the API server): the driver still saves that step before it stops, so the
+    next attempt resumes from it (a preempted job once went back to its last interval
+    checkpoint)."""
+    doc = _manifest(TWO_MESHES)
+    plan, _ = _plan_and_serial(doc, tmp_path, steps=1)
+    ckpt = tmp_path / "ckpt"
+
+    def on_step(report: Progress) -> None:
+        if report.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as the kubelet sends it, now
+
+    result = drive(yaml.safe_dump(doc), plan, DriverOptions(
+        address=cluster.address, steps=8, join_timeout=60, step_timeout=180, checkpoint_dir=str(ckpt),
+        checkpoint_every=100), on_step=on_step)
+    assert result.stopped == "SIGTERM" and result.step == 3
+    assert result.checkpoint_step == 3 and complete_steps(ckpt) == [3]
+
+
 def test_sigterm_under_the_collective_transport_saves_and_the_job_resumes(cluster: LoopbackCluster,
                                                                           tmp_path: Path) -> None:
     """``alpajob driver --transport collective`` and mesh 1's worker are sent SIGTERM

@@ -331,6 +331,9 @@ def drive(
                         if stop.requested:
                             result.stopped = stop.requested
                             say(f"{stop.requested} after step {done}: stopping")
+                            if saves:  # the signal may have come after the save's check above
+                                with books.timing(Badput.CHECKPOINT):
+                                    saves.save(group, done)  # (a no-op where it is saving this step)
                             break
                     if saves:
                         with books.timing(Badput.CHECKPOINT):
