@@ -82,7 +82,7 @@ def wait_for_head(address: str, timeout: float, say: Callable[[str], None],
 
 #: Seconds a mesh worker keeps Ray up after SIGTERM while it waits for the driver's
 #: word that it stops too and saves (module docstring).
-HOLD_WINDOW = 10.0
+HOLD_WINDOW = 5.0
 #: The most seconds a held worker keeps Ray up after its SIGTERM.
 HOLD_LIMIT = 20.0
 
