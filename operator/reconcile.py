@@ -456,7 +456,7 @@ class _Pass(PassState):
                                           self.templates,
                                           sizing.mesh_size(self.plan, self.plan.stages[mesh], devices, cpu),
                                           name=self.replacement_name(mesh, host),
-                                          product=node.product if self.plan.pools else None))
+                                          product=node.product if (self.spec.get("cluster") or {}).get("pools") else None))
         if queue is not None:
             pods = [queueing.enqueue(pod, job, names.pod_group, queue, 1 + len(hosts)) for pod in pods]
             problem = queueing.too_many_roles(self, pods)
