@@ -200,3 +200,23 @@ def test_the_planner_pod_plans_the_types_the_operator_found(tmp_path, capsys, mo
     assert main(["plan", str(path), "--no-plan-cache"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "ALPAJOB_POOLS: names v100-16gb, which spec.cluster.pools does not" in err, err
+
+
+def test_alpajob_run_of_a_job_across_types_plans_for_this_machine_s_gpus():
+    """``alpajob run`` plans for the devices at hand: on GPUs of one of the job's types,
+    that type's preset (an H100 machine: h100-80gb), on another GPU the first pool's
+    (device kinds as JAX names them)."""
+    import types
+
+    import yaml
+
+    from alpajob.api.resource import parse_job
+    from alpajob.trainer_image.local_run import local_cluster
+
+    job = parse_job(yaml.safe_load(MIXED_JOB))
+
+    def on(kind: str, platform: str = "gpu") -> str:
+        return local_cluster(job, [types.SimpleNamespace(platform=platform, device_kind=kind)] * 2).preset
+
+    assert on("NVIDIA A100-SXM4-80GB") == "a100-80gb" and on("NVIDIA H100 80GB HBM3") == "h100-80gb"
+    assert on("NVIDIA L4") == "h100-80gb"

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from alpajob.api.catalog import GPU_PRODUCT_PRESETS
 from alpajob.api.errors import PlanFormatError
 from alpajob.api.options import TrainOptions
 from alpajob.api.plan import Plan, read_plan
@@ -142,8 +143,17 @@ class RunResult:
 
 
 def local_cluster(job: AlpaJob, devices: list[Any]) -> ClusterSpec:
-    """One node with this machine's devices, of the job's preset (``cpu`` on CPU)."""
-    preset = "cpu" if devices[0].platform == "cpu" else (job.spec.cluster.preset() or "cpu")
+    """One node with this machine's devices, of the job's preset (``cpu`` on CPU; for a
+    job across GPU types, the type of this machine's GPUs where it is one of the job's,
+    else the first pool's)."""
+    pools = job.spec.cluster.pools
+    if devices[0].platform == "cpu":
+        preset: str = "cpu"
+    elif pools is not None:
+        here = GPU_PRODUCT_PRESETS.get(str(devices[0].device_kind).replace(" ", "-"))
+        preset = (here if here in {p.gpu for p in pools} else pools[0].gpu).value
+    else:
+        preset = job.spec.cluster.preset() or "cpu"
     cluster = cluster_from_preset(preset, 1, len(devices))
     if not cluster.shared_host:
         return cluster
