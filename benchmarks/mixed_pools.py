@@ -87,7 +87,7 @@ def run(case: Case) -> list[tuple[str, float | None, str, float]]:
     stages = ", ".join(f"L{s.first}-{s.last}@{s.submesh[0]}x{s.submesh[1]} {clusters[p].preset}"
                         for p, s in zip(candidate.pools, candidate.stages, strict=True))
     rows.append((" + ".join(label(c) for c in clusters), candidate.step_seconds,
-                 f"B={candidate.num_micro_batches}: {stages}", mixed.seconds))
+                 f"B={candidate.num_micro_batches}: {stages}", mixed.plan.solver.planning_seconds))
     return rows
 
 

@@ -45,10 +45,7 @@ class PoolsPlanning:
     candidate: PoolCandidate
     clusters: tuple[ClusterSpec, ...]
     link: Link
-    seconds: float
-    ilp_solves: int
-    micro_batch_counts: tuple[int, ...]  # the counts costed
-    plan: Plan  # the Plan document (stages name their pool: ``Plan.pools``)
+    plan: Plan  # the Plan document (stages name their pool: ``Plan.pools``; the search's figures: ``solver``)
 
     def stage_lines(self) -> list[str]:
         """One line per stage: its layers, pool, submesh and latency."""
@@ -81,7 +78,6 @@ def plan_pools(graph: OpGraph, clusters: Sequence[ClusterSpec], options: SearchO
             f"{options.method.value} plans one device type; a mixed cluster is planned by the "
             "inter-op DP: use auto or pipeshard"))
     contexts = pool_contexts(graph, clusters, options, progress)
-    counter = contexts[0].counter
     counts = micro_batch_candidates(graph, options.num_micro_batches, options.max_micro_batches)
     if not counts:
         raise ManifestError("spec.parallelism.numMicroBatches", (
@@ -109,7 +105,7 @@ def plan_pools(graph: OpGraph, clusters: Sequence[ClusterSpec], options: SearchO
     plan = pools_document(graph, contexts, link, best, searched, seconds, method)
     for context in contexts:
         context.drop_solve_contexts()
-    return PoolsPlanning(best, tuple(clusters), link, seconds, counter.solves, tuple(searched), plan)
+    return PoolsPlanning(best, tuple(clusters), link, plan)
 
 
 def pools_document(graph: OpGraph, contexts: Sequence[CostContext], link: Link, candidate: PoolCandidate,
