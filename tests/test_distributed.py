@@ -375,6 +375,40 @@ def test_collective_transport_resumes_bit_exact_after_a_killed_mesh_worker(clust
     assert _helpers_end(cluster), "the checkpoint helpers must end with their mesh hosts' actors"
 
 
+def test_a_host_that_leaves_after_its_part_of_a_step_fails_the_step_at_once(cluster: LoopbackCluster) -> None:
+    """A host whose call returned, then whose node went (a deleted pod stopping after
+    its part of a step, a gradient it sent lost with it), while a peer still waits
+    for that message: :func:`gather` asks the finished hosts whether they are still
+    there and raises the recoverable :class:`HostFailure` within seconds, not after
+    the peer's 300 s receive timeout (a deleted mesh pod once cost a job that way)."""
+    import ray
+
+    from alpajob.trainer_image.distributed.group import PROBE_EVERY, HostFailure, gather
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class Host:
+        def alive(self) -> bool:
+            return True
+
+        def wait(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        waiting, leaving = Host.remote(), Host.remote()
+        refs = [waiting.wait.remote(120.0), leaving.wait.remote(0.0)]
+        ray.get(refs[1])
+        ray.kill(leaving)
+        began = time.monotonic()
+        with pytest.raises(HostFailure, match="a mesh host left after its part of the step"):
+            gather(refs, 300.0, "step 7", actors=[waiting, leaving])
+        assert time.monotonic() - began < 3 * PROBE_EVERY
+        ray.kill(waiting)
+    finally:
+        ray.shutdown()
+
+
 def test_a_sigterm_just_after_a_step_s_save_check_still_saves_that_step(cluster: LoopbackCluster,
                                                                       tmp_path: Path) -> None:
     """SIGTERM reaches the driver after a step, once it has decided that the step needs

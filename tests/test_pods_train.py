@@ -440,7 +440,8 @@ def _the_plugin_shows_the_running_job(emu: Emulator, ns: str, job: str, mesh_1: 
 
     assert "predicted step time" in run("plan", job)
     pods = run("pods", job)
-    assert f"{ns}/{job}: Running" in pods and f"{job}-0-head *" in pods and f"{mesh_1} *" in pods, pods
+    # (a replacement is starred, as the attempt's, once the pod it replaces is gone)
+    assert f"{ns}/{job}: Running" in pods and f"{job}-0-head *" in pods and f"{mesh_1}" in pods, pods
     top = run("top", job)
     stages = [line.split() for line in top.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert len(stages) == 2 and all(float(row[1]) > 0 for row in stages), top  # each stage computed

@@ -45,7 +45,13 @@ def recoverable() -> tuple[type[BaseException], ...]:
 DEATH_GRACE = 30.0
 
 
-def gather(refs: Sequence[Any], timeout: float, what: str, grace: float = DEATH_GRACE) -> list[Any]:
+#: Seconds :func:`gather` waits on calls still running before it asks whether the hosts
+#: whose calls already returned are still there.
+PROBE_EVERY = 5.0
+
+
+def gather(refs: Sequence[Any], timeout: float, what: str, grace: float = DEATH_GRACE,
+           actors: Sequence[Any] | None = None) -> list[Any]:
     """The results of ``refs`` in order; raises as soon as one fails (a dead actor is
     noticed at once, not after its peers time out waiting for it), or
     :class:`HostFailure` if they are not all done within ``timeout`` seconds.
@@ -56,7 +62,13 @@ def gather(refs: Sequence[Any], timeout: float, what: str, grace: float = DEATH_
     peer's process is gone, often before Ray has declared the dead actor dead. So the
     other calls get up to ``grace`` seconds to fail as a lost host; if one does, the
     attempt fails with that (recoverable) error, else with the task's own error (not
-    retried)."""
+    retried).
+
+    With ``actors`` (``refs[i]`` is a call of ``actors[i]``), a host whose call returned
+    is asked every :data:`PROBE_EVERY` seconds whether it is still there while others
+    run: one that left after its part of a step (its pod deleted: a message it sent
+    lost with its node) raises :class:`HostFailure` at once, instead of its peers
+    waiting out their receive timeouts for that message."""
     import ray
     import ray.exceptions as rex
 
@@ -67,7 +79,10 @@ def gather(refs: Sequence[Any], timeout: float, what: str, grace: float = DEATH_
         if left <= 0:
             raise HostFailure(f"{what}: {len(pending)} of {counted(len(refs), 'mesh host')} gave no answer "
                               f"within {timeout:g} s (hung?)")
-        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        done, pending = ray.wait(pending, num_returns=1, timeout=min(left, PROBE_EVERY) if actors else left)
+        if not done and actors is not None:
+            running = set(pending)
+            _raise_gone([actor for actor, ref in zip(actors, refs, strict=True) if ref not in running], what)
         for ref in done:
             try:
                 ray.get(ref)  # raises the host's error, if any
@@ -75,6 +90,22 @@ def gather(refs: Sequence[Any], timeout: float, what: str, grace: float = DEATH_
                 _raise_lost_host(pending, min(grace, max(deadline - time.monotonic(), 0.0)), what)
                 raise
     return ray.get(list(refs))
+
+
+def _raise_gone(finished: Sequence[Any], what: str) -> None:
+    """Raise :class:`HostFailure` if an actor of ``finished`` (their calls returned) is
+    gone (see :func:`gather`)."""
+    import ray
+
+    probes = [actor.alive.remote() for actor in finished]
+    ready, _ = ray.wait(probes, num_returns=len(probes), timeout=PROBE_EVERY)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except recoverable() as lost:
+            reason = str(lost).splitlines()[0] if str(lost) else ""
+            raise HostFailure(f"{what}: a mesh host left after its part of the step "
+                              f"({type(lost).__name__}: {reason})") from lost
 
 
 def _raise_lost_host(pending: Sequence[Any], grace: float, what: str) -> None:
@@ -237,7 +268,7 @@ class MeshGroup:
         ``[stage][host]``."""
         refs = [[a.step.remote(step, scale) for a in group] for group in self.actors]
         self._calls = [r for group in refs for r in group]
-        flat = gather(self._calls, self.timeout, f"step {step + 1}")
+        flat = gather(self._calls, self.timeout, f"step {step + 1}", actors=self.all)
         out, k = [], 0
         for group in refs:
             out.append(flat[k:k + len(group)])
@@ -250,7 +281,7 @@ class MeshGroup:
         losses = []
         for index in range(batches):
             self._calls = [a.evaluate.remote(index) for a in self.all]
-            replies = gather(self._calls, self.timeout, "evaluation")
+            replies = gather(self._calls, self.timeout, "evaluation", actors=self.all)
             losses += [loss for loss in replies if loss is not None]
         return float(np.mean(losses))
 
