@@ -33,6 +33,7 @@ from alpajob.planner.cost.measured import check_preset, load_measured
 from alpajob.planner.cost.model import load_calibration
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.inter_op.search import Progress
+from alpajob.planner.inter_op.shared_solutions import SharedSolutions
 from alpajob.planner.plan.make import PlanningResult, SearchOptions, make_plan, search_options
 from alpajob.planner.plan.workers import start_fork_server
 from alpajob.trainer_image.entrypoint import load_model, user_code_failed
@@ -112,10 +113,13 @@ class JobPlan:
 def plan_or_cached(job: AlpaJob, options: PlanOptions | None = None, *,
                    cluster: ClusterSpec | None = None, graph: OpGraph | None = None,
                    progress: Progress | None = None,
-                   warn: Callable[[str], None] = lambda _line: None) -> JobPlan:
+                   warn: Callable[[str], None] = lambda _line: None,
+                   shared: SharedSolutions | None = None) -> JobPlan:
     """:func:`plan_job`'s plan, read from the plan cache in ``options.cache_dir`` when
     it holds one for this graph, cluster, search and planner, else planned and stored
-    there (``warn`` hears about an entry ignored or a cache not written)."""
+    there (``warn`` hears about an entry ignored or a cache not written). ``shared``:
+    the solutions of earlier searches of ``graph`` on other clusters
+    (:mod:`~alpajob.planner.inter_op.shared_solutions`)."""
     options = options or PlanOptions()
     doing = ["tracing the model"]
 
@@ -125,12 +129,12 @@ def plan_or_cached(job: AlpaJob, options: PlanOptions | None = None, *,
             progress(what, done, total)
 
     with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: doing[0]):
-        return _plan_or_cached(job, options, cluster, graph, watched, warn)
+        return _plan_or_cached(job, options, cluster, graph, watched, warn, shared)
 
 
 def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | None,
                     graph: OpGraph | None, progress: Progress,
-                    warn: Callable[[str], None]) -> JobPlan:
+                    warn: Callable[[str], None], shared: SharedSolutions | None) -> JobPlan:
     pools = job.spec.cluster
     clusters = pool_clusters(pools, options) if cluster is None and pools.pools is not None else ()
     if len(clusters) == 1:
@@ -144,18 +148,18 @@ def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | N
             graph = job_graph(job, warn)
         bandwidth = pools.pool_link_gbps * 1e9 / 8 if pools.pool_link_gbps is not None else None
         return pools_plan_or_cached(graph, clusters, search_options(job.spec.parallelism, options, job.spec.planner),
-                                    options, bandwidth, progress, warn)
+                                    options, bandwidth, progress, warn, shared)
     given = planning_inputs(job, options, cluster, graph, progress, warn)
     if options.cache_dir is None:
         return JobPlan(make_plan(given.graph, given.cluster, given.search, progress=progress,
-                                 extract_seconds=given.traced_seconds).plan)
+                                 extract_seconds=given.traced_seconds, shared=shared).plan)
     cache = PlanCache(Path(options.cache_dir), warn)
     key = plan_key(given.graph, given.cluster, given.search, planner_version())
     plan = cache.get(key, given.graph)
     if plan is not None:
         return JobPlan(plan, key, cached=True)
     plan = make_plan(given.graph, given.cluster, given.search, progress=progress,
-                     extract_seconds=given.traced_seconds).plan
+                     extract_seconds=given.traced_seconds, shared=shared).plan
     cache.put(key, plan)
     return JobPlan(plan, key)
 
@@ -163,14 +167,16 @@ def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | N
 def pools_plan_or_cached(graph: OpGraph, clusters: tuple[ClusterSpec, ...], search: SearchOptions,
                          options: PlanOptions, link_bandwidth: float | None = None,
                          progress: Progress | None = None,
-                         warn: Callable[[str], None] = lambda _line: None) -> JobPlan:
+                         warn: Callable[[str], None] = lambda _line: None,
+                         shared: SharedSolutions | None = None) -> JobPlan:
     """A plan across the GPU types of ``clusters`` (one per pool; ``link_bandwidth``
     in bytes/s between pools), through the plan cache as any plan
-    (:func:`~alpajob.planner.plan.pools.plan_pools`)."""
+    (:func:`~alpajob.planner.plan.pools.plan_pools`; ``shared`` as
+    :func:`plan_or_cached`'s)."""
     from alpajob.planner.plan.pools import plan_pools
 
     def planned() -> Plan:
-        return plan_pools(graph, clusters, search, link_bandwidth, progress).plan
+        return plan_pools(graph, clusters, search, link_bandwidth, progress, shared).plan
 
     if options.cache_dir is None:
         return JobPlan(planned())

@@ -29,6 +29,7 @@ from alpajob.api.resource import AlpaJob
 from alpajob.api.what_if import Choice, Prices, WhatIfMix, WhatIfOption, WhatIfRow
 from alpajob.planner.cost.cluster import ClusterSpec, cluster_from_preset
 from alpajob.planner.graph.opgraph import OpGraph
+from alpajob.planner.inter_op.shared_solutions import SharedSolutions
 from alpajob.planner.plan.make import search_options
 from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.planning import job_graph, plan_or_cached, pools_plan_or_cached
@@ -55,19 +56,20 @@ def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[Choice], price
     with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: "tracing the model"):
         graph = job_graph(job, warn)
     tokens = tokens_per_step(job)
+    shared = SharedSolutions(graph)
     rows = []
     for index, choice in enumerate(choices):
         if progress:
             progress(choice, index, len(choices))
         if isinstance(choice, WhatIfMix):
-            rows.append(_mixed_row(job, options, graph, tokens, choice, prices, warn))
+            rows.append(_mixed_row(job, options, graph, tokens, choice, prices, warn, shared))
         else:
-            rows.append(_row(job, options, graph, tokens, choice, prices, warn))
+            rows.append(_row(job, options, graph, tokens, choice, prices, warn, shared))
     return rows
 
 
 def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, mix: WhatIfMix,
-               prices: Prices | None, warn: Callable[[str], None]) -> WhatIfRow:
+               prices: Prices | None, warn: Callable[[str], None], shared: SharedSolutions) -> WhatIfRow:
     """A mixed option's row: the job planned across its GPU types
     (:func:`~alpajob.planner.plan.pools.plan_pools`, through the plan cache), every GPU
     of the option paid for, the busiest GPU judged against its own type's memory."""
@@ -75,7 +77,7 @@ def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int |
     search = search_options(job.spec.parallelism, options, job.spec.planner)
     try:
         with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: f"planning {mix.label}"):
-            planned = pools_plan_or_cached(graph, clusters, search, options, warn=warn)
+            planned = pools_plan_or_cached(graph, clusters, search, options, warn=warn, shared=shared)
     except InfeasibleError as error:
         return WhatIfRow(mix, fits=False, memory_bytes=max(c.device.memory_bytes for c in clusters),
                          required_bytes=error.required_bytes)
@@ -97,12 +99,12 @@ def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int |
 
 
 def _row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, choice: WhatIfOption,
-         prices: Prices | None, warn: Callable[[str], None]) -> WhatIfRow:
+         prices: Prices | None, warn: Callable[[str], None], shared: SharedSolutions) -> WhatIfRow:
     chosen = options.model_copy(update={"gpu": choice.gpu, "nodes": choice.nodes,
                                         "gpus_per_node": choice.gpus_per_node})
     memory = DEVICE_MEMORY_BYTES[choice.gpu]
     try:
-        planned = plan_or_cached(job, chosen, graph=graph, warn=warn)
+        planned = plan_or_cached(job, chosen, graph=graph, warn=warn, shared=shared)
     except InfeasibleError as error:
         return WhatIfRow(choice, fits=False, memory_bytes=memory, required_bytes=error.required_bytes)
     return figures(job, graph, tokens, choice, planned.plan, prices, memory, planned.cached)

@@ -31,6 +31,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -55,6 +56,9 @@ from alpajob.planner.inter_op.stage_costs import (
 from alpajob.planner.inter_op.stage_dp import DPResult, stage_dp, submesh_choices
 from alpajob.planner.inter_op.step_time import pipeline_step_seconds, shared_host_costs
 from alpajob.planner.intra_op.solve import ShardingMode, SolveContext
+
+if TYPE_CHECKING:
+    from alpajob.planner.inter_op.shared_solutions import SharedSolutions
 
 #: Progress callback: (what is being done, steps done, steps in total or None).
 Progress = Callable[[str, int, int | None], None]
@@ -119,6 +123,9 @@ class CostContext:
     _solve_contexts: dict[int, SolveContext] = field(default_factory=dict)
     #: Lends its op tables to every count's context (kept by ``reset_costers``).
     _table_root: SolveContext | None = None
+    #: Solutions of earlier searches of this graph on other clusters (what-if
+    #: planning): each coster starts with those its cluster can use.
+    shared: SharedSolutions | None = None
 
     def coster(self, num_micro_batches: int, mode: ShardingMode) -> LayerCoster:
         key = (num_micro_batches, mode)
@@ -129,12 +136,10 @@ class CostContext:
                 self._graphs[num_micro_batches] = with_batch_size(
                     self.graph, self.graph.batch_size // num_micro_batches)
             micro = self._graphs[num_micro_batches]
-            if self._cutter is None:
-                self._cutter = PieceCutter(self.graph, self.layers)
             self._costers[key] = LayerCoster(
                 graph=micro,
                 structure=self._structure,
-                cutter=self._cutter,
+                cutter=self.cutter(),
                 layers=self.layers,
                 cluster=self.cluster,
                 calibration=self.calibration,
@@ -145,7 +150,18 @@ class CostContext:
                 on_solve=self._tick,
                 shared_context=functools.partial(self._solve_context, num_micro_batches),
             )
+            if self.shared is not None:
+                self.shared.seed(self._costers[key])
         return self._costers[key]
+
+    def cutter(self) -> PieceCutter:
+        """Where rematerialised layers are cut into block parts, shared by every coster
+        (with the cuts of earlier searches of this graph, where shared)."""
+        if self._cutter is None:
+            self._cutter = PieceCutter(self.graph, self.layers)
+            if self.shared is not None:
+                self._cutter.absorb(self.shared.cuts)
+        return self._cutter
 
     def _solve_context(self, num_micro_batches: int) -> SolveContext:
         if num_micro_batches not in self._solve_contexts:
@@ -183,9 +199,7 @@ class CostContext:
         worker process): choosing a cut analyses hundreds of pieces of every layer
         class (GPT-2.6B: 0.9 s), which this process then need not repeat."""
         if cuts:
-            if self._cutter is None:
-                self._cutter = PieceCutter(self.graph, self.layers)
-            self._cutter.absorb(cuts)
+            self.cutter().absorb(cuts)
         for (count, mode), found in caches.items():
             self.coster(count, mode).absorb(found)
         self.counter.solves += counter.solves

@@ -42,6 +42,7 @@ from alpajob.planner.inter_op.search import (
     best_of,
     micro_batch_candidates,
 )
+from alpajob.planner.inter_op.shared_solutions import SharedSolutions
 from alpajob.planner.inter_op.stage_costs import LEVEL_TIERS, MEMORY_LEVELS, StageEval
 from alpajob.planner.intra_op.solve import ShardingMode
 from alpajob.planner.plan.baselines import all_baselines, whole_cluster
@@ -399,8 +400,11 @@ def make_plan(
     options: SearchOptions,
     progress: Progress | None = None,
     extract_seconds: float = 0.0,
+    shared: SharedSolutions | None = None,
 ) -> PlanningResult:
-    """Plan ``graph`` (traced at the global batch) on ``cluster``."""
+    """Plan ``graph`` (traced at the global batch) on ``cluster``. ``shared``: the
+    solutions of earlier searches of ``graph`` on other clusters, used where they
+    apply and given this search's (:mod:`~..inter_op.shared_solutions`)."""
     from alpajob.planner.plan.assemble import assemble_plan  # late: assemble imports inter_op
 
     start = time.perf_counter()
@@ -408,6 +412,8 @@ def make_plan(
     if progress:
         progress("clustering layers", 0, None)
     layers = cluster_layers(graph, num_layers)
+    if shared is not None and not shared.serves(graph, layers):
+        raise ValueError("the shared solutions were found for another graph or other layers")
     context = CostContext(
         graph=graph,
         layers=layers,
@@ -418,6 +424,7 @@ def make_plan(
         time_limit_s=options.ilp_time_limit_s,
         progress=progress,
         all_devices=options.all_devices,
+        shared=shared.matching(cluster.device) if shared is not None else None,
     )
     micro_batches = micro_batch_candidates(
         graph, options.num_micro_batches, options.max_micro_batches
@@ -436,6 +443,8 @@ def make_plan(
     )
     with SearchPool(context, method, manual, micro_batches) as search:
         candidates = coarse_to_fine(search, micro_batches)
+    if shared is not None:  # what it solved, whether or not a plan fits
+        shared.record(context)
     best = best_of(candidates)
     if best is None:
         if method is Method.MANUAL:

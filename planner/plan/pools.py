@@ -32,6 +32,7 @@ from alpajob.planner.inter_op.search import (
     best_of,
     micro_batch_candidates,
 )
+from alpajob.planner.inter_op.shared_solutions import SharedSolutions
 from alpajob.planner.inter_op.stage_costs import SolveCounter
 from alpajob.planner.plan.assemble import assemble_pools_plan
 from alpajob.planner.plan.make import SearchOptions, coarse_to_fine, memory_error
@@ -55,29 +56,34 @@ class PoolsPlanning:
 
 
 def pool_contexts(graph: OpGraph, clusters: Sequence[ClusterSpec], options: SearchOptions,
-                  progress: Progress | None = None) -> list[CostContext]:
-    """One cost context per pool, on the same layers, sharing one tally of ILPs."""
+                  progress: Progress | None = None, shared: SharedSolutions | None = None) -> list[CostContext]:
+    """One cost context per pool, on the same layers, sharing one tally of ILPs (and
+    the solutions of earlier searches, ``shared``, where they apply)."""
     layers = cluster_layers(graph, options.num_layers or default_num_layers(graph))
+    if shared is not None and not shared.serves(graph, layers):
+        raise ValueError("the shared solutions were found for another graph or other layers")
     counter = SolveCounter()
     return [CostContext(graph=graph, layers=layers, cluster=cluster,
                         calibration=options.calibration or load_calibration(cluster.preset),
                         schedule=options.schedule,
                         memory_budget=cluster.device.memory_bytes * options.memory_fraction,
-                        time_limit_s=options.ilp_time_limit_s, counter=counter, progress=progress)
+                        time_limit_s=options.ilp_time_limit_s, counter=counter, progress=progress,
+                        shared=shared.matching(cluster.device) if shared is not None else None)
             for cluster in clusters]
 
 
 def plan_pools(graph: OpGraph, clusters: Sequence[ClusterSpec], options: SearchOptions,
-               link_bandwidth: float | None = None, progress: Progress | None = None) -> PoolsPlanning:
+               link_bandwidth: float | None = None, progress: Progress | None = None,
+               shared: SharedSolutions | None = None) -> PoolsPlanning:
     """Plan ``graph`` (traced at the global batch) across the pools ``clusters``
     (module docstring); ``link_bandwidth``: bytes/s between pools (default: the
-    slowest pool's inter-node link)."""
+    slowest pool's inter-node link); ``shared``: as :func:`~.make.make_plan`'s."""
     began = time.perf_counter()
     if options.method not in (Method.AUTO, Method.PIPESHARD):
         raise ManifestError("spec.parallelism.method", (
             f"{options.method.value} plans one device type; a mixed cluster is planned by the "
             "inter-op DP: use auto or pipeshard"))
-    contexts = pool_contexts(graph, clusters, options, progress)
+    contexts = pool_contexts(graph, clusters, options, progress, shared)
     counts = micro_batch_candidates(graph, options.num_micro_batches, options.max_micro_batches)
     if not counts:
         raise ManifestError("spec.parallelism.numMicroBatches", (
@@ -91,6 +97,9 @@ def plan_pools(graph: OpGraph, clusters: Sequence[ClusterSpec], options: SearchO
 
     found = coarse_to_fine(PoolSearch(contexts, link, alone, min_stages=2 if method is Method.PIPESHARD else 1),
                            counts)
+    if shared is not None:  # what it solved, whether or not a plan fits
+        for context in contexts:
+            shared.record(context)
     best = best_of(found)
     if best is None:
         roomiest = max(contexts, key=lambda c: c.memory_budget)
