@@ -61,10 +61,15 @@ def test_a_plan_across_types_after_plans_of_its_types_solves_fewer_ilps(graph):
 
 
 def test_solutions_of_another_graph_or_other_layers_are_refused(graph):
+    """Known by the graph's fingerprint: the same model traced again is the same graph
+    (a what-if worker has its own copy); another batch size is another graph."""
     shared = SharedSolutions(graph)
     cluster = cluster_from_preset("a100-40gb", 1, 2)
-    make_plan(graph, cluster, SearchOptions(num_micro_batches=4), shared=shared)
-    other = graph_of(resolve_model("gpt", "tiny"), 32)
+    four = SearchOptions(num_micro_batches=4)
+    make_plan(graph, cluster, four, shared=shared)
+    again = make_plan(graph_of(resolve_model("gpt", "tiny"), 32), cluster, four, shared=shared).plan
+    assert again.solver.ilp_solves == 0
+    other = graph_of(resolve_model("gpt", "tiny"), 16)
     with pytest.raises(ValueError, match="another graph or other layers"):
         make_plan(other, cluster, OPTIONS, shared=shared)
     with pytest.raises(ValueError, match="another graph or other layers"):

@@ -36,15 +36,18 @@ from alpajob.planner.inter_op.search import Progress
 from alpajob.planner.inter_op.shared_solutions import SharedSolutions
 from alpajob.planner.plan.make import PlanningResult, SearchOptions, make_plan, search_options
 from alpajob.planner.plan.workers import start_fork_server
-from alpajob.trainer_image.entrypoint import load_model, user_code_failed
 from alpajob.trainer_image.plan_cache import PlanCache, plan_key, planner_version
-from alpajob.trainer_image.step import graph_of, training_optimizer
 from alpajob.trainer_image.stopping import Deadline
 
 
 def job_graph(job: AlpaJob, note: Callable[[str], None] | None = None) -> OpGraph:
     """The op graph of ``job``'s training step at its global batch (``note`` hears
-    why the model had to be traced twice, where it had)."""
+    why the model had to be traced twice, where it had). JAX is imported here, not
+    with this module: a process that plans a graph it was given (a what-if worker)
+    never imports it."""
+    from alpajob.trainer_image.entrypoint import load_model, user_code_failed
+    from alpajob.trainer_image.step import graph_of, training_optimizer
+
     training = job.spec.training
     model = load_model(job.spec.model, training.dtype)
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 
 from alpajob.api.catalog import DEVICE_MEMORY_BYTES
@@ -31,10 +32,10 @@ from alpajob.planner.cost.cluster import ClusterSpec, cluster_from_preset
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.inter_op.shared_solutions import SharedSolutions
 from alpajob.planner.plan.make import search_options
-from alpajob.trainer_image.entrypoint import load_model
 from alpajob.trainer_image.planning import job_graph, plan_or_cached, pools_plan_or_cached
 from alpajob.trainer_image.stopping import Deadline
 from alpajob.trainer_image.throughput import Throughput, model_flops
+from alpajob.trainer_image.what_if_pool import side_by_side
 
 #: ``(option, index, total)`` before each option is planned.
 OptionProgress = Callable[[Choice, int, int], None]
@@ -42,30 +43,61 @@ OptionProgress = Callable[[Choice, int, int], None]
 
 def tokens_per_step(job: AlpaJob) -> int | None:
     """Token ids in one global batch (None for a model that reads none)."""
+    from alpajob.trainer_image.entrypoint import load_model  # with JAX: not in a what-if worker
+
     training = job.spec.training
     shape = load_model(job.spec.model, training.dtype).batch_shapes(training.global_batch_size).get("input_ids")
     return None if shape is None else math.prod(int(size) for size in shape.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class WhatIfState:
+    """What every option of a what-if shares: the job, the planning options, the traced
+    graph, the token ids per step and the prices (sent once to each worker process)."""
+
+    job: AlpaJob
+    options: PlanOptions
+    graph: OpGraph
+    tokens: int | None
+    prices: Prices | None
+
+
 def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[Choice], prices: Prices | None = None,
             progress: OptionProgress | None = None,
-            warn: Callable[[str], None] = lambda _line: None) -> list[WhatIfRow]:
+            warn: Callable[[str], None] = lambda _line: None,
+            workers: int | None = None) -> list[WhatIfRow]:
     """One :class:`WhatIfRow` per option of ``choices``, in order (module docstring).
     ``options`` holds what every option shares (the cache, the time limits); its
-    ``nodes``, ``gpus_per_node`` and ``gpu`` are each option's."""
+    ``nodes``, ``gpus_per_node`` and ``gpu`` are each option's. With at least as many
+    options as ``workers`` (default: one per core) and two or more of them, the options
+    are planned side by side, each in one process (:mod:`.what_if_pool`); else one
+    after another, each search on every core."""
     with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: "tracing the model"):
         graph = job_graph(job, warn)
-    tokens = tokens_per_step(job)
+    state = WhatIfState(job, options, graph, tokens_per_step(job), prices)
     shared = SharedSolutions(graph)
+    workers = workers or os.cpu_count() or 1
+    if workers >= 2 and len(choices) >= workers:
+        def started(choice: Choice, done: int) -> None:
+            if progress:
+                progress(choice, done, len(choices))
+
+        return side_by_side(option_row, state, choices, shared, workers, started, warn)
     rows = []
     for index, choice in enumerate(choices):
         if progress:
             progress(choice, index, len(choices))
-        if isinstance(choice, WhatIfMix):
-            rows.append(_mixed_row(job, options, graph, tokens, choice, prices, warn, shared))
-        else:
-            rows.append(_row(job, options, graph, tokens, choice, prices, warn, shared))
+        rows.append(option_row(state, choice, warn, shared))
     return rows
+
+
+def option_row(state: WhatIfState, choice: Choice, warn: Callable[[str], None],
+               shared: SharedSolutions) -> WhatIfRow:
+    """The row of one option, planned (or read from the plan cache) with the solutions
+    of the options before it (:mod:`~alpajob.planner.inter_op.shared_solutions`)."""
+    if isinstance(choice, WhatIfMix):
+        return _mixed_row(state.job, state.options, state.graph, state.tokens, choice, state.prices, warn, shared)
+    return _row(state.job, state.options, state.graph, state.tokens, choice, state.prices, warn, shared)
 
 
 def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, mix: WhatIfMix,

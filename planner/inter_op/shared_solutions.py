@@ -28,9 +28,9 @@ its device, which is what goes to its worker processes.
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from alpajob.planner.cost.cluster import DeviceSpec
@@ -57,30 +57,41 @@ def _empty() -> CosterCaches:
     return CosterCaches({}, {}, {})
 
 
-@dataclass
 class SharedSolutions:
-    """The solutions of earlier searches of ``graph`` (module docstring), all cut
-    into the same layers (those of the first search recorded)."""
+    """The solutions of earlier searches of one graph (module docstring), all cut into
+    the same layers (those of the first search recorded). Known by the graph's
+    :meth:`~alpajob.planner.graph.opgraph.OpGraph.fingerprint`, not the object: it
+    pickles without the graph, to a process that has its own copy."""
 
-    graph: OpGraph
-    _layers: list[list[int]] | None = None
-    _groups: defaultdict[tuple[Origin, LogicalMesh], CosterCaches] = field(
-        default_factory=lambda: defaultdict(_empty))
-    _cuts: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    def __init__(self, graph: OpGraph) -> None:
+        self.fingerprint = graph.fingerprint()
+        self._layers: list[list[int]] | None = None
+        self._groups: defaultdict[tuple[Origin, LogicalMesh], CosterCaches] = defaultdict(_empty)
+        self._cuts: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def serves(self, graph: OpGraph, layers: Sequence[Sequence[int]]) -> bool:
         """Whether a search of ``graph`` cut into ``layers`` may use these solutions."""
-        return graph is self.graph and (
+        return graph.fingerprint() == self.fingerprint and (
             self._layers is None or [list(ops) for ops in layers] == self._layers)
 
-    def matching(self, device: DeviceSpec) -> SharedSolutions:
-        """The solutions found on ``device`` (what a search on it can use), sharing
+    def matching(self, devices: Collection[DeviceSpec]) -> SharedSolutions:
+        """The solutions found on ``devices`` (what a search on them can use), sharing
         their entries with this one."""
-        mine = SharedSolutions(self.graph, self._layers, _cuts=self._cuts)
-        for key, caches in self._groups.items():
-            if key[0][2] == device:
-                mine._groups[key] = caches
+        mine = copy.copy(self)
+        mine._groups = defaultdict(_empty, {key: caches for key, caches in self._groups.items()
+                                            if key[0][2] in devices})
         return mine
+
+    def merge(self, other: SharedSolutions) -> None:
+        """Take the solutions ``other`` (of the same graph and layers) holds that these lack."""
+        if other.fingerprint != self.fingerprint or (
+                None not in (self._layers, other._layers) and other._layers != self._layers):
+            raise ValueError("the shared solutions were found for another graph or other layers")
+        self._layers = self._layers or other._layers
+        for cut, pieces in other._cuts.items():
+            self._cuts.setdefault(cut, pieces)
+        for key, found in other._groups.items():
+            self._groups[key].take(found)
 
     @property
     def cuts(self) -> dict[tuple[int, int], tuple[int, ...]]:
@@ -125,3 +136,4 @@ class SharedSolutions:
     def __len__(self) -> int:
         """ILP results held."""
         return sum(len(caches.results) for caches in self._groups.values())
+

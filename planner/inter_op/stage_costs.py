@@ -182,6 +182,15 @@ class CosterCaches:
     layer_results: dict[tuple[int, Submesh, Shape, float], IntraOpResult]
     arrays: dict[tuple[Submesh, Shape, int], MeshLayerArrays]
 
+    def take(self, found: CosterCaches) -> None:
+        """Add the entries of ``found`` that these lack (solutions of the same ILPs)."""
+        for key, result in found.results.items():
+            self.results.setdefault(key, result)
+        for layer_key, layer_result in found.layer_results.items():
+            self.layer_results.setdefault(layer_key, layer_result)
+        for mesh_key, arrays in found.arrays.items():
+            self.arrays.setdefault(mesh_key, arrays)
+
 
 @dataclass
 class LayerCoster:

@@ -424,7 +424,7 @@ def make_plan(
         time_limit_s=options.ilp_time_limit_s,
         progress=progress,
         all_devices=options.all_devices,
-        shared=shared.matching(cluster.device) if shared is not None else None,
+        shared=shared.matching([cluster.device]) if shared is not None else None,
     )
     micro_batches = micro_batch_candidates(
         graph, options.num_micro_batches, options.max_micro_batches

@@ -68,7 +68,7 @@ def pool_contexts(graph: OpGraph, clusters: Sequence[ClusterSpec], options: Sear
                         schedule=options.schedule,
                         memory_budget=cluster.device.memory_bytes * options.memory_fraction,
                         time_limit_s=options.ilp_time_limit_s, counter=counter, progress=progress,
-                        shared=shared.matching(cluster.device) if shared is not None else None)
+                        shared=shared.matching([cluster.device]) if shared is not None else None)
             for cluster in clusters]
 
 

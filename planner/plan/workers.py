@@ -157,7 +157,9 @@ class SearchPool:
     search.run(counts)``. The pool has a worker per core; a manual plan's search
     (one task per micro-batch count of ``counts``) has no more workers than counts.
     With one worker everything runs in this process: starting a pool costs seconds
-    on a many-core host, more than a manual plan of one count takes to cost.
+    on a many-core host, more than a manual plan of one count takes to cost. So does
+    a search in a daemonic process (a worker of a pool that plans whole searches side
+    by side, :mod:`~alpajob.trainer_image.what_if_pool`), which may start none.
     """
 
     def __init__(
@@ -167,7 +169,7 @@ class SearchPool:
         self.context = context
         self.method = method
         self.manual = manual
-        self.workers = os.cpu_count() or 1
+        self.workers = 1 if multiprocessing.current_process().daemon else os.cpu_count() or 1
         if counts is not None and method is Method.MANUAL:
             self.workers = min(self.workers, len(split_tasks(context, counts, method)))
         self._pool: Pool | None = None
@@ -188,7 +190,7 @@ class SearchPool:
                                         _table_root=None)
             quiet.reset_costers()
             try:
-                with _signals_held(), main_module_hidden():
+                with signals_held(), main_module_hidden():
                     self._pool = multiprocessing.get_context("forkserver").Pool(
                         self.workers, initializer=_start_worker,
                         initargs=(pickle.dumps((quiet, self.method, self.manual),
@@ -340,7 +342,7 @@ def start_fork_server() -> None:
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    with _signals_held():  # started whole, as a pool is
+    with signals_held():  # started whole, as a pool is
         forkserver.ensure_running()
 
 
@@ -349,7 +351,7 @@ _WORKER: dict[str, tuple[CostContext, Method, Sequence[StageRequest]]] = {}
 
 
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """SIGTERM and Ctrl-C that arrive inside the block are handled as it ends (in the
     main thread, where Python handles signals; elsewhere the block does nothing).
     Starting a worker writes its arguments to the fork server; a stop signal raised in
