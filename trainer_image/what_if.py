@@ -7,6 +7,13 @@ option (:class:`~alpajob.api.what_if.WhatIfOption`) is planned from that graph a
 plan cache: a rerun, or an option planned before by ``alpajob plan``, is read back.
 An option no plan fits is a row that says so, with the memory one GPU would need.
 
+The options share what their searches solve: a layer ILP an earlier option solved on
+the same GPU type and logical mesh is not solved again
+(:mod:`~alpajob.planner.inter_op.shared_solutions`; each plan stays the one it is
+alone). With at least as many options as cores they are planned side by side, a
+whole search per worker process (:mod:`.what_if_pool`); with fewer, one after another,
+each search on every core.
+
 Each row's figures come from the plan's predictions: the step time; samples and
 tokens per second (the global batch, and its token ids, over the step time); MFU (the
 traced step's matrix FLOPs over the step time and the devices' peak for the training

@@ -21,9 +21,12 @@ on the graph alone, are shared as they are. The same ILPs have the same solution
 so each plan is the one its search finds alone (same hash; test): only its solver
 stats count fewer ILPs.
 
-Entries only accumulate (a few MB per search); one instance serves one graph and
-its layers, and :meth:`SharedSolutions.matching` gives a search only the groups of
-its device, which is what goes to its worker processes.
+Entries only accumulate (a few MB per search); one instance serves one graph (known
+by its fingerprint, so it pickles without it) and its layers.
+:meth:`SharedSolutions.matching` gives a search only the groups of its devices, which
+is what goes to its worker processes (or, side by side, to the process that plans the
+option, :mod:`alpajob.trainer_image.what_if_pool`, whose grown copy comes back and is
+merged, :meth:`SharedSolutions.merge`).
 """
 
 from __future__ import annotations
