@@ -30,6 +30,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import queue
+import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -113,8 +114,6 @@ def _start_worker(sent: bytes) -> None:
     """Pool initializer: keep the planner and the state every option shares (the graph
     among it: read with fewer collections, then frozen out of them, as a search
     worker's context is). Ctrl-C is the parent's to handle."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with fewer_collections():
         _WORKER["planner"] = pickle.loads(sent)

@@ -396,12 +396,7 @@ class LayerCoster:
     def absorb(self, caches: CosterCaches) -> None:
         """Take the solutions another coster of the same graph, mode and micro-batch
         count found (in another process) that this one lacks."""
-        for key, result in caches.results.items():
-            self._results.setdefault(key, result)
-        for layer_key, result in caches.layer_results.items():
-            self._layer_results.setdefault(layer_key, result)
-        for mesh_key, arrays in caches.arrays.items():
-            self._arrays.setdefault(mesh_key, arrays)
+        self.caches().take(caches)
 
     def drop_solve_context(self) -> None:
         """Free the ILP precomputation (before pickling this coster to another process)."""
