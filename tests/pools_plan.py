@@ -23,12 +23,17 @@ JOB: dict[str, Any] = {
              "cluster": {"gpu": "cpu", "nodes": 1, "gpusPerNode": 8}}}
 
 
-def two_pool_plan(job: Any) -> Plan:
+def two_pool_plan(job: Any, per_node: tuple[int, int] = (2, 2)) -> Plan:
+    """Stage 0 on the H100 node's ``per_node[0]`` devices, stage 1 on the A100 node's
+    ``per_node[1]`` (as a (1, n) mesh, or (2, 1) on 2)."""
     graph = job_graph(job)
-    pools = [cluster_from_preset("h100-80gb", 1, 2), cluster_from_preset("a100-80gb", 1, 2)]
+    pools = [cluster_from_preset("h100-80gb", 1, per_node[0]),
+             cluster_from_preset("a100-80gb", 1, per_node[1])]
     contexts = pool_contexts(graph, pools, SearchOptions(num_micro_batches=4))
     last = len(contexts[0].layers) - 1
+    first, second = ((1, n) for n in per_node)
     two = PoolSearch(contexts, pool_link(pools)).evaluate(
-        [(0, StageOption((1, 2), (1, 2), 0), 0, 0), (1, StageOption((1, 2), (2, 1), 0), 1, last)], 4)
+        [(0, StageOption(first, first, 0), 0, 0),
+         (1, StageOption(second, (2, 1) if second == (1, 2) else second, 0), 1, last)], 4)
     assert two is not None
     return pools_document(graph, contexts, pool_link(pools), two)

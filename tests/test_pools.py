@@ -173,6 +173,36 @@ def test_one_cluster_flags_are_refused_beside_pools(tmp_path, capsys):
     assert err.count("error:") == 1 and "--gpu: names one cluster, and spec.cluster.pools names several" in err, err
 
 
+def test_pools_of_different_node_sizes_offer_only_their_own_devices():
+    """One H100 on its node and two A100s on theirs: the plan offers 3 devices, not a
+    node of 2 for each; the A100 stage's mesh is the run's devices 1 and 2, a run of
+    3 devices is enough, and the picture draws 3 devices."""
+    import jax
+    from pools_plan import JOB, two_pool_plan
+
+    from alpajob.api.plan import plan_from_json
+    from alpajob.api.resource import parse_job
+    from alpajob.cli.picture import plan_svg
+    from alpajob.planner.plan.timeline import predicted_timeline
+    from alpajob.trainer_image.local_run import check_plan
+    from alpajob.trainer_image.planning import job_graph
+    from alpajob.trainer_image.runtime.meshes import DeviceError, stage_mesh
+
+    job = parse_job(JOB)
+    plan = plan_from_json(two_pool_plan(job, per_node=(1, 2)).to_json())
+    assert plan.node_devices() == [1, 2] and plan.devices_offered() == 3
+    assert plan.cluster_label() == "1x1 h100-80gb + 1x2 a100-80gb"
+    devices = jax.devices()[:3]
+    assert [plan.device_index(*slot) for slot in plan.stages[1].device_slots] == [1, 2]
+    assert list(stage_mesh(plan.stages[1], plan, devices).devices.flat) == devices[1:]
+    check_plan(plan, job_graph(job), devices, "plan")
+    with pytest.raises(DeviceError, match=r"needs 3 devices \(1x1 h100-80gb \+ 1x2 a100-80gb\)"):
+        check_plan(plan, job_graph(job), devices[:2], "plan")
+    with pytest.raises(ValueError, match="devices per node"):
+        plan.device_index(0, 1)
+    assert plan_svg(plan, predicted_timeline(plan)).count('class="device"') == 3
+
+
 def test_pipeshard_across_pools_is_a_pipeline_and_says_so():
     """``method: pipeshard`` across pools: at least two stages, whichever pools win,
     and the Plan document names the method it was planned by."""

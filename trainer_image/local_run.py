@@ -173,8 +173,8 @@ def check_plan(plan: Plan, graph: OpGraph, devices: list[Any], source: str) -> N
         )
     if plan.devices_offered() > len(devices):
         raise DeviceError(
-            f"{source}: needs {plan.devices_offered()} devices ({plan.cluster['num_nodes']} x "
-            f"{plan.cluster['devices_per_node']}) but this run has {len(devices)}; pass "
+            f"{source}: needs {plan.devices_offered()} devices ({plan.cluster_label()}) but "
+            f"this run has {len(devices)}; pass "
             f"--devices {plan.devices_offered()} or re-plan for this machine"
         )
 

@@ -179,9 +179,36 @@ class Plan(_Doc):
     solver: SolverStats
     baselines: dict[str, float | None] | None = None
 
+    def node_devices(self) -> list[int]:
+        """Devices of each node of the cluster the plan was made for, in the slots' node
+        numbering: a plan across GPU types numbers each pool's nodes from its
+        ``first_node``, each with its own pool's devices per node (8 H100s on one node
+        and 4 A100s on each of two: ``[8, 4, 4]``)."""
+        pools = self.pools
+        if not pools:
+            return [int(self.cluster["devices_per_node"])] * int(self.cluster["num_nodes"])
+        counts: list[int] = []
+        for pool in sorted(pools, key=lambda p: int(p["first_node"])):
+            counts += [int(pool["devices_per_node"])] * int(pool["num_nodes"])
+        return counts
+
     def devices_offered(self) -> int:
         """Devices of the cluster the plan was made for (every slot a stage may name)."""
-        return int(self.cluster["num_nodes"]) * int(self.cluster["devices_per_node"])
+        return sum(self.node_devices())
+
+    def device_index(self, node: int, slot: int) -> int:
+        """Where slot ``(node, slot)`` is among the :meth:`devices_offered`, counting
+        node by node (a run's devices in slot order)."""
+        counts = self.node_devices()
+        if not 0 <= node < len(counts) or not 0 <= slot < counts[node]:
+            raise ValueError(f"slot ({node}, {slot}) is not a device of the plan's cluster "
+                             f"(devices per node: {counts})")
+        return sum(counts[:node]) + slot
+
+    def cluster_label(self) -> str:
+        """The cluster in words: ``2x8 h100-80gb`` or ``1x8 h100-80gb + 2x4 a100-40gb``."""
+        parts = self.pools or [self.cluster]
+        return " + ".join(f"{p['num_nodes']}x{p['devices_per_node']} {p['preset']}" for p in parts)
 
     def devices_used(self) -> int:
         """Devices the stages run on: all those offered, or fewer where the planner

@@ -69,8 +69,8 @@ def _tip(node: ET.Element, text: str) -> None:
 
 def _submesh_map(svg: ET.Element, plan: Plan, top: float) -> float:
     """Draw the device grid from ``top``; returns the y below it."""
-    nodes = int(plan.cluster["num_nodes"])
-    per_node = int(plan.cluster["devices_per_node"])
+    counts = plan.node_devices()  # a plan across GPU types: each node its pool's devices
+    nodes, per_node = len(counts), max(counts)
     owner: dict[tuple[int, int], int] = {}
     for stage_plan in plan.stages:
         for node, gpu in stage_plan.device_slots:
@@ -85,7 +85,7 @@ def _submesh_map(svg: ET.Element, plan: Plan, top: float) -> float:
         if cell >= 10:
             _el(group, "text", f"node {node}", x=LEFT - 8, y=y + cell * 0.7,
                 text_anchor="end", font_size=min(12.0, cell * 0.7))
-        for gpu in range(per_node):
+        for gpu in range(counts[node]):
             x = LEFT + gpu * cell
             stage = owner.get((node, gpu))
             colour = STAGE_COLOURS[stage % len(STAGE_COLOURS)] if stage is not None else "#ffffff"
@@ -248,9 +248,7 @@ def plan_svg(plan: Plan, timeline: Timeline) -> str:
     """The SVG document of ``plan`` and its predicted ``timeline`` (module docstring)."""
     svg = ET.Element("svg", {"xmlns": SVG_NS, "width": str(WIDTH), "font-family": "sans-serif",
                              "font-size": "13"})
-    cluster = plan.cluster
-    _el(svg, "text", f"{plan.model.name} on {cluster['num_nodes']}x"
-        f"{cluster['devices_per_node']} {cluster['preset']}: {counted(len(plan.stages), 'stage')}, "
+    _el(svg, "text", f"{plan.model.name} on {plan.cluster_label()}: {counted(len(plan.stages), 'stage')}, "
         f"predicted step {_seconds(plan.predicted_step_seconds)}, plan {plan.content_hash()}",
         x=10, y=20, font_size=15, font_weight="bold")
     y = _submesh_map(svg, plan, 34)

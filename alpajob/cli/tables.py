@@ -45,9 +45,8 @@ def plan_table(plan: Plan) -> Table:
     size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
     offered, used = plan.devices_offered(), plan.devices_used()
     pools = plan.pools
-    where = (" + ".join(f"{p['num_nodes']}x{p['devices_per_node']} {p['preset']}" for p in pools) if pools else
-             f"{plan.cluster['num_nodes']}x{plan.cluster['devices_per_node']} {plan.cluster['preset']}"
-             f"{f' (uses {used} of {offered} devices)' if used < offered else ''}")
+    where = plan.cluster_label() + (
+        f" (uses {used} of {offered} devices)" if used < offered and not pools else "")
     title = (
         f"{plan.model.name}: {size} params on {where}"
         f", {counted(plan.num_micro_batches, 'micro-batch', 'micro-batches')}, {plan.schedule}"

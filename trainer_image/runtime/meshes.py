@@ -1,9 +1,10 @@
 """A ``jax.sharding.Mesh`` per stage, and the shardings the plan names on it.
 
-A plan's stage names abstract device slots ``(node, device)`` of the N x M cluster it
-was made for. Locally, slot ``(n, d)`` is device ``n * M + d`` of the devices the run
-uses; the stage's mesh is those devices reshaped to its logical mesh shape, with the
-plan's axis names.
+A plan's stage names abstract device slots ``(node, device)`` of the cluster it was
+made for. Locally, slot ``(n, d)`` is device ``d`` of node ``n`` counting the devices
+node by node (``n * M + d`` on N x M; a plan across GPU types gives each node its
+pool's devices, :meth:`~alpajob.api.plan.Plan.device_index`); the stage's mesh is
+those devices reshaped to its logical mesh shape, with the plan's axis names.
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ class DeviceError(AlpaJobError):
 
 def stage_mesh(stage: StagePlan, plan: Plan, devices: Sequence[Any]) -> Mesh:
     """The mesh of ``stage`` over ``devices`` (the run's devices, in slot order)."""
-    per_node = int(plan.cluster["devices_per_node"])
     need = plan.devices_offered()
     if len(devices) < need:
         raise DeviceError(
-            f"the plan needs {need} devices ({plan.cluster['num_nodes']} x {per_node}) but "
-            f"this run has {len(devices)}; pass --devices {need} or re-plan for this machine"
+            f"the plan needs {need} devices ({plan.cluster_label()}) but this run has "
+            f"{len(devices)}; pass --devices {need} or re-plan for this machine"
         )
-    chosen = [devices[node * per_node + slot] for node, slot in stage.device_slots]
+    chosen = [devices[plan.device_index(node, slot)] for node, slot in stage.device_slots]
     grid = np.array(chosen, dtype=object).reshape(stage.logical_mesh_shape)
     return Mesh(grid, tuple(stage.axis_names))
 
