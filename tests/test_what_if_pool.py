@@ -56,3 +56,33 @@ def test_an_options_error_ends_the_what_if_with_its_line() -> None:
     with pytest.raises(ManifestError, match="spec.parallelism.stages"):
         alpajob.what_if(JOB, ["v100-16gb:8", "a100-40gb:2"], options=PlanOptions(method="manual"))
     assert not multiprocessing.active_children()
+
+
+def test_the_cached_options_are_read_here_and_only_the_rest_are_planned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun reads what the plan cache holds in this process, a mix too: two options
+    planned side by side, then those two and a third read two from the cache and plan
+    the one left without a worker pool; a third run starts no pool and plans nothing."""
+    job = alpajob.load(JOB)
+    options = PlanOptions(cache_dir=str(tmp_path / "cache"))
+    choices = parse_options(["v100-16gb:8", "a100-40gb:1+v100-16gb:8", "a100-40gb:2"])
+    pools: list[int] = []
+    real = what_if_module.side_by_side
+
+    def spied(*args, **kwargs):
+        pools.append(len(args[2]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(what_if_module, "side_by_side", spied)
+    first = what_if(job, options, choices[:2], workers=2)
+    assert pools == [2] and [r.cached for r in first] == [False, False]
+    started: list[tuple[str, int]] = []
+    second = what_if(job, options, choices, workers=2,
+                     progress=lambda c, done, total: started.append((c.label, done)))
+    assert pools == [2] and started == [(choices[2].label, 2)]  # one left: planned here
+    assert [r.cached for r in second] == [True, True, False]
+    assert [r.plan_hash for r in second[:2]] == [r.plan_hash for r in first]
+    third = what_if(job, options, choices, workers=2)
+    assert pools == [2] and all(r.cached for r in third)
+    assert [(r.plan_hash, r.step_seconds) for r in third] == [(r.plan_hash, r.step_seconds) for r in second]
+    assert not multiprocessing.active_children()

@@ -103,6 +103,11 @@ def plan_job(job: AlpaJob, options: PlanOptions | None = None, *,
                          extract_seconds=given.traced_seconds)
 
 
+class NotCached(LookupError):
+    """The plan asked for with ``only_cached`` is not in the plan cache (or there is
+    no cache): nothing was planned."""
+
+
 @dataclass(frozen=True)
 class JobPlan:
     """A job's plan and where it came from: ``key`` is its plan-cache key (None
@@ -117,12 +122,13 @@ def plan_or_cached(job: AlpaJob, options: PlanOptions | None = None, *,
                    cluster: ClusterSpec | None = None, graph: OpGraph | None = None,
                    progress: Progress | None = None,
                    warn: Callable[[str], None] = lambda _line: None,
-                   shared: SharedSolutions | None = None) -> JobPlan:
+                   shared: SharedSolutions | None = None, only_cached: bool = False) -> JobPlan:
     """:func:`plan_job`'s plan, read from the plan cache in ``options.cache_dir`` when
     it holds one for this graph, cluster, search and planner, else planned and stored
     there (``warn`` hears about an entry ignored or a cache not written). ``shared``:
     the solutions of earlier searches of ``graph`` on other clusters
-    (:mod:`~alpajob.planner.inter_op.shared_solutions`)."""
+    (:mod:`~alpajob.planner.inter_op.shared_solutions`). ``only_cached``: never plan;
+    :class:`NotCached` where the cache has no such plan."""
     options = options or PlanOptions()
     doing = ["tracing the model"]
 
@@ -132,12 +138,13 @@ def plan_or_cached(job: AlpaJob, options: PlanOptions | None = None, *,
             progress(what, done, total)
 
     with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: doing[0]):
-        return _plan_or_cached(job, options, cluster, graph, watched, warn, shared)
+        return _plan_or_cached(job, options, cluster, graph, watched, warn, shared, only_cached)
 
 
 def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | None,
                     graph: OpGraph | None, progress: Progress,
-                    warn: Callable[[str], None], shared: SharedSolutions | None) -> JobPlan:
+                    warn: Callable[[str], None], shared: SharedSolutions | None,
+                    only_cached: bool) -> JobPlan:
     pools = job.spec.cluster
     clusters = pool_clusters(pools, options) if cluster is None and pools.pools is not None else ()
     if len(clusters) == 1:
@@ -151,9 +158,11 @@ def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | N
             graph = job_graph(job, warn)
         bandwidth = pools.pool_link_gbps * 1e9 / 8 if pools.pool_link_gbps is not None else None
         return pools_plan_or_cached(graph, clusters, search_options(job.spec.parallelism, options, job.spec.planner),
-                                    options, bandwidth, progress, warn, shared)
+                                    options, bandwidth, progress, warn, shared, only_cached)
     given = planning_inputs(job, options, cluster, graph, progress, warn)
     if options.cache_dir is None:
+        if only_cached:
+            raise NotCached("no plan cache")
         return JobPlan(make_plan(given.graph, given.cluster, given.search, progress=progress,
                                  extract_seconds=given.traced_seconds, shared=shared).plan)
     cache = PlanCache(Path(options.cache_dir), warn)
@@ -161,6 +170,8 @@ def _plan_or_cached(job: AlpaJob, options: PlanOptions, cluster: ClusterSpec | N
     plan = cache.get(key, given.graph)
     if plan is not None:
         return JobPlan(plan, key, cached=True)
+    if only_cached:
+        raise NotCached(key)
     plan = make_plan(given.graph, given.cluster, given.search, progress=progress,
                      extract_seconds=given.traced_seconds, shared=shared).plan
     cache.put(key, plan)
@@ -171,10 +182,10 @@ def pools_plan_or_cached(graph: OpGraph, clusters: tuple[ClusterSpec, ...], sear
                          options: PlanOptions, link_bandwidth: float | None = None,
                          progress: Progress | None = None,
                          warn: Callable[[str], None] = lambda _line: None,
-                         shared: SharedSolutions | None = None) -> JobPlan:
+                         shared: SharedSolutions | None = None, only_cached: bool = False) -> JobPlan:
     """A plan across the GPU types of ``clusters`` (one per pool; ``link_bandwidth``
     in bytes/s between pools), through the plan cache as any plan
-    (:func:`~alpajob.planner.plan.pools.plan_pools`; ``shared`` as
+    (:func:`~alpajob.planner.plan.pools.plan_pools`; ``shared`` and ``only_cached`` as
     :func:`plan_or_cached`'s)."""
     from alpajob.planner.plan.pools import plan_pools
 
@@ -182,12 +193,16 @@ def pools_plan_or_cached(graph: OpGraph, clusters: tuple[ClusterSpec, ...], sear
         return plan_pools(graph, clusters, search, link_bandwidth, progress, shared).plan
 
     if options.cache_dir is None:
+        if only_cached:
+            raise NotCached("no plan cache")
         return JobPlan(planned())
     cache = PlanCache(Path(options.cache_dir), warn)
     key = plan_key(graph, clusters, search, planner_version(), link_bandwidth)
     plan = cache.get(key, graph)
     if plan is not None:
         return JobPlan(plan, key, cached=True)
+    if only_cached:
+        raise NotCached(key)
     plan = planned()
     cache.put(key, plan)
     return JobPlan(plan, key)

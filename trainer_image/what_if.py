@@ -10,9 +10,10 @@ An option no plan fits is a row that says so, with the memory one GPU would need
 The options share what their searches solve: a layer ILP an earlier option solved on
 the same GPU type and logical mesh is not solved again
 (:mod:`~alpajob.planner.inter_op.shared_solutions`; each plan stays the one it is
-alone). With at least as many options as cores they are planned side by side, a
-whole search per worker process (:mod:`.what_if_pool`); with fewer, one after another,
-each search on every core.
+alone). The options the plan cache holds are read from it first, in this process;
+with at least as many options left as cores they are planned side by side, a whole
+search per worker process (:mod:`.what_if_pool`); with fewer, one after another, each
+search on every core.
 
 Each row's figures come from the plan's predictions: the step time; samples and
 tokens per second (the global batch, and its token ids, over the step time); MFU (the
@@ -24,6 +25,7 @@ GPU-hours for ``spec.training.steps`` steps; and, with prices, dollars per hour,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -39,7 +41,12 @@ from alpajob.planner.cost.cluster import ClusterSpec, cluster_from_preset
 from alpajob.planner.graph.opgraph import OpGraph
 from alpajob.planner.inter_op.shared_solutions import SharedSolutions
 from alpajob.planner.plan.make import search_options
-from alpajob.trainer_image.planning import job_graph, plan_or_cached, pools_plan_or_cached
+from alpajob.trainer_image.planning import (
+    NotCached,
+    job_graph,
+    plan_or_cached,
+    pools_plan_or_cached,
+)
 from alpajob.trainer_image.stopping import Deadline
 from alpajob.trainer_image.throughput import Throughput, model_flops
 from alpajob.trainer_image.what_if_pool import side_by_side
@@ -75,40 +82,52 @@ def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[Choice], price
             workers: int | None = None) -> list[WhatIfRow]:
     """One :class:`WhatIfRow` per option of ``choices``, in order (module docstring).
     ``options`` holds what every option shares (the cache, the time limits); its
-    ``nodes``, ``gpus_per_node`` and ``gpu`` are each option's. With at least as many
-    options as ``workers`` (default: one per core) and two or more of them, the options
-    are planned side by side, each in one process (:mod:`.what_if_pool`); else one
-    after another, each search on every core."""
+    ``nodes``, ``gpus_per_node`` and ``gpu`` are each option's. The plan cache's
+    options are read first; with at least as many options left as ``workers``
+    (default: one per core) and two or more of them, those are planned side by side,
+    each in one process (:mod:`.what_if_pool`); else one after another, each search on
+    every core."""
     with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: "tracing the model"):
         graph = job_graph(job, warn)
     state = WhatIfState(job, options, graph, tokens_per_step(job), prices)
     shared = SharedSolutions(graph)
+    rows: dict[int, WhatIfRow] = {}
+    for index, choice in enumerate(choices):  # what the plan cache has: no worker needed
+        with contextlib.suppress(NotCached):
+            rows[index] = option_row(state, choice, warn, shared, only_cached=True)
+    left = [index for index in range(len(choices)) if index not in rows]
     workers = workers or os.cpu_count() or 1
-    if workers >= 2 and len(choices) >= workers:
+    if workers >= 2 and len(left) >= workers:
         def started(choice: Choice, done: int) -> None:
             if progress:
-                progress(choice, done, len(choices))
+                progress(choice, len(rows) + done, len(choices))
 
-        return side_by_side(option_row, state, choices, shared, workers, started, warn)
-    rows = []
-    for index, choice in enumerate(choices):
-        if progress:
-            progress(choice, index, len(choices))
-        rows.append(option_row(state, choice, warn, shared))
-    return rows
+        planned = side_by_side(option_row, state, [choices[index] for index in left], shared, workers,
+                               started, warn)
+        rows.update(zip(left, planned, strict=True))
+    for index in left:
+        if index not in rows:
+            if progress:
+                progress(choices[index], len(rows), len(choices))
+            rows[index] = option_row(state, choices[index], warn, shared)
+    return [rows[index] for index in range(len(choices))]
 
 
 def option_row(state: WhatIfState, choice: Choice, warn: Callable[[str], None],
-               shared: SharedSolutions) -> WhatIfRow:
+               shared: SharedSolutions, *, only_cached: bool = False) -> WhatIfRow:
     """The row of one option, planned (or read from the plan cache) with the solutions
-    of the options before it (:mod:`~alpajob.planner.inter_op.shared_solutions`)."""
+    of the options before it (:mod:`~alpajob.planner.inter_op.shared_solutions`);
+    ``only_cached``: from the plan cache or not at all (:class:`NotCached`)."""
     if isinstance(choice, WhatIfMix):
-        return _mixed_row(state.job, state.options, state.graph, state.tokens, choice, state.prices, warn, shared)
-    return _row(state.job, state.options, state.graph, state.tokens, choice, state.prices, warn, shared)
+        return _mixed_row(state.job, state.options, state.graph, state.tokens, choice, state.prices, warn, shared,
+                          only_cached)
+    return _row(state.job, state.options, state.graph, state.tokens, choice, state.prices, warn, shared,
+                only_cached)
 
 
 def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, mix: WhatIfMix,
-               prices: Prices | None, warn: Callable[[str], None], shared: SharedSolutions) -> WhatIfRow:
+               prices: Prices | None, warn: Callable[[str], None], shared: SharedSolutions,
+               only_cached: bool = False) -> WhatIfRow:
     """A mixed option's row: the job planned across its GPU types
     (:func:`~alpajob.planner.plan.pools.plan_pools`, through the plan cache), every GPU
     of the option paid for, the busiest GPU judged against its own type's memory."""
@@ -116,7 +135,8 @@ def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int |
     search = search_options(job.spec.parallelism, options, job.spec.planner)
     try:
         with Deadline(options.plan_time_limit, "--plan-time-limit", lambda: f"planning {mix.label}"):
-            planned = pools_plan_or_cached(graph, clusters, search, options, warn=warn, shared=shared)
+            planned = pools_plan_or_cached(graph, clusters, search, options, warn=warn, shared=shared,
+                                           only_cached=only_cached)
     except InfeasibleError as error:
         return WhatIfRow(mix, fits=False, memory_bytes=max(c.device.memory_bytes for c in clusters),
                          required_bytes=error.required_bytes)
@@ -138,12 +158,13 @@ def _mixed_row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int |
 
 
 def _row(job: AlpaJob, options: PlanOptions, graph: OpGraph, tokens: int | None, choice: WhatIfOption,
-         prices: Prices | None, warn: Callable[[str], None], shared: SharedSolutions) -> WhatIfRow:
+         prices: Prices | None, warn: Callable[[str], None], shared: SharedSolutions,
+         only_cached: bool = False) -> WhatIfRow:
     chosen = options.model_copy(update={"gpu": choice.gpu, "nodes": choice.nodes,
                                         "gpus_per_node": choice.gpus_per_node})
     memory = DEVICE_MEMORY_BYTES[choice.gpu]
     try:
-        planned = plan_or_cached(job, chosen, graph=graph, warn=warn, shared=shared)
+        planned = plan_or_cached(job, chosen, graph=graph, warn=warn, shared=shared, only_cached=only_cached)
     except InfeasibleError as error:
         return WhatIfRow(choice, fits=False, memory_bytes=memory, required_bytes=error.required_bytes)
     return figures(job, graph, tokens, choice, planned.plan, prices, memory, planned.cached)
