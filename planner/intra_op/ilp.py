@@ -129,6 +129,10 @@ class _Work:
     alive: list[bool]
     records: list[tuple] = field(default_factory=list)
     const_memory: float = 0.0
+    #: Edges a pass of :func:`_fold_separable` found not separable, with the cost
+    #: arrays of their two nodes then (arrays are replaced, never written, when costs
+    #: change): while all three are the same objects the edge still is not.
+    settled: dict[tuple[int, int], tuple[Edge, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def add_edge(self, edge: Edge) -> None:
         """Add an edge, merging it with an existing one between the same nodes."""
@@ -178,6 +182,10 @@ def _fold_separable(work: _Work) -> bool:
         return mask
 
     for (u, v), edge in list(work.edges.items()):
+        known = work.settled.get((u, v))
+        if (known is not None and known[0] is edge and known[1] is work.costs[u]
+                and known[2] is work.costs[v]):
+            continue  # nothing it depends on has changed since it was found not separable
         u_class = _single_class(edge.u_class, allowed(u))
         if u_class is not None:
             work.pop_edge(u, v)
@@ -191,6 +199,8 @@ def _fold_separable(work: _Work) -> bool:
             work.costs[u] = work.costs[u] + edge.matrix[edge.u_class, v_class]
             finite.pop(u, None)
             folded = True
+            continue
+        work.settled[(u, v)] = (edge, work.costs[u], work.costs[v])
     return folded
 
 

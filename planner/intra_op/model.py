@@ -51,6 +51,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 
@@ -144,6 +145,9 @@ class IntraOpModel:
     reassociated: tuple[Pair, ...] = field(default=())
     #: The backward's tensors and when they are live (:func:`~.subset.backward_lifetimes`).
     lifetimes: tuple[tuple[int, int, int], ...] = field(default=())
+    #: Choices already read back op by op (:func:`~.solve.solve_intra_op`), which reads
+    #: nothing the input hints change: shared by this model's copies with hints.
+    read_back: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
 
     def problem(
         self,
@@ -468,8 +472,9 @@ class _Nodes:
             self.op_table[op_id] = table
             for t, labels in zip(op.outputs, table.outputs, strict=True):
                 self.tensor_node[t] = node
+                # An identity labelling maps each strategy to itself: the index as it is.
                 self.tensor_specs[t] = PerStrategy(
-                    tables.specs(labels.spec_set), labels.local[index]
+                    tables.specs(labels.spec_set), index if labels.identity else labels.local[index]
                 )
                 self.tensor_set[t] = labels.spec_set
 
@@ -552,7 +557,7 @@ def _charge_ops(
             src, src_index = nodes.tensor_set[t], nodes.tensor_specs[t].index
             if u == v and need.identity and need.spec_set == src and src_index is index:
                 continue  # the operand a follower copies, needed in the spec it has
-            need_index = need.local[index]
+            need_index = index if need.identity else need.local[index]
             if u == v:
                 (update if per_step else comm)[v] += tables.reshard_row(
                     t, src, src_index, need.spec_set, need_index

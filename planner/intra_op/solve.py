@@ -181,6 +181,16 @@ def _without(strategy: Strategy, collective: Collective) -> Strategy:
 
 
 def _realise(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
+    """``choice`` read back on ``model`` (once per model and choice: a model's copies
+    with other input hints, or another memory weight that chooses the same, reuse it)."""
+    key = tuple(choice)
+    found = model.read_back.get(key)
+    if found is None:
+        found = model.read_back[key] = _read_back(model, key)
+    return found
+
+
+def _read_back(model: IntraOpModel, choice: Sequence[int]) -> _Realised:
     graph, mesh = model.graph, model.mesh
     tensors = graph.tensors
     specs = {
