@@ -676,6 +676,36 @@ def test_a_shared_context_on_traced_gpt_layers():
     assert context.model(list(reversed(layer)), mesh, DEVICE, CAL, ShardingMode.AUTO) is model
 
 
+def test_the_ilp_of_a_model_is_its_tables_node_by_node_and_a_choice_is_read_once():
+    """``IntraOpModel.problem`` computes every node's and edge's costs at once: the
+    same arrays, bit for bit, as the formula node by node; a choice read back on a
+    model is read once, for its copies with input hints too."""
+    from alpajob.planner.intra_op.model import TIE_BREAK_SECONDS_PER_BYTE, build_model
+    from alpajob.planner.intra_op.solve import _realise
+
+    rng = np.random.default_rng(5)
+    for case in range(6):
+        graph = random_training_graph(rng) if case % 2 else random_forward_graph(rng, max_dots=3)
+        mesh = toy_mesh((2, 2))
+        context = SolveContext(graph)
+        model = build_model(graph, all_ops(graph), mesh, DEVICE, CAL, ShardingMode.AUTO, context=context)
+        for micro, multiplier, weight in ((1, 1, 0.0), (4, 3, 1e-9)):
+            problem = model.problem(micro, multiplier, weight, None)
+            assert len(problem.costs) == len(model.nodes) and len(problem.edges) == len(model.edges)
+            for node, cost, memory in zip(model.nodes, problem.costs, problem.memory, strict=True):
+                mem = node.weight_bytes + multiplier * node.activation_bytes
+                want = node.compute + node.comm + node.update / micro
+                want = np.where(node.allowed, want + (weight + TIE_BREAK_SECONDS_PER_BYTE) * mem, math.inf)
+                assert np.array_equal(cost, want) and np.array_equal(memory, mem)
+            for edge, got in zip(model.edges, problem.edges, strict=True):
+                want = np.where(edge.allowed, edge.comm + edge.update / micro, math.inf)
+                assert got.matrix.shape == want.shape and np.array_equal(got.matrix, want)
+        choice = tuple(0 if node.allowed[0] else int(np.argmax(node.allowed)) for node in model.nodes)
+        hinted = build_model(graph, all_ops(graph), mesh, DEVICE, CAL, ShardingMode.AUTO,
+                             _hints(graph, all_ops(graph), mesh), context=context)
+        assert hinted is not model and _realise(hinted, list(choice)) is _realise(model, choice)
+
+
 def test_graph_index_answers_like_a_scan_of_the_graph():
     rng = np.random.default_rng(2)
     for _ in range(6):

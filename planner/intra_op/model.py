@@ -46,6 +46,7 @@ serves every memory weight and every set of hints. Models are shared: read-only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -156,26 +157,28 @@ class IntraOpModel:
         memory_weight: float,
         budget: float | None,
     ) -> Problem:
-        """The ILP in objective units: seconds per micro-batch, per-step costs / B."""
-        costs = []
-        memory = []
-        for node in self.nodes:
-            mem = node.weight_bytes + activation_multiplier * node.activation_bytes
-            cost = node.compute + node.comm + node.update / num_micro_batches
-            cost = cost + (memory_weight + TIE_BREAK_SECONDS_PER_BYTE) * mem
-            costs.append(np.where(node.allowed, cost, INF))
-            memory.append(mem)
+        """The ILP in objective units: seconds per micro-batch, per-step costs / B.
+        Computed on every node's (and every edge's) tables at once, laid end to end
+        (:class:`_EndToEnd`), then cut back into each one's: the same values, element
+        by element, as node by node."""
+        flat = self._end_to_end
+        mem = flat.weight + activation_multiplier * flat.activation
+        cost = flat.compute + flat.comm + flat.update / num_micro_batches
+        cost = cost + (memory_weight + TIE_BREAK_SECONDS_PER_BYTE) * mem
+        costs = np.split(np.where(flat.allowed, cost, INF), flat.node_cuts) if self.nodes else []
+        memory = np.split(mem, flat.node_cuts) if self.nodes else []
+        matrices = np.split(
+            np.where(flat.edge_allowed, flat.edge_comm + flat.edge_update / num_micro_batches, INF),
+            flat.edge_cuts) if self.edges else []
         edges = tuple(
-            Edge(
-                e.u,
-                e.v,
-                e.u_class,
-                e.v_class,
-                np.where(e.allowed, e.comm + e.update / num_micro_batches, INF),
-            )
-            for e in self.edges
+            Edge(e.u, e.v, e.u_class, e.v_class, matrix.reshape(e.comm.shape))
+            for e, matrix in zip(self.edges, matrices, strict=True)
         )
         return Problem(tuple(costs), tuple(memory), edges, budget)
+
+    @functools.cached_property
+    def _end_to_end(self) -> _EndToEnd:
+        return _EndToEnd.of(self.nodes, self.edges)
 
     def memory_problem(self, activation_multiplier: int) -> Problem:
         """The same constraints, minimising per-device memory alone."""
@@ -190,6 +193,46 @@ class IntraOpModel:
             for e in self.edges
         )
         return Problem(tuple(costs), tuple(memory), edges, None)
+
+
+@dataclass(frozen=True)
+class _EndToEnd:
+    """A model's node vectors and edge matrices (flattened), each kind laid end to
+    end, and where each node's (edge's) part ends but the last (``np.split``'s cuts)."""
+
+    weight: np.ndarray
+    activation: np.ndarray
+    compute: np.ndarray
+    comm: np.ndarray
+    update: np.ndarray
+    allowed: np.ndarray
+    node_cuts: np.ndarray
+    edge_comm: np.ndarray
+    edge_update: np.ndarray
+    edge_allowed: np.ndarray
+    edge_cuts: np.ndarray
+
+    @staticmethod
+    def of(nodes: Sequence[NodeTables], edges: Sequence[EdgeTables]) -> _EndToEnd:
+        def joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+        def cuts(sizes: list[int]) -> np.ndarray:
+            return np.cumsum(sizes)[:-1] if sizes else np.zeros(0, dtype=np.int64)
+
+        return _EndToEnd(
+            weight=joined([n.weight_bytes for n in nodes], float),
+            activation=joined([n.activation_bytes for n in nodes], float),
+            compute=joined([n.compute for n in nodes], float),
+            comm=joined([n.comm for n in nodes], float),
+            update=joined([n.update for n in nodes], float),
+            allowed=joined([n.allowed for n in nodes], bool),
+            node_cuts=cuts([len(n.allowed) for n in nodes]),
+            edge_comm=joined([e.comm.ravel() for e in edges], float),
+            edge_update=joined([e.update.ravel() for e in edges], float),
+            edge_allowed=joined([e.allowed.ravel() for e in edges], bool),
+            edge_cuts=cuts([e.comm.size for e in edges]),
+        )
 
 
 class SolveContext:
