@@ -407,7 +407,13 @@ def solve(
         alive=[True] * n,
     )
     for edge in problem.edges:
-        work.add_edge(edge)
+        key = (edge.u, edge.v)
+        if edge.u < edge.v and key not in work.edges:  # as a model's edges come: one per pair
+            work.edges[key] = edge
+            work.adjacency[edge.u].add(edge.v)
+            work.adjacency[edge.v].add(edge.u)
+        else:
+            work.add_edge(edge)
     if presolve:
         _presolve(work, problem.budget)
     else:
