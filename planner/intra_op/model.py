@@ -15,7 +15,8 @@ Nodes (one one-hot variable ``s_v`` each):
 Every other op follows one operand (the same-shaped, largest, still free, latest
 one; in the update phase preferably the parameter) and joins that operand's node: for
 each strategy of the node its spec is mapped through the op
-(:func:`~alpajob.planner.intra_op.follow.follow_strategy`). A transformer layer of a few
+(:func:`~alpajob.planner.intra_op.follow.follow_strategy`; the nodes are
+:class:`~alpajob.planner.intra_op.nodes.ModelNodes`). A transformer layer of a few
 hundred ops becomes a few dozen nodes.
 
 Costs per node strategy, in seconds, kept in two buckets:
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,27 +58,25 @@ import numpy as np
 
 from alpajob.planner.cost.cluster import DeviceSpec
 from alpajob.planner.cost.model import Calibration, LogicalMesh
-from alpajob.planner.graph.opgraph import Op, OpGraph, Phase, TensorRole
+from alpajob.planner.graph.opgraph import OpGraph, Phase
 from alpajob.planner.graph.subset import GraphIndex, Subset, analyse_subset
 from alpajob.planner.intra_op.edge_costs import EdgeBuilder, EdgeTables
 from alpajob.planner.intra_op.ilp import INF, Edge, Problem
+from alpajob.planner.intra_op.nodes import ModelNodes
 from alpajob.planner.intra_op.op_tables import (
     OpStructures,
-    OpTable,
     PerStrategy,
     TableCache,
     data_spec,
     distinct,
-    expert_spec,
 )
 from alpajob.planner.intra_op.reassociate import Pair, find_pairs, refund
 from alpajob.planner.intra_op.sharding import (
     ShardSpec,
-    replicated,
     resharding_seconds,
     tensor_bytes,
 )
-from alpajob.planner.intra_op.strategies import OpKind, Strategy, op_kind
+from alpajob.planner.intra_op.strategies import Strategy
 
 __all__ = ["IntraOpModel", "NodeTables", "PerStrategy", "ShardingMode", "SolveContext",
            "TIE_BREAK_SECONDS_PER_BYTE", "build_model", "built_as", "data_spec", "distinct"]
@@ -378,7 +376,8 @@ def _with_hints(model: IntraOpModel, input_hints: Mapping[int, ShardSpec]) -> In
 
 def _build(graph: OpGraph, subset: Subset, tables: TableCache, mode: ShardingMode) -> IntraOpModel:
     """The model of ``subset`` without input hints."""
-    nodes = _Nodes(graph, tables, mode, subset)
+    nodes = ModelNodes(graph, tables, subset, restricted=mode is not ShardingMode.AUTO,
+                       experts=tables.expert_dims if mode is ShardingMode.EXPERT_ZERO2 else {})
     builder = EdgeBuilder()
     sizes = [len(n) for n in nodes.names]
     compute, comm, update = _charge_ops(graph, subset, nodes, tables, builder, sizes)
@@ -434,145 +433,10 @@ def _build(graph: OpGraph, subset: Subset, tables: TableCache, mode: ShardingMod
     )
 
 
-class _Nodes:
-    """The ILP nodes: boundary inputs and root ops, each follower joined to its node.
-
-    ``tensor_specs[t][i]`` is tensor ``t``'s spec under strategy ``i`` of its node
-    ``tensor_node[t]`` (``tensor_set[t]`` the interned set of its distinct specs);
-    ``op_strategies[o][i]`` op ``o``'s strategy likewise, read off ``op_table[o]``. A
-    follower is evaluated once per distinct spec of the operand it follows (and once
-    per op structure, through the :class:`TableCache`).
-    """
-
-    def __init__(
-        self, graph: OpGraph, tables: TableCache, mode: ShardingMode, subset: Subset
-    ) -> None:
-        self.labels: list[str] = []
-        self.roots: list[tuple[int | None, int | None]] = []
-        self.names: list[tuple[str, ...]] = []
-        self.param_rooted: list[bool] = []
-        self.tensor_node: dict[int, int] = {}
-        self.tensor_specs: dict[int, PerStrategy[ShardSpec]] = {}
-        self.tensor_set: dict[int, int] = {}
-        self.op_node: dict[int, int] = {}
-        self.op_strategies: dict[int, PerStrategy[Strategy]] = {}
-        self.op_table: dict[int, OpTable] = {}
-        #: Tensors computed from captured constants alone (the zeros a ReLU's backward
-        #: selects from): any layout of them is free to make, so none is worth copying.
-        self.constant: set[int] = {
-            t for t in subset.boundary_inputs if graph.tensor(t).role is TensorRole.CONSTANT
-        }
-        #: Tensors a broadcast made bigger (a BatchNorm mean spread over the batch): their
-        #: new dims are never split, so copying their layout would gather the others.
-        self.broadcast: set[int] = set()
-        mesh = tables.mesh
-        data = mode is not ShardingMode.AUTO
-        experts = tables.expert_dims if mode is ShardingMode.EXPERT_ZERO2 else {}
-
-        def wanted(t: int) -> ShardSpec:
-            """The one spec of tensor ``t`` in the restricted modes."""
-            tensor = graph.tensor(t)
-            if t in experts:
-                return expert_spec(tensor, experts[t], mesh)
-            if tensor.role in (TensorRole.PARAM, TensorRole.OPT_STATE):
-                return replicated(len(tensor.shape))
-            return data_spec(tensor, mesh)
-
-        for t in subset.boundary_inputs:
-            tensor = graph.tensor(t)
-            set_id = tables.spec_set((wanted(t),)) if data else tables.tilings(tensor.shape)
-            specs = tables.specs(set_id)
-            self.tensor_node[t] = self._new(
-                f"input {t} ({tensor.role.value})", (None, t), tables.names(set_id),
-                tensor.role is TensorRole.PARAM,
-            )
-            self.tensor_specs[t] = PerStrategy(specs, np.arange(len(specs)))
-            self.tensor_set[t] = set_id
-        for op_id in subset.op_ids:
-            op = graph.ops[op_id]
-            kind = op_kind(op.primitive)
-            if all(t in self.constant for t in op.inputs):
-                self.constant.update(op.outputs)
-            if kind is OpKind.BROADCAST and op.inputs and (
-                graph.tensor(op.outputs[0]).size > graph.tensor(op.inputs[0]).size
-            ):
-                self.broadcast.update(op.outputs)
-            if kind.is_follower and op.inputs and op.outputs:
-                operand = self._pick_operand(op, kind, graph, subset.produced,
-                                             wanted(op.outputs[0]) if data else None)
-                followed = op.inputs[operand]
-                node = self.tensor_node[followed]
-                table = tables.follower(op_id, operand, self.tensor_set[followed])
-                index = self.tensor_specs[followed].index
-            else:
-                table = tables.root(op_id, (
-                    tuple(wanted(t) for t in op.inputs), tuple(wanted(t) for t in op.outputs)
-                ) if data else None)
-                node = self._new(f"op {op.id} {op.primitive}", (op.id, None), table.names, False)
-                index = table.identity
-            self.op_node[op_id] = node
-            self.op_strategies[op_id] = PerStrategy(table.strategies, index)
-            self.op_table[op_id] = table
-            for t, labels in zip(op.outputs, table.outputs, strict=True):
-                self.tensor_node[t] = node
-                # An identity labelling maps each strategy to itself: the index as it is.
-                self.tensor_specs[t] = PerStrategy(
-                    tables.specs(labels.spec_set), index if labels.identity else labels.local[index]
-                )
-                self.tensor_set[t] = labels.spec_set
-
-    def _new(
-        self, label: str, root: tuple[int | None, int | None], names: tuple[str, ...],
-        param: bool,
-    ) -> int:
-        self.labels.append(label)
-        self.roots.append(root)
-        self.names.append(names)
-        self.param_rooted.append(param)
-        return len(self.labels) - 1
-
-    def _pick_operand(
-        self, op: Op, kind: OpKind, graph: OpGraph, produced: dict[int, int],
-        wanted: ShardSpec | None = None,
-    ) -> int:
-        """Which operand a follower copies: the first for layout ops and reductions; for
-        elementwise ops (and concatenate) one not made of constants alone (copying the
-        replicated layout of a broadcast of zeros would gather the real operand), then
-        one no broadcast enlarged (its new dims are replicated; ``x - mean`` copies x), then
-        the same-shaped, largest operand whose node still has a choice, in the update
-        phase preferably the parameter's (so that ``p - lr * u`` keeps ``p``'s spec),
-        else the latest produced.
-
-        In the restricted modes (``wanted``: the output's one spec there) an operand
-        that can have the wanted spec comes first: following a replicated broadcast
-        instead would gather the other operands for nothing."""
-        if len(op.inputs) == 1 or kind not in (OpKind.ELEMENTWISE, OpKind.RESIZE) or (
-            kind is OpKind.RESIZE and op.primitive != "concatenate"
-        ):
-            return 0
-        out = graph.tensor(op.outputs[0])
-
-        def key(position: int) -> tuple[bool, bool, bool, bool, int, bool, bool, int]:
-            tensor = graph.tensor(op.inputs[position])
-            node = self.tensor_node[tensor.id]
-            return (
-                wanted is None or wanted in self.tensor_specs[tensor.id].values,
-                tensor.id not in self.constant,
-                tensor.id not in self.broadcast,
-                tensor.shape == out.shape,
-                math.prod(tensor.shape),
-                len(self.names[node]) > 1,
-                op.phase is Phase.UPDATE and self.param_rooted[node],
-                produced.get(tensor.id, -1),
-            )
-
-        return max(range(len(op.inputs)), key=key)
-
-
 def _charge_ops(
     graph: OpGraph,
     subset: Subset,
-    nodes: _Nodes,
+    nodes: ModelNodes,
     tables: TableCache,
     builder: EdgeBuilder,
     sizes: Sequence[int],
@@ -614,7 +478,7 @@ def _charge_ops(
 def _constrain_params(
     graph: OpGraph,
     subset: Subset,
-    nodes: _Nodes,
+    nodes: ModelNodes,
     tables: TableCache,
     builder: EdgeBuilder,
     update: list[np.ndarray],

@@ -42,7 +42,7 @@ _REDUCTIONS = (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)
 
 
 class _NodeView(Protocol):
-    """What the model builder knows about nodes (``model._Nodes``)."""
+    """What the model builder knows about nodes (``nodes.ModelNodes``)."""
 
     op_node: dict[int, int]
     op_strategies: dict[int, PerStrategy[Strategy]]
