@@ -92,7 +92,7 @@ def what_if(job: AlpaJob, options: PlanOptions, choices: Sequence[Choice], price
     state = WhatIfState(job, options, graph, tokens_per_step(job), prices)
     shared = SharedSolutions(graph)
     rows: dict[int, WhatIfRow] = {}
-    for index, choice in enumerate(choices):  # what the plan cache has: no worker needed
+    for index, choice in enumerate(choices if options.cache_dir else ()):  # the cache's: no worker needed
         with contextlib.suppress(NotCached):
             rows[index] = option_row(state, choice, warn, shared, only_cached=True)
     left = [index for index in range(len(choices)) if index not in rows]
